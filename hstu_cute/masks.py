@@ -1,0 +1,272 @@
+"""The one description of HSTU mask semantics (spec section 4).
+
+Everything that needs to know which (query, key) pairs attend -- the PyTorch oracle, the host-side
+tile classification, the tests and the CuTe kernels -- calls the functions in this module, so the
+rules cannot drift apart.
+
+The functions are plain Python written only with ``+ - * //``, comparisons, ``&``, ``|`` and the
+three helpers of an :class:`Ops` bundle (min, max, select). That lets one body run on
+
+* Python ints (host tile classification, tests),
+* torch tensors (the oracle builds dense masks by broadcasting row and column index tensors),
+* CuTe DSL ``Int32`` values while a kernel is traced (the kernel passes ``KERNEL_OPS``).
+
+Static choices (mask family, context/target presence, delta_q) live in :class:`MaskSpec`, a frozen
+dataclass that is part of a kernel's compile key; Python ``if`` on its fields is resolved while
+tracing. Per-sequence values (lengths, window sizes, context length, target group size) live in
+:class:`SeqMask` and are runtime values in kernels.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+
+class MaskKind(enum.IntEnum):
+    NONE = 0
+    LOCAL = 1
+    CAUSAL = 2
+
+
+class TileClass(enum.IntEnum):
+    EMPTY = 0  # never loaded, never computed
+    FULL = 1  # computed with no mask code
+    PARTIAL = 2  # computed, then the predicate is applied per element
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """Static (compile-time) description of the mask family."""
+
+    kind: MaskKind = MaskKind.NONE
+    has_context: bool = False
+    has_target: bool = False
+    is_delta_q: bool = False
+
+    def __post_init__(self):
+        if (self.has_context or self.has_target) and self.kind != MaskKind.CAUSAL:
+            raise ValueError("context/target masks require the causal window (-1, 0)")
+
+    @property
+    def name(self) -> str:
+        parts = [self.kind.name.lower()]
+        if self.has_context:
+            parts.append("context")
+        if self.has_target:
+            parts.append("target")
+        if self.is_delta_q:
+            parts.append("deltaq")
+        return "+".join(parts)
+
+
+def normalize_window(window_size: tuple[int, int], max_seqlen_k: int) -> tuple[MaskKind, int, int]:
+    """Spec section 4 window normalization: returns (kind, WL, WR) against max_seqlen_k."""
+    left, right = int(window_size[0]), int(window_size[1])
+    wl = max_seqlen_k if left < 0 or left > max_seqlen_k else left
+    wr = max_seqlen_k if right < 0 or right > max_seqlen_k else right
+    causal = wl == max_seqlen_k and wr == 0
+    local = (wl < max_seqlen_k or wr < max_seqlen_k) and not causal
+    if local:
+        return MaskKind.LOCAL, wl, wr
+    return (MaskKind.CAUSAL if causal else MaskKind.NONE), wl, wr
+
+
+class Ops(NamedTuple):
+    min: Callable[[Any, Any], Any]
+    max: Callable[[Any, Any], Any]
+    select: Callable[[Any, Any, Any], Any]
+
+
+PY_OPS = Ops(min=min, max=max, select=lambda c, a, b: a if c else b)
+
+
+def _torch_ops() -> Ops:
+    import torch
+
+    return Ops(min=torch.minimum, max=torch.maximum, select=torch.where)
+
+
+@dataclass
+class SeqMask:
+    """Per-sequence runtime mask values (Python ints, tensors or DSL scalars).
+
+    ``seqlen_q``/``seqlen_k`` are the valid lengths; ``history_end`` is ``seqlen_k - num_targets``
+    (``seqlen_k`` when there are no targets); ``num_context`` is 0 without contexts.
+    """
+
+    seqlen_q: Any
+    seqlen_k: Any
+    window_left: Any = 0
+    window_right: Any = 0
+    num_context: Any = 0
+    history_end: Any = 0
+    group_size: Any = 1
+    is_delta_q: bool = False
+
+    @property
+    def row_offset(self):
+        """Key-coordinate position of query 0 (bottom-right alignment for delta_q)."""
+        return self.seqlen_k - self.seqlen_q if self.is_delta_q else 0
+
+
+def allowed(spec: MaskSpec, seq: SeqMask, r, j):
+    """M(r, j) for key-coordinate row ``r`` and key column ``j`` (0 <= j < seqlen_k assumed by
+    callers that bound columns; the ``j < seqlen_k`` term is included so padded columns are
+    masked too). Works elementwise on broadcasting tensors."""
+    in_bounds = j < seq.seqlen_k
+    if spec.kind == MaskKind.NONE:
+        return in_bounds
+    if spec.kind == MaskKind.LOCAL:
+        return in_bounds & (j >= r - seq.window_left) & (j <= r + seq.window_right)
+    ok = j <= r
+    if spec.has_target:
+        h_end = seq.history_end
+        g = seq.group_size
+        # Target rows hide the earlier target groups [h_end, h_end + g*floor((r - h_end)/g)).
+        # For r < h_end the quotient may be negative (and truncated in kernels); the first term
+        # makes its value irrelevant there.
+        outside_hole = (r < h_end) | (j < h_end) | (j >= h_end + g * ((r - h_end) // g))
+        ok = ok & outside_hole
+    if spec.has_context:
+        ok = ok | ((r < seq.num_context) & (j < seq.history_end))
+    return in_bounds & ok
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile classification: for an m-block (tile_m query rows) and n-blocks (tile_n keys).
+# Conservative where it must be: a tile reported FULL is fully allowed, a tile reported EMPTY is
+# fully masked; anything else is PARTIAL.
+# ---------------------------------------------------------------------------------------------
+
+
+def _ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+def m_block_rows(seq: SeqMask, m_block, tile_m, ops: Ops = PY_OPS):
+    """First and last key-coordinate rows of the valid queries of this m-block."""
+    off = seq.row_offset
+    first = off + m_block * tile_m
+    last = off + ops.min((m_block + 1) * tile_m, seq.seqlen_q) - 1
+    return first, last
+
+
+def n_block_range(spec: MaskSpec, seq: SeqMask, m_block, tile_m, tile_n, ops: Ops = PY_OPS):
+    """[n_lo, n_hi): the n-blocks that may hold an allowed key for this m-block."""
+    r_first, r_last = m_block_rows(seq, m_block, tile_m, ops)
+    n_total = _ceil_div(seq.seqlen_k, tile_n)
+    n_lo = 0
+    n_hi = n_total
+    if spec.kind == MaskKind.LOCAL:
+        n_lo = ops.max(r_first - seq.window_left, 0) // tile_n
+        n_hi = ops.min(n_total, (r_last + seq.window_right) // tile_n + 1)
+    elif spec.kind == MaskKind.CAUSAL:
+        n_hi = ops.min(n_total, r_last // tile_n + 1)
+        if spec.has_context:
+            # Context rows see every key before the targets.
+            context_hi = ops.select(r_first < seq.num_context, _ceil_div(seq.history_end, tile_n), 0)
+            n_hi = ops.min(n_total, ops.max(n_hi, context_hi))
+    n_hi = ops.max(n_hi, n_lo)
+    return n_lo, n_hi
+
+
+def target_hole(spec: MaskSpec, seq: SeqMask, m_block, tile_m, tile_n, n_lo, n_hi, ops: Ops = PY_OPS):
+    """[hole_lo, hole_hi) within [n_lo, n_hi): n-blocks masked for every row of the m-block
+    because they lie in the earlier target groups (empty, never loaded). Empty range if none."""
+    if not spec.has_target:
+        return n_lo, n_lo
+    r_first, _ = m_block_rows(seq, m_block, tile_m, ops)
+    h_end = seq.history_end
+    g = seq.group_size
+    # Rows before h_end mask every key >= h_end, so the common hole is set by the first row at or
+    # after h_end.
+    first_target_row = ops.max(r_first, h_end)
+    hole_end = h_end + g * ((first_target_row - h_end) // g)
+    hole_lo = ops.min(ops.max(_ceil_div(h_end, tile_n), n_lo), n_hi)
+    hole_hi = ops.max(ops.min(hole_end // tile_n, n_hi), hole_lo)
+    return hole_lo, hole_hi
+
+
+def tile_is_full(spec: MaskSpec, seq: SeqMask, m_block, n_block, tile_m, tile_n, ops: Ops = PY_OPS):
+    """True only if every (valid row, column) of the tile is allowed and every column < seqlen_k."""
+    r_first, r_last = m_block_rows(seq, m_block, tile_m, ops)
+    j_first = n_block * tile_n
+    j_last = j_first + tile_n - 1
+    full = j_last < seq.seqlen_k
+    if spec.kind == MaskKind.LOCAL:
+        full = full & (j_first >= r_last - seq.window_left) & (j_last <= r_first + seq.window_right)
+    elif spec.kind == MaskKind.CAUSAL:
+        below = j_last <= r_first
+        if spec.has_target:
+            h_end = seq.history_end
+            g = seq.group_size
+            last_hole_end = h_end + g * ((r_last - h_end) // g)
+            below = below & ((r_last < h_end) | (j_last < h_end) | (j_first >= last_hole_end))
+        if spec.has_context:
+            below = below | ((r_last < seq.num_context) & (j_last < seq.history_end))
+        full = full & below
+    return full
+
+
+def n_block_schedule(spec: MaskSpec, seq: SeqMask, m_block, tile_m, tile_n, ops: Ops = PY_OPS):
+    """(n_lo, hole_lo, hole_size, count): the non-empty n-blocks of an m-block are
+    ``n_block_at(i)`` for i in [0, count)."""
+    n_lo, n_hi = n_block_range(spec, seq, m_block, tile_m, tile_n, ops)
+    hole_lo, hole_hi = target_hole(spec, seq, m_block, tile_m, tile_n, n_lo, n_hi, ops)
+    hole_size = hole_hi - hole_lo
+    return n_lo, hole_lo, hole_size, (n_hi - n_lo) - hole_size
+
+
+def n_block_at(i, n_lo, hole_lo, hole_size, ops: Ops = PY_OPS):
+    """The i-th non-empty n-block (ascending), skipping the target hole."""
+    n = n_lo + i
+    return ops.select(n >= hole_lo, n + hole_size, n)
+
+
+def classify_tiles(spec: MaskSpec, seq: SeqMask, tile_m: int, tile_n: int) -> list[list[TileClass]]:
+    """Host-side classification grid [m_block][n_block] for one sequence (Python ints)."""
+    n_m = _ceil_div(seq.seqlen_q, tile_m)
+    n_n = _ceil_div(seq.seqlen_k, tile_n)
+    grid = []
+    for m in range(n_m):
+        row = [TileClass.EMPTY] * n_n
+        n_lo, hole_lo, hole_size, count = n_block_schedule(spec, seq, m, tile_m, tile_n)
+        for i in range(count):
+            n = n_block_at(i, n_lo, hole_lo, hole_size)
+            full = tile_is_full(spec, seq, m, n, tile_m, tile_n)
+            row[n] = TileClass.FULL if full else TileClass.PARTIAL
+        grid.append(row)
+    return grid
+
+
+def seq_mask_from_lengths(
+    spec: MaskSpec,
+    seqlen_q: int,
+    seqlen_k: int,
+    window_left: int = 0,
+    window_right: int = 0,
+    num_context: int = 0,
+    num_target: int = 0,
+    group_size: int = 1,
+) -> SeqMask:
+    return SeqMask(
+        seqlen_q=seqlen_q,
+        seqlen_k=seqlen_k,
+        window_left=window_left,
+        window_right=window_right,
+        num_context=num_context if spec.has_context else 0,
+        history_end=seqlen_k - (num_target if spec.has_target else 0),
+        group_size=group_size,
+        is_delta_q=spec.is_delta_q,
+    )
+
+
+def dense_mask(spec: MaskSpec, seq: SeqMask, device=None):
+    """(seqlen_q, seqlen_k) bool tensor of M(i, j) for one sequence (query index i)."""
+    import torch
+
+    i = torch.arange(int(seq.seqlen_q), device=device).unsqueeze(1)
+    j = torch.arange(int(seq.seqlen_k), device=device).unsqueeze(0)
+    return allowed(spec, seq, i + seq.row_offset, j)

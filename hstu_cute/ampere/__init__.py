@@ -1,0 +1,59 @@
+"""sm80+ kernels (mma.sync). They run on Ampere, Ada and Hopper; the cubin is built for the
+target arch named in the compile key (SASS is not forward compatible across major archs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..masks import MaskKind, MaskSpec
+
+
+@dataclass(frozen=True)
+class AmpereFwdKey:
+    """Compile key of :class:`~hstu_cute.ampere.fwd.HstuForwardSm80`: everything baked into a
+    cubin. Lengths, batch, heads, strides and scalar values are runtime arguments."""
+
+    kernel_name: ClassVar[str] = "ampere_fwd"
+
+    arch: str  # "sm_80", "sm_89", "sm_90a", ...
+    dtype: str  # "bfloat16" | "float16"
+    head_dim: int
+    mask_kind: int = int(MaskKind.NONE)
+    has_context: bool = False
+    has_target: bool = False
+    is_delta_q: bool = False
+    has_rab: bool = False
+    rab_vec: int = 8  # elements per rab load: alignment of the rab slab's rows
+    has_seqused_q: bool = False
+    has_seqused_k: bool = False
+    tile_m: int = 128
+    tile_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    fast_silu: bool = True
+
+    @property
+    def mask(self) -> MaskSpec:
+        return MaskSpec(MaskKind(self.mask_kind), self.has_context, self.has_target, self.is_delta_q)
+
+    def describe(self) -> str:
+        extras = [self.mask.name]
+        if self.has_rab:
+            extras.append(f"rab/{self.rab_vec}")
+        if self.has_seqused_q or self.has_seqused_k:
+            extras.append("seqused")
+        return (
+            f"{self.kernel_name} {self.arch} {self.dtype} d{self.head_dim} {self.tile_m}x{self.tile_n}"
+            f"w{self.num_warps}s{self.num_stages} " + ",".join(extras)
+        )
+
+
+def default_fwd_tiles(head_dim: int) -> dict:
+    """(tile_m, tile_n, num_warps, num_stages) per head dim; smem stays <= 99 KB (Ada's limit)
+    without rab. Chosen by the benchmark sweep recorded in docs/perf-log.md."""
+    if head_dim <= 64:
+        return dict(tile_m=128, tile_n=64, num_warps=4, num_stages=2)
+    if head_dim <= 128:
+        return dict(tile_m=128, tile_n=64, num_warps=4, num_stages=2)
+    return dict(tile_m=64, tile_n=64, num_warps=4, num_stages=1)

@@ -1,0 +1,373 @@
+"""Public API: validation (spec section 1), dispatch by device capability, kernel launch."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import masks
+from .ampere import AmpereFwdKey, default_fwd_tiles
+
+SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_FP8_DTYPES = tuple(
+    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2") if hasattr(torch, n)
+)
+MAX_GRID_BATCH = 65535  # grid.z limit of a launch
+
+
+# ---------------------------------------------------------------------------------------------
+# Arch selection
+# ---------------------------------------------------------------------------------------------
+def device_arch(device: torch.device) -> str:
+    """The cubin target for a device: 'sm_80', 'sm_86', 'sm_89', 'sm_90a', ..."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}" + ("a" if major == 9 else "")
+
+
+def kernel_path(device: torch.device) -> str:
+    """Which kernel family serves this device: 'ampere' today (sm80+, Hopper included).
+
+    ``HSTU_CUTE_ARCH`` forces a path: 'sm80' (the mma.sync kernels) or 'sm90' (Hopper TMA/WGMMA
+    kernels, not built yet: selecting them raises NotImplementedError, never a silent fallback).
+    """
+    forced = os.environ.get("HSTU_CUTE_ARCH", "").strip().lower().replace("_", "")
+    if forced:
+        if forced in ("sm80", "sm86", "sm89", "ampere"):
+            return "ampere"
+        if forced in ("sm90", "sm90a", "hopper"):
+            raise NotImplementedError(
+                "HSTU_CUTE_ARCH=sm90 selects the Hopper (TMA + WGMMA) kernels, which are not built yet; "
+                "unset HSTU_CUTE_ARCH or set it to sm80 to use the mma.sync kernels (they run on Hopper too)"
+            )
+        raise ValueError(f"HSTU_CUTE_ARCH: expected one of sm80, sm90; got {forced!r}")
+    major, _ = torch.cuda.get_device_capability(device)
+    if major < 8:
+        raise NotImplementedError(
+            f"hstu_cute needs compute capability >= 8.0 (Ampere); device {device} has {major}.x"
+        )
+    return "ampere"
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation (no GPU sync, nothing launched)
+# ---------------------------------------------------------------------------------------------
+def _fail(exc, name, expected, actual):
+    raise exc(f"{name}: expected {expected}, got {actual}")
+
+
+def _check_int_vector(name, t, batch, device):
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        _fail(TypeError, name, "a torch.Tensor or None", type(t).__name__)
+    if t.dtype != torch.int32:
+        _fail(TypeError, name, "dtype torch.int32", t.dtype)
+    if t.dim() != 1 or t.shape[0] != batch:
+        _fail(ValueError, name, f"shape ({batch},) (one entry per sequence)", tuple(t.shape))
+    if t.device != device:
+        _fail(ValueError, name, f"device {device} (same as q)", t.device)
+
+
+def _check_python_int(name, x, minimum=None):
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        _fail(TypeError, name, "a Python int", f"{type(x).__name__} {x!r}")
+    if minimum is not None and x < minimum:
+        _fail(ValueError, name, f"an int >= {minimum}", x)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Validated, normalized arguments of one call."""
+
+    batch: int
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+    mask: masks.MaskSpec
+    window_left: int
+    window_right: int
+    scale_seqlen: int
+    rab_heads: int
+
+
+def validate(
+    q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+    target_group_size, window_size, alpha, rab, has_drab, is_delta_q, descale_q, descale_k, descale_v,
+    descale_do, quant_mode, scaling_seqlen, seqused_q, seqused_k,
+) -> Problem:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            _fail(TypeError, name, "a torch.Tensor", type(t).__name__)
+    _check_python_int("quant_mode", quant_mode)
+    if not -1 <= quant_mode <= 5:
+        _fail(ValueError, "quant_mode", "an int in -1..5", quant_mode)
+    fp8_inputs = [n for n, t in (("q", q), ("k", k), ("v", v)) if t.dtype in _FP8_DTYPES]
+    if fp8_inputs or quant_mode != -1 or any(d is not None for d in (descale_q, descale_k, descale_v, descale_do)):
+        what = f"FP8 inputs ({', '.join(fp8_inputs)})" if fp8_inputs else (
+            f"quant_mode={quant_mode}" if quant_mode != -1 else "descale_* arguments")
+        raise NotImplementedError(
+            f"{what}: the FP8 path needs the Hopper (sm90) FP8 kernels, which are not built yet; "
+            "pass bf16/fp16 q, k, v with quant_mode=-1 and no descale tensors"
+        )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in _DTYPE_NAMES:
+            _fail(TypeError, name, "dtype torch.bfloat16 or torch.float16", t.dtype)
+        if t.dim() != 3:
+            _fail(ValueError, name, "a 3-D tensor (tokens, heads, head_dim)", f"{t.dim()}-D shape {tuple(t.shape)}")
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            _fail(ValueError, f"{name}.stride(-1)", "1 (last dim contiguous)", t.stride(-1))
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        _fail(TypeError, "k/v dtype", f"{q.dtype} (same as q)", f"k {k.dtype}, v {v.dtype}")
+    heads, head_dim = q.shape[1], q.shape[2]
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        _fail(ValueError, "q.shape[2] (head dim)", f"one of {SUPPORTED_HEAD_DIMS}", head_dim)
+    if k.shape[1] != heads:
+        _fail(ValueError, "k.shape[1] (heads)", f"{heads} (q's heads; no GQA)", k.shape[1])
+    if k.shape[2] != head_dim:
+        _fail(ValueError, "k.shape[2] (head dim)", f"{head_dim} (q's head dim)", k.shape[2])
+    if v.shape[1] != heads or v.shape[2] != head_dim:
+        _fail(ValueError, "v.shape[1:]", f"({heads}, {head_dim})", tuple(v.shape[1:]))
+    if v.shape[0] != k.shape[0]:
+        _fail(ValueError, "v.shape[0]", f"{k.shape[0]} (k's tokens)", v.shape[0])
+    device = q.device
+    if device.type != "cuda":
+        _fail(ValueError, "q.device", "a CUDA device (use hstu_cute.reference on CPU)", device)
+    for name, t in (("k", k), ("v", v)):
+        if t.device != device:
+            _fail(ValueError, f"{name}.device", f"{device} (same as q)", t.device)
+
+    for name, t in (("seq_offsets_q", seq_offsets_q), ("seq_offsets_k", seq_offsets_k)):
+        if not isinstance(t, torch.Tensor):
+            _fail(TypeError, name, "a torch.Tensor", type(t).__name__)
+        if t.dtype != torch.int32:
+            _fail(TypeError, name, "dtype torch.int32", t.dtype)
+        if t.dim() != 1 or t.shape[0] < 2:
+            _fail(ValueError, name, "a 1-D tensor of length B+1 >= 2", tuple(t.shape))
+        if t.device != device:
+            _fail(ValueError, f"{name}.device", f"{device} (same as q)", t.device)
+    if seq_offsets_k.shape[0] != seq_offsets_q.shape[0]:
+        _fail(ValueError, "seq_offsets_k.shape[0]", f"{seq_offsets_q.shape[0]} (same B+1 as seq_offsets_q)",
+              seq_offsets_k.shape[0])
+    batch = seq_offsets_q.shape[0] - 1
+    if batch > MAX_GRID_BATCH:
+        raise NotImplementedError(f"seq_offsets_q: at most {MAX_GRID_BATCH} sequences per call, got {batch}")
+
+    _check_python_int("max_seqlen_q", max_seqlen_q, 0)
+    _check_python_int("max_seqlen_k", max_seqlen_k, 0)
+    if max_seqlen_q > max_seqlen_k:
+        _fail(ValueError, "max_seqlen_q", f"<= max_seqlen_k ({max_seqlen_k})", max_seqlen_q)
+    if not isinstance(is_delta_q, bool):
+        _fail(TypeError, "is_delta_q", "a bool", type(is_delta_q).__name__)
+    if max_seqlen_q < max_seqlen_k and not is_delta_q:
+        _fail(ValueError, "max_seqlen_q", f"== max_seqlen_k ({max_seqlen_k}) unless is_delta_q=True", max_seqlen_q)
+
+    _check_int_vector("num_contexts", num_contexts, batch, device)
+    _check_int_vector("num_targets", num_targets, batch, device)
+    _check_int_vector("seqused_q", seqused_q, batch, device)
+    _check_int_vector("seqused_k", seqused_k, batch, device)
+    _check_python_int("target_group_size", target_group_size, 1)
+
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)):
+        _fail(TypeError, "window_size", "a (left, right) pair of ints", repr(window_size))
+    kind, wl, wr = masks.normalize_window(tuple(window_size), max_seqlen_k)
+    has_context, has_target = num_contexts is not None, num_targets is not None
+    if (has_context or has_target) and kind != masks.MaskKind.CAUSAL:
+        name = "num_contexts" if has_context else "num_targets"
+        _fail(ValueError, "window_size", f"the causal window (-1, 0) when {name} is given", tuple(window_size))
+    if is_delta_q and (has_context or has_target):
+        _fail(ValueError, "is_delta_q", "False when num_contexts/num_targets are given (FBGEMM V1 rule)", True)
+
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not math.isfinite(alpha):
+        _fail(TypeError, "alpha", "a finite Python float", repr(alpha))
+    _check_python_int("scaling_seqlen", scaling_seqlen)
+    if scaling_seqlen != -1 and scaling_seqlen < 1:
+        _fail(ValueError, "scaling_seqlen", "-1 (use max_seqlen_q) or an int >= 1", scaling_seqlen)
+    scale_seqlen = scaling_seqlen if scaling_seqlen != -1 else max_seqlen_q
+
+    if not isinstance(has_drab, bool):
+        _fail(TypeError, "has_drab", "a bool", type(has_drab).__name__)
+    rab_heads = 0
+    if rab is None:
+        if has_drab:
+            _fail(ValueError, "has_drab", "False when rab is None", True)
+    else:
+        if not isinstance(rab, torch.Tensor):
+            _fail(TypeError, "rab", "a torch.Tensor or None", type(rab).__name__)
+        if rab.dtype != q.dtype:
+            _fail(TypeError, "rab.dtype", f"{q.dtype} (same as q)", rab.dtype)
+        if rab.dim() != 4:
+            _fail(ValueError, "rab", "a 4-D tensor (B, H_rab, max_seqlen_k, max_seqlen_k)", tuple(rab.shape))
+        if rab.shape[0] != batch:
+            _fail(ValueError, "rab.shape[0]", f"{batch} (the batch size)", rab.shape[0])
+        if rab.shape[1] not in (1, heads):
+            _fail(ValueError, "rab.shape[1] (H_rab)", f"1 or {heads}", rab.shape[1])
+        if rab.shape[2] < max_seqlen_k or rab.shape[3] < max_seqlen_k:
+            _fail(ValueError, "rab.shape[2:]", f"at least ({max_seqlen_k}, {max_seqlen_k})", tuple(rab.shape[2:]))
+        if rab.stride(-1) != 1 and rab.shape[-1] > 1:
+            _fail(ValueError, "rab.stride(-1)", "1 (last dim contiguous)", rab.stride(-1))
+        if rab.device != device:
+            _fail(ValueError, "rab.device", f"{device} (same as q)", rab.device)
+        rab_heads = rab.shape[1]
+
+    mask = masks.MaskSpec(kind, has_context, has_target, is_delta_q)
+    return Problem(batch, heads, head_dim, q.dtype, mask, wl, wr, scale_seqlen, rab_heads)
+
+
+def debug_check_device_data(p: Problem, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, q, k,
+                            num_contexts, num_targets, seqused_q, seqused_k):
+    """Checks that need the device's data (and a GPU sync): only with HSTU_CUTE_CHECK=1."""
+    for name, off, total, max_len in (("seq_offsets_q", seq_offsets_q, q.shape[0], max_seqlen_q),
+                                      ("seq_offsets_k", seq_offsets_k, k.shape[0], max_seqlen_k)):
+        o = off.to("cpu", torch.int64)
+        if int(o[0]) != 0:
+            _fail(ValueError, f"{name}[0]", 0, int(o[0]))
+        lens = o[1:] - o[:-1]
+        if bool((lens < 0).any()):
+            _fail(ValueError, name, "non-decreasing offsets", o.tolist()[:16])
+        if int(o[-1]) > total:
+            _fail(ValueError, f"{name}[-1]", f"<= {total} (tokens in the tensor)", int(o[-1]))
+        if lens.numel() and int(lens.max()) > max_len:
+            _fail(ValueError, name.replace("seq_offsets", "max_seqlen"),
+                  f">= the longest sequence ({int(lens.max())})", max_len)
+    lens_k = (seq_offsets_k[1:] - seq_offsets_k[:-1]).cpu()
+    for name, t, ref in (("seqused_q", seqused_q, (seq_offsets_q[1:] - seq_offsets_q[:-1]).cpu()),
+                         ("seqused_k", seqused_k, lens_k)):
+        if t is not None and bool(((t.cpu() < 0) | (t.cpu() > ref)).any()):
+            _fail(ValueError, name, "0 <= seqused <= offset difference per sequence", t.cpu().tolist()[:16])
+    if num_contexts is not None or num_targets is not None:
+        valid_k = seqused_k.cpu() if seqused_k is not None else lens_k
+        c = num_contexts.cpu() if num_contexts is not None else torch.zeros_like(valid_k)
+        t = num_targets.cpu() if num_targets is not None else torch.zeros_like(valid_k)
+        if bool(((c < 0) | (t < 0) | (c + t > valid_k)).any()):
+            _fail(ValueError, "num_contexts/num_targets", "0 <= c, 0 <= t, c + t <= length per sequence",
+                  f"c={c.tolist()[:16]} t={t.tolist()[:16]}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward launch
+# ---------------------------------------------------------------------------------------------
+def _aligned_16(t: torch.Tensor) -> torch.Tensor:
+    """The kernels load 16-byte vectors along D: token/head strides must be multiples of 8
+    elements and the base pointer 16-byte aligned. Rare layouts that are not get one copy."""
+    if t.stride(0) % 8 or t.stride(1) % 8 or t.data_ptr() % 16:
+        t = t.contiguous()
+        if t.data_ptr() % 16:
+            t = t.clone()
+    return t
+
+
+def _rab_vec(rab: torch.Tensor) -> int:
+    """Elements per rab load: largest power of two <= 8 dividing every stride and the base offset."""
+    g = 8
+    for s in (rab.stride(0), rab.stride(1), rab.stride(2), rab.data_ptr() // rab.element_size()):
+        g = math.gcd(g, s) if s else g
+    return g
+
+
+def fwd_key(p: Problem, arch: str, rab, seqused_q, seqused_k) -> AmpereFwdKey:
+    return AmpereFwdKey(
+        arch=arch,
+        dtype=_DTYPE_NAMES[p.dtype],
+        head_dim=p.head_dim,
+        mask_kind=int(p.mask.kind),
+        has_context=p.mask.has_context,
+        has_target=p.mask.has_target,
+        is_delta_q=p.mask.is_delta_q,
+        has_rab=rab is not None,
+        rab_vec=_rab_vec(rab) if rab is not None else 8,
+        has_seqused_q=seqused_q is not None,
+        has_seqused_k=seqused_k is not None,
+        # tanh.approx (one MUFU op) is well below bf16's rounding of P; fp16 keeps 3 more mantissa
+        # bits, so it takes the exp2 form.
+        fast_silu=p.dtype == torch.bfloat16,
+        **default_fwd_tiles(p.head_dim),
+    )
+
+
+def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+            target_group_size, alpha, rab, seqused_q, seqused_k, p: Problem) -> torch.Tensor:
+    from .cache import default_cache
+    from .compile import build
+
+    if kernel_path(q.device) != "ampere":  # pragma: no cover - only the ampere path exists
+        raise NotImplementedError("no kernel for this device")
+    out = (torch.zeros if seqused_q is not None else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
+    if q.shape[0] == 0 or max_seqlen_q == 0 or p.batch == 0:
+        return out.zero_()
+    q, k, v = _aligned_16(q), _aligned_16(k), _aligned_16(v)
+    if k.shape[0] == 0:
+        return out.zero_()
+    key = fwd_key(p, device_arch(q.device), rab, seqused_q, seqused_k)
+    compiled = default_cache().get(key, lambda: build(key))
+    num_m_blocks = -(-max_seqlen_q // key.tile_m)
+    with torch.cuda.device(q.device):
+        compiled(
+            q, k, v, out, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts, num_targets, rab,
+            float(alpha), 1.0 / p.scale_seqlen, p.window_left, p.window_right, int(target_group_size),
+            num_m_blocks,
+        )
+    return out
+
+
+class _HstuAttnFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, rab, *rest):
+        (seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+         target_group_size, alpha, seqused_q, seqused_k, p) = rest
+        return forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
+                       num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p)
+
+    @staticmethod
+    def backward(ctx, dout):
+        raise NotImplementedError(
+            "hstu_cute: the backward kernels (dq, dk, dv, drab) are not built yet; "
+            "run the forward under torch.no_grad() or use hstu_cute.reference for gradients"
+        )
+
+
+def hstu_attn_varlen_func(
+    q, k, v,
+    seq_offsets_q, seq_offsets_k,
+    max_seqlen_q, max_seqlen_k,
+    num_contexts=None,
+    num_targets=None,
+    target_group_size=1,
+    window_size=(-1, -1),
+    alpha=1.0,
+    rab=None,
+    has_drab=False,
+    is_delta_q=False,
+    descale_q=None, descale_k=None, descale_v=None, descale_do=None,
+    *,
+    quant_mode=-1,
+    scaling_seqlen=-1,
+    seqused_q=None, seqused_k=None,
+):
+    """HSTU attention over a jagged batch (spec: shared/spec/hstu-attention.md, FBGEMM-compatible).
+
+    Returns ``out`` (T_q, H, D) in q's dtype. Every argument is checked before anything is
+    compiled or launched; set ``HSTU_CUTE_CHECK=1`` to also check offsets and lengths on the device
+    data (costs a GPU sync).
+    """
+    p = validate(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+                 target_group_size, window_size, alpha, rab, has_drab, is_delta_q, descale_q, descale_k,
+                 descale_v, descale_do, quant_mode, scaling_seqlen, seqused_q, seqused_k)
+    if os.environ.get("HSTU_CUTE_CHECK", "0") == "1":
+        debug_check_device_data(p, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, q, k,
+                                num_contexts, num_targets, seqused_q, seqused_k)
+    if not p.mask.has_context:
+        num_contexts = None
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, rab if has_drab else None))
+    args = (seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+            target_group_size, alpha, seqused_q, seqused_k, p)
+    if needs_grad:
+        return _HstuAttnFunction.apply(q, k, v, rab, *args)
+    return forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
+                   num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p)

@@ -1,0 +1,91 @@
+"""Turn a compile key into a compiled module: fake tensors with symbolic sizes, ``cute.compile``
+with the TVM-FFI calling convention (torch tensors are passed directly, the stream is the current
+torch stream). Needs no GPU: the target arch comes from the key."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+_COMPILE_LOCK = threading.Lock()  # cute.compile keeps thread-local MLIR state: one at a time
+
+
+def _dsl_dtype(name: str):
+    import cutlass
+
+    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
+
+
+def _fake_tokens_heads_dim(dtype, tokens, heads, head_dim):
+    """(T, H, D) view with a 64-bit token stride (global offsets never overflow int32) and a
+    16-byte aligned head stride."""
+    import cutlass.cute as cute
+
+    stride_t = cute.sym_int64(divisibility=8)
+    stride_h = cute.sym_int(divisibility=8)
+    return cute.runtime.make_fake_tensor(dtype, (tokens, heads, head_dim), (stride_t, stride_h, 1), assumed_align=16)
+
+
+def build_ampere_fwd(key):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from .ampere.fwd import HstuForwardSm80
+
+    dtype = _dsl_dtype(key.dtype)
+    kernel = HstuForwardSm80(
+        dtype,
+        key.head_dim,
+        key.mask,
+        key.has_rab,
+        key.rab_vec,
+        key.has_seqused_q,
+        key.has_seqused_k,
+        key.tile_m,
+        key.tile_n,
+        key.num_warps,
+        key.num_stages,
+        key.fast_silu,
+    )
+    t_q, t_k, heads = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    batch, batch1 = cute.sym_int(), cute.sym_int()
+    q = _fake_tokens_heads_dim(dtype, t_q, heads, key.head_dim)
+    k = _fake_tokens_heads_dim(dtype, t_k, heads, key.head_dim)
+    v = _fake_tokens_heads_dim(dtype, t_k, heads, key.head_dim)
+    o = _fake_tokens_heads_dim(dtype, t_q, heads, key.head_dim)
+
+    def int_vec(n):
+        return cute.runtime.make_fake_compact_tensor(cutlass.Int32, (n,), assumed_align=4)
+
+    offsets_q, offsets_k = int_vec(batch1), int_vec(batch1)
+    seqused_q = int_vec(batch) if key.has_seqused_q else None
+    seqused_k = int_vec(batch) if key.has_seqused_k else None
+    num_contexts = int_vec(batch) if key.has_context else None
+    num_targets = int_vec(batch) if key.has_target else None
+    rab = None
+    if key.has_rab:
+        rab = cute.runtime.make_fake_tensor(
+            dtype,
+            (cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()),
+            (cute.sym_int64(divisibility=key.rab_vec), cute.sym_int64(divisibility=key.rab_vec),
+             cute.sym_int(divisibility=key.rab_vec), 1),
+            assumed_align=2 * key.rab_vec,
+        )
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = f"--enable-tvm-ffi --gpu-arch {key.arch}"
+    with _COMPILE_LOCK:
+        return cute.compile(
+            kernel, q, k, v, o, offsets_q, offsets_k, seqused_q, seqused_k, num_contexts, num_targets, rab,
+            Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), stream,
+            options=options,
+        )
+
+
+BUILDERS = {"ampere_fwd": build_ampere_fwd}
+
+
+def build(key):
+    """Compile ``key`` now (no caching here; see :mod:`hstu_cute.cache`)."""
+    os.environ.setdefault("CUTE_DSL_ARCH", key.arch)
+    return BUILDERS[key.kernel_name](key)

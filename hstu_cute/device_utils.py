@@ -1,0 +1,117 @@
+"""Device-side helpers shared by the kernels (traced inside ``@cute.jit`` / ``@cute.kernel``)."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+
+from . import masks
+
+# The mask engine's helpers, bound to DSL scalar ops for use while tracing a kernel.
+KERNEL_OPS = masks.Ops(min=cutlass.min, max=cutlass.max, select=cutlass.select_)
+
+
+def smem_layout_atom(dtype, k_extent: int) -> cute.ComposedLayout:
+    """Swizzled smem atom for a row-major (rows, k_extent) 16-bit tile.
+
+    The swizzle permutes 16-byte chunks inside the widest power-of-two row segment (up to 128 B)
+    so that the 8 rows an ldmatrix phase reads land in distinct banks.
+    """
+    row_bytes = k_extent * dtype.width // 8
+    seg_bytes = 128 if row_bytes % 128 == 0 else (64 if row_bytes % 64 == 0 else 32)
+    seg_elems = seg_bytes * 8 // dtype.width
+    swizzle_bits = {128: 3, 64: 2, 32: 1}[seg_bytes]
+    return cute.make_composed_layout(
+        cute.make_swizzle(swizzle_bits, 3, 3),
+        0,
+        cute.make_ordered_layout((8, seg_elems), order=(1, 0)),
+    )
+
+
+@cute.jit
+def gemm_ss(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, smem_thr_copy_A, smem_thr_copy_B):
+    """acc += A @ B with both operands read from smem by ldmatrix, one k-slice ahead."""
+    tCrA_view = smem_thr_copy_A.retile(tCrA)
+    tCrB_view = smem_thr_copy_B.retile(tCrB)
+    cute.copy(smem_thr_copy_A, tCsA[None, None, 0], tCrA_view[None, None, 0])
+    cute.copy(smem_thr_copy_B, tCsB[None, None, 0], tCrB_view[None, None, 0])
+    num_k = cute.size(tCsA.shape[2])
+    for k in cutlass.range_constexpr(num_k):
+        if const_expr(k < num_k - 1):
+            cute.copy(smem_thr_copy_A, tCsA[None, None, k + 1], tCrA_view[None, None, k + 1])
+            cute.copy(smem_thr_copy_B, tCsB[None, None, k + 1], tCrB_view[None, None, k + 1])
+        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
+
+@cute.jit
+def gemm_rs(tiled_mma, acc, tCrA, tCrB, tCsB, smem_thr_copy_B):
+    """acc += A @ B with A already in registers and B read from smem one k-slice ahead."""
+    tCrB_view = smem_thr_copy_B.retile(tCrB)
+    cute.copy(smem_thr_copy_B, tCsB[None, None, 0], tCrB_view[None, None, 0])
+    num_k = cute.size(tCrA.shape[2])
+    for k in cutlass.range_constexpr(num_k):
+        if const_expr(k < num_k - 1):
+            cute.copy(smem_thr_copy_B, tCsB[None, None, k + 1], tCrB_view[None, None, k + 1])
+        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
+
+def acc_to_operand_a(rP: cute.Tensor) -> cute.Tensor:
+    """View an m16n8k16 accumulator fragment (4, M, N) as an A-operand fragment ((4, 2), M, N/2):
+    two adjacent n8 accumulator tiles form one k16 slice of the next GEMM."""
+    divided = cute.logical_divide(rP.layout, (None, None, 2))
+    layout = cute.make_layout(
+        ((divided.shape[0], divided.shape[2][0]), divided.shape[1], divided.shape[2][1]),
+        stride=((divided.stride[0], divided.stride[2][0]), divided.stride[1], divided.stride[2][1]),
+    )
+    return cute.make_tensor(rP.iterator, layout)
+
+
+@cute.jit
+def tanh_approx(x: Float32) -> Float32:
+    # One MUFU op (sm_75+); max relative error ~2^-11, below bf16 rounding of P.
+    return Float32(
+        llvm.inline_asm(
+            Float32.mlir_type,
+            [Float32(x).ir_value()],
+            "tanh.approx.f32 $0, $1;",
+            "=f,f",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@cute.jit
+def silu_scaled_inplace(acc: cute.Tensor, alpha: Float32, fast: cutlass.Constexpr[bool]):
+    """acc <- silu(alpha * acc), elementwise, in fp32."""
+    if const_expr(fast):
+        # silu(z) = z * sigmoid(z) = h + h * tanh(h) with h = z / 2.
+        half_alpha = alpha * Float32(0.5)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            h = acc[i] * half_alpha
+            acc[i] = h + h * tanh_approx(h)
+    else:
+        neg_alpha_log2e = alpha * Float32(-1.4426950408889634)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            s = acc[i]
+            acc[i] = (s * alpha) / (Float32(1.0) + cute.math.exp2(s * neg_alpha_log2e, fastmath=True))
+
+
+@cute.jit
+def apply_mask_inplace(acc: cute.Tensor, tScS: cute.Tensor, spec: cutlass.Constexpr, seq, row0: Int32, col0: Int32):
+    """Zero every accumulator element whose (row0 + row, col0 + col) is masked (spec section 4)."""
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        r = row0 + tScS[i][0]
+        j = col0 + tScS[i][1]
+        keep = masks.allowed(spec, seq, r, j)
+        acc[i] = cutlass.select_(keep, acc[i], Float32(0.0))
+
+
+def clamp_range(start, end, limit):
+    """Clamp [start, end) into [0, limit] so corrupt offsets can never address outside a tensor."""
+    s = cutlass.min(cutlass.max(start, Int32(0)), limit)
+    e = cutlass.min(cutlass.max(end, s), limit)
+    return s, e

@@ -135,8 +135,6 @@ def validate(
     if v.shape[0] != k.shape[0]:
         _fail(ValueError, "v.shape[0]", f"{k.shape[0]} (k's tokens)", v.shape[0])
     device = q.device
-    if device.type != "cuda":
-        _fail(ValueError, "q.device", "a CUDA device (use hstu_cute.reference on CPU)", device)
     for name, t in (("k", k), ("v", v)):
         if t.device != device:
             _fail(ValueError, f"{name}.device", f"{device} (same as q)", t.device)
@@ -215,6 +213,9 @@ def validate(
             _fail(ValueError, "rab.device", f"{device} (same as q)", rab.device)
         rab_heads = rab.shape[1]
 
+    # Last, so that every other check can be exercised on CPU tensors.
+    if device.type != "cuda":
+        _fail(ValueError, "q.device", "a CUDA device (use hstu_cute.reference on CPU)", device)
     mask = masks.MaskSpec(kind, has_context, has_target, is_delta_q)
     return Problem(batch, heads, head_dim, q.dtype, mask, wl, wr, scale_seqlen, rab_heads)
 
@@ -263,35 +264,50 @@ def _aligned_16(t: torch.Tensor) -> torch.Tensor:
 
 
 def _rab_vec(rab: torch.Tensor) -> int:
-    """Elements per rab load: largest power of two <= 8 dividing every stride and the base offset."""
-    g = 8
-    for s in (rab.stride(0), rab.stride(1), rab.stride(2), rab.data_ptr() // rab.element_size()):
-        g = math.gcd(g, s) if s else g
-    return g
+    """Elements per rab load: 8 (16-byte cp.async) when every row starts 16-byte aligned, else 1
+    (scalar loads; e.g. max_seqlen_k not a multiple of 8 -- pad rab's last dim to avoid it)."""
+    aligned = rab.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in (rab.stride(0), rab.stride(1), rab.stride(2)))
+    return 8 if aligned else 1
 
 
-def fwd_key(p: Problem, arch: str, rab, seqused_q, seqused_k) -> AmpereFwdKey:
+_FILLERS: dict = {}
+
+
+def _filler(batch: int, device: torch.device, value: int) -> torch.Tensor:
+    """Cached (batch,) int32 constant: stands in for absent seqused (no limit) or absent
+    contexts/targets (zero), so these need no kernel variants of their own."""
+    key = (batch, device, value)
+    t = _FILLERS.get(key)
+    if t is None:
+        if len(_FILLERS) > 64:
+            _FILLERS.clear()
+        t = _FILLERS[key] = torch.full((batch,), value, dtype=torch.int32, device=device)
+    return t
+
+
+INT32_MAX = 2**31 - 1
+
+
+def fwd_key(p: Problem, arch: str, rab, tiles: dict | None = None) -> AmpereFwdKey:
+    context_target = p.mask.has_context or p.mask.has_target
     return AmpereFwdKey(
         arch=arch,
         dtype=_DTYPE_NAMES[p.dtype],
         head_dim=p.head_dim,
         mask_kind=int(p.mask.kind),
-        has_context=p.mask.has_context,
-        has_target=p.mask.has_target,
-        is_delta_q=p.mask.is_delta_q,
+        has_context=context_target,
+        has_target=context_target,
         has_rab=rab is not None,
         rab_vec=_rab_vec(rab) if rab is not None else 8,
-        has_seqused_q=seqused_q is not None,
-        has_seqused_k=seqused_k is not None,
         # tanh.approx (one MUFU op) is well below bf16's rounding of P; fp16 keeps 3 more mantissa
         # bits, so it takes the exp2 form.
         fast_silu=p.dtype == torch.bfloat16,
-        **default_fwd_tiles(p.head_dim),
+        **(tiles or default_fwd_tiles(p.head_dim)),
     )
 
 
 def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-            target_group_size, alpha, rab, seqused_q, seqused_k, p: Problem) -> torch.Tensor:
+            target_group_size, alpha, rab, seqused_q, seqused_k, p: Problem, tiles: dict | None = None) -> torch.Tensor:
     from .cache import default_cache
     from .compile import build
 
@@ -303,14 +319,22 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
     q, k, v = _aligned_16(q), _aligned_16(k), _aligned_16(v)
     if k.shape[0] == 0:
         return out.zero_()
-    key = fwd_key(p, device_arch(q.device), rab, seqused_q, seqused_k)
+    key = fwd_key(p, device_arch(q.device), rab, tiles)
     compiled = default_cache().get(key, lambda: build(key))
     num_m_blocks = -(-max_seqlen_q // key.tile_m)
-    with torch.cuda.device(q.device):
+    device, batch = q.device, p.batch
+    if seqused_q is None:
+        seqused_q = _filler(batch, device, INT32_MAX)
+    if seqused_k is None:
+        seqused_k = _filler(batch, device, INT32_MAX)
+    if key.has_context:
+        num_contexts = num_contexts if num_contexts is not None else _filler(batch, device, 0)
+        num_targets = num_targets if num_targets is not None else _filler(batch, device, 0)
+    with torch.cuda.device(device):
         compiled(
             q, k, v, out, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts, num_targets, rab,
             float(alpha), 1.0 / p.scale_seqlen, p.window_left, p.window_right, int(target_group_size),
-            num_m_blocks,
+            int(p.mask.is_delta_q), num_m_blocks,
         )
     return out
 
@@ -361,8 +385,6 @@ def hstu_attn_varlen_func(
     if os.environ.get("HSTU_CUTE_CHECK", "0") == "1":
         debug_check_device_data(p, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, q, k,
                                 num_contexts, num_targets, seqused_q, seqused_k)
-    if not p.mask.has_context:
-        num_contexts = None
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, rab if has_drab else None))
     args = (seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,

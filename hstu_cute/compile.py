@@ -40,8 +40,6 @@ def build_ampere_fwd(key):
         key.mask,
         key.has_rab,
         key.rab_vec,
-        key.has_seqused_q,
-        key.has_seqused_k,
         key.tile_m,
         key.tile_n,
         key.num_warps,
@@ -59,8 +57,7 @@ def build_ampere_fwd(key):
         return cute.runtime.make_fake_compact_tensor(cutlass.Int32, (n,), assumed_align=4)
 
     offsets_q, offsets_k = int_vec(batch1), int_vec(batch1)
-    seqused_q = int_vec(batch) if key.has_seqused_q else None
-    seqused_k = int_vec(batch) if key.has_seqused_k else None
+    seqused_q, seqused_k = int_vec(batch), int_vec(batch)
     num_contexts = int_vec(batch) if key.has_context else None
     num_targets = int_vec(batch) if key.has_target else None
     rab = None
@@ -77,7 +74,7 @@ def build_ampere_fwd(key):
     with _COMPILE_LOCK:
         return cute.compile(
             kernel, q, k, v, o, offsets_q, offsets_k, seqused_q, seqused_k, num_contexts, num_targets, rab,
-            Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), stream,
+            Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(0), Int32(1), stream,
             options=options,
         )
 

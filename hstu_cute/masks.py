@@ -103,12 +103,9 @@ class SeqMask:
     num_context: Any = 0
     history_end: Any = 0
     group_size: Any = 1
-    is_delta_q: bool = False
-
-    @property
-    def row_offset(self):
-        """Key-coordinate position of query 0 (bottom-right alignment for delta_q)."""
-        return self.seqlen_k - self.seqlen_q if self.is_delta_q else 0
+    # Key-coordinate position of query 0: seqlen_k - seqlen_q for delta_q (bottom-right
+    # alignment), else 0. A runtime value in kernels, so delta_q needs no kernel variant.
+    row_offset: Any = 0
 
 
 def allowed(spec: MaskSpec, seq: SeqMask, r, j):
@@ -198,14 +195,19 @@ def tile_is_full(spec: MaskSpec, seq: SeqMask, m_block, n_block, tile_m, tile_n,
     if spec.kind == MaskKind.LOCAL:
         full = full & (j_first >= r_last - seq.window_left) & (j_last <= r_first + seq.window_right)
     elif spec.kind == MaskKind.CAUSAL:
-        below = j_last <= r_first
+        if spec.has_context:
+            # History rows (r >= c) need j_last <= r; context rows (r < c) need j_last < h_end.
+            c = seq.num_context
+            below = ((j_last <= ops.max(r_first, c)) | (r_last < c)) & ((j_last < seq.history_end) | (r_first >= c))
+        else:
+            below = j_last <= r_first
         if spec.has_target:
             h_end = seq.history_end
             g = seq.group_size
             last_hole_end = h_end + g * ((r_last - h_end) // g)
-            below = below & ((r_last < h_end) | (j_last < h_end) | (j_first >= last_hole_end))
-        if spec.has_context:
-            below = below | ((r_last < seq.num_context) & (j_last < seq.history_end))
+            below = below & (
+                (r_last < h_end) | (j_last < h_end) | (j_first >= last_hole_end) | (last_hole_end == h_end)
+            )
         full = full & below
     return full
 
@@ -259,7 +261,7 @@ def seq_mask_from_lengths(
         num_context=num_context if spec.has_context else 0,
         history_end=seqlen_k - (num_target if spec.has_target else 0),
         group_size=group_size,
-        is_delta_q=spec.is_delta_q,
+        row_offset=seqlen_k - seqlen_q if spec.is_delta_q else 0,
     )
 
 
@@ -269,4 +271,4 @@ def dense_mask(spec: MaskSpec, seq: SeqMask, device=None):
 
     i = torch.arange(int(seq.seqlen_q), device=device).unsqueeze(1)
     j = torch.arange(int(seq.seqlen_k), device=device).unsqueeze(0)
-    return allowed(spec, seq, i + seq.row_offset, j)
+    return torch.broadcast_to(allowed(spec, seq, i + seq.row_offset, j), (int(seq.seqlen_q), int(seq.seqlen_k)))

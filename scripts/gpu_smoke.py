@@ -11,15 +11,10 @@ def run_case(name, dtype=torch.bfloat16, D=128, **kw):
                      b.get("num_contexts"), b.get("num_targets"), b.get("target_group_size", 1), b.get("window_size", (-1, -1)),
                      b.get("alpha", 1.0), b.get("rab"), has_drab, b.get("is_delta_q", False), None, None, None, None, -1,
                      b.get("scaling_seqlen", -1), b.get("seqused_q"), b.get("seqused_k"))
-    key = api.fwd_key(p, api.device_arch(b["q"].device), b.get("rab"), b.get("seqused_q"), b.get("seqused_k"))
-    t = time.time(); fn = build(key); ct = time.time() - t
-    q = b["q"]; out = torch.full_like(q, float("nan"))
-    if b.get("seqused_q") is not None: out.zero_()
-    fn(q, b["k"], b["v"], out, b["seq_offsets_q"], b["seq_offsets_k"], b.get("seqused_q"), b.get("seqused_k"),
-       b.get("num_contexts") if p.mask.has_context else None, b.get("num_targets"), b.get("rab"),
-       float(b.get("alpha", 1.0)), 1.0 / p.scale_seqlen, p.window_left, p.window_right, int(b.get("target_group_size", 1)),
-       -(-b["max_seqlen_q"] // key.tile_m))
-    torch.cuda.synchronize()
+    t = time.time()
+    out = api.hstu_attn_varlen_func(**b)
+    torch.cuda.synchronize(); ct = time.time() - t
+    key = api.fwd_key(p, api.device_arch(b["q"].device), b.get("rab"))
     ref32 = reference.hstu_attn_reference(**b)
     refd = reference.hstu_attn_reference(**b, compute_dtype=None)
     ok, ke, re_ = reference.ratio_check(out, ref32, refd, 2.0)

@@ -20,13 +20,12 @@ class AmpereFwdKey:
     dtype: str  # "bfloat16" | "float16"
     head_dim: int
     mask_kind: int = int(MaskKind.NONE)
+    # Context and target share one variant (absent ones are passed as zeros): the extra compares
+    # only run on partial tiles. delta_q and seqused are runtime arguments.
     has_context: bool = False
     has_target: bool = False
-    is_delta_q: bool = False
     has_rab: bool = False
-    rab_vec: int = 8  # elements per rab load: alignment of the rab slab's rows
-    has_seqused_q: bool = False
-    has_seqused_k: bool = False
+    rab_vec: int = 8  # elements per rab load: 8 (16-byte aligned rows) or 1 (any layout)
     tile_m: int = 128
     tile_n: int = 64
     num_warps: int = 4
@@ -35,14 +34,12 @@ class AmpereFwdKey:
 
     @property
     def mask(self) -> MaskSpec:
-        return MaskSpec(MaskKind(self.mask_kind), self.has_context, self.has_target, self.is_delta_q)
+        return MaskSpec(MaskKind(self.mask_kind), self.has_context, self.has_target)
 
     def describe(self) -> str:
         extras = [self.mask.name]
         if self.has_rab:
             extras.append(f"rab/{self.rab_vec}")
-        if self.has_seqused_q or self.has_seqused_k:
-            extras.append("seqused")
         return (
             f"{self.kernel_name} {self.arch} {self.dtype} d{self.head_dim} {self.tile_m}x{self.tile_n}"
             f"w{self.num_warps}s{self.num_stages} " + ",".join(extras)

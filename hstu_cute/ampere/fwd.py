@@ -47,8 +47,6 @@ class HstuForwardSm80:
         mask: masks.MaskSpec,
         has_rab: bool,
         rab_vec: int,
-        has_seqused_q: bool,
-        has_seqused_k: bool,
         tile_m: int,
         tile_n: int,
         num_warps: int,
@@ -60,8 +58,6 @@ class HstuForwardSm80:
         self.mask = mask
         self.has_rab = has_rab
         self.rab_vec = rab_vec
-        self.has_seqused_q = has_seqused_q
-        self.has_seqused_k = has_seqused_k
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.num_warps = num_warps
@@ -83,8 +79,8 @@ class HstuForwardSm80:
         mO: cute.Tensor,  # (T_q, H, D)
         mOffsetsQ: cute.Tensor,  # (B + 1,) int32
         mOffsetsK: cute.Tensor,  # (B + 1,) int32
-        mSeqUsedQ,  # (B,) int32 or None
-        mSeqUsedK,  # (B,) int32 or None
+        mSeqUsedQ: cute.Tensor,  # (B,) int32 valid prefix (INT32_MAX when unused)
+        mSeqUsedK: cute.Tensor,  # (B,) int32
         mNumContexts,  # (B,) int32 or None
         mNumTargets,  # (B,) int32 or None
         mRab,  # (B, H_rab, L, L) or None
@@ -93,6 +89,7 @@ class HstuForwardSm80:
         window_left: Int32,
         window_right: Int32,
         group_size: Int32,
+        is_delta_q: Int32,
         num_m_blocks: Int32,
         stream,
     ):
@@ -156,7 +153,7 @@ class HstuForwardSm80:
         num_heads = mQ.shape[1]
         self.kernel(
             mQ, mK, mV, mO, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
-            alpha, inv_scale, window_left, window_right, group_size,
+            alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
             sQ_layout, sKV_layout, sRab_layout, gmem_copy_qkv, gmem_copy_o, gmem_copy_rab, tiled_mma,
             SharedStorage,
         ).launch(
@@ -178,8 +175,8 @@ class HstuForwardSm80:
         mO: cute.Tensor,
         mOffsetsQ: cute.Tensor,
         mOffsetsK: cute.Tensor,
-        mSeqUsedQ,
-        mSeqUsedK,
+        mSeqUsedQ: cute.Tensor,
+        mSeqUsedK: cute.Tensor,
         mNumContexts,
         mNumTargets,
         mRab,
@@ -188,6 +185,7 @@ class HstuForwardSm80:
         window_left: Int32,
         window_right: Int32,
         group_size: Int32,
+        is_delta_q: Int32,
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
         sRab_layout,
@@ -205,12 +203,8 @@ class HstuForwardSm80:
         # ---- sequence geometry (offsets clamped to the tensors: no input can address outside) ----
         q_start, q_end = clamp_range(mOffsetsQ[batch], mOffsetsQ[batch + 1], mQ.shape[0])
         k_start, k_end = clamp_range(mOffsetsK[batch], mOffsetsK[batch + 1], mK.shape[0])
-        seqlen_q = q_end - q_start
-        seqlen_k = k_end - k_start
-        if const_expr(self.has_seqused_q):
-            seqlen_q = cutlass.max(cutlass.min(mSeqUsedQ[batch], seqlen_q), Int32(0))
-        if const_expr(self.has_seqused_k):
-            seqlen_k = cutlass.max(cutlass.min(mSeqUsedK[batch], seqlen_k), Int32(0))
+        seqlen_q = cutlass.max(cutlass.min(mSeqUsedQ[batch], q_end - q_start), Int32(0))
+        seqlen_k = cutlass.max(cutlass.min(mSeqUsedK[batch], k_end - k_start), Int32(0))
 
         if m_block * self.tile_m < seqlen_q:
             spec = self.mask
@@ -228,7 +222,7 @@ class HstuForwardSm80:
                 num_context=num_context,
                 history_end=history_end,
                 group_size=group_size,
-                is_delta_q=spec.is_delta_q,
+                row_offset=cutlass.select_(is_delta_q != 0, seqlen_k - seqlen_q, Int32(0)),
             )
             n_lo, hole_lo, hole_size, n_count = masks.n_block_schedule(
                 spec, seq, m_block, self.tile_m, self.tile_n, KERNEL_OPS

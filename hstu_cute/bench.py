@@ -1,0 +1,233 @@
+"""Benchmarks: the workload grid of shared/perf/README.md with reference lines timed in the same run.
+
+FLOP counts (the peers' convention, shared/perf/README.md):
+  * ``causal``: ``2 * H * D * sum(n^2)`` for causal-family masks (context/target included), no
+    subtraction of masked entries;
+  * ``dense``: twice that (no mask);
+  * ``allowed``: ``4 * H * D * (number of allowed (i, j) pairs)`` for local windows and delta_q,
+    where the convention has no closed form. The table names the count used for every row.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    batch: int
+    max_len: int
+    heads: int = 4
+    head_dim: int = 128
+    lengths: str = "full"  # full | uniform90 | zipf
+    window: tuple = (-1, 0)
+    contexts: int | None = None
+    targets: int | None = None
+    group: int = 1
+    delta_q: int | None = None  # queries per sequence (the last Lq keys)
+    rab_heads: int | None = None
+    dtype: str = "bfloat16"
+    sdpa: bool = field(default=False)  # also time torch SDPA (dense, same shape)
+
+
+def default_grid() -> list[Workload]:
+    g = []
+    for d in (64, 128, 256):
+        for b, n in ((32, 1024), (16, 2048), (8, 4096), (4, 8192)):
+            g.append(Workload(f"full B{b} N{n} D{d}", b, n, head_dim=d, sdpa=True))
+    g += [
+        Workload("zipf1.2 B64 N4096", 64, 4096, lengths="zipf"),
+        Workload("uniform90 B512 N1024", 512, 1024, lengths="uniform90"),
+        Workload("ctx8+tgt64 g1 B8 N4096", 8, 4096, contexts=8, targets=64, group=1),
+        Workload("ctx8+tgt64 g8 B8 N4096", 8, 4096, contexts=8, targets=64, group=8),
+        Workload("local(256,0) B8 N4096", 8, 4096, window=(256, 0)),
+        Workload("delta_q Lq256 B8 N4096", 8, 4096, delta_q=256),
+        Workload("rab H_rab=1 B8 N2048", 8, 2048, rab_heads=1),
+        Workload("rab H_rab=H B8 N2048", 8, 2048, rab_heads=4),
+        Workload("short B1024 N128", 1024, 128),
+        Workload("short B1024 N512", 1024, 512),
+    ]
+    return g
+
+
+def headline() -> Workload:
+    return Workload("full B8 N4096 D128", 8, 4096, head_dim=128, sdpa=True)
+
+
+def _lengths(w: Workload, gen: torch.Generator) -> list[int]:
+    if w.lengths == "full":
+        return [w.max_len] * w.batch
+    if w.lengths == "uniform90":
+        lo = int(0.9 * w.max_len)
+        return torch.randint(lo, w.max_len, (w.batch,), generator=gen).tolist()
+    if w.lengths == "zipf":
+        # Zipf(1.2) over 1..max_len by inverse-CDF sampling of the truncated distribution.
+        ranks = torch.arange(1, w.max_len + 1, dtype=torch.float64)
+        pmf = ranks.pow(-1.2)
+        idx = torch.multinomial(pmf / pmf.sum(), w.batch, replacement=True, generator=gen)
+        return (idx + 1).tolist()
+    raise ValueError(w.lengths)
+
+
+def make_inputs(w: Workload, device="cuda", seed=0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, w.dtype)
+    lens_k = _lengths(w, gen)
+    lens_q = [min(n, w.delta_q) for n in lens_k] if w.delta_q else lens_k
+
+    def offsets(lens):
+        return torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
+
+    tq, tk = sum(lens_q), sum(lens_k)
+
+    def rnd(*shape):
+        return (torch.rand(shape, generator=gen) * 2 - 1).to(device=device, dtype=dtype)
+
+    kw = dict(
+        q=rnd(tq, w.heads, w.head_dim), k=rnd(tk, w.heads, w.head_dim), v=rnd(tk, w.heads, w.head_dim),
+        seq_offsets_q=offsets(lens_q), seq_offsets_k=offsets(lens_k),
+        max_seqlen_q=min(w.max_len, w.delta_q) if w.delta_q else w.max_len, max_seqlen_k=w.max_len,
+        window_size=w.window, is_delta_q=bool(w.delta_q),
+    )
+    b = w.batch
+    if w.contexts is not None:
+        kw["num_contexts"] = torch.tensor([min(w.contexts, n) for n in lens_k], dtype=torch.int32, device=device)
+    if w.targets is not None:
+        c = [min(w.contexts or 0, n) for n in lens_k]
+        kw["num_targets"] = torch.tensor([min(w.targets, n - ci) for n, ci in zip(lens_k, c)], dtype=torch.int32,
+                                         device=device)
+        kw["target_group_size"] = w.group
+    if w.rab_heads:
+        kw["rab"] = rnd(b, w.rab_heads, w.max_len, w.max_len)
+    kw["_lens_q"], kw["_lens_k"] = lens_q, lens_k
+    return kw
+
+
+def flops(w: Workload, lens_q, lens_k) -> tuple[float, str]:
+    hd = w.heads * w.head_dim
+    kind = w.window
+    if w.delta_q or (kind[0] >= 0 and kind != (-1, 0)) or (kind[1] > 0):
+        from . import masks
+
+        spec_kind, wl, wr = masks.normalize_window(kind, w.max_len)
+        spec = masks.MaskSpec(spec_kind, is_delta_q=bool(w.delta_q))
+        pairs = 0
+        for lq, lk in zip(lens_q, lens_k):
+            seq = masks.seq_mask_from_lengths(spec, lq, lk, wl, wr)
+            pairs += int(masks.dense_mask(spec, seq).sum()) if lq * lk < 2**26 else _band_pairs(spec, seq)
+        return 4.0 * hd * pairs, "allowed"
+    sq = sum(n * n for n in lens_k)
+    if kind == (-1, 0):
+        return 2.0 * hd * sq, "causal"
+    return 4.0 * hd * sq, "dense"
+
+
+def _band_pairs(spec, seq) -> int:
+    from . import masks
+
+    total = 0
+    for i in range(int(seq.seqlen_q)):
+        r = i + seq.row_offset
+        lo = max(0, r - seq.window_left) if spec.kind == masks.MaskKind.LOCAL else 0
+        hi = min(seq.seqlen_k - 1, r + seq.window_right) if spec.kind == masks.MaskKind.LOCAL else r
+        total += max(0, hi - lo + 1)
+    return total
+
+
+def time_cuda(fns, warmup: int = 5, reps: int = 30) -> tuple[float, float]:
+    """Median and IQR (ms) of single-launch times, rotating over ``fns`` (one per input set so
+    repeated runs do not just re-read L2)."""
+    for i in range(warmup):
+        fns[i % len(fns)]()
+    torch.cuda.synchronize()
+    times = []
+    for i in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fns[i % len(fns)]()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    q1, q3 = times[len(times) // 4], times[(3 * len(times)) // 4]
+    return statistics.median(times), q3 - q1
+
+
+def gemm_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms, _ = time_cuda([lambda: a @ b], warmup=5, reps=20)
+    return 2 * 8192**3 / ms / 1e9
+
+
+def sdpa_tflops(w: Workload, backend: str) -> float | None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    dtype = getattr(torch, w.dtype)
+    sets = []
+    for _ in range(3):
+        q, k, v = (torch.randn(w.batch, w.heads, w.max_len, w.head_dim, device="cuda", dtype=dtype) for _ in range(3))
+        sets.append((q, k, v))
+    causal = w.window == (-1, 0)
+    try:
+        with sdpa_kernel([be]):
+            fns = [lambda s=s: torch.nn.functional.scaled_dot_product_attention(*s, is_causal=causal) for s in sets]
+            ms, _ = time_cuda(fns)
+    except RuntimeError:
+        return None
+    f = 2.0 * w.heads * w.head_dim * w.batch * w.max_len**2 * (1 if causal else 2)
+    return f / ms / 1e9
+
+
+def run_workload(w: Workload, tiles: dict | None = None, sets: int = 3) -> dict:
+    from . import api
+
+    inputs = [make_inputs(w, seed=s) for s in range(sets)]
+    lens_q, lens_k = inputs[0]["_lens_q"], inputs[0]["_lens_k"]
+    calls = []
+    for kw in inputs:
+        kw = {k: v for k, v in kw.items() if not k.startswith("_")}
+        p = api.validate(
+            kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
+            kw["max_seqlen_k"], kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1),
+            kw["window_size"], 1.0, kw.get("rab"), False, kw["is_delta_q"], None, None, None, None, -1, -1,
+            None, None,
+        )
+        calls.append(lambda kw=kw, p=p: api.forward(
+            kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
+            kw["max_seqlen_k"], kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1),
+            1.0, kw.get("rab"), None, None, p, tiles))
+    calls[0]()  # compile (or load from the module cache) outside the timing
+    ms, iqr = time_cuda(calls)
+    f, convention = flops(w, lens_q, lens_k)
+    row = dict(workload=w.name, ms=ms, iqr_ms=iqr, tflops=f / ms / 1e9, flops=convention,
+               tiles=tiles or "default")
+    if w.sdpa:
+        row["sdpa_flash"] = sdpa_tflops(w, "flash")
+        row["sdpa_cudnn"] = sdpa_tflops(w, "cudnn")
+    return row
+
+
+def host_overhead_us(n: int = 2000) -> dict:
+    """Host time per call on a tiny problem: the public API and the bare compiled launch."""
+    from . import api
+
+    w = Workload("tiny", 1, 128, heads=1, head_dim=64)
+    kw = {k: v for k, v in make_inputs(w).items() if not k.startswith("_")}
+    fn = lambda: api.hstu_attn_varlen_func(**kw)  # noqa: E731
+    fn()
+    torch.cuda.synchronize()
+    import time
+
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return {"api_us": (t1 - t0) / n * 1e6}

@@ -1,0 +1,482 @@
+"""PyTorch oracle for HSTU attention (spec sections 2-5).
+
+This module is the test oracle, written for clarity rather than speed: it loops over the
+sequences of a jagged batch on the host and builds each sequence's dense mask with
+:mod:`hstu_cute.masks` (the one description of the mask semantics), so the oracle and the kernels'
+tile classification cannot drift apart.
+
+Two variants, selected by ``compute_dtype`` (spec section 5):
+
+* ``ref_fp32`` (``compute_dtype=torch.float32``, the default): every input is upcast and the whole
+  computation runs in fp32. More generally any ``compute_dtype`` other than the input dtype (for
+  example ``torch.float64`` in the unit tests) upcasts to that dtype.
+* ``ref_same_dtype`` (``compute_dtype=None`` or the input dtype): mimics the kernel's rounding
+  points -- fp32 ``Q K^T`` accumulated on top of the rab tile, mask, ``x alpha``, SiLU in fp32,
+  ``P`` rounded to the input dtype, ``P V`` accumulated in fp32, divided by ``S`` once at the end,
+  rounded to the input dtype.
+
+Gradients come from torch autograd on this function (``drab`` falls out of the indexing of the rab
+slab; ``H_rab == 1`` broadcasts over the heads so its gradient is summed over them).
+:func:`reference_grads` wraps that. :func:`ratio_check` is the spec section 5 pass rule and
+:func:`random_jagged_batch` draws inputs for both the oracle and ``hstu_attn_varlen_func``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .masks import MaskSpec, dense_mask, normalize_window, seq_mask_from_lengths
+
+__all__ = [
+    "hstu_attn_reference",
+    "reference_grads",
+    "ratio_check",
+    "random_jagged_batch",
+    "DEFAULT_RATIO_EPS",
+]
+
+# Absolute slack of the ratio rule. See ratio_check for the reasoning.
+DEFAULT_RATIO_EPS = 1e-6
+
+
+def _host_list(t: torch.Tensor | None, name: str, length: int) -> list[int] | None:
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        t = torch.as_tensor(t)
+    if t.dim() != 1 or t.numel() != length:
+        raise ValueError(f"{name} must be 1-D with {length} entries, got shape {tuple(t.shape)}")
+    return [int(x) for x in t.detach().cpu().tolist()]
+
+
+def hstu_attn_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_offsets_q: torch.Tensor,
+    seq_offsets_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    num_contexts: torch.Tensor | None = None,
+    num_targets: torch.Tensor | None = None,
+    target_group_size: int = 1,
+    window_size: tuple[int, int] = (-1, -1),
+    alpha: float = 1.0,
+    rab: torch.Tensor | None = None,
+    is_delta_q: bool = False,
+    *,
+    scaling_seqlen: int = -1,
+    seqused_q: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
+    compute_dtype: torch.dtype | None = torch.float32,
+    has_drab: bool = False,
+) -> torch.Tensor:
+    """HSTU attention forward, spec section 2, differentiable w.r.t. q, k, v and rab.
+
+    Returns ``out`` of shape ``(T_q, H, D)``: in ``compute_dtype`` for the upcast variant, in the
+    input dtype for the same-dtype variant (``compute_dtype`` None or equal to ``q.dtype``).
+    Padding rows (between a sequence's valid length and the next offset), rows of empty sequences
+    and rows past ``seq_offsets_q[-1]`` are exactly zero.
+
+    ``has_drab`` is accepted (and ignored) only so that the same keyword dict can be passed to
+    this oracle and to ``hstu_attn_varlen_func``: the oracle always carries rab's gradient.
+    """
+    del has_drab
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor (T, H, D), got {getattr(t, 'shape', t)}")
+    T_q, H, D = q.shape
+    if k.shape[1:] != (H, D) or v.shape[1] != H or k.shape[0] != v.shape[0]:
+        raise ValueError(
+            f"k/v must be (T_k, H={H}, D={D}) with equal T_k, got k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    D_v = v.shape[2]
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v dtypes must match, got {q.dtype}, {k.dtype}, {v.dtype}")
+    in_dtype = q.dtype
+    device = q.device
+
+    same_dtype = compute_dtype is None or compute_dtype == in_dtype
+    if same_dtype:
+        # The kernel accumulates in fp32 (or wider if the inputs already are).
+        acc_dtype = torch.promote_types(in_dtype, torch.float32)
+        out_dtype = in_dtype
+    else:
+        acc_dtype = compute_dtype
+        out_dtype = compute_dtype
+
+    offs_q = _host_list(seq_offsets_q, "seq_offsets_q", len(seq_offsets_q))
+    B = len(offs_q) - 1
+    if B < 1:
+        raise ValueError(f"seq_offsets_q must have length B+1 >= 2, got {len(offs_q)}")
+    offs_k = _host_list(seq_offsets_k, "seq_offsets_k", B + 1)
+    used_q = _host_list(seqused_q, "seqused_q", B)
+    used_k = _host_list(seqused_k, "seqused_k", B)
+    ctx = _host_list(num_contexts, "num_contexts", B)
+    tgt = _host_list(num_targets, "num_targets", B)
+    if offs_q[-1] > T_q or offs_k[-1] > k.shape[0]:
+        raise ValueError(
+            f"offsets exceed the tensors: seq_offsets_q[-1]={offs_q[-1]} (T_q={T_q}), "
+            f"seq_offsets_k[-1]={offs_k[-1]} (T_k={k.shape[0]})"
+        )
+    if int(target_group_size) < 1:
+        raise ValueError(f"target_group_size must be >= 1, got {target_group_size}")
+
+    kind, wl, wr = normalize_window(window_size, max_seqlen_k)
+    spec = MaskSpec(
+        kind,
+        has_context=num_contexts is not None,
+        has_target=num_targets is not None,
+        is_delta_q=bool(is_delta_q),
+    )
+    if scaling_seqlen != -1 and scaling_seqlen <= 0:
+        raise ValueError(f"scaling_seqlen must be -1 or positive, got {scaling_seqlen}")
+    S = scaling_seqlen if scaling_seqlen != -1 else max_seqlen_q
+    if S <= 0:
+        # Only reachable for an all-empty batch with max_seqlen_q == 0; nothing is divided then.
+        S = 1
+
+    if rab is not None:
+        if rab.dim() != 4 or rab.shape[0] != B or rab.shape[1] not in (1, H):
+            raise ValueError(
+                f"rab must be (B={B}, H_rab in {{1, {H}}}, max_seqlen_k, max_seqlen_k), got {tuple(rab.shape)}"
+            )
+        if rab.shape[2] < max_seqlen_k or rab.shape[3] < max_seqlen_k:
+            raise ValueError(
+                f"rab's last two dims must be >= max_seqlen_k={max_seqlen_k}, got {tuple(rab.shape)}"
+            )
+        rab_acc = rab.to(acc_dtype)  # exact for 16-bit rab; one autograd node for all slices
+
+    pieces: list[torch.Tensor] = []
+    cursor = 0
+    for b in range(B):
+        sq, eq = offs_q[b], offs_q[b + 1]
+        sk, ek = offs_k[b], offs_k[b + 1]
+        if eq < sq or ek < sk:
+            raise ValueError(f"offsets must be non-decreasing (sequence {b})")
+        Lq = used_q[b] if used_q is not None else eq - sq
+        Lk = used_k[b] if used_k is not None else ek - sk
+        if not (0 <= Lq <= eq - sq) or not (0 <= Lk <= ek - sk):
+            raise ValueError(
+                f"sequence {b}: valid lengths (Lq={Lq}, Lk={Lk}) must lie within the storage "
+                f"({eq - sq}, {ek - sk})"
+            )
+        if Lq > max_seqlen_q or Lk > max_seqlen_k:
+            raise ValueError(
+                f"sequence {b}: lengths (Lq={Lq}, Lk={Lk}) exceed max_seqlen ({max_seqlen_q}, {max_seqlen_k})"
+            )
+        if is_delta_q and Lq > Lk:
+            raise ValueError(f"sequence {b}: is_delta_q needs Lq <= Lk, got Lq={Lq}, Lk={Lk}")
+        c = ctx[b] if ctx is not None else 0
+        t = tgt[b] if tgt is not None else 0
+        if c < 0 or t < 0 or c + t > Lk:
+            raise ValueError(f"sequence {b}: need 0 <= c, t and c + t <= Lk, got c={c}, t={t}, Lk={Lk}")
+
+        if sq > cursor:
+            pieces.append(q.new_zeros((sq - cursor, H, D_v), dtype=out_dtype))
+        cursor = eq
+        if Lq > 0:
+            seq = seq_mask_from_lengths(spec, Lq, Lk, wl, wr, c, t, int(target_group_size))
+            # (Lq, Lk) bool; expand because dense_mask gives (1, Lk) for MaskKind.NONE.
+            mask = dense_mask(spec, seq, device=device).expand(Lq, Lk)
+            row0 = seq.row_offset  # key-coordinate row of query 0
+
+            qb = q[sq : sq + Lq].to(acc_dtype).transpose(0, 1)  # (H, Lq, D)
+            kb = k[sk : sk + Lk].to(acc_dtype).transpose(0, 1)  # (H, Lk, D)
+            vb = v[sk : sk + Lk].transpose(0, 1)  # (H, Lk, Dv)
+            scores = torch.matmul(qb, kb.transpose(1, 2))  # (H, Lq, Lk), fp32 (or wider)
+            if rab is not None:
+                scores = scores + rab_acc[b, :, row0 : row0 + Lq, :Lk]  # H_rab=1 broadcasts
+            z = scores * alpha
+            p = torch.where(mask, torch.nn.functional.silu(z), torch.zeros((), dtype=acc_dtype, device=device))
+            if same_dtype:
+                # P rounded to the input dtype, P.V accumulated in fp32, / S, rounded.
+                p = p.to(in_dtype).to(acc_dtype)
+                o = torch.matmul(p, vb.to(acc_dtype)) / S
+                o = o.to(in_dtype)
+            else:
+                o = torch.matmul(p, vb.to(acc_dtype)) / S
+            pieces.append(o.transpose(0, 1))
+        if eq - sq - Lq > 0:
+            pieces.append(q.new_zeros((eq - sq - Lq, H, D_v), dtype=out_dtype))
+    if T_q > cursor:
+        pieces.append(q.new_zeros((T_q - cursor, H, D_v), dtype=out_dtype))
+    if not pieces:
+        return q.new_zeros((0, H, D_v), dtype=out_dtype)
+    return torch.cat(pieces, dim=0)
+
+
+def reference_grads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_offsets_q: torch.Tensor,
+    seq_offsets_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    num_contexts: torch.Tensor | None = None,
+    num_targets: torch.Tensor | None = None,
+    target_group_size: int = 1,
+    window_size: tuple[int, int] = (-1, -1),
+    alpha: float = 1.0,
+    rab: torch.Tensor | None = None,
+    is_delta_q: bool = False,
+    *,
+    dout: torch.Tensor,
+    scaling_seqlen: int = -1,
+    seqused_q: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
+    compute_dtype: torch.dtype | None = torch.float32,
+    has_drab: bool = False,
+) -> dict[str, torch.Tensor | None]:
+    """Autograd gradients of :func:`hstu_attn_reference` for upstream gradient ``dout``.
+
+    Runs on fresh leaf copies (the caller's tensors are untouched). For the upcast variant the
+    leaves are in ``compute_dtype`` (so the fp32 oracle's gradients are not rounded back to 16
+    bits); for the same-dtype variant they are in the input dtype, and the gradients come back in
+    it. Returns ``dict(out, dq, dk, dv, drab)``; ``drab`` is None when ``rab`` is None.
+    """
+    same_dtype = compute_dtype is None or compute_dtype == q.dtype
+    leaf_dtype = q.dtype if same_dtype else compute_dtype
+
+    def leaf(t):
+        return t.detach().to(leaf_dtype).clone().requires_grad_(True)
+
+    ql, kl, vl = leaf(q), leaf(k), leaf(v)
+    rl = leaf(rab) if rab is not None else None
+    out = hstu_attn_reference(
+        ql, kl, vl, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
+        num_contexts, num_targets, target_group_size, window_size, alpha, rl, is_delta_q,
+        scaling_seqlen=scaling_seqlen, seqused_q=seqused_q, seqused_k=seqused_k,
+        compute_dtype=compute_dtype,
+    )  # fmt: skip
+    inputs = [ql, kl, vl] + ([rl] if rl is not None else [])
+    if out.requires_grad:
+        grads = torch.autograd.grad(out, inputs, dout.to(out.dtype), allow_unused=True)
+    else:  # nothing attends (e.g. an empty batch)
+        grads = [None] * len(inputs)
+    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads)]
+    return {
+        "out": out.detach(),
+        "dq": grads[0],
+        "dk": grads[1],
+        "dv": grads[2],
+        "drab": grads[3] if rl is not None else None,
+    }
+
+
+def ratio_check(
+    kernel_out: torch.Tensor,
+    ref_fp32: torch.Tensor,
+    ref_same: torch.Tensor,
+    factor: float,
+    eps: float = DEFAULT_RATIO_EPS,
+) -> tuple[bool, float, float]:
+    """Spec section 5 pass rule: ``max|kernel - ref_fp32| <= factor * max|ref_same - ref_fp32| + eps``.
+
+    Returns ``(ok, kernel_err, ref_err)``. Fails on any NaN (in any of the three tensors) and on
+    a non-finite error. Use ``factor=2`` for outputs and ``factor=5`` for dq, dk, dv, drab.
+
+    Why ``eps = 1e-6`` by default: the rule is relative to the same-dtype oracle's own error, which
+    is exactly zero only where the true result is exactly representable -- in practice all-zero
+    outputs (every key masked, empty sequences, padding rows) or tiny cases. There a correct
+    kernel may still differ by fp32 accumulation-order noise (~1e-7 relative to O(1) values) in
+    fp32 intermediates, so a zero slack would be flaky. 1e-6 stays well below one bf16/fp16 ulp of
+    the output magnitudes these tests produce (O(1e-2)..O(1): ulps ~1e-4..1e-2 for bf16), so it
+    cannot hide an error of a whole rounding step.
+    """
+    if kernel_out.shape != ref_fp32.shape or ref_same.shape != ref_fp32.shape:
+        raise ValueError(
+            f"shape mismatch: kernel {tuple(kernel_out.shape)}, ref_fp32 {tuple(ref_fp32.shape)}, "
+            f"ref_same {tuple(ref_same.shape)}"
+        )
+    kf = kernel_out.detach().to(torch.float64)
+    rf = ref_fp32.detach().to(torch.float64)
+    rs = ref_same.detach().to(torch.float64)
+    if kf.numel() == 0:
+        return True, 0.0, 0.0
+    kernel_err = (kf - rf).abs().max().item()
+    ref_err = (rs - rf).abs().max().item()
+    any_nan = bool(torch.isnan(kf).any() or torch.isnan(rf).any() or torch.isnan(rs).any())
+    ok = (
+        not any_nan
+        and math.isfinite(kernel_err)
+        and math.isfinite(ref_err)
+        and kernel_err <= factor * ref_err + eps
+    )
+    return ok, kernel_err, ref_err
+
+
+def _draw_lengths(spec, B: int, max_len: int, min_len: int, gen: torch.Generator, name: str) -> list[int]:
+    if isinstance(spec, str):
+        if spec == "full":
+            return [max_len] * B
+        if spec == "random":
+            lo = min(max(min_len, 0), max_len)
+            return torch.randint(lo, max_len + 1, (B,), generator=gen).tolist()
+        raise ValueError(f"{name} must be 'full', 'random' or a sequence of ints, got {spec!r}")
+    out = [int(x) for x in spec]
+    if len(out) != B:
+        raise ValueError(f"{name} must have batch_size={B} entries, got {len(out)}")
+    if any(x < 0 or x > max_len for x in out):
+        raise ValueError(f"{name} entries must lie in [0, {max_len}], got {out}")
+    return out
+
+
+def _offsets(lengths: list[int], device) -> torch.Tensor:
+    offs = [0]
+    for n in lengths:
+        offs.append(offs[-1] + n)
+    return torch.tensor(offs, dtype=torch.int32, device=device)
+
+
+def _uniform(shape, gen, dtype, device, requires_grad) -> torch.Tensor:
+    x = (torch.rand(shape, generator=gen, dtype=torch.float32) * 2 - 1).to(dtype=dtype, device=device)
+    return x.requires_grad_(requires_grad)
+
+
+def random_jagged_batch(
+    batch_size: int,
+    num_heads: int,
+    head_dim: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int | None = None,
+    *,
+    lengths: str | Sequence[int] = "random",
+    lengths_q: str | Sequence[int] | None = None,
+    min_seqlen: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    is_delta_q: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alpha: float = 1.0,
+    rab_heads: int | None = None,
+    num_contexts: int | Sequence[int] | None = None,
+    num_targets: int | Sequence[int] | None = None,
+    target_group_size: int = 1,
+    seqused: bool = False,
+    scaling_seqlen: int = -1,
+    requires_grad: bool = False,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, Any]:
+    """Draw a random jagged batch; returns the keyword dict for both :func:`hstu_attn_reference`
+    and ``hstu_attn_varlen_func`` (pass ``has_drab=True`` yourself when you want drab).
+
+    * ``lengths``: the key-sequence storage lengths, ``"full"`` (all ``max_seqlen_k``),
+      ``"random"`` (uniform in ``[min_seqlen, max_seqlen_k]``) or an explicit list.
+    * Without ``is_delta_q``: ``max_seqlen_q`` must equal ``max_seqlen_k`` and the query lengths
+      equal the key lengths. With ``is_delta_q``: query lengths come from ``lengths_q`` (same
+      options; default ``"random"``, ``"full"`` meaning ``min(Lk, max_seqlen_q)``) and are clipped
+      to ``Lq <= min(Lk, max_seqlen_q)`` when drawn.
+    * ``seqused``: draw valid prefixes ``seqused_k`` in ``[0, storage_k]`` (and ``seqused_q``: equal
+      to ``seqused_k`` clipped to the query storage without delta_q; in ``[0, min(storage_q,
+      seqused_k)]`` with delta_q); the rest of the storage is padding.
+    * ``num_contexts`` / ``num_targets``: None (absent), an int (upper bound: drawn per sequence
+      with ``c + t <= L``, L the valid key length; contexts first) or an explicit list.
+    * ``rab_heads``: None (no rab), 1 or ``num_heads``; rab is ``(B, rab_heads, max_seqlen_k,
+      max_seqlen_k)`` uniform(-1, 1), like q, k, v.
+    Random draws come from a CPU generator (``seed`` or ``generator``), so a seed gives the same
+    batch on every device.
+    """
+    if max_seqlen_k is None:
+        max_seqlen_k = max_seqlen_q
+    if max_seqlen_q > max_seqlen_k:
+        raise ValueError(f"max_seqlen_q={max_seqlen_q} must be <= max_seqlen_k={max_seqlen_k}")
+    if not is_delta_q and max_seqlen_q != max_seqlen_k:
+        raise ValueError(
+            f"max_seqlen_q={max_seqlen_q} < max_seqlen_k={max_seqlen_k} requires is_delta_q=True"
+        )
+    gen = generator
+    if gen is None:
+        gen = torch.Generator()
+        # Without a seed, draw one from torch's global RNG (so torch.manual_seed makes it repeatable).
+        gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
+    B = batch_size
+
+    store_k = _draw_lengths(lengths, B, max_seqlen_k, min_seqlen, gen, "lengths")
+    if is_delta_q:
+        if lengths_q is None or isinstance(lengths_q, str):
+            mode = lengths_q or "random"
+            if mode == "full":
+                store_q = [min(n, max_seqlen_q) for n in store_k]
+            elif mode == "random":
+                store_q = [
+                    int(torch.randint(0, min(n, max_seqlen_q) + 1, (1,), generator=gen)) for n in store_k
+                ]
+            else:
+                raise ValueError(f"lengths_q must be 'full', 'random' or a sequence of ints, got {mode!r}")
+        else:
+            store_q = _draw_lengths(lengths_q, B, max_seqlen_q, 0, gen, "lengths_q")
+            if any(a > b for a, b in zip(store_q, store_k)):
+                raise ValueError(f"is_delta_q needs Lq <= Lk: lengths_q={store_q}, lengths={store_k}")
+    else:
+        if lengths_q is not None:
+            raise ValueError("lengths_q is only meaningful with is_delta_q=True")
+        store_q = list(store_k)
+
+    if seqused:
+        used_k = [int(torch.randint(0, n + 1, (1,), generator=gen)) for n in store_k]
+        if is_delta_q:
+            used_q = [int(torch.randint(0, min(sq, uk) + 1, (1,), generator=gen)) for sq, uk in zip(store_q, used_k)]
+        else:
+            used_q = [min(uk, sq) for uk, sq in zip(used_k, store_q)]
+    else:
+        used_k, used_q = store_k, store_q
+
+    def draw_ct(arg, name, room):
+        if arg is None:
+            return None
+        if isinstance(arg, int):
+            return [int(torch.randint(0, max(0, min(arg, r)) + 1, (1,), generator=gen)) for r in room]
+        vals = [int(x) for x in arg]
+        if len(vals) != B:
+            raise ValueError(f"{name} must have batch_size={B} entries, got {len(vals)}")
+        return vals
+
+    ctx = draw_ct(num_contexts, "num_contexts", used_k)
+    room_t = [L - (ctx[b] if ctx is not None else 0) for b, L in enumerate(used_k)]
+    tgt = draw_ct(num_targets, "num_targets", room_t)
+    for b in range(B):
+        c = ctx[b] if ctx is not None else 0
+        t = tgt[b] if tgt is not None else 0
+        if c < 0 or t < 0 or c + t > used_k[b]:
+            raise ValueError(f"sequence {b}: need c + t <= L, got c={c}, t={t}, L={used_k[b]}")
+
+    T_q, T_k = sum(store_q), sum(store_k)
+    H, D = num_heads, head_dim
+    q = _uniform((T_q, H, D), gen, dtype, device, requires_grad)
+    k = _uniform((T_k, H, D), gen, dtype, device, requires_grad)
+    v = _uniform((T_k, H, D), gen, dtype, device, requires_grad)
+    rab = None
+    if rab_heads is not None:
+        if rab_heads not in (1, H):
+            raise ValueError(f"rab_heads must be 1 or num_heads={H}, got {rab_heads}")
+        rab = _uniform((B, rab_heads, max_seqlen_k, max_seqlen_k), gen, dtype, device, requires_grad)
+
+    def i32(vals):
+        return None if vals is None else torch.tensor(vals, dtype=torch.int32, device=device)
+
+    return {
+        "q": q,
+        "k": k,
+        "v": v,
+        "seq_offsets_q": _offsets(store_q, device),
+        "seq_offsets_k": _offsets(store_k, device),
+        "max_seqlen_q": int(max_seqlen_q),
+        "max_seqlen_k": int(max_seqlen_k),
+        "num_contexts": i32(ctx),
+        "num_targets": i32(tgt),
+        "target_group_size": int(target_group_size),
+        "window_size": tuple(window_size),
+        "alpha": alpha,
+        "rab": rab,
+        "is_delta_q": bool(is_delta_q),
+        "scaling_seqlen": int(scaling_seqlen),
+        "seqused_q": i32(used_q) if seqused else None,
+        "seqused_k": i32(used_k) if seqused else None,
+    }

@@ -1,0 +1,52 @@
+"""Timing run on the GPU: reference lines, the headline shape with a tile sweep, the grid.
+Writes JSON lines to $OUT/perf.jsonl (or ./perf.jsonl) and prints a short table last."""
+
+import json
+import os
+import sys
+
+import torch
+
+from hstu_cute import bench
+
+out_dir = os.environ.get("OUT", ".")
+rows = []
+
+
+def emit(row):
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    with open(os.path.join(out_dir, "perf.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+emit({"ref": "gemm_bf16_8192", "tflops": bench.gemm_tflops(), "device": torch.cuda.get_device_name()})
+mode = sys.argv[1] if len(sys.argv) > 1 else "headline"
+if mode in ("sweep", "all"):
+    w = bench.headline()
+    for tm, tn, nw, st in ((128, 64, 4, 2), (128, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 4, 2),
+                           (128, 128, 4, 1), (192, 64, 4, 2)):
+        try:
+            emit(bench.run_workload(bench.replace(w, sdpa=False), dict(tile_m=tm, tile_n=tn, num_warps=nw, num_stages=st)))
+        except Exception as e:  # a config may not fit smem/registers
+            emit({"workload": w.name, "tiles": [tm, tn, nw, st], "error": repr(e)[:300]})
+if mode in ("headline", "all"):
+    emit(bench.run_workload(bench.headline()))
+if mode in ("grid", "all"):
+    for w in bench.default_grid():
+        emit(bench.run_workload(w))
+emit({"host_overhead": bench.host_overhead_us()})
+
+print("\n=== summary ===")
+for r in rows:
+    if "workload" in r and "tflops" in r:
+        extra = ""
+        if r.get("sdpa_flash"):
+            extra = f"  sdpa flash {r['sdpa_flash']:.0f}  cudnn {r['sdpa_cudnn'] or 0:.0f}"
+        print(f"{r['workload']:28s} {str(r['tiles']):60s} {r['tflops']:7.1f} TF ({r['flops']}) {r['ms']:.3f} ms{extra}")
+    elif "ref" in r:
+        print(f"{r['ref']:28s} {r['tflops']:.0f} TF")
+    elif "host_overhead" in r:
+        print("host overhead", r["host_overhead"])
+    elif "error" in r:
+        print(f"{r['workload']:28s} {r['tiles']} ERROR {r['error'][:100]}")

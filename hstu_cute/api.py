@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from . import masks
-from .ampere import AmpereFwdKey, default_fwd_tiles
+from .ampere import AmpereFwdKey, make_fwd_key
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -289,31 +289,23 @@ INT32_MAX = 2**31 - 1
 
 
 def fwd_key(p: Problem, arch: str, rab, tiles: dict | None = None) -> AmpereFwdKey:
-    context_target = p.mask.has_context or p.mask.has_target
-    return AmpereFwdKey(
-        arch=arch,
-        dtype=_DTYPE_NAMES[p.dtype],
-        head_dim=p.head_dim,
-        mask_kind=int(p.mask.kind),
-        has_context=context_target,
-        has_target=context_target,
-        has_rab=rab is not None,
-        rab_vec=_rab_vec(rab) if rab is not None else 8,
-        # tanh.approx (one MUFU op) is well below bf16's rounding of P; fp16 keeps 3 more mantissa
-        # bits, so it takes the exp2 form.
-        fast_silu=p.dtype == torch.bfloat16,
-        **(tiles or default_fwd_tiles(p.head_dim)),
-    )
+    return make_fwd_key(arch, _DTYPE_NAMES[p.dtype], p.head_dim, p.mask.kind,
+                        p.mask.has_context or p.mask.has_target, rab is not None,
+                        _rab_vec(rab) if rab is not None else 8, tiles)
 
 
 def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-            target_group_size, alpha, rab, seqused_q, seqused_k, p: Problem, tiles: dict | None = None) -> torch.Tensor:
+            target_group_size, alpha, rab, seqused_q, seqused_k, p: Problem, tiles: dict | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
     from .cache import default_cache
     from .compile import build
 
     if kernel_path(q.device) != "ampere":  # pragma: no cover - only the ampere path exists
         raise NotImplementedError("no kernel for this device")
-    out = (torch.zeros if seqused_q is not None else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if seqused_q is not None:
+        out.zero_()  # padding rows (past seqused_q) are never written by the kernel
     if q.shape[0] == 0 or max_seqlen_q == 0 or p.batch == 0:
         return out.zero_()
     q, k, v = _aligned_16(q), _aligned_16(k), _aligned_16(v)

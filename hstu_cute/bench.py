@@ -215,19 +215,42 @@ def run_workload(w: Workload, tiles: dict | None = None, sets: int = 3) -> dict:
 
 
 def host_overhead_us(n: int = 2000) -> dict:
-    """Host time per call on a tiny problem: the public API and the bare compiled launch."""
+    """Host time per call on a tiny problem (no sync inside the loop): the public API, its
+    validation alone, and the bare compiled launch with prepared arguments."""
+    import time
+
     from . import api
+    from .cache import default_cache
+    from .compile import build
 
     w = Workload("tiny", 1, 128, heads=1, head_dim=64)
     kw = {k: v for k, v in make_inputs(w).items() if not k.startswith("_")}
-    fn = lambda: api.hstu_attn_varlen_func(**kw)  # noqa: E731
-    fn()
-    torch.cuda.synchronize()
-    import time
+    p = api.validate(kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
+                     kw["max_seqlen_k"], None, None, 1, kw["window_size"], 1.0, None, False, False,
+                     None, None, None, None, -1, -1, None, None)
+    key = api.fwd_key(p, api.device_arch(kw["q"].device), None)
+    compiled = default_cache().get(key, lambda: build(key))
+    out = torch.empty_like(kw["q"])
+    used = torch.full((1,), 2**31 - 1, dtype=torch.int32, device="cuda")
+    launch_args = (kw["q"], kw["k"], kw["v"], out, kw["seq_offsets_q"], kw["seq_offsets_k"], used, used, None, None,
+                   None, 1.0, 1.0 / 128, p.window_left, p.window_right, 1, 0, 1)
 
-    t0 = time.perf_counter()
-    for _ in range(n):
+    def per_call(fn):
         fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return {"api_us": (t1 - t0) / n * 1e6}
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        return (t1 - t0) / n * 1e6
+
+    return {
+        "api_us": per_call(lambda: api.hstu_attn_varlen_func(**kw)),
+        "validate_us": per_call(lambda: api.validate(
+            kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
+            kw["max_seqlen_k"], None, None, 1, kw["window_size"], 1.0, None, False, False,
+            None, None, None, None, -1, -1, None, None)),
+        "launch_us": per_call(lambda: compiled(*launch_args)),
+        "empty_like_us": per_call(lambda: torch.empty_like(kw["q"])),
+    }

@@ -45,6 +45,7 @@ def build_ampere_fwd(key):
         key.num_warps,
         key.num_stages,
         key.fast_silu,
+        key.lpt_grid,
     )
     t_q, t_k, heads = cute.sym_int(), cute.sym_int(), cute.sym_int()
     batch, batch1 = cute.sym_int(), cute.sym_int()

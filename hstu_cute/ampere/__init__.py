@@ -31,6 +31,7 @@ class AmpereFwdKey:
     num_warps: int = 4
     num_stages: int = 2
     fast_silu: bool = True
+    lpt_grid: bool = False
 
     @property
     def mask(self) -> MaskSpec:
@@ -54,3 +55,32 @@ def default_fwd_tiles(head_dim: int) -> dict:
     if head_dim <= 128:
         return dict(tile_m=128, tile_n=64, num_warps=4, num_stages=2)
     return dict(tile_m=64, tile_n=64, num_warps=4, num_stages=1)
+
+
+SHIPPED_DTYPES = ("bfloat16", "float16")
+SHIPPED_HEAD_DIMS = (32, 64, 128, 256)
+# (mask_kind, context+target): none, local, causal, causal with contexts/targets.
+SHIPPED_MASKS = ((MaskKind.NONE, False), (MaskKind.LOCAL, False), (MaskKind.CAUSAL, False), (MaskKind.CAUSAL, True))
+SHIPPED_RAB = ((False, 8), (True, 8), (True, 1))
+
+
+def shipped_fwd_keys(arch: str, dtypes=SHIPPED_DTYPES, head_dims=SHIPPED_HEAD_DIMS) -> list[AmpereFwdKey]:
+    """Every forward variant the API can select for ``arch`` (what CI compiles, what warmup builds)."""
+    keys = []
+    for dtype in dtypes:
+        for head_dim in head_dims:
+            for kind, context_target in SHIPPED_MASKS:
+                for has_rab, rab_vec in SHIPPED_RAB:
+                    keys.append(make_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, rab_vec))
+    return keys
+
+
+def make_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, rab_vec, tiles=None) -> AmpereFwdKey:
+    return AmpereFwdKey(
+        arch=arch, dtype=dtype, head_dim=head_dim, mask_kind=int(kind),
+        has_context=context_target, has_target=context_target, has_rab=has_rab, rab_vec=rab_vec if has_rab else 8,
+        # tanh.approx (one MUFU op) is well below bf16's rounding of P; fp16 keeps 3 more mantissa
+        # bits, so it takes the exp2 form.
+        fast_silu=dtype == "bfloat16",
+        **(tiles or default_fwd_tiles(head_dim)),
+    )

@@ -25,8 +25,8 @@ from ..device_utils import (
 class HstuForwardSm80:
     """Forward kernel: out = sum_j mask(silu(alpha * (q.k + rab))) v / S over one jagged batch.
 
-    Grid: (m-blocks of max_seqlen_q, heads, batch); m-blocks run in reverse order so the longest
-    causal rows start first. CTAs whose m-block starts past the sequence's query length exit.
+    Grid: (m-blocks of max_seqlen_q, heads, batch), or (heads, batch, m-blocks) with ``lpt_grid``;
+    m-blocks run in reverse order so the longest causal rows start first. CTAs whose m-block starts past the sequence's query length exit.
 
     Warp roles: none -- all ``num_warps`` warps load (cp.async) and compute (mma.sync m16n8k16);
     each warp owns 16-row slices of the ``tile_m`` query rows.
@@ -52,6 +52,7 @@ class HstuForwardSm80:
         num_warps: int,
         num_stages: int,
         fast_silu: bool,
+        lpt_grid: bool = False,
     ):
         self.dtype = dtype
         self.head_dim = head_dim
@@ -64,6 +65,7 @@ class HstuForwardSm80:
         self.num_threads = num_warps * 32
         self.num_stages = num_stages
         self.fast_silu = fast_silu
+        self.lpt_grid = lpt_grid
         assert tile_m % (16 * num_warps) == 0
         assert head_dim % 32 == 0 and tile_n % 16 == 0
 
@@ -151,13 +153,17 @@ class HstuForwardSm80:
 
         num_batch = mOffsetsQ.shape[0] - 1
         num_heads = mQ.shape[1]
+        if const_expr(self.lpt_grid):
+            grid = [num_heads, num_batch, num_m_blocks]
+        else:
+            grid = [num_m_blocks, num_heads, num_batch]
         self.kernel(
             mQ, mK, mV, mO, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
             alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
             sQ_layout, sKV_layout, sRab_layout, gmem_copy_qkv, gmem_copy_o, gmem_copy_rab, tiled_mma,
             SharedStorage,
         ).launch(
-            grid=[num_m_blocks, num_heads, num_batch],
+            grid=grid,
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -196,8 +202,15 @@ class HstuForwardSm80:
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
-        m_block_rev, head, batch = cute.arch.block_idx()
-        num_m_blocks, _, _ = cute.arch.grid_dim()
+        if const_expr(self.lpt_grid):
+            # m-blocks vary slowest, heaviest (longest causal rows) first for every (head, batch):
+            # the last wave holds only the lightest tiles.
+            head, batch, m_block_rev = cute.arch.block_idx()
+            _, _, num_m_blocks = cute.arch.grid_dim()
+        else:
+            # m-blocks vary fastest: CTAs resident together share one (head, batch)'s K/V in L2.
+            m_block_rev, head, batch = cute.arch.block_idx()
+            num_m_blocks, _, _ = cute.arch.grid_dim()
         m_block = num_m_blocks - 1 - m_block_rev
 
         # ---- sequence geometry (offsets clamped to the tensors: no input can address outside) ----

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The one GPU call: precompile (parallel) -> GPU tests -> compute-sanitizer -> benchmark.
+# Usage on the GPU machine: scripts/gpu_check.sh [headline|grid|sweep|all]. Logs under $OUT (or ./gpu-out).
+set -uo pipefail
+OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
+export HSTU_CUTE_CACHE_DIR="${HSTU_CUTE_CACHE_DIR:-/tmp/hstu-cute-cache}"
+status=()
+t0=$(date +%s)
+python -m hstu_cute warmup --workers "$(nproc)" > "$OUT/warmup.log" 2>&1; status+=("warmup rc=$? $(( $(date +%s) - t0 ))s")
+t0=$(date +%s)
+python -m pytest -q -m gpu tests -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1; rc=$?
+status+=("gpu tests rc=$rc $(( $(date +%s) - t0 ))s: $(tail -n 1 "$OUT/gpu-tests.log")")
+t0=$(date +%s)
+compute-sanitizer --tool memcheck --error-exitcode 9 python scripts/sanitize_cases.py > "$OUT/sanitizer.log" 2>&1; rc=$?
+status+=("compute-sanitizer memcheck rc=$rc $(( $(date +%s) - t0 ))s: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -n 1)")
+python scripts/gpu_perf.py "${1:-all}" > "$OUT/perf.log" 2>&1; status+=("perf rc=$?")
+sed -n '/=== summary ===/,$p' "$OUT/perf.log"
+grep -E "FAILED|Error" "$OUT/gpu-tests.log" | head -n 20
+echo "=== gpu_check ==="
+printf '%s\n' "${status[@]}"

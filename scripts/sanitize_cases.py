@@ -1,0 +1,24 @@
+"""A small jagged batch through every mask family (and rab, delta_q, seqused), for compute-sanitizer."""
+import torch
+
+from hstu_cute import hstu_attn_varlen_func, reference
+
+CASES = {
+    "none": dict(window_size=(-1, -1)),
+    "causal": dict(window_size=(-1, 0)),
+    "local": dict(window_size=(13, 5)),
+    "context+target": dict(window_size=(-1, 0), num_contexts=9, num_targets=40, target_group_size=3),
+    "target": dict(window_size=(-1, 0), num_targets=60, target_group_size=1),
+    "delta_q causal": dict(window_size=(-1, 0), is_delta_q=True, max_seqlen_k=150),
+    "delta_q local": dict(window_size=(20, 3), is_delta_q=True, max_seqlen_k=150),
+    "delta_q none": dict(window_size=(-1, -1), is_delta_q=True, max_seqlen_k=150),
+    "rab H_rab=1 (odd row stride)": dict(window_size=(-1, 0), rab_heads=1),
+    "rab H_rab=H, seqused": dict(window_size=(-1, 0), rab_heads=2, seqused=True),
+}
+for name, kw in CASES.items():
+    for head_dim in (32, 256):
+        b = reference.random_jagged_batch(5, 2, head_dim, 99 if kw.get("is_delta_q") else 131,
+                                          device="cuda", seed=7, **kw)
+        hstu_attn_varlen_func(**b)
+    torch.cuda.synchronize()
+    print("ran", name, flush=True)

@@ -1,0 +1,127 @@
+"""Kernel vs oracle on the GPU (spec section 5 ratio rule). Skips cleanly without a GPU."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from hstu_cute import api, reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# FBGEMM's test shapes (spec section 5): (max_seqlen_q, max_seqlen_k); q < k means delta_q.
+SHAPES = [(32, 32), (99, 99), (256, 256), (1111, 1111), (27, 32), (8, 99), (51, 256), (160, 2000)]
+MASKS = {
+    "none": dict(window_size=(-1, -1)),
+    "causal": dict(window_size=(-1, 0)),
+    "local111,11": dict(window_size=(111, 11)),
+    "local111,222": dict(window_size=(111, 222)),
+    "ctx+tgt g1": dict(window_size=(-1, 0), num_contexts=333, num_targets=1111, target_group_size=1),
+    "tgt g11": dict(window_size=(-1, 0), num_targets=1111, target_group_size=11),
+    "ctx+tgt g222": dict(window_size=(-1, 0), num_contexts=333, num_targets=1111, target_group_size=222),
+}
+DTYPES = [torch.bfloat16, torch.float16]
+HEAD_DIMS = [32, 64, 128, 256]
+RABS = [None, 1, "H"]
+
+
+def _grid():
+    """A rotating design over the FBGEMM-like grid: every shape x mask pair, with dtype, head dim,
+    rab, alpha, lengths and seqused cycling so every option meets every shape and mask family."""
+    cases = []
+    for i, ((mq, mk), (mask_name, mask)) in enumerate(itertools.product(SHAPES, MASKS.items())):
+        delta = mq < mk
+        if delta and ("num_contexts" in mask or "num_targets" in mask):
+            continue  # spec section 1: delta_q excludes contexts/targets
+        cases.append(pytest.param(
+            dict(
+                max_seqlen_q=mq, max_seqlen_k=mk, is_delta_q=delta, mask=mask,
+                dtype=DTYPES[i % 2], head_dim=HEAD_DIMS[(i // 2) % 4], rab=RABS[i % 3],
+                alpha=(1.0, 0.1)[(i // 3) % 2], lengths=("random", "full")[(i // 5) % 2],
+                seqused=(i % 4) == 1,
+            ),
+            id=f"{mq}x{mk}-{mask_name}-{i}",
+        ))
+    return cases
+
+
+def _run(batch, dtype, heads=2, **kw):
+    """Poisoned output buffer -> kernel -> ratio rule against fp32 and same-dtype oracles."""
+    b = reference.random_jagged_batch(batch, heads, device="cuda", dtype=dtype, **kw)
+    p = api.validate(
+        b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"], b["max_seqlen_k"],
+        b["num_contexts"], b["num_targets"], b["target_group_size"], b["window_size"], b["alpha"], b["rab"],
+        False, b["is_delta_q"], None, None, None, None, -1, b["scaling_seqlen"], b["seqused_q"], b["seqused_k"],
+    )
+    out = torch.full_like(b["q"], float("nan"))
+    api.forward(
+        b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"], b["max_seqlen_k"],
+        b["num_contexts"], b["num_targets"], b["target_group_size"], b["alpha"], b["rab"], b["seqused_q"],
+        b["seqused_k"], p, out=out,
+    )
+    torch.cuda.synchronize()
+    ref32 = reference.hstu_attn_reference(**b)
+    ref_same = reference.hstu_attn_reference(**b, compute_dtype=None)
+    ok, err, ref_err = reference.ratio_check(out, ref32, ref_same, 2.0)
+    assert not torch.isnan(out).any(), "unwritten (poisoned) output rows"
+    assert ok, f"kernel err {err:.3e} > 2 x same-dtype err {ref_err:.3e}"
+    return b, out
+
+
+@pytest.mark.parametrize("case", _grid())
+def test_fbgemm_grid(case):
+    mask = case.pop("mask")
+    rab = case.pop("rab")
+    rab_heads = 2 if rab == "H" else rab
+    _run(32, case.pop("dtype"), rab_heads=rab_heads, seed=hash(str(case)) % 2**31, **mask, **case)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("mask", ["none", "causal", "ctx+tgt g11", "local111,11"])
+def test_edge_lengths(head_dim, mask):
+    m = dict(MASKS[mask])
+    if "num_contexts" in m or "num_targets" in m:
+        m["num_contexts"], m["num_targets"], m["target_group_size"] = 5, 20, 3
+    _run(4, torch.bfloat16, head_dim=head_dim, max_seqlen_q=1111, lengths=[0, 1, 17, 1111], rab_heads=1, **m)
+
+
+def test_all_target_sequences():
+    lens = [64, 300, 1, 129]
+    _run(4, torch.bfloat16, head_dim=128, max_seqlen_q=300, lengths=lens, window_size=(-1, 0),
+         num_targets=lens, target_group_size=7)
+
+
+@pytest.mark.parametrize("max_len", [0, 16])
+def test_empty_batch(max_len):
+    b = reference.random_jagged_batch(3, 2, 64, max_len, lengths=[0, 0, 0], device="cuda")
+    out = api.hstu_attn_varlen_func(**b)
+    assert out.shape == (0, 2, 64)
+
+
+def test_delta_q_with_seqused_and_scaling():
+    _run(8, torch.float16, head_dim=64, max_seqlen_q=77, max_seqlen_k=300, is_delta_q=True,
+         window_size=(-1, 0), seqused=True, scaling_seqlen=500, rab_heads=2)
+
+
+def test_large_batch_short_sequences():
+    _run(3000, torch.bfloat16, heads=1, head_dim=32, max_seqlen_q=9, window_size=(-1, 0))
+
+
+def test_public_api_matches_forward():
+    b = reference.random_jagged_batch(4, 2, 128, 200, device="cuda", window_size=(-1, 0), seed=3)
+    out = api.hstu_attn_varlen_func(**b)
+    ref32 = reference.hstu_attn_reference(**b)
+    ref_same = reference.hstu_attn_reference(**b, compute_dtype=None)
+    assert reference.ratio_check(out, ref32, ref_same, 2.0)[0]
+
+
+def test_backward_not_built_raises():
+    b = reference.random_jagged_batch(2, 2, 64, 64, device="cuda", requires_grad=True, seed=4)
+    out = api.hstu_attn_varlen_func(**b)
+    with pytest.raises(NotImplementedError, match="backward"):
+        out.sum().backward()

@@ -1,0 +1,903 @@
+"""JIT module cache: compiled CuTe DSL executors in memory and on disk.
+
+``cute.compile`` does not memoize (it sets ``no_cache=True``) and one compile of an attention
+kernel costs about a second of CPU time, so every kernel module asks this cache for its executor::
+
+    fn = default_cache().get(key, lambda: cute.compile(host_fn, *fake_args,
+                                                      options="--enable-tvm-ffi"))
+
+``key`` is a small frozen dataclass owned by the kernel module. It has a ``kernel_name``
+(attribute or property, a ``str``) and hashable, picklable, repr-stable fields (ints, bools,
+strs, floats, enums, nested frozen dataclasses, tuples of those).
+
+Lookup order
+------------
+1. **Memory**: one ``dict.get`` keyed by the dataclass itself. No digest, no file I/O, no tracing.
+2. **Disk**: ``<cache_dir>/<fingerprint>/<kernel_name>/<digest>.o`` (exported with
+   ``export_to_c``) and ``<digest>.json`` (sidecar: key repr, sha256 and size of the ``.o``,
+   DSL / tvm-ffi / Python versions, arch, fingerprint). The ``.o`` is loaded with
+   ``cutlass.cute.runtime.load_module(path, enable_tvm_ffi=True)`` and the function exported
+   under :data:`EXPORT_FUNCTION_NAME` is taken from it. Entries are verified (sidecar parses,
+   versions/fingerprint/arch/key match, sha256 and size match) *before* loading; a corrupt or
+   stale entry is deleted and rebuilt, never loaded.
+3. **Compile**: ``build()`` runs under an exclusive ``fcntl.flock`` on ``<digest>.lock`` so that
+   N processes starting together compile a variant once (the others wait on the lock, then load
+   the entry from disk). The ``.o`` is exported to a temp file in the same directory and moved
+   into place with ``os.replace``; the sidecar is written the same way, last. The process keeps
+   the executor that ``build()`` returned.
+
+Disk errors (read-only directory, full disk, permissions) never fail a call: the cache warns
+once and carries on in memory (entries that already exist on disk are still loaded).
+
+The fingerprint hashes every ``.py`` file of the ``hstu_cute`` package plus the
+nvidia-cutlass-dsl, apache-tvm-ffi and Python versions, so any source or toolchain change starts
+a new directory. The digest of a key also covers the GPU arch of the entry (``key.arch`` when
+the key has such a str field, else ``CUTE_DSL_ARCH`` / the DSL's detected arch), so machines of
+different archs can share one cache directory.
+
+Environment
+-----------
+``HSTU_CUTE_CACHE_DIR``  cache root (default ``$XDG_CACHE_HOME/hstu_cute`` or
+                         ``~/.cache/hstu_cute``).
+``HSTU_CUTE_CACHE=0``    disables the disk layer (the memory layer stays).
+
+This module imports neither torch nor cutlass at import time (``import tvm_ffi`` imports torch,
+so tvm-ffi's version is read from package metadata); cutlass is imported on the first disk load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import enum
+import errno
+import fcntl
+import functools
+import hashlib
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, NamedTuple
+
+__all__ = [
+    "CACHE_FORMAT",
+    "EXPORT_FUNCTION_NAME",
+    "CacheStats",
+    "EntryTiming",
+    "ModuleCache",
+    "cache_enabled_from_env",
+    "default_cache",
+    "default_cache_dir",
+    "key_digest",
+    "key_payload",
+    "reset_default_cache",
+    "runtime_versions",
+    "source_fingerprint",
+]
+
+log = logging.getLogger(__name__)
+
+#: Name every cached ``.o`` exports its TVM-FFI function under (symbol ``__tvm_ffi_<name>``).
+#: Each ``.o`` is loaded into its own execution engine, so one fixed name is enough.
+EXPORT_FUNCTION_NAME = "hstu_cute_entry"
+
+#: Bumped when the layout of the directory or of the sidecar changes.
+CACHE_FORMAT = 1
+
+ENV_DIR = "HSTU_CUTE_CACHE_DIR"
+ENV_ENABLE = "HSTU_CUTE_CACHE"
+
+_FALSE_STRINGS = frozenset({"0", "false", "no", "off"})
+_FINGERPRINT_LEN = 16
+_FP_MARKER = ".hstu_cute_fingerprint"  # in each fingerprint directory; clear() looks for it
+_DIGEST_LEN = 32
+_PACKAGE_ROOT = Path(__file__).resolve().parent
+
+
+# ---------------------------------------------------------------------------------------------
+# Fingerprint, versions, arch
+# ---------------------------------------------------------------------------------------------
+
+
+def _dist_version(dist: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@functools.lru_cache(maxsize=1)
+def runtime_versions() -> dict[str, str]:
+    """Versions that make a cached ``.o`` unusable when they change (read from metadata)."""
+    return {
+        "nvidia-cutlass-dsl": _dist_version("nvidia-cutlass-dsl"),
+        "apache-tvm-ffi": _dist_version("apache-tvm-ffi"),
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+    }
+
+
+@functools.lru_cache(maxsize=1)
+def source_fingerprint() -> str:
+    """Hash of every ``.py`` file in the package (sorted relative paths + bytes) and of
+    :func:`runtime_versions`. Computed once per process, on first use."""
+    h = hashlib.sha256()
+    h.update(f"hstu_cute-cache-format={CACHE_FORMAT}\0".encode())
+    for name, version in sorted(runtime_versions().items()):
+        h.update(f"{name}={version}\0".encode())
+    for src in sorted(_PACKAGE_ROOT.rglob("*.py")):
+        if not src.is_file():
+            continue
+        rel = src.relative_to(_PACKAGE_ROOT).as_posix().encode()
+        data = src.read_bytes()
+        h.update(len(rel).to_bytes(8, "little"))
+        h.update(rel)
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()[:_FINGERPRINT_LEN]
+
+
+def _detect_arch() -> str:
+    """The GPU arch ``cute.compile`` targets by default (``CUTE_DSL_ARCH`` or the device)."""
+    env = os.environ.get("CUTE_DSL_ARCH")
+    if env:
+        return env
+    try:
+        from cutlass.cutlass_dsl import CuTeDSL
+
+        return str(CuTeDSL._get_dsl().envar.arch)
+    except Exception as exc:  # pragma: no cover - depends on the DSL install
+        log.debug("could not detect the GPU arch: %r", exc)
+        return "unknown"
+
+
+# ---------------------------------------------------------------------------------------------
+# Key digest
+# ---------------------------------------------------------------------------------------------
+
+
+def _canon(value: Any) -> Any:
+    """A JSON-encodable, process-independent form of a key field."""
+    if isinstance(value, enum.Enum):  # before int: IntEnum is an int
+        return {"enum": type(value).__qualname__, "name": value.name, "value": _canon(value.value)}
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return {"float": repr(value)}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {
+            "dataclass": type(value).__qualname__,
+            "fields": [[f.name, _canon(getattr(value, f.name))] for f in dataclasses.fields(value)],
+        }
+    if isinstance(value, (tuple, list)):
+        return {type(value).__name__: [_canon(v) for v in value]}
+    if isinstance(value, frozenset):
+        items = [json.dumps(_canon(v), sort_keys=True) for v in value]
+        return {"frozenset": sorted(items)}
+    if isinstance(value, bytes):
+        return {"bytes": value.hex()}
+    if isinstance(value, type):  # e.g. a cutlass dtype class
+        return {"type": f"{value.__module__}.{value.__qualname__}"}
+    text = repr(value)
+    if " at 0x" in text:
+        raise TypeError(
+            f"compile-key field {value!r} of type {type(value).__qualname__} has no stable repr"
+        )
+    return {"repr": f"{type(value).__qualname__}:{text}"}
+
+
+def _kernel_name(key: Any) -> str:
+    name = getattr(key, "kernel_name", None)
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"compile key {key!r} needs a non-empty str `kernel_name`")
+    return name
+
+
+def key_payload(key: Any, arch: str = "") -> str:
+    """Canonical JSON text of a key: its class ``__qualname__``, ``kernel_name``, fields, arch."""
+    if not dataclasses.is_dataclass(key) or isinstance(key, type):
+        raise TypeError(f"compile keys must be dataclass instances, got {type(key).__qualname__}")
+    payload = {
+        "type": type(key).__qualname__,
+        "kernel_name": _kernel_name(key),
+        "fields": [[f.name, _canon(getattr(key, f.name))] for f in dataclasses.fields(key)],
+        "arch": arch,
+    }
+    return json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def key_digest(key: Any, arch: str = "") -> str:
+    """Stable hex digest of :func:`key_payload` (not Python's ``hash``)."""
+    return hashlib.sha256(key_payload(key, arch).encode()).hexdigest()[:_DIGEST_LEN]
+
+
+def _safe_component(name: str) -> str:
+    out = "".join(c if (c.isascii() and (c.isalnum() or c in "._-")) else "_" for c in name)
+    out = out.lstrip(".")
+    return out or "_"
+
+
+# ---------------------------------------------------------------------------------------------
+# Locations and environment
+# ---------------------------------------------------------------------------------------------
+
+
+def default_cache_dir() -> Path:
+    """``$HSTU_CUTE_CACHE_DIR``, else ``$XDG_CACHE_HOME/hstu_cute``, else ``~/.cache/hstu_cute``."""
+    env = os.environ.get(ENV_DIR)
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "hstu_cute"
+
+
+def cache_enabled_from_env() -> bool:
+    """False when ``HSTU_CUTE_CACHE`` is ``0`` / ``false`` / ``no`` / ``off``."""
+    return os.environ.get(ENV_ENABLE, "1").strip().lower() not in _FALSE_STRINGS
+
+
+# ---------------------------------------------------------------------------------------------
+# Runtime libraries
+# ---------------------------------------------------------------------------------------------
+
+_RUNTIME_LOCK = threading.Lock()
+_RUNTIME_HANDLES: list[ctypes.CDLL] = []
+_RUNTIME_INIT_S: float | None = None
+
+
+def _ensure_runtime() -> float:
+    """Import the DSL runtime once per process; returns the seconds the first call took.
+
+    ``find_runtime_libraries(enable_tvm_ffi=True)`` imports ``tvm_ffi`` (and through it torch):
+    over a second in a fresh process, which would otherwise be billed to the first disk load.
+    The libraries are also opened ``RTLD_GLOBAL`` (as FA4 does) so that symbols a loaded object
+    needs are visible process-wide; with DSL 4.8.1 loading worked without it.
+    """
+    global _RUNTIME_INIT_S
+    if _RUNTIME_INIT_S is not None:
+        return 0.0
+    with _RUNTIME_LOCK:
+        if _RUNTIME_INIT_S is not None:
+            return 0.0
+        t0 = time.perf_counter()
+        from cutlass.cute.runtime import find_runtime_libraries
+
+        for lib in find_runtime_libraries(enable_tvm_ffi=True):
+            if Path(lib).exists():
+                try:
+                    _RUNTIME_HANDLES.append(ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL))
+                except OSError as exc:  # pragma: no cover - broken install
+                    log.debug("could not preload %s: %r", lib, exc)
+        _RUNTIME_INIT_S = time.perf_counter() - t0
+        return _RUNTIME_INIT_S
+
+
+# ---------------------------------------------------------------------------------------------
+# Stats and timings
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CacheStats:
+    """Counters of one :class:`ModuleCache` (monotonic; ``reset()`` zeroes them)."""
+
+    memory_hits: int = 0
+    disk_hits: int = 0
+    compiles: int = 0
+    rebuilt_corrupt: int = 0
+    rebuilt_stale: int = 0
+    disk_writes: int = 0
+    disk_errors: int = 0
+    lock_wait_s: float = 0.0
+    runtime_init_s: float = 0.0
+
+    def reset(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, f.default)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class EntryTiming:
+    """How the executor of one key was obtained in this process, most recent first-get.
+
+    ``source`` is ``"disk"`` (``seconds`` = verify + ``load_module`` + lookup) or
+    ``"compile"`` (``seconds`` = ``build()``; ``export_s`` = ``export_to_c`` + writes).
+    ``lock_wait_s`` is time spent waiting for another process's compile of the same key.
+    """
+
+    source: str
+    seconds: float
+    export_s: float = 0.0
+    lock_wait_s: float = 0.0
+    path: str | None = None
+
+
+class _Entry(NamedTuple):
+    """Where and what one key's disk entry is."""
+
+    digest: str
+    arch: str
+    key_repr: str
+    payload: str
+    dir: Path
+    obj: Path
+    meta: Path
+    lock: Path
+
+
+class _Corrupt(Exception):
+    pass
+
+
+class _Stale(Exception):
+    pass
+
+
+class _DiskError(Exception):
+    """Wraps an OSError of the disk layer (makes the cache degrade to memory-only)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache
+# ---------------------------------------------------------------------------------------------
+
+
+class ModuleCache:
+    """Memory + disk cache of compiled executors, keyed by frozen dataclasses.
+
+    Args:
+        cache_dir: root directory; default :func:`default_cache_dir` (reads the env).
+        enabled: disk layer on/off; default :func:`cache_enabled_from_env`.
+        fingerprint_override: use this string instead of :func:`source_fingerprint` (tests).
+        arch: arch the entries are for (part of the digest); default ``CUTE_DSL_ARCH`` or the
+            DSL's detection, resolved on the first disk access.
+        lock_timeout: seconds to wait for another process's compile before compiling anyway.
+    """
+
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike[str] | None = None,
+        *,
+        enabled: bool | None = None,
+        fingerprint_override: str | None = None,
+        arch: str | None = None,
+        lock_timeout: float = 600.0,
+    ) -> None:
+        self._root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+        self._disk_enabled = cache_enabled_from_env() if enabled is None else bool(enabled)
+        if fingerprint_override is not None and _safe_component(fingerprint_override) != (
+            fingerprint_override
+        ):
+            raise ValueError(f"fingerprint_override {fingerprint_override!r} is not a safe name")
+        self._fingerprint = fingerprint_override
+        self._arch = arch
+        self.lock_timeout = float(lock_timeout)
+        self._mem: dict[Any, Any] = {}
+        self._timings: dict[Any, EntryTiming] = {}
+        self._lock = threading.RLock()
+        self._writable = True
+        self._warned: set[str] = set()
+        self.stats = CacheStats()
+
+    # -- hot path -------------------------------------------------------------------------------
+
+    def get(self, key: Any, build: Callable[[], Any]) -> Any:
+        """The executor for ``key``: from memory, else from disk, else ``build()`` (then saved)."""
+        fn = self._mem.get(key)
+        if fn is not None:
+            self.stats.memory_hits += 1
+            return fn
+        return self._get_slow(key, build)
+
+    def __contains__(self, key: Any) -> bool:
+        return key in self._mem
+
+    def __len__(self) -> int:
+        return len(self._mem)
+
+    # -- properties / introspection ---------------------------------------------------------------
+
+    @property
+    def disk_enabled(self) -> bool:
+        """Whether the disk layer is on (by argument / env)."""
+        return self._disk_enabled
+
+    @property
+    def writable(self) -> bool:
+        """False once a disk error made this cache memory-only for writes."""
+        return self._disk_enabled and self._writable
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = source_fingerprint()
+        return self._fingerprint
+
+    @property
+    def arch(self) -> str:
+        if self._arch is None:
+            self._arch = _detect_arch()
+        return self._arch
+
+    def cache_dir(self) -> Path:
+        """Root directory (the fingerprint directories live under it)."""
+        return self._root
+
+    def fingerprint_dir(self) -> Path:
+        """``cache_dir() / fingerprint``: where this process's entries live."""
+        return self._root / self.fingerprint
+
+    def entry_arch(self, key: Any) -> str:
+        """The arch of ``key``'s entry: ``key.arch`` when the key has one (a non-empty str),
+        else :attr:`arch`."""
+        arch = getattr(key, "arch", None)
+        return arch if isinstance(arch, str) and arch else self.arch
+
+    def entry_paths(self, key: Any) -> dict[str, Path]:
+        """``{"dir", "obj", "meta", "lock"}`` paths of ``key``'s disk entry (no disk access)."""
+        e = self._entry(key)
+        return {"dir": e.dir, "obj": e.obj, "meta": e.meta, "lock": e.lock}
+
+    def timing(self, key: Any) -> EntryTiming | None:
+        """How ``key``'s executor was obtained in this process (None if never built/loaded)."""
+        return self._timings.get(key)
+
+    def timings(self) -> dict[Any, EntryTiming]:
+        return dict(self._timings)
+
+    def entries(self) -> list[dict[str, Any]]:
+        """Disk entries of the current fingerprint, sorted by kernel name then key.
+
+        Each is ``dict(kernel_name, key, size, path, mtime, digest, arch, compile_s, valid)``;
+        ``key`` is the key's repr from the sidecar (None if the sidecar is missing/garbled).
+        """
+        out: list[dict[str, Any]] = []
+        base = self.fingerprint_dir()
+        try:
+            kernel_dirs = sorted(p for p in base.iterdir() if p.is_dir())
+        except OSError:
+            return out
+        for kdir in kernel_dirs:
+            try:
+                objs = sorted(p for p in kdir.glob("*.o") if not p.name.startswith("."))
+            except OSError:
+                continue
+            for obj in objs:
+                try:
+                    st = obj.stat()
+                except OSError:
+                    continue
+                meta = self._read_meta(obj.with_suffix(".json"))
+                valid = bool(meta) and meta.get("size") == st.st_size
+                out.append(
+                    {
+                        "kernel_name": (meta or {}).get("kernel_name", kdir.name),
+                        "key": (meta or {}).get("key"),
+                        "size": st.st_size,
+                        "path": str(obj),
+                        "mtime": st.st_mtime,
+                        "digest": obj.stem,
+                        "arch": (meta or {}).get("arch"),
+                        "compile_s": (meta or {}).get("compile_s"),
+                        "valid": valid,
+                    }
+                )
+        out.sort(key=lambda e: (e["kernel_name"], e["key"] or "", e["digest"]))
+        return out
+
+    def clear_memory(self) -> None:
+        """Forget the in-memory executors and timings (the disk stays)."""
+        with self._lock:
+            self._mem.clear()
+            self._timings.clear()
+
+    def clear(self, *, all_fingerprints: bool = False) -> int:
+        """Clear memory and delete the disk entries of the current fingerprint (or of every
+        fingerprint directory under :meth:`cache_dir`, recognised by their marker file). Only
+        files this cache writes (``*.o``, ``*.json``, ``*.lock``, temp files, the marker) are
+        deleted, then empty directories; returns how many files."""
+        self.clear_memory()
+        if all_fingerprints:
+            try:
+                dirs = [p for p in self._root.iterdir() if (p / _FP_MARKER).is_file()]
+            except OSError:
+                dirs = []
+            cur = self.fingerprint_dir()
+            if cur.is_dir() and cur not in dirs:
+                dirs.append(cur)
+        else:
+            dirs = [self.fingerprint_dir()]
+        removed = 0
+        for d in dirs:
+            removed += _remove_tree_files(d)
+        return removed
+
+    # -- slow path --------------------------------------------------------------------------------
+
+    def _entry(self, key: Any) -> _Entry:
+        arch = self.entry_arch(key)
+        payload = key_payload(key, arch)
+        digest = hashlib.sha256(payload.encode()).hexdigest()[:_DIGEST_LEN]
+        kdir = self._root / self.fingerprint / _safe_component(_kernel_name(key))
+        return _Entry(
+            digest, arch, repr(key), payload, kdir,
+            kdir / f"{digest}.o", kdir / f"{digest}.json", kdir / f"{digest}.lock",
+        )
+
+    def _get_slow(self, key: Any, build: Callable[[], Any]) -> Any:
+        with self._lock:
+            fn = self._mem.get(key)
+            if fn is not None:
+                self.stats.memory_hits += 1
+                return fn
+            if not self._disk_enabled:
+                return self._build(key, build, None, lock_wait=0.0)
+
+            entry = self._entry(key)
+
+            # Optimistic lock-free load: a complete, verified entry needs no lock.
+            fn = self._try_load(key, entry, lock_wait=0.0, quiet=True)
+            if fn is not None:
+                return fn
+
+            if not self._writable:
+                return self._build(key, build, None, lock_wait=0.0)
+
+            try:
+                with self._flock(entry) as (locked, waited):
+                    self.stats.lock_wait_s += waited
+                    # Under the lock no writer is active: the state on disk is final.
+                    fn = self._try_load(key, entry, lock_wait=waited)
+                    if fn is not None:
+                        return fn
+                    return self._build(key, build, entry, lock_wait=waited)
+            except _DiskError:
+                # Raised while taking the lock (before build): carry on in memory.
+                return self._build(key, build, None, lock_wait=0.0)
+
+    def _try_load(
+        self,
+        key: Any,
+        entry: _Entry,
+        *,
+        lock_wait: float,
+        quiet: bool = False,
+    ) -> Any | None:
+        """Load a verified entry; on a corrupt/stale one delete it (unless ``quiet``: the
+        lock-free probe leaves repairs to the locked pass). Returns None on a miss."""
+        obj, meta_path = entry.obj, entry.meta
+        try:
+            meta_exists = meta_path.exists()
+            obj_exists = obj.exists()
+        except OSError:
+            return None
+        if not meta_exists and not obj_exists:
+            return None
+        t0 = time.perf_counter()
+        try:
+            if not meta_exists:
+                raise _Corrupt("sidecar missing")
+            if not obj_exists:
+                raise _Corrupt("object file missing")
+            meta = self._read_meta(meta_path)
+            if meta is None:
+                raise _Corrupt("sidecar unreadable or garbled")
+            self._check_meta(meta, entry)
+            data = obj.read_bytes()
+            if len(data) != meta["size"]:
+                raise _Corrupt(f"size {len(data)} != {meta['size']}")
+            if hashlib.sha256(data).hexdigest() != meta["sha256"]:
+                raise _Corrupt("sha256 mismatch")
+            init_s = _ensure_runtime()  # once per process; not billed to this entry
+            self.stats.runtime_init_s += init_s
+            t0 += init_s
+            fn = _load_function(obj)
+        except (_Corrupt, _Stale) as exc:
+            if quiet:
+                log.debug("lock-free probe of %s: %s", obj, exc)
+                return None
+            self._discard(entry, exc)
+            return None
+        except OSError as exc:
+            if quiet:
+                return None
+            self._discard(entry, _Corrupt(f"read failed: {exc!r}"))
+            return None
+        except Exception as exc:  # load_module / symbol lookup failed
+            if quiet:
+                log.debug("lock-free load of %s failed: %r", obj, exc)
+                return None
+            self._discard(entry, _Corrupt(f"load failed: {exc!r}"))
+            return None
+        seconds = time.perf_counter() - t0
+        self._mem[key] = fn
+        self._timings[key] = EntryTiming("disk", seconds, lock_wait_s=lock_wait, path=str(obj))
+        self.stats.disk_hits += 1
+        log.debug("loaded %s from disk in %.1f ms", obj, seconds * 1e3)
+        return fn
+
+    def _check_meta(self, meta: dict[str, Any], entry: _Entry) -> None:
+        for name, typ in (("sha256", str), ("size", int), ("versions", dict)):
+            if not isinstance(meta.get(name), typ):
+                raise _Corrupt(f"sidecar field {name!r} missing")
+        if meta.get("format") != CACHE_FORMAT:
+            raise _Stale(f"format {meta.get('format')!r} != {CACHE_FORMAT}")
+        if meta["versions"] != runtime_versions():
+            raise _Stale(f"versions {meta['versions']} != {runtime_versions()}")
+        if meta.get("fingerprint") != self.fingerprint:
+            raise _Stale(f"fingerprint {meta.get('fingerprint')!r} != {self.fingerprint!r}")
+        if meta.get("arch") != entry.arch:
+            raise _Stale(f"arch {meta.get('arch')!r} != {entry.arch!r}")
+        if meta.get("function_name") != EXPORT_FUNCTION_NAME:
+            raise _Stale(f"function name {meta.get('function_name')!r}")
+        if meta.get("digest") != entry.digest or meta.get("key") != entry.key_repr:
+            raise _Stale(f"key {meta.get('key')!r} != {entry.key_repr!r}")
+
+    @staticmethod
+    def _read_meta(meta_path: Path) -> dict[str, Any] | None:
+        try:
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError):
+            return None
+        return meta if isinstance(meta, dict) else None
+
+    def _discard(self, entry: _Entry, reason: Exception) -> None:
+        if isinstance(reason, _Stale):
+            self.stats.rebuilt_stale += 1
+            kind = "stale"
+        else:
+            self.stats.rebuilt_corrupt += 1
+            kind = "corrupt"
+        log.info("hstu_cute cache: %s entry %s (%s): rebuilding", kind, entry.obj, reason)
+        for p in (entry.meta, entry.obj):  # sidecar first: it is what vouches for the .o
+            try:
+                p.unlink(missing_ok=True)
+            except OSError as exc:
+                self._disk_error(exc)
+
+    def _build(
+        self,
+        key: Any,
+        build: Callable[[], Any],
+        entry: _Entry | None,
+        *,
+        lock_wait: float,
+    ) -> Any:
+        t0 = time.perf_counter()
+        fn = build()
+        seconds = time.perf_counter() - t0
+        if fn is None:
+            raise TypeError(f"build() for {key!r} returned None")
+        self.stats.compiles += 1
+        self._mem[key] = fn
+        export_s = 0.0
+        path = None
+        if entry is not None and self._writable:
+            t1 = time.perf_counter()
+            if self._export(key, fn, entry, seconds):
+                path = str(entry.obj)
+            export_s = time.perf_counter() - t1
+        self._timings[key] = EntryTiming("compile", seconds, export_s, lock_wait, path)
+        return fn
+
+    def _export(self, key: Any, fn: Any, entry: _Entry, compile_s: float) -> bool:
+        kdir, digest = entry.dir, entry.digest
+        token = f"{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}"
+        tmp_obj = kdir / f".{digest}.{token}.tmp.o"  # export_to_c picks the format from ".o"
+        tmp_meta = kdir / f".{digest}.{token}.tmp.json"
+        try:
+            try:
+                fn.export_to_c(str(tmp_obj), function_name=EXPORT_FUNCTION_NAME)
+            except OSError:
+                raise
+            except Exception as exc:
+                self._warn_once(
+                    f"export:{type(fn).__qualname__}",
+                    f"hstu_cute cache: cannot export {type(fn).__qualname__} for "
+                    f"{_kernel_name(key)} ({exc!r}); keeping it in memory only. Compile with "
+                    f'options="--enable-tvm-ffi" to make it cacheable on disk.',
+                )
+                return False
+            data = tmp_obj.read_bytes()
+            _fsync_path(tmp_obj)
+            os.replace(tmp_obj, entry.obj)
+            meta = {
+                "format": CACHE_FORMAT,
+                "kernel_name": _kernel_name(key),
+                "key_type": type(key).__qualname__,
+                "key": entry.key_repr,
+                "digest": digest,
+                "payload": entry.payload,
+                "function_name": EXPORT_FUNCTION_NAME,
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "size": len(data),
+                "fingerprint": self.fingerprint,
+                "arch": entry.arch,
+                "versions": runtime_versions(),
+                "compile_s": round(compile_s, 6),
+                "created": time.time(),
+                "pid": os.getpid(),
+            }
+            with open(tmp_meta, "w", encoding="utf-8") as f:
+                json.dump(meta, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp_meta, entry.meta)
+            self.stats.disk_writes += 1
+            return True
+        except OSError as exc:
+            self._disk_error(exc)
+            # Never leave a .o without the sidecar that vouches for it.
+            for p in (entry.meta, entry.obj):
+                try:
+                    p.unlink(missing_ok=True)
+                except OSError:
+                    pass
+            return False
+        finally:
+            for p in (tmp_obj, tmp_meta):
+                try:
+                    p.unlink(missing_ok=True)
+                except OSError:
+                    pass
+
+    # -- locking and errors ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _flock(self, entry: _Entry) -> Iterator[tuple[bool, float]]:
+        """Exclusive flock on ``<digest>.lock``; yields ``(locked, seconds_waited)``.
+
+        Raises _DiskError when the directory or the lock file cannot be created. On timeout
+        yields ``locked=False`` (the caller still writes atomically, so that is safe)."""
+        try:
+            entry.dir.mkdir(parents=True, exist_ok=True)
+            marker = entry.dir.parent / _FP_MARKER
+            if not marker.exists():
+                marker.write_text(json.dumps({"fingerprint": self.fingerprint, **runtime_versions()}))
+            fd = os.open(entry.lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            self._disk_error(exc)
+            raise _DiskError(str(exc)) from exc
+        t0 = time.perf_counter()
+        locked = False
+        try:
+            delay = 0.005
+            deadline = time.monotonic() + self.lock_timeout
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    locked = True
+                    break
+                except BlockingIOError:
+                    pass
+                except OSError as exc:  # e.g. a filesystem without flock support
+                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                        log.debug("flock(%s) failed: %r; continuing unlocked", entry.lock, exc)
+                        break
+                if time.monotonic() >= deadline:
+                    self._warn_once(
+                        f"lock-timeout:{entry.lock}",
+                        f"hstu_cute cache: waited {self.lock_timeout:.0f}s for {entry.lock}; "
+                        "compiling without the lock",
+                    )
+                    break
+                time.sleep(delay)
+                delay = min(delay * 2, 0.1)
+            yield locked, time.perf_counter() - t0
+        finally:
+            if locked:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                except OSError:
+                    pass
+            os.close(fd)
+
+    def _disk_error(self, exc: OSError) -> None:
+        self.stats.disk_errors += 1
+        if self._writable:
+            self._writable = False
+            self._warn_once(
+                "disk",
+                f"hstu_cute cache: disk cache at {self._root} is not usable ({exc!r}); "
+                "continuing with the in-memory cache only",
+            )
+
+    def _warn_once(self, tag: str, message: str) -> None:
+        if tag in self._warned:
+            return
+        self._warned.add(tag)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def __repr__(self) -> str:
+        return (
+            f"ModuleCache(dir={str(self._root)!r}, disk={'on' if self._disk_enabled else 'off'}"
+            f"{'' if self._writable else ' (read-only)'}, entries_in_memory={len(self._mem)})"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _load_function(obj: Path) -> Any:
+    from cutlass.cute.runtime import load_module
+
+    module = load_module(str(obj), enable_tvm_ffi=True)
+    # The returned tvm_ffi.Function keeps the module's execution engine alive.
+    return getattr(module, EXPORT_FUNCTION_NAME)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _owned_file(name: str) -> bool:
+    return name.endswith((".o", ".json", ".lock")) or name == _FP_MARKER
+
+
+def _remove_tree_files(root: Path) -> int:
+    removed = 0
+    if not root.is_dir():
+        return 0
+    for dirpath, dirnames, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            if _owned_file(name):
+                try:
+                    os.unlink(os.path.join(dirpath, name))
+                    removed += 1
+                except OSError:
+                    pass
+        try:
+            os.rmdir(dirpath)
+        except OSError:
+            pass
+    return removed
+
+
+# ---------------------------------------------------------------------------------------------
+# Process-wide instance
+# ---------------------------------------------------------------------------------------------
+
+_DEFAULT: ModuleCache | None = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_cache() -> ModuleCache:
+    """The process-wide cache (created on first use from ``HSTU_CUTE_CACHE_DIR`` /
+    ``HSTU_CUTE_CACHE``)."""
+    cache = _DEFAULT
+    if cache is None:
+        with _DEFAULT_LOCK:
+            cache = _DEFAULT
+            if cache is None:
+                cache = _set_default(ModuleCache())
+    return cache
+
+
+def _set_default(cache: ModuleCache | None) -> ModuleCache | None:
+    global _DEFAULT
+    _DEFAULT = cache
+    return cache
+
+
+def reset_default_cache() -> None:
+    """Drop the process-wide cache; the next :func:`default_cache` re-reads the environment."""
+    with _DEFAULT_LOCK:
+        _set_default(None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -23,10 +24,15 @@ MAX_GRID_BATCH = 65535  # grid.z limit of a launch
 # ---------------------------------------------------------------------------------------------
 # Arch selection
 # ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _arch_of_index(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm_{major}{minor}" + ("a" if major == 9 else "")
+
+
 def device_arch(device: torch.device) -> str:
     """The cubin target for a device: 'sm_80', 'sm_86', 'sm_89', 'sm_90a', ..."""
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}" + ("a" if major == 9 else "")
+    return _arch_of_index(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def kernel_path(device: torch.device) -> str:
@@ -36,6 +42,11 @@ def kernel_path(device: torch.device) -> str:
     kernels, not built yet: selecting them raises NotImplementedError, never a silent fallback).
     """
     forced = os.environ.get("HSTU_CUTE_ARCH", "").strip().lower().replace("_", "")
+    return _kernel_path(forced, device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel_path(forced: str, index: int) -> str:
     if forced:
         if forced in ("sm80", "sm86", "sm89", "ampere"):
             return "ampere"
@@ -45,10 +56,10 @@ def kernel_path(device: torch.device) -> str:
                 "unset HSTU_CUTE_ARCH or set it to sm80 to use the mma.sync kernels (they run on Hopper too)"
             )
         raise ValueError(f"HSTU_CUTE_ARCH: expected one of sm80, sm90; got {forced!r}")
-    major, _ = torch.cuda.get_device_capability(device)
+    major, _ = torch.cuda.get_device_capability(index)
     if major < 8:
         raise NotImplementedError(
-            f"hstu_cute needs compute capability >= 8.0 (Ampere); device {device} has {major}.x"
+            f"hstu_cute needs compute capability >= 8.0 (Ampere); device cuda:{index} has {major}.x"
         )
     return "ampere"
 
@@ -288,10 +299,19 @@ def _filler(batch: int, device: torch.device, value: int) -> torch.Tensor:
 INT32_MAX = 2**31 - 1
 
 
+_KEYS: dict = {}
+
+
 def fwd_key(p: Problem, arch: str, rab, tiles: dict | None = None) -> AmpereFwdKey:
-    return make_fwd_key(arch, _DTYPE_NAMES[p.dtype], p.head_dim, p.mask.kind,
-                        p.mask.has_context or p.mask.has_target, rab is not None,
-                        _rab_vec(rab) if rab is not None else 8, tiles)
+    """The compile key of this call (memoized: building the dataclass costs more than the lookup)."""
+    rab_vec = _rab_vec(rab) if rab is not None else 0
+    memo = (arch, p.dtype, p.head_dim, p.mask.kind, p.mask.has_context or p.mask.has_target, rab_vec,
+            tuple(sorted(tiles.items())) if tiles else None)
+    key = _KEYS.get(memo)
+    if key is None:
+        key = _KEYS[memo] = make_fwd_key(arch, _DTYPE_NAMES[p.dtype], p.head_dim, p.mask.kind, memo[4],
+                                         rab is not None, rab_vec or 8, tiles)
+    return key
 
 
 def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
@@ -322,12 +342,16 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
     if key.has_context:
         num_contexts = num_contexts if num_contexts is not None else _filler(batch, device, 0)
         num_targets = num_targets if num_targets is not None else _filler(batch, device, 0)
-    with torch.cuda.device(device):
-        compiled(
-            q, k, v, out, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts, num_targets, rab,
+    args = (q, k, v, out, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts, num_targets, rab,
             float(alpha), 1.0 / p.scale_seqlen, p.window_left, p.window_right, int(target_group_size),
-            int(p.mask.is_delta_q), num_m_blocks,
-        )
+            int(p.mask.is_delta_q), num_m_blocks)
+    # The launch goes to the current device's current stream (TVM-FFI env stream); switching
+    # devices costs ~10 us, so only do it when q lives elsewhere.
+    if device.index == torch.cuda.current_device():
+        compiled(*args)
+    else:
+        with torch.cuda.device(device):
+            compiled(*args)
     return out
 
 

@@ -22,15 +22,20 @@ def emit(row):
 
 emit({"ref": "gemm_bf16_8192", "tflops": bench.gemm_tflops(), "device": torch.cuda.get_device_name()})
 mode = sys.argv[1] if len(sys.argv) > 1 else "headline"
+SWEEP = {
+    64: ((128, 64, 4, 2), (128, 128, 4, 2), (64, 128, 4, 2), (128, 128, 8, 2), (64, 64, 4, 2)),
+    128: ((128, 64, 4, 2), (128, 32, 4, 2), (64, 64, 4, 2)),
+    256: ((64, 64, 4, 1), (64, 64, 4, 2), (128, 64, 8, 1), (64, 32, 4, 2), (128, 32, 8, 2)),
+}
 if mode in ("sweep", "all"):
-    w = bench.headline()
-    for tm, tn, nw, st, lpt in ((128, 64, 4, 2, False), (128, 64, 4, 2, True), (64, 64, 4, 2, True),
-                                (128, 32, 4, 2, True), (128, 64, 4, 1, True), (64, 128, 4, 2, True)):
-        try:
-            emit(bench.run_workload(bench.replace(w, sdpa=False), dict(tile_m=tm, tile_n=tn, num_warps=nw,
-                                                                      num_stages=st, lpt_grid=lpt)))
-        except Exception as e:  # a config may not fit smem/registers
-            emit({"workload": w.name, "tiles": [tm, tn, nw, st], "error": repr(e)[:300]})
+    for d, configs in SWEEP.items():
+        w = bench.replace(bench.headline(), name=f"full B8 N4096 D{d}", head_dim=d, sdpa=False)
+        for tm, tn, nw, st in configs:
+            tiles = dict(tile_m=tm, tile_n=tn, num_warps=nw, num_stages=st, lpt_grid=True)
+            try:
+                emit(bench.run_workload(w, tiles))
+            except Exception as e:  # a config may not fit smem/registers
+                emit({"workload": w.name, "tiles": tiles, "error": repr(e)[:300]})
 if mode in ("headline", "all"):
     emit(bench.run_workload(bench.headline()))
 if mode in ("grid", "all"):

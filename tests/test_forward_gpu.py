@@ -82,7 +82,7 @@ def test_fbgemm_grid(case):
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("mask", ["none", "causal", "ctx+tgt g11", "local111,11"])
+@pytest.mark.parametrize("mask", ["none", "causal", "ctx+tgt g1", "tgt g11", "local111,11"])
 def test_edge_lengths(head_dim, mask):
     m = dict(MASKS[mask])
     if "num_contexts" in m or "num_targets" in m:

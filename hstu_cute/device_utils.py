@@ -102,12 +102,24 @@ def silu_scaled_inplace(acc: cute.Tensor, alpha: Float32, fast: cutlass.Constexp
 
 @cute.jit
 def apply_mask_inplace(acc: cute.Tensor, tScS: cute.Tensor, spec: cutlass.Constexpr, seq, row0: Int32, col0: Int32):
-    """Zero every accumulator element whose (row0 + row, col0 + col) is masked (spec section 4)."""
-    for i in cutlass.range_constexpr(cute.size(acc)):
-        r = row0 + tScS[i][0]
-        j = col0 + tScS[i][1]
-        keep = masks.allowed(spec, seq, r, j)
-        acc[i] = cutlass.select_(keep, acc[i], Float32(0.0))
+    """Zero every accumulator element whose (row0 + row, col0 + col) is masked (spec section 4).
+
+    An m16n8 accumulator fragment holds, per thread, values v = col_pair + 2 * row_half: two rows
+    (r, r + 8) per m-atom. Each row's allowed intervals are computed once (masks.row_intervals)
+    and shifted to tile columns, so an element costs three compares and a select.
+    """
+    assert cute.size(acc.shape[0]) == 4
+    for m in cutlass.range_constexpr(cute.size(acc.shape[1])):
+        for half in cutlass.range_constexpr(2):
+            r = row0 + tScS[2 * half, m, 0][0]
+            lo_end, hi_start, hi_end = masks.row_intervals(spec, seq, r, KERNEL_OPS)
+            lo_end, hi_start, hi_end = lo_end - col0, hi_start - col0, hi_end - col0
+            col_limit = seq.seqlen_k - col0
+            for n in cutlass.range_constexpr(cute.size(acc.shape[2])):
+                for col_pair in cutlass.range_constexpr(2):
+                    v = col_pair + 2 * half
+                    keep = masks.in_intervals(tScS[v, m, n][1], lo_end, hi_start, hi_end, col_limit)
+                    acc[v, m, n] = cutlass.select_(keep, acc[v, m, n], Float32(0.0))
 
 
 def clamp_range(start, end, limit):

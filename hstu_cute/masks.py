@@ -108,27 +108,75 @@ class SeqMask:
     row_offset: Any = 0
 
 
-def allowed(spec: MaskSpec, seq: SeqMask, r, j):
-    """M(r, j) for key-coordinate row ``r`` and key column ``j`` (0 <= j < seqlen_k assumed by
-    callers that bound columns; the ``j < seqlen_k`` term is included so padded columns are
-    masked too). Works elementwise on broadcasting tensors."""
-    in_bounds = j < seq.seqlen_k
+def _is_tensor(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _gmin(a, b):
+    if _is_tensor(a) or _is_tensor(b):
+        import torch
+
+        return torch.minimum(torch.as_tensor(a), torch.as_tensor(b))
+    return min(a, b)
+
+
+def _gmax(a, b):
+    if _is_tensor(a) or _is_tensor(b):
+        import torch
+
+        return torch.maximum(torch.as_tensor(a), torch.as_tensor(b))
+    return max(a, b)
+
+
+def _gselect(c, a, b):
+    if _is_tensor(c):
+        import torch
+
+        return torch.where(c, torch.as_tensor(a), torch.as_tensor(b))
+    return a if c else b
+
+
+# Python ints and torch tensors alike (the oracle and the host side); kernels pass KERNEL_OPS.
+GENERIC_OPS = Ops(min=_gmin, max=_gmax, select=_gselect)
+
+
+def row_intervals(spec: MaskSpec, seq: SeqMask, r, ops: Ops = GENERIC_OPS):
+    """Row ``r`` (key coordinates) allows the keys ``j < lo_end`` and ``hi_start <= j <= hi_end``
+    (intersected with ``j < seqlen_k``). This is the definition of M(r, j): :func:`allowed` is
+    built from it, and kernels evaluate it once per row, then compare columns only.
+
+    * none: ``[0, Lk)``; local: ``[r - WL, r + WR]``;
+    * causal: ``[0, r]``; a target row (``r >= h_end``) instead allows every key before the
+      targets and its own group up to itself: ``[0, h_end)`` and ``[h_end + g*floor((r - h_end)/g), r]``;
+      a context row (``r < c``) also allows every key before the targets: ``[0, h_end)``.
+    """
     if spec.kind == MaskKind.NONE:
-        return in_bounds
+        return seq.seqlen_k, 1, 0
     if spec.kind == MaskKind.LOCAL:
-        return in_bounds & (j >= r - seq.window_left) & (j <= r + seq.window_right)
-    ok = j <= r
+        return 0, r - seq.window_left, r + seq.window_right
+    lo_end, hi_start, hi_end = r + 1, 1, 0
     if spec.has_target:
         h_end = seq.history_end
-        g = seq.group_size
-        # Target rows hide the earlier target groups [h_end, h_end + g*floor((r - h_end)/g)).
-        # For r < h_end the quotient may be negative (and truncated in kernels); the first term
-        # makes its value irrelevant there.
-        outside_hole = (r < h_end) | (j < h_end) | (j >= h_end + g * ((r - h_end) // g))
-        ok = ok & outside_hole
+        is_target = r >= h_end
+        # For r < h_end the quotient may be negative (truncated in kernels); it is not selected.
+        group_start = h_end + seq.group_size * ((r - h_end) // seq.group_size)
+        lo_end = ops.select(is_target, h_end, lo_end)
+        hi_start = ops.select(is_target, group_start, hi_start)
+        hi_end = ops.select(is_target, r, hi_end)
     if spec.has_context:
-        ok = ok | ((r < seq.num_context) & (j < seq.history_end))
-    return in_bounds & ok
+        lo_end = ops.select(r < seq.num_context, ops.max(lo_end, seq.history_end), lo_end)
+    return lo_end, hi_start, hi_end
+
+
+def in_intervals(j, lo_end, hi_start, hi_end, seqlen_k):
+    return ((j < lo_end) | ((j >= hi_start) & (j <= hi_end))) & (j < seqlen_k)
+
+
+def allowed(spec: MaskSpec, seq: SeqMask, r, j, ops: Ops = GENERIC_OPS):
+    """M(r, j) for key-coordinate row ``r`` and key column ``j``; elementwise on broadcasting
+    tensors. Padded columns (``j >= seqlen_k``) are masked."""
+    lo_end, hi_start, hi_end = row_intervals(spec, seq, r, ops)
+    return in_intervals(j, lo_end, hi_start, hi_end, seq.seqlen_k)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -324,14 +324,14 @@ class HstuForwardSm80:
             for stage in cutlass.range_constexpr(self.num_stages):
                 if n_count - 1 - stage >= 0:
                     n_pre = masks.n_block_at(n_count - 1 - stage, n_lo, hole_lo, hole_size, KERNEL_OPS)
-                    self.load_kv(gmem_copy_qkv, tKgK, tKsK, tKVcKV, n_pre, stage, seqlen_k)
+                    self.load_kv(gmem_copy_qkv, tKgK, tKsK, tKVcKV, n_pre, stage, seqlen_k, stage == 0, False)
                     if const_expr(self.has_rab):
                         self.load_rab(gmem_copy_rab, tRgR, tRsR, tRcR, n_pre, stage, rab_row_limit, rab_cols)
                 cute.arch.cp_async_commit_group()
                 if const_expr(stage < self.num_stages - 1):
                     if n_count - 1 - stage >= 0:
                         n_pre = masks.n_block_at(n_count - 1 - stage, n_lo, hole_lo, hole_size, KERNEL_OPS)
-                        self.load_kv(gmem_copy_qkv, tVgV, tVsV, tKVcKV, n_pre, stage, seqlen_k)
+                        self.load_kv(gmem_copy_qkv, tVgV, tVsV, tKVcKV, n_pre, stage, seqlen_k, stage == 0, True)
                     cute.arch.cp_async_commit_group()
 
             # ---- main loop over non-empty n-blocks, last to first ----
@@ -345,7 +345,8 @@ class HstuForwardSm80:
                 cute.arch.barrier()
                 if idx - (self.num_stages - 1) >= 0:
                     n_next = masks.n_block_at(idx - (self.num_stages - 1), n_lo, hole_lo, hole_size, KERNEL_OPS)
-                    self.load_kv(gmem_copy_qkv, tVgV, tVsV, tKVcKV, n_next, write_stage, seqlen_k)
+                    self.load_kv(gmem_copy_qkv, tVgV, tVsV, tKVcKV, n_next, write_stage, seqlen_k,
+                                 self.num_stages == 1, True)
                 cute.arch.cp_async_commit_group()
 
                 acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
@@ -371,7 +372,7 @@ class HstuForwardSm80:
                 cute.arch.barrier()
                 if idx - self.num_stages >= 0:
                     n_next = masks.n_block_at(idx - self.num_stages, n_lo, hole_lo, hole_size, KERNEL_OPS)
-                    self.load_kv(gmem_copy_qkv, tKgK, tKsK, tKVcKV, n_next, write_stage, seqlen_k)
+                    self.load_kv(gmem_copy_qkv, tKgK, tKsK, tKVcKV, n_next, write_stage, seqlen_k, False, False)
                     if const_expr(self.has_rab):
                         self.load_rab(gmem_copy_rab, tRgR, tRsR, tRcR, n_next, write_stage, rab_row_limit, rab_cols)
                 cute.arch.cp_async_commit_group()
@@ -412,17 +413,26 @@ class HstuForwardSm80:
                 cute.copy(gmem_copy, tQgQ[None, m, None], tQsQ[None, m, None])
 
     @cute.jit
-    def load_kv(self, gmem_copy, tXgX, tXsX, tXcX, n_block: Int32, stage: Int32, seqlen_k: Int32):
-        # Only the block that crosses seqlen_k needs row predicates; its rows past the end are
-        # zero-filled so that P (masked to 0) times stale smem can never produce NaN.
+    def load_kv(
+        self, gmem_copy, tXgX, tXsX, tXcX, n_block: Int32, stage: Int32, seqlen_k: Int32,
+        may_cross_end: cutlass.Constexpr[bool], zero_fill: cutlass.Constexpr[bool],
+    ):
+        # n-blocks are visited from the last one down, so only the first block loaded (prologue
+        # stage 0, or the in-loop V load when there is a single stage) can cross seqlen_k; the
+        # other call sites are traced without the predicated path (less IR, faster compiles).
         stage_idx = stage if const_expr(self.num_stages > 1) else 0
-        if (n_block + 1) * self.tile_n > seqlen_k:
-            row_limit = seqlen_k - n_block * self.tile_n
-            for m in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
-                if tXcX[0, m, 0][0] < row_limit:
-                    cute.copy(gmem_copy, tXgX[None, m, None, n_block], tXsX[None, m, None, stage_idx])
-                else:
-                    tXsX[None, m, None, stage_idx].fill(0)
+        if const_expr(may_cross_end):
+            if (n_block + 1) * self.tile_n > seqlen_k:
+                row_limit = seqlen_k - n_block * self.tile_n
+                for m in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
+                    if tXcX[0, m, 0][0] < row_limit:
+                        cute.copy(gmem_copy, tXgX[None, m, None, n_block], tXsX[None, m, None, stage_idx])
+                    elif const_expr(zero_fill):
+                        # V rows past the end must be finite: P is 0 there, and 0 * NaN = NaN.
+                        # K rows need nothing: their scores are masked with a select.
+                        tXsX[None, m, None, stage_idx].fill(0)
+            else:
+                cute.copy(gmem_copy, tXgX[None, None, None, n_block], tXsX[None, None, None, stage_idx])
         else:
             cute.copy(gmem_copy, tXgX[None, None, None, n_block], tXsX[None, None, None, stage_idx])
 

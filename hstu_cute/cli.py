@@ -1,0 +1,623 @@
+"""``python -m hstu_cute``: info, warmup, demo and bench.
+
+* ``info``    versions, GPU and selected kernel path, module cache directory and its entries.
+* ``warmup``  precompile kernel variants into the module cache (no GPU needed).
+* ``demo``    a random jagged batch through the kernel, checked against the oracle and timed. Without
+              a GPU it says so, precompiles the demo's variant, runs the oracle on CPU and lists
+              what it skipped.
+* ``bench``   the benchmark grid of shared/perf/README.md with the GEMM peak and torch SDPA
+              (flash, cuDNN) timed in the same run as reference lines (needs a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+MASKS = ("none", "local", "causal", "target")
+DTYPES = ("bfloat16", "float16")
+HEAD_DIMS = (32, 64, 128, 256)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small helpers
+# ---------------------------------------------------------------------------------------------
+def _console():
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(width=120)  # pipes and CI logs: do not squeeze tables into 80 columns
+    return console
+
+
+def _dist_version(dist: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _gpu_status() -> tuple[Any, str]:
+    """(torch.device or None, a sentence saying which GPU or why there is none)."""
+    import torch
+
+    if torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+        return dev, torch.cuda.get_device_name(dev)
+    if torch.version.cuda is None:
+        why = f"torch {torch.__version__} is a CPU-only build"
+    else:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        why = f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device"
+        if visible is not None:
+            why += f" (CUDA_VISIBLE_DEVICES={visible!r})"
+    return None, why
+
+
+def _mask_window(mask: str, window: tuple[int, int]) -> tuple[int, int]:
+    return {"none": (-1, -1), "causal": (-1, 0), "target": (-1, 0)}.get(mask, window)
+
+
+def _parse_window(text: str) -> tuple[int, int]:
+    try:
+        left, right = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--window: expected 'LEFT,RIGHT' (two ints), got {text!r}") from None
+    return left, right
+
+
+def _key_variant(key_repr: str | None) -> str:
+    """A compact description of a cached entry from its sidecar's key repr (parsed with ast,
+    never evaluated); the raw repr when it is not an AmpereFwdKey."""
+    if not key_repr:
+        return "?"
+    try:
+        node = ast.parse(key_repr, mode="eval").body
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "AmpereFwdKey":
+            from .ampere import AmpereFwdKey
+
+            fields = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+            return AmpereFwdKey(**fields).describe()
+    except Exception:
+        pass
+    return key_repr
+
+
+def _fmt_s(seconds: float | None) -> str:
+    return "-" if seconds is None else (f"{seconds * 1e3:.0f} ms" if seconds < 1 else f"{seconds:.2f} s")
+
+
+def _fmt_tf(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+# ---------------------------------------------------------------------------------------------
+# info
+# ---------------------------------------------------------------------------------------------
+def cmd_info(args, console) -> int:
+    from rich.table import Table
+
+    from . import __version__
+    from .cache import default_cache
+
+    t = Table(title=f"hstu-cute {__version__}", show_header=False, title_justify="left")
+    t.add_column("what", style="bold")
+    t.add_column("value")
+    import torch
+
+    t.add_row("python", f"{platform.python_version()} ({sys.executable})")
+    t.add_row("torch", f"{torch.__version__} (CUDA {torch.version.cuda or 'none: CPU build'})")
+    for dist in ("nvidia-cutlass-dsl", "apache-tvm-ffi", "cuda-python", "rich"):
+        t.add_row(dist, _dist_version(dist))
+
+    dev, what = _gpu_status()
+    if dev is None:
+        t.add_row("GPU", f"[yellow]no GPU[/]: {what}")
+    else:
+        from .api import device_arch, kernel_path
+
+        major, minor = torch.cuda.get_device_capability(dev)
+        props = torch.cuda.get_device_properties(dev)
+        t.add_row("GPU", f"{what} ({props.total_memory / 2**30:.0f} GiB), {torch.cuda.device_count()} visible")
+        t.add_row("compute capability", f"{major}.{minor}")
+        try:
+            path = kernel_path(dev)
+            t.add_row("kernel path", f"{path} (mma.sync forward kernels)" if path == "ampere" else path)
+        except (NotImplementedError, ValueError) as exc:
+            t.add_row("kernel path", f"[red]{type(exc).__name__}[/]: {exc}")
+        t.add_row("cubin arch", device_arch(dev))
+    for env in ("HSTU_CUTE_ARCH", "HSTU_CUTE_CHECK", "CUTE_DSL_ARCH"):
+        t.add_row(env, os.environ.get(env, "(unset)"))
+
+    cache = default_cache()
+    entries = cache.entries()
+    t.add_row("cache dir", str(cache.cache_dir()))
+    t.add_row("disk caching", ("enabled" if cache.disk_enabled else "[yellow]disabled[/] (HSTU_CUTE_CACHE=0)")
+              + f", HSTU_CUTE_CACHE={os.environ.get('HSTU_CUTE_CACHE', '(unset)')}")
+    t.add_row("cache fingerprint", f"{cache.fingerprint} (package sources + DSL/tvm-ffi/Python versions)")
+    t.add_row("cached entries", f"{len(entries)} ({sum(e['size'] for e in entries) / 2**20:.1f} MiB) "
+                                f"in {cache.fingerprint_dir()}")
+    console.print(t)
+
+    if entries:
+        et = Table(title=f"Cached modules ({len(entries)})", title_justify="left")
+        for col, kw in (("variant", {}), ("arch", {}), ("size", {"justify": "right"}),
+                        ("compile", {"justify": "right"}), ("valid", {})):
+            et.add_column(col, **kw)
+        for e in entries:
+            et.add_row(_key_variant(e["key"]) if e["key"] else f"{e['kernel_name']} {e['digest']}", str(e["arch"]),
+                       f"{e['size'] / 1024:.0f} KiB",
+                       _fmt_s(e["compile_s"]), "yes" if e["valid"] else "[red]no[/]")
+        console.print(et)
+    else:
+        console.print("No cached modules for this fingerprint yet: [bold]python -m hstu_cute warmup[/] "
+                      "precompiles them (no GPU needed).")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# warmup
+# ---------------------------------------------------------------------------------------------
+def select_keys(arch: str, dtypes=None, head_dims=None, masks_=None, rab: str = "all", limit=None) -> list:
+    """The shipped forward variants for ``arch`` filtered like the ``warmup`` options."""
+    from .ampere import SHIPPED_DTYPES, SHIPPED_HEAD_DIMS, shipped_fwd_keys
+    from .masks import MaskKind
+
+    keys = shipped_fwd_keys(arch, tuple(dtypes or SHIPPED_DTYPES), tuple(head_dims or SHIPPED_HEAD_DIMS))
+    if masks_:
+        wanted = {
+            {"none": (MaskKind.NONE, False), "local": (MaskKind.LOCAL, False), "causal": (MaskKind.CAUSAL, False),
+             "target": (MaskKind.CAUSAL, True)}[m]
+            for m in masks_
+        }
+        keys = [k for k in keys if (MaskKind(k.mask_kind), k.has_context) in wanted]
+    if rab == "none":
+        keys = [k for k in keys if not k.has_rab]
+    elif rab == "only":
+        keys = [k for k in keys if k.has_rab]
+    if limit is not None:
+        keys = keys[:limit]
+    return keys
+
+
+def _run_warmup(console, arch: str, keys: list, workers: int | None, title: str) -> list[dict]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from .warmup import warmup
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=console, transient=False) as bar:
+        task = bar.add_task(title, total=len(keys))
+
+        def progress(done, total, key, result):
+            mark = "[green]ok[/]" if result["ok"] else "[red]FAILED[/]"
+            bar.update(task, completed=done, description=f"{title}: {mark} {result['variant']}")
+
+        results = warmup(arch=arch, keys=keys, workers=workers, progress=progress, raise_errors=False)
+        bar.update(task, description=title)
+    return results
+
+
+def _source_text(r: dict) -> str:
+    if not r["ok"]:
+        return "[red]FAILED[/]"
+    return {"compile": "compiled", "disk": "disk hit", "memory": "in memory"}.get(r["source"], str(r["source"]))
+
+
+def summarize_warmup(results: list[dict]) -> dict:
+    counts = {"compiled": 0, "disk hits": 0, "in memory": 0, "failed": 0}
+    for r in results:
+        if not r["ok"]:
+            counts["failed"] += 1
+        else:
+            counts[{"compile": "compiled", "disk": "disk hits", "memory": "in memory"}.get(r["source"], "compiled")] += 1
+    return counts
+
+
+def cmd_warmup(args, console) -> int:
+    from rich.table import Table
+
+    from .cache import default_cache
+    from .warmup import default_arch
+
+    arch = args.arch or default_arch()
+    keys = select_keys(arch, args.dtype, args.head_dim, args.mask, "none" if args.no_rab else args.rab, args.limit)
+    if not keys:
+        console.print("[yellow]No variant matches these options[/]; nothing to compile.")
+        return 0
+    workers = args.workers if args.workers is not None else (os.cpu_count() or 1)
+    workers = min(workers, len(keys))
+    cache = default_cache()
+    console.print(f"Precompiling [bold]{len(keys)}[/] forward variants for [bold]{arch}[/] with {workers} "
+                  f"worker process{'es' if workers != 1 else ''} into {cache.fingerprint_dir()} "
+                  f"(disk caching {'on' if cache.disk_enabled else 'OFF: kept in memory of this process only'}; "
+                  "no GPU needed)")
+    t0 = time.perf_counter()
+    results = _run_warmup(console, arch, keys, workers, f"warmup {arch}")
+    wall = time.perf_counter() - t0
+
+    table = Table(title=f"Variants for {arch}", title_justify="left")
+    table.add_column("variant")
+    table.add_column("result")
+    table.add_column("time", justify="right")
+    for r in results:
+        table.add_row(r["variant"], _source_text(r), _fmt_s(r["seconds"]))
+    console.print(table)
+    counts = summarize_warmup(results)
+    compile_s = sum(r["seconds"] for r in results if r["ok"] and r["source"] == "compile")
+    console.print(
+        f"{len(results)} variants for {arch}: {counts['compiled']} compiled, {counts['disk hits']} disk hits, "
+        f"{counts['in memory']} already in memory, {counts['failed']} failed; {wall:.1f} s wall, "
+        f"{compile_s:.1f} s of compiles, {workers} worker{'s' if workers != 1 else ''}."
+    )
+    for r in results:
+        if not r["ok"]:
+            console.print(f"[red]FAILED[/] {r['variant']}: {r['error']}")
+            if args.verbose and r.get("traceback"):
+                console.print(r["traceback"], markup=False, highlight=False)
+    return 1 if counts["failed"] else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# demo
+# ---------------------------------------------------------------------------------------------
+def _demo_inputs(args, device):
+    import torch
+
+    from .reference import random_jagged_batch
+
+    window = _mask_window(args.mask, args.window)
+    extra = {}
+    if args.mask == "target":
+        extra = dict(num_contexts=max(1, args.max_len // 64), num_targets=max(1, args.max_len // 16),
+                     target_group_size=args.group)
+    return random_jagged_batch(
+        args.batch, args.heads, args.head_dim, args.max_len, lengths="random", min_seqlen=max(1, args.max_len // 2),
+        dtype=getattr(torch, args.dtype), device=device, window_size=window,
+        rab_heads=args.rab_heads or None, seed=args.seed, **extra,
+    )
+
+
+def _lengths(kw) -> tuple[list[int], list[int]]:
+    oq, ok = kw["seq_offsets_q"].cpu().tolist(), kw["seq_offsets_k"].cpu().tolist()
+    return [b - a for a, b in zip(oq, oq[1:])], [b - a for a, b in zip(ok, ok[1:])]
+
+
+def _demo_workload(args, lens_k):
+    from .bench import Workload
+
+    return Workload(
+        "demo", args.batch, args.max_len, heads=args.heads, head_dim=args.head_dim,
+        window=_mask_window(args.mask, args.window), dtype=args.dtype,
+        contexts=max(1, args.max_len // 64) if args.mask == "target" else None,
+        targets=max(1, args.max_len // 16) if args.mask == "target" else None,
+        rab_heads=args.rab_heads or None,
+    )
+
+
+def _demo_key(args, arch: str):
+    from .ampere import make_fwd_key
+    from .masks import normalize_window
+
+    kind, _, _ = normalize_window(_mask_window(args.mask, args.window), args.max_len)
+    # Same choice as the API: 16-byte rab loads when every rab row is 16-byte aligned.
+    rab_vec = 8 if args.max_len % 8 == 0 else 1
+    return make_fwd_key(arch, args.dtype, args.head_dim, kind, args.mask == "target", bool(args.rab_heads), rab_vec)
+
+
+def _demo_describe(args, lens_k) -> str:
+    mask = args.mask if args.mask != "local" else f"local{tuple(args.window)}"
+    rab = f", rab H_rab={args.rab_heads}" if args.rab_heads else ""
+    return (f"B={args.batch}, lengths {min(lens_k)}..{max(lens_k)} (max_seqlen {args.max_len}), H={args.heads}, "
+            f"D={args.head_dim}, {args.dtype}, mask {mask}{rab}")
+
+
+def cmd_demo(args, console) -> int:
+    import torch
+
+    if args.mask != "local" and args.window != (128, 0):
+        console.print("[yellow]note[/]: --window only applies to --mask local; ignored")
+    if args.rab_heads not in (0, 1, args.heads):
+        console.print(f"[red]--rab-heads[/]: expected 0 (no rab), 1 or {args.heads} (--heads), got {args.rab_heads}")
+        return 2
+    dev, what = _gpu_status()
+    if args.cpu:
+        dev, what = None, "--cpu given"
+    if dev is None:
+        return _demo_cpu(args, console, what)
+    return _demo_gpu(args, console, dev, what)
+
+
+def _demo_cpu(args, console, why: str) -> int:
+    import torch
+    from rich.table import Table
+
+    from . import api
+    from .bench import flops
+    from .reference import hstu_attn_reference
+
+    arch = args.arch or "sm_80"
+    console.print(f"[bold yellow]No CUDA GPU found[/] ({why}): the kernel cannot run here. "
+                  "Doing the parts that need no GPU instead.")
+
+    # 1. Compile the variant the demo would launch (exercises the whole compiler, no GPU needed).
+    key = _demo_key(args, arch)
+    console.print(f"\n[bold]1. Precompile[/] the demo's kernel variant for {arch}: {key.describe()}")
+    results = _run_warmup(console, arch, [key], 1, f"compile {arch}")
+    r = results[0]
+    if not r["ok"]:
+        console.print(f"[red]compile FAILED[/]: {r['error']}")
+        return 1
+    console.print(f"   {_source_text(r)} in {_fmt_s(r['seconds'])}" + (f" -> {r['path']}" if r.get("path") else ""))
+
+    # 2. The argument checks of spec section 1 (all but the device check pass on CPU tensors).
+    kw = _demo_inputs(args, "cpu")
+    lens_q, lens_k = _lengths(kw)
+    console.print(f"\n[bold]2. Argument checks[/] on a random jagged batch: {_demo_describe(args, lens_k)}")
+    try:
+        api.hstu_attn_varlen_func(**kw)
+    except ValueError as exc:
+        if not str(exc).startswith("q.device"):
+            console.print(f"[red]unexpected validation error[/]: {exc}")
+            return 1
+        console.print(f"   every check passed up to the last one, which rejects CPU tensors as it should:\n   {exc}")
+
+    # 3. The oracle on CPU.
+    console.print("\n[bold]3. Oracle[/] (hstu_cute.reference, PyTorch on CPU)")
+    t0 = time.perf_counter()
+    ref32 = hstu_attn_reference(**kw)
+    t1 = time.perf_counter()
+    ref_same = hstu_attn_reference(**kw, compute_dtype=None)
+    t2 = time.perf_counter()
+    f, convention = flops(_demo_workload(args, lens_k), lens_q, lens_k)
+    tokens = int(kw["seq_offsets_q"][-1])
+    table = Table(show_header=True, title_justify="left")
+    for col in ("oracle", "out", "time", "GFLOP/s", "max |out|", "mean |out|", "max |ref_same - ref_fp32|"):
+        table.add_column(col, justify="right" if col not in ("oracle", "out") else "left")
+    for name, out, sec in (("fp32", ref32, t1 - t0), (args.dtype, ref_same, t2 - t1)):
+        o = out.float()[:tokens]
+        table.add_row(name, f"{tuple(out.shape)} {str(out.dtype).replace('torch.', '')}", _fmt_s(sec),
+                      f"{f / sec / 1e9:.1f}", f"{o.abs().max().item():.4g}", f"{o.abs().mean().item():.4g}",
+                      f"{(ref_same.float() - ref32.float()).abs().max().item():.3g}" if name != "fp32" else "-")
+    console.print(table)
+    console.print(f"   {tokens} tokens, {f / 1e9:.2f} GFLOP by the '{convention}' convention, "
+                  f"all finite: {bool(torch.isfinite(ref32).all() and torch.isfinite(ref_same.float()).all())}")
+
+    console.print("\n[bold yellow]Skipped (needs a CUDA GPU)[/]:")
+    for item in (
+        "running the compiled kernel (hstu_attn_varlen_func) on this batch",
+        "checking its output against the oracle (ratio_check, factor 2)",
+        "timing it with CUDA events (median) and reporting TFLOP/s",
+    ):
+        console.print(f"   - {item}")
+    console.print("Run [bold]python -m hstu_cute demo[/] on a machine with an sm80+ NVIDIA GPU (and a CUDA build "
+                  "of torch) for those.")
+    return 0
+
+
+def _demo_gpu(args, console, dev, name: str) -> int:
+    import torch
+    from rich.table import Table
+
+    from .api import device_arch, hstu_attn_varlen_func, kernel_path
+    from .bench import flops, time_cuda
+    from .cache import default_cache
+    from .reference import hstu_attn_reference, ratio_check
+
+    try:
+        path = kernel_path(dev)
+    except (NotImplementedError, ValueError) as exc:
+        console.print(f"[red]{type(exc).__name__}[/]: {exc}")
+        return 1
+    arch = device_arch(dev)
+    console.print(f"GPU: [bold]{name}[/] ({arch}, kernel path {path})")
+    with torch.cuda.device(dev):
+        kw = _demo_inputs(args, dev)
+        lens_q, lens_k = _lengths(kw)
+        console.print(f"Batch: {_demo_describe(args, lens_k)}")
+        cache = default_cache()
+        before = (cache.stats.compiles, cache.stats.disk_hits)
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            out = hstu_attn_varlen_func(**kw)
+            torch.cuda.synchronize()
+            first = time.perf_counter() - t0
+            after = (cache.stats.compiles, cache.stats.disk_hits)
+            how = "compiled" if after[0] > before[0] else ("loaded from disk" if after[1] > before[1] else "in memory")
+            ref32 = hstu_attn_reference(**kw)
+            ref_same = hstu_attn_reference(**kw, compute_dtype=None)
+            ok, err, ref_err = ratio_check(out, ref32, ref_same, 2)
+            ms, iqr = time_cuda([lambda: hstu_attn_varlen_func(**kw)], warmup=args.warmup_iters, reps=args.reps)
+    f, convention = flops(_demo_workload(args, lens_k), lens_q, lens_k)
+    table = Table(title="hstu_attn_varlen_func", title_justify="left")
+    for col in ("first call", "median", "IQR", "TFLOP/s", "FLOPs", "max |out - ref_fp32|",
+                "max |ref_same - ref_fp32|", "check"):
+        table.add_column(col, justify="right")
+    table.add_row(f"{first * 1e3:.0f} ms ({how})", f"{ms:.3f} ms", f"{iqr:.3f} ms", f"{f / ms / 1e9:.1f}",
+                  f"{f / 1e9:.2f} G ({convention})", f"{err:.3g}", f"{ref_err:.3g}",
+                  "[green]PASS[/]" if ok else "[red]FAIL[/]")
+    console.print(table)
+    console.print(f"Check: max|out - ref_fp32| <= 2 * max|ref_same - ref_fp32| + 1e-6 (spec section 5): "
+                  f"{'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+# ---------------------------------------------------------------------------------------------
+# bench
+# ---------------------------------------------------------------------------------------------
+def cmd_bench(args, console) -> int:
+    dev, what = _gpu_status()
+    if dev is None:
+        console.print(f"[bold yellow]bench needs a CUDA GPU[/]: none found ({what}). Nothing was timed.")
+        console.print("Skipped: the workload grid of shared/perf/README.md, the bf16 GEMM 8192^3 peak and the torch "
+                      "SDPA flash/cuDNN reference lines. [bold]python -m hstu_cute warmup[/] and "
+                      "[bold]python -m hstu_cute demo[/] do useful work without a GPU.")
+        return 0
+    return _bench_gpu(args, console, dev, what)
+
+
+def _bench_gpu(args, console, dev, name: str) -> int:
+    import torch
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from . import __version__, bench
+    from .api import device_arch, kernel_path
+
+    try:
+        path = kernel_path(dev)
+    except (NotImplementedError, ValueError) as exc:
+        console.print(f"[red]{type(exc).__name__}[/]: {exc}")
+        return 1
+    arch = device_arch(dev)
+    workloads = [bench.headline()] if args.grid == "headline" else bench.default_grid()
+    if args.limit is not None:
+        workloads = workloads[: args.limit]
+    meta = dict(gpu=name, arch=arch, kernel_path=path, torch=torch.__version__,
+                dsl=_dist_version("nvidia-cutlass-dsl"), hstu_cute=__version__, grid=args.grid,
+                time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    console.print(f"GPU: [bold]{name}[/] ({arch}, kernel path {path}); {len(workloads)} workloads, forward, "
+                  "bf16 unless named; FLOP conventions of shared/perf/README.md")
+    rows: list[dict] = []
+    with torch.cuda.device(dev):
+        gemm = bench.gemm_tflops()
+        with Progress(console=console, transient=True) as bar:
+            task = bar.add_task("bench", total=len(workloads))
+            for w in workloads:
+                bar.update(task, description=w.name)
+                try:
+                    row = bench.run_workload(w)
+                except Exception as exc:  # one bad workload (e.g. out of memory) must not end the run
+                    row = dict(workload=w.name, error=f"{type(exc).__name__}: {exc}")
+                    torch.cuda.empty_cache()
+                row["spec"] = dataclasses.asdict(w)
+                rows.append(row)
+                bar.advance(task)
+        try:
+            overhead = bench.host_overhead_us()
+        except Exception as exc:
+            overhead = {"error": f"{type(exc).__name__}: {exc}"}
+
+    table = Table(title=f"hstu_cute forward on {name} ({arch})", title_justify="left")
+    for col in ("workload", "ms", "IQR", "TFLOP/s", "FLOPs", "% GEMM", "SDPA flash", "SDPA cuDNN",
+                "x flash", "x cuDNN"):
+        table.add_column(col, justify="left" if col in ("workload", "FLOPs") else "right")
+    table.add_row("[dim]bf16 GEMM 8192^3 (peak, same run)[/]", "-", "-", f"{gemm:.1f}", "2MNK", "100%",
+                  "-", "-", "-", "-")
+    for row in rows:
+        if "error" in row:
+            table.add_row(row["workload"], f"[red]{row['error'][:60]}[/]", *["-"] * 8)
+            continue
+        tf, fl, cu = row["tflops"], row.get("sdpa_flash"), row.get("sdpa_cudnn")
+        table.add_row(
+            row["workload"], f"{row['ms']:.3f}", f"{row['iqr_ms']:.3f}", f"{tf:.1f}", row["flops"],
+            f"{100 * tf / gemm:.0f}%", _fmt_tf(fl), _fmt_tf(cu),
+            f"{tf / fl:.2f}" if fl else "-", f"{tf / cu:.2f}" if cu else "-",
+        )
+    console.print(table)
+    if "api_us" in overhead:
+        parts = ", ".join(f"{k[:-3]} {v:.1f} us" for k, v in overhead.items() if k != "api_us" and k.endswith("_us"))
+        console.print(f"Host overhead of one hstu_attn_varlen_func call (tiny problem): {overhead['api_us']:.1f} us"
+                      + (f" ({parts})" if parts else ""))
+    else:
+        console.print(f"Host overhead: not measured ({overhead.get('error')})")
+    console.print("SDPA lines: torch scaled_dot_product_attention (softmax) on the same dense shapes, timed in this "
+                  "run; '-' where a workload has no dense equivalent or the backend is unavailable.")
+    if args.out:
+        with open(args.out, "a", encoding="utf-8") as fh:
+            for row in rows:
+                fh.write(json.dumps({**meta, "gemm_tflops": gemm, **row}, default=str) + "\n")
+            fh.write(json.dumps({**meta, "gemm_tflops": gemm, "workload": "host_overhead", **overhead}) + "\n")
+        console.print(f"Appended {len(rows) + 1} JSON lines to {args.out}")
+    return 1 if any("error" in r for r in rows) else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Parser
+# ---------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="python -m hstu_cute",
+        description="HSTU attention kernels in the CUTLASS CuTe DSL: tools.",
+    )
+    parser.add_argument("--version", action="version", version=f"hstu-cute {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{info,warmup,demo,bench}")
+
+    p = sub.add_parser("info", help="versions, GPU, kernel path, module cache")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("warmup", help="precompile kernel variants into the module cache (no GPU needed)")
+    p.add_argument("--arch", default=None, help="target cubin arch, e.g. sm_80, sm_86, sm_89, sm_90a "
+                                                "(default: this GPU's, else sm_80)")
+    p.add_argument("--workers", type=int, default=None, help="compile processes (default: CPU count; 1 = in-process)")
+    p.add_argument("--dtype", action="append", choices=DTYPES, help="only this dtype (repeatable)")
+    p.add_argument("--head-dim", action="append", type=int, choices=HEAD_DIMS, help="only this head dim (repeatable)")
+    p.add_argument("--mask", action="append", choices=MASKS,
+                   help="only this mask family (repeatable); 'target' = causal with contexts/targets")
+    p.add_argument("--rab", choices=("all", "none", "only"), default="all",
+                   help="variants with/without rab (default all)")
+    p.add_argument("--no-rab", action="store_true", help="same as --rab none")
+    p.add_argument("--limit", type=int, default=None, help="at most this many variants (after the filters)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failed compiles")
+    p.set_defaults(func=cmd_warmup)
+
+    p = sub.add_parser("demo", help="a random jagged batch through the kernel vs the oracle (CPU: oracle only)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128, choices=HEAD_DIMS)
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--mask", default="causal", choices=MASKS)
+    p.add_argument("--window", type=_parse_window, default=(128, 0), metavar="LEFT,RIGHT",
+                   help="window of --mask local (default 128,0)")
+    p.add_argument("--group", type=int, default=1, help="target group size of --mask target")
+    p.add_argument("--rab-heads", type=int, default=0, help="relative attention bias heads: 0 (none), 1 or H")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arch", default=None, help="without a GPU: the arch to precompile for (default sm_80)")
+    p.add_argument("--reps", type=int, default=50, help="timed repetitions (GPU)")
+    p.add_argument("--warmup-iters", type=int, default=10, help="untimed warm-up calls (GPU)")
+    p.add_argument("--cpu", action="store_true", help="take the no-GPU path even if a GPU is present")
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="benchmark grid with GEMM peak and SDPA reference lines (GPU)")
+    p.add_argument("--grid", choices=("headline", "full"), default="headline",
+                   help="headline: B8 N4096 D128 causal; full: the grid of shared/perf/README.md")
+    p.add_argument("--out", default=None, help="append one JSON line per workload to this file")
+    p.add_argument("--limit", type=int, default=None, help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def _positive(parser, args) -> None:
+    for name in ("batch", "max_len", "heads", "workers", "limit", "group", "reps"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')}: expected an int >= 1, got {value}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _positive(parser, args)
+    console = _console()
+    try:
+        return int(args.func(args, console) or 0)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]")
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

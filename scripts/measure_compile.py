@@ -1,0 +1,45 @@
+"""Compile-time and disk-cache numbers on this machine (no GPU needed).
+
+  python scripts/measure_compile.py [arch]
+
+Prints, for a typical variant (bf16 d128 causal, no rab): cold compile in a fresh process (DSL
+imported, nothing compiled yet), a second variant compiled in the same process, and the time a
+*new* process needs to get the first variant from the on-disk cache."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+arch = sys.argv[1] if len(sys.argv) > 1 else "sm_80"
+CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import torch, cutlass  # what a user process has imported before its first call
+from hstu_cute.ampere import make_fwd_key
+from hstu_cute.cache import default_cache
+from hstu_cute.compile import build
+from hstu_cute.masks import MaskKind
+t_import = time.perf_counter() - t0
+arch, mode = sys.argv[1], sys.argv[2]
+keys = [make_fwd_key(arch, "bfloat16", 128, MaskKind.CAUSAL, False, False, 8),
+        make_fwd_key(arch, "bfloat16", 64, MaskKind.NONE, False, False, 8)]
+res = {"import_s": t_import}
+for i, key in enumerate(keys if mode == "compile" else keys[:1]):
+    t = time.perf_counter()
+    fn = default_cache().get(key, lambda: build(key))
+    res[f"get{i}_s"] = time.perf_counter() - t
+res["stats"] = default_cache().stats.as_dict()
+print(json.dumps(res))
+"""
+with tempfile.TemporaryDirectory() as d:
+    env = dict(os.environ, HSTU_CUTE_CACHE_DIR=d)
+    run = lambda mode: json.loads(subprocess.run([sys.executable, "-c", CHILD, arch, mode], env=env, check=True,
+                                                 capture_output=True, text=True).stdout.strip().splitlines()[-1])
+    first = run("compile")
+    second = run("load")
+print(f"arch {arch}, {os.cpu_count()} CPUs")
+print(f"cold compile, first variant in a fresh process: {first['get0_s']:.2f} s (imports before it: {first['import_s']:.2f} s)")
+print(f"second variant, same process:                   {first['get1_s']:.2f} s")
+print(f"new process, first variant from the disk cache: {second['get0_s'] * 1e3:.1f} ms (imports: {second['import_s']:.2f} s)")
+print("stats:", first["stats"], second["stats"])

@@ -1,0 +1,65 @@
+"""Compile-only CI test: every shipped forward variant compiles for sm_80 on a machine without a GPU.
+
+``hstu_cute.warmup`` compiles each key of ``shipped_fwd_keys("sm_80")`` with
+``hstu_cute.compile.build`` in worker processes (one per CI core) into a temporary module cache;
+each variant must produce a module, exported to disk. Runs by default (CI must run it) and takes
+a few minutes on 2 cores; ``pytest -m "not slow"`` skips it for a quick local run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from hstu_cute import warmup
+from hstu_cute.ampere import shipped_fwd_keys
+from hstu_cute.cache import ModuleCache, reset_default_cache
+
+
+@pytest.fixture
+def tmp_cache(tmp_path, monkeypatch):
+    """A fresh default cache in a temporary directory (worker processes inherit the env)."""
+    monkeypatch.setenv("HSTU_CUTE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("HSTU_CUTE_CACHE", raising=False)
+    reset_default_cache()
+    yield tmp_path / "cache"
+    reset_default_cache()
+
+
+def _assert_all_built(results, keys, cache_dir, arch):
+    assert [r["key"] for r in results] == keys
+    failed = [f"{r['variant']}: {r['error']}" for r in results if not r["ok"]]
+    assert not failed, "variants that failed to compile:\n" + "\n".join(failed)
+    for r in results:
+        assert r["source"] in ("compile", "disk"), r
+    entries = ModuleCache(cache_dir).entries()
+    assert len(entries) == len(keys)
+    assert all(e["valid"] and e["arch"] == arch and e["size"] > 0 for e in entries), entries
+    assert {e["key"] for e in entries} == {repr(k) for k in keys}
+
+
+@pytest.mark.slow
+def test_every_shipped_sm80_variant_compiles(tmp_cache):
+    keys = shipped_fwd_keys("sm_80")
+    assert len(keys) == len(set(keys)) >= 96
+    results = warmup(arch="sm_80", workers=2, raise_errors=False)
+    _assert_all_built(results, keys, tmp_cache, "sm_80")
+    # Each exported object holds an sm_80 cubin.
+    for r in results:
+        if r["path"]:
+            assert b"sm_80" in Path(r["path"]).read_bytes()
+
+
+def test_one_sm90a_variant_compiles(tmp_cache):
+    """The Ampere (mma.sync) kernel is also what runs on H100: it must build for sm_90a."""
+    key = dataclasses.replace(shipped_fwd_keys("sm_80", ("bfloat16",), (128,))[6], arch="sm_90a")
+    assert key.has_rab is False and key.describe().endswith("causal")
+    results = warmup(arch="sm_90a", keys=[key], workers=1)
+    _assert_all_built(results, [key], tmp_cache, "sm_90a")
+    r = results[0]
+    assert r["source"] == "compile" and r["path"]
+    archs = set(re.findall(rb"sm_[0-9]+a?", Path(r["path"]).read_bytes()))
+    assert archs == {b"sm_90a"}, archs

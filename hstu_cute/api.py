@@ -164,7 +164,8 @@ def validate(
               seq_offsets_k.shape[0])
     batch = seq_offsets_q.shape[0] - 1
     if batch > MAX_GRID_BATCH:
-        raise NotImplementedError(f"seq_offsets_q: at most {MAX_GRID_BATCH} sequences per call, got {batch}")
+        raise NotImplementedError(
+            f"seq_offsets_q: expected at most {MAX_GRID_BATCH} sequences per call (launch grid limit), got {batch}")
 
     _check_python_int("max_seqlen_q", max_seqlen_q, 0)
     _check_python_int("max_seqlen_k", max_seqlen_k, 0)
@@ -192,8 +193,10 @@ def validate(
     if is_delta_q and (has_context or has_target):
         _fail(ValueError, "is_delta_q", "False when num_contexts/num_targets are given (FBGEMM V1 rule)", True)
 
-    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not math.isfinite(alpha):
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
         _fail(TypeError, "alpha", "a finite Python float", repr(alpha))
+    if not math.isfinite(alpha):
+        _fail(ValueError, "alpha", "a finite Python float", repr(alpha))
     _check_python_int("scaling_seqlen", scaling_seqlen)
     if scaling_seqlen != -1 and scaling_seqlen < 1:
         _fail(ValueError, "scaling_seqlen", "-1 (use max_seqlen_q) or an int >= 1", scaling_seqlen)

@@ -171,8 +171,8 @@ CASES = [
     # alpha, scaling_seqlen
     ("alpha-str", lambda a: dict(alpha="1"), TypeError, "alpha", "a finite Python float", "'1'"),
     ("alpha-bool", lambda a: dict(alpha=True), TypeError, "alpha", "a finite Python float", "True"),
-    ("alpha-nan", lambda a: dict(alpha=float("nan")), TypeError, "alpha", "a finite Python float", "nan"),
-    ("alpha-inf", lambda a: dict(alpha=float("inf")), TypeError, "alpha", "a finite Python float", "inf"),
+    ("alpha-nan", lambda a: dict(alpha=float("nan")), ValueError, "alpha", "a finite Python float", "nan"),
+    ("alpha-inf", lambda a: dict(alpha=float("inf")), ValueError, "alpha", "a finite Python float", "inf"),
     ("scaling-float", lambda a: dict(scaling_seqlen=8.0), TypeError, "scaling_seqlen", "a Python int", "float 8.0"),
     ("scaling-zero", lambda a: dict(scaling_seqlen=0), ValueError, "scaling_seqlen",
      "-1 (use max_seqlen_q) or an int >= 1", "0"),

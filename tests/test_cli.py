@@ -88,7 +88,7 @@ WARMUP_ARGS = ("warmup", "--arch", "sm_80", "--head-dim", "64", "--dtype", "bflo
 def test_warmup_compiles_then_hits_disk(tmp_path):
     out = run_cli(*WARMUP_ARGS, cache_dir=tmp_path)
     assert "2 variants for sm_80: 2 compiled, 0 disk hits" in out, out
-    assert "ampere_fwd sm_80 bfloat16 d64 128x64w4s2 causal+context+target" in out
+    assert "ampere_fwd sm_80 bfloat16 d64 128x128w4s2 causal+context+target" in out
     objs = sorted(tmp_path.rglob("*.o"))
     assert len(objs) == 2
     out = run_cli(*WARMUP_ARGS, cache_dir=tmp_path)

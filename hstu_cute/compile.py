@@ -72,6 +72,8 @@ def build_ampere_fwd(key):
         )
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = f"--enable-tvm-ffi --gpu-arch {key.arch}"
+    if key.ptxas_opt != 3:
+        options += f" --ptxas-options=-O{key.ptxas_opt}"
     with _COMPILE_LOCK:
         return cute.compile(
             kernel, q, k, v, o, offsets_q, offsets_k, seqused_q, seqused_k, num_contexts, num_targets, rab,

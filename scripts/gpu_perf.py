@@ -27,6 +27,14 @@ SWEEP = {
     128: ((128, 64, 4, 2), (128, 32, 4, 2), (64, 64, 4, 2)),
     256: ((64, 64, 4, 1), (64, 64, 4, 2), (128, 64, 8, 1), (64, 32, 4, 2), (128, 32, 8, 2)),
 }
+if mode in ("ptxas", "all"):
+    from hstu_cute.ampere import default_fwd_tiles
+    for d in (64, 128, 256):
+        w = bench.replace(bench.headline(), name=f"full B8 N4096 D{d}", head_dim=d, sdpa=False)
+        for rep in range(2):  # interleaved, twice: the difference must beat the run-to-run spread
+            for opt in (3, 2):
+                tiles = dict(default_fwd_tiles(d), lpt_grid=True, ptxas_opt=opt)
+                emit(bench.run_workload(w, tiles))
 if mode in ("sweep", "all"):
     for d, configs in SWEEP.items():
         w = bench.replace(bench.headline(), name=f"full B8 N4096 D{d}", head_dim=d, sdpa=False)

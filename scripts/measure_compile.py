@@ -16,6 +16,7 @@ CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
 import torch, cutlass  # what a user process has imported before its first call
+import hstu_cute.api  # what a user process imports (torch, the TVM-FFI runtime)
 from hstu_cute.ampere import make_fwd_key
 from hstu_cute.cache import default_cache
 from hstu_cute.compile import build

@@ -55,12 +55,15 @@ def default_fwd_tiles(head_dim: int) -> dict:
     """(tile_m, tile_n, num_warps, num_stages) per head dim; smem stays <= 99 KB (Ada's limit)
     without rab. Chosen by the benchmark sweep recorded in docs/perf-log.md."""
     if head_dim <= 64:
-        # B8 N4096 causal on the H100: 246.9 TF at 128x128 vs 237.3 at 128x64.
-        return dict(tile_m=128, tile_n=128, num_warps=4, num_stages=2)
+        # B8 N4096 causal on the H100: 246.9 TF at 128x128 vs 237.3 at 128x64; ptxas -O2 287/272
+        # vs -O3 250/257 (interleaved pairs).
+        return dict(tile_m=128, tile_n=128, num_warps=4, num_stages=2, ptxas_opt=2)
     if head_dim <= 128:
-        return dict(tile_m=128, tile_n=64, num_warps=4, num_stages=2)
-    # B8 N4096 D256 causal on the H100: 323 TF at 64x64 s1 vs 273 at s2 and 292 at 128x64 w8.
-    return dict(tile_m=64, tile_n=64, num_warps=4, num_stages=1)
+        # ptxas -O2 337/311 vs -O3 308/305 TF (interleaved pairs, B8 N4096 causal).
+        return dict(tile_m=128, tile_n=64, num_warps=4, num_stages=2, ptxas_opt=2)
+    # B8 N4096 D256 causal on the H100: 323 TF at 64x64 s1 vs 273 at s2 and 292 at 128x64 w8;
+    # ptxas -O3 309/320 vs -O2 294/306.
+    return dict(tile_m=64, tile_n=64, num_warps=4, num_stages=1, ptxas_opt=3)
 
 
 SHIPPED_DTYPES = ("bfloat16", "float16")

@@ -82,7 +82,51 @@ def build_ampere_fwd(key):
         )
 
 
-BUILDERS = {"ampere_fwd": build_ampere_fwd}
+def build_ampere_bwd(key):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from .ampere.bwd import HstuBackwardDkDvSm80, HstuBackwardDqSm80
+
+    dtype = _dsl_dtype(key.dtype)
+    cls = HstuBackwardDqSm80 if key.role == "dq" else HstuBackwardDkDvSm80
+    kernel = cls(dtype, key.head_dim, key.mask, key.has_rab, key.rab_vec, key.has_drab, key.rab_sum_heads,
+                 key.tile_m, key.tile_n, key.num_warps, key.fast_silu)
+    t_q, t_k, heads = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    batch, batch1 = cute.sym_int(), cute.sym_int()
+    q, do, dq = (_fake_tokens_heads_dim(dtype, t_q, heads, key.head_dim) for _ in range(3))
+    k, v, dk, dv = (_fake_tokens_heads_dim(dtype, t_k, heads, key.head_dim) for _ in range(4))
+
+    def int_vec(n):
+        return cute.runtime.make_fake_compact_tensor(cutlass.Int32, (n,), assumed_align=4)
+
+    def slab(elem, vec, rank):
+        shape = tuple(cute.sym_int() for _ in range(rank))
+        stride = tuple(cute.sym_int64(divisibility=vec) for _ in range(rank - 2)) + (cute.sym_int(divisibility=vec), 1)
+        return cute.runtime.make_fake_tensor(elem, shape, stride, assumed_align=max(elem.width // 8 * vec, 4))
+
+    offsets_q, offsets_k, seqused_q, seqused_k = int_vec(batch1), int_vec(batch1), int_vec(batch), int_vec(batch)
+    num_contexts = int_vec(batch) if key.has_context else None
+    num_targets = int_vec(batch) if key.has_target else None
+    rab = slab(dtype, key.rab_vec, 4) if key.has_rab else None
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    scalars = (Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(0), Int32(1))
+    if key.role == "dq":
+        drab = slab(dtype, 1, 4) if key.has_drab else None
+        drab_accum = slab(cutlass.Float32, 1, 3) if key.rab_sum_heads else None
+        args = (q, k, v, do, dq, offsets_q, offsets_k, seqused_q, seqused_k, num_contexts, num_targets, rab, drab,
+                drab_accum)
+    else:
+        args = (q, k, v, do, dk, dv, offsets_q, offsets_k, seqused_q, seqused_k, num_contexts, num_targets, rab)
+    options = f"--enable-tvm-ffi --gpu-arch {key.arch}"
+    if key.ptxas_opt != 3:
+        options += f" --ptxas-options=-O{key.ptxas_opt}"
+    with _COMPILE_LOCK:
+        return cute.compile(kernel, *args, *scalars, stream, options=options)
+
+
+BUILDERS = {"ampere_fwd": build_ampere_fwd, "ampere_bwd_dq": build_ampere_bwd, "ampere_bwd_dkdv": build_ampere_bwd}
 
 
 def build(key):

@@ -127,3 +127,29 @@ def clamp_range(start, end, limit):
     s = cutlass.min(cutlass.max(start, Int32(0)), limit)
     e = cutlass.min(cutlass.max(end, s), limit)
     return s, e
+
+
+def sequence_bounds(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, tokens_q, tokens_k, batch):
+    """(q_start, k_start, seqlen_q, seqlen_k) of one sequence: offsets clamped to the tensors,
+    lengths clamped by seqused (INT32_MAX when the caller has none)."""
+    q_start, q_end = clamp_range(mOffsetsQ[batch], mOffsetsQ[batch + 1], tokens_q)
+    k_start, k_end = clamp_range(mOffsetsK[batch], mOffsetsK[batch + 1], tokens_k)
+    seqlen_q = cutlass.max(cutlass.min(mSeqUsedQ[batch], q_end - q_start), Int32(0))
+    seqlen_k = cutlass.max(cutlass.min(mSeqUsedK[batch], k_end - k_start), Int32(0))
+    return q_start, k_start, seqlen_q, seqlen_k
+
+
+def sequence_mask(spec, seqlen_q, seqlen_k, mNumContexts, mNumTargets, batch, window_left, window_right,
+                  group_size, is_delta_q):
+    """The runtime :class:`masks.SeqMask` of one sequence inside a kernel."""
+    num_context = Int32(0)
+    history_end = seqlen_k
+    if const_expr(spec.has_context):
+        num_context = mNumContexts[batch]
+    if const_expr(spec.has_target):
+        history_end = seqlen_k - cutlass.min(cutlass.max(mNumTargets[batch], Int32(0)), seqlen_k)
+    return masks.SeqMask(
+        seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=window_left, window_right=window_right,
+        num_context=num_context, history_end=history_end, group_size=group_size,
+        row_offset=cutlass.select_(is_delta_q != 0, seqlen_k - seqlen_q, Int32(0)),
+    )

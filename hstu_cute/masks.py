@@ -275,6 +275,31 @@ def n_block_at(i, n_lo, hole_lo, hole_size, ops: Ops = PY_OPS):
     return ops.select(n >= hole_lo, n + hole_size, n)
 
 
+def tile_nonempty(spec: MaskSpec, seq: SeqMask, m_block, n_block, tile_m, tile_n, ops: Ops = PY_OPS):
+    """Whether (m_block, n_block) is in the m-block's schedule (the same test the forward uses)."""
+    n_lo, hole_lo, hole_size, count = n_block_schedule(spec, seq, m_block, tile_m, tile_n, ops)
+    in_range = (n_block >= n_lo) & (n_block < n_lo + count + hole_size)
+    return in_range & ((n_block < hole_lo) | (n_block >= hole_lo + hole_size))
+
+
+def m_block_range(spec: MaskSpec, seq: SeqMask, n_block, tile_m, tile_n, ops: Ops = PY_OPS):
+    """[m_lo, m_hi): the m-blocks that may attend to this n-block (a superset: callers skip the
+    tiles :func:`tile_nonempty` rejects, e.g. the target hole)."""
+    m_total = _ceil_div(seq.seqlen_q, tile_m)
+    j_first = n_block * tile_n
+    j_last = j_first + tile_n - 1
+    off = seq.row_offset
+    m_lo = 0
+    m_hi = m_total
+    if spec.kind == MaskKind.LOCAL:
+        m_lo = ops.max(j_first - seq.window_right - off, 0) // tile_m
+        m_hi = ops.min(m_total, ops.max(j_last + seq.window_left - off, -1) // tile_m + 1)
+    elif spec.kind == MaskKind.CAUSAL and not spec.has_context:
+        m_lo = ops.max(j_first - off, 0) // tile_m
+    m_lo = ops.min(m_lo, m_hi)
+    return m_lo, m_hi
+
+
 def classify_tiles(spec: MaskSpec, seq: SeqMask, tile_m: int, tile_n: int) -> list[list[TileClass]]:
     """Host-side classification grid [m_block][n_block] for one sequence (Python ints)."""
     n_m = _ceil_div(seq.seqlen_q, tile_m)

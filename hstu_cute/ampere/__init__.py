@@ -93,3 +93,69 @@ def make_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, rab_vec, 
         fast_silu=dtype == "bfloat16",
         **(tiles or dict(default_fwd_tiles(head_dim), lpt_grid=MaskKind(kind) == MaskKind.CAUSAL)),
     )
+
+
+@dataclass(frozen=True)
+class AmpereBwdKey:
+    """Compile key shared by the two backward kernels (:mod:`hstu_cute.ampere.bwd`)."""
+
+    role: str  # "dq" (dQ and drab) or "dkdv"
+    arch: str
+    dtype: str
+    head_dim: int
+    mask_kind: int = int(MaskKind.NONE)
+    has_context: bool = False
+    has_target: bool = False
+    has_rab: bool = False
+    rab_vec: int = 8
+    has_drab: bool = False
+    rab_sum_heads: bool = False  # one rab head for all heads: dq CTAs loop over heads
+    tile_m: int = 64
+    tile_n: int = 64
+    num_warps: int = 4
+    fast_silu: bool = True
+    ptxas_opt: int = 2
+
+    @property
+    def kernel_name(self) -> str:
+        return f"ampere_bwd_{self.role}"
+
+    @property
+    def mask(self) -> MaskSpec:
+        return MaskSpec(MaskKind(self.mask_kind), self.has_context, self.has_target)
+
+    def describe(self) -> str:
+        extras = [self.mask.name]
+        if self.has_rab:
+            extras.append(f"rab/{self.rab_vec}" + ("+drab" if self.has_drab else "") + ("(sum)" if self.rab_sum_heads else ""))
+        return (f"{self.kernel_name} {self.arch} {self.dtype} d{self.head_dim} {self.tile_m}x{self.tile_n}"
+                f"w{self.num_warps} " + ",".join(extras))
+
+
+BWD_HEAD_DIMS = (32, 64, 128)
+
+
+def make_bwd_keys(arch, dtype, head_dim, kind, context_target, has_rab, rab_vec, has_drab, rab_sum_heads):
+    """(dq key, dkdv key) of one backward call."""
+    common = dict(arch=arch, dtype=dtype, head_dim=head_dim, mask_kind=int(kind), has_context=context_target,
+                  has_target=context_target, has_rab=has_rab, rab_vec=rab_vec if has_rab else 8,
+                  fast_silu=dtype == "bfloat16")
+    dq = AmpereBwdKey(role="dq", has_drab=has_drab, rab_sum_heads=has_drab and rab_sum_heads, **common)
+    dkdv = AmpereBwdKey(role="dkdv", **common)
+    return dq, dkdv
+
+
+def shipped_bwd_keys(arch: str, dtypes=SHIPPED_DTYPES, head_dims=BWD_HEAD_DIMS) -> list[AmpereBwdKey]:
+    keys = []
+    for dtype in dtypes:
+        for head_dim in head_dims:
+            for kind, context_target in SHIPPED_MASKS:
+                for has_rab, rab_vec in SHIPPED_RAB:
+                    drab_options = ((False, False), (True, False), (True, True)) if has_rab else ((False, False),)
+                    for has_drab, sum_heads in drab_options:
+                        dq, dkdv = make_bwd_keys(arch, dtype, head_dim, kind, context_target, has_rab, rab_vec,
+                                                 has_drab, sum_heads)
+                        keys.append(dq)
+                        if not has_drab or not sum_heads:
+                            keys.append(dkdv) if dkdv not in keys else None
+    return keys

@@ -14,10 +14,11 @@ from ..device_utils import (
     KERNEL_OPS,
     acc_to_operand_a,
     apply_mask_inplace,
-    clamp_range,
     gemm_rs,
     gemm_ss,
     silu_scaled_inplace,
+    sequence_bounds,
+    sequence_mask,
     smem_layout_atom,
 )
 
@@ -214,29 +215,14 @@ class HstuForwardSm80:
         m_block = num_m_blocks - 1 - m_block_rev
 
         # ---- sequence geometry (offsets clamped to the tensors: no input can address outside) ----
-        q_start, q_end = clamp_range(mOffsetsQ[batch], mOffsetsQ[batch + 1], mQ.shape[0])
-        k_start, k_end = clamp_range(mOffsetsK[batch], mOffsetsK[batch + 1], mK.shape[0])
-        seqlen_q = cutlass.max(cutlass.min(mSeqUsedQ[batch], q_end - q_start), Int32(0))
-        seqlen_k = cutlass.max(cutlass.min(mSeqUsedK[batch], k_end - k_start), Int32(0))
+        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
+            mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mQ.shape[0], mK.shape[0], batch
+        )
 
         if m_block * self.tile_m < seqlen_q:
             spec = self.mask
-            num_context = Int32(0)
-            history_end = seqlen_k
-            if const_expr(spec.has_context):
-                num_context = mNumContexts[batch]
-            if const_expr(spec.has_target):
-                history_end = seqlen_k - cutlass.min(cutlass.max(mNumTargets[batch], Int32(0)), seqlen_k)
-            seq = masks.SeqMask(
-                seqlen_q=seqlen_q,
-                seqlen_k=seqlen_k,
-                window_left=window_left,
-                window_right=window_right,
-                num_context=num_context,
-                history_end=history_end,
-                group_size=group_size,
-                row_offset=cutlass.select_(is_delta_q != 0, seqlen_k - seqlen_q, Int32(0)),
-            )
+            seq = sequence_mask(spec, seqlen_q, seqlen_k, mNumContexts, mNumTargets, batch, window_left,
+                                window_right, group_size, is_delta_q)
             n_lo, hole_lo, hole_size, n_count = masks.n_block_schedule(
                 spec, seq, m_block, self.tile_m, self.tile_n, KERNEL_OPS
             )

@@ -1,0 +1,508 @@
+"""HSTU attention backward for sm80+ (mma.sync, cp.async, ldmatrix).
+
+Two kernels, no atomics, so results are bitwise identical run to run (``deterministic`` costs
+nothing):
+
+* :class:`HstuBackwardDkDvSm80` -- one CTA per (head, batch, n-block) owns K_j, V_j and walks the
+  m-blocks that attend to it, in the transposed orientation (rows = keys):
+  S^T = rab^T + K Q^T, dP^T = V dO^T, dV += P^T dO, dK += G^T Q.
+* :class:`HstuBackwardDqSm80` -- one CTA per (head, batch, m-block) owns Q_i, dO_i and walks the
+  forward's n-block schedule: S = rab + Q K^T, dP = dO V^T, dQ += G K, drab = G. With one rab
+  head shared by all heads (H_rab = 1) a CTA loops over the heads and sums G in an fp32
+  workspace in a fixed order.
+
+With Z = alpha * S, P = silu(Z) / S_len and G = alpha * silu'(Z) * dP / S_len on allowed
+entries (spec section 2); masked entries are selected to exact zeros.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warp
+
+from .. import masks
+from ..device_utils import (
+    KERNEL_OPS,
+    acc_to_operand_a,
+    gemm_rs,
+    gemm_ss,
+    sequence_bounds,
+    sequence_mask,
+    smem_layout_atom,
+    tanh_approx,
+)
+
+
+@cute.jit
+def silu_and_grad_inplace(acc_s: cute.Tensor, acc_dp: cute.Tensor, alpha: Float32, inv_scale: Float32,
+                          fast: cutlass.Constexpr[bool]):
+    """acc_s <- P = silu(alpha s) / S_len;  acc_dp <- G = alpha silu'(alpha s) dP / S_len."""
+    alpha_scaled = alpha * inv_scale
+    for i in cutlass.range_constexpr(cute.size(acc_s)):
+        z = acc_s[i] * alpha
+        if const_expr(fast):
+            sig = Float32(0.5) + Float32(0.5) * tanh_approx(z * Float32(0.5))
+        else:
+            sig = Float32(1.0) / (Float32(1.0) + cute.math.exp2(z * Float32(-1.4426950408889634), fastmath=True))
+        acc_s[i] = z * sig * inv_scale
+        acc_dp[i] = acc_dp[i] * alpha_scaled * (sig * (Float32(1.0) + z * (Float32(1.0) - sig)))
+
+
+class _BackwardBase:
+    def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, rab_vec: int,
+                 has_drab: bool, rab_sum_heads: bool, tile_m: int, tile_n: int, num_warps: int,
+                 fast_silu: bool):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.mask = mask
+        self.has_rab = has_rab
+        self.rab_vec = rab_vec
+        self.has_drab = has_drab
+        self.rab_sum_heads = rab_sum_heads
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.num_warps = num_warps
+        self.num_threads = num_warps * 32
+        self.fast_silu = fast_silu
+
+    def _atoms(self):
+        D = self.head_dim
+        atom = smem_layout_atom(self.dtype, D)
+        vec = 128 // self.dtype.width
+        copy_g2s = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype, num_bits_per_copy=128
+        )
+        threads_per_row = atom.outer.shape[1] // vec
+        thr_layout = cute.make_ordered_layout((self.num_threads // threads_per_row, threads_per_row), order=(1, 0))
+        gmem_copy = cute.make_tiled_copy_tv(copy_g2s, thr_layout, cute.make_layout((1, vec)))
+        copy_r2g = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        gmem_store = cute.make_tiled_copy_tv(copy_r2g, thr_layout, cute.make_layout((1, vec)))
+        gmem_copy_rab = None
+        if const_expr(self.has_rab):
+            if const_expr(self.rab_vec >= 2):
+                rab_atom = cute.make_copy_atom(
+                    cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), self.dtype,
+                    num_bits_per_copy=self.rab_vec * self.dtype.width,
+                )
+            else:
+                rab_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                               num_bits_per_copy=self.dtype.width)
+            rab_threads_per_row = min(self.tile_n // self.rab_vec, self.num_threads)
+            gmem_copy_rab = cute.make_tiled_copy_tv(
+                rab_atom,
+                cute.make_ordered_layout((self.num_threads // rab_threads_per_row, rab_threads_per_row), order=(1, 0)),
+                cute.make_layout((1, self.rab_vec)),
+            )
+        tiled_mma = cute.make_tiled_mma(
+            warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)),
+            (self.num_warps, 1, 1),
+            permutation_mnk=(self.num_warps * 16, 16, 16),
+        )
+        return atom, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma
+
+    @cute.jit
+    def load_rows(self, gmem_copy, tXgX, tXsX, tXcX, row_limit: Int32, zero_fill: cutlass.Constexpr[bool]):
+        """Rows < row_limit of a tile; the others zero-filled (finite) or left alone."""
+        for m in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
+            if tXcX[0, m, 0][0] < row_limit:
+                cute.copy(gmem_copy, tXgX[None, m, None], tXsX[None, m, None])
+            elif const_expr(zero_fill):
+                tXsX[None, m, None].fill(0)
+
+    @cute.jit
+    def load_rab(self, gmem_copy, tRgR, tRsR, tRcR, row_limit: Int32, col_limit: Int32):
+        # Out-of-range chunks are zero-filled: in the dK/dV kernel a query row past seqlen_q
+        # is only neutralized by its zero dO row, and 0 * (stale NaN) would not be 0.
+        if row_limit < self.tile_m or col_limit < self.tile_n:
+            for m in cutlass.range_constexpr(cute.size(tRsR.shape[1])):
+                for n in cutlass.range_constexpr(cute.size(tRsR.shape[2])):
+                    if tRcR[0, m, n][0] < row_limit and tRcR[0, m, n][1] < col_limit:
+                        cute.copy(gmem_copy, tRgR[None, m, n], tRsR[None, m, n])
+                    else:
+                        tRsR[None, m, n].fill(0)
+        else:
+            cute.copy(gmem_copy, tRgR, tRsR)
+
+    @cute.jit
+    def store_rows(self, gmem_store, tiled_mma, acc, sStage, gOut, tidx, row_limit: Int32):
+        """acc (fp32, C layout) -> dtype -> smem staging -> 128-bit stores of rows < row_limit.
+        The caller barriers before (sStage free) and after (sStage reusable)."""
+        rO = cute.make_fragment_like(acc, self.dtype)
+        rO.store(acc.load().to(self.dtype))
+        smem_copy = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), tiled_mma
+        ).get_slice(tidx)
+        cute.copy(smem_copy, smem_copy.retile(rO), smem_copy.partition_D(sStage))
+        cute.arch.barrier()
+        thr = gmem_store.get_slice(tidx)
+        tOsO = thr.partition_S(sStage)
+        tOgO = thr.partition_D(gOut)
+        tOcO = thr.partition_D(cute.make_identity_tensor(gOut.shape))
+        tOrO = cute.make_fragment_like(tOgO, self.dtype)
+        cute.copy(gmem_store, tOsO, tOrO)
+        for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
+            if tOcO[0, m, 0][0] < row_limit:
+                cute.copy(gmem_store, tOrO[None, m, None], tOgO[None, m, None])
+
+
+class HstuBackwardDqSm80(_BackwardBase):
+    """dQ (and drab) kernel. Grid (heads, batch, m-blocks), or (1, batch, m-blocks) with the head
+    loop inside when one rab head is shared (rab_sum_heads).
+
+    Warp roles: none (all warps load with cp.async and compute with mma.sync).
+    Pipeline: per n-block one cp.async group (K, V, rab), wait_group(0) + CTA barrier, compute,
+    barrier before the next group overwrites smem. Barriers: bar 0 only.
+    """
+
+    @cute.jit
+    def __call__(self, mQ, mK, mV, mdO, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
+                 mNumTargets, mRab, mdRab, mdRabAccum, alpha: Float32, inv_scale: Float32,
+                 window_left: Int32, window_right: Int32, group_size: Int32, is_delta_q: Int32,
+                 num_m_blocks: Int32, stream):
+        atom, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma = self._atoms()
+        D = self.head_dim
+        sQ_layout = cute.tile_to_shape(atom, (self.tile_m, D), (0, 1))
+        sK_layout = cute.tile_to_shape(atom, (self.tile_n, D), (0, 1))
+        rab_elems = 8
+        sRab_layout = None
+        if const_expr(self.has_rab):
+            sRab_layout = cute.tile_to_shape(smem_layout_atom(self.dtype, self.tile_n), (self.tile_m, self.tile_n), (0, 1))
+            rab_elems = cute.cosize(sRab_layout)
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sRab: cute.struct.Align[cute.struct.MemRange[self.dtype, rab_elems], 1024]
+
+        heads_in_grid = 1 if const_expr(self.rab_sum_heads) else mQ.shape[1]
+        self.kernel(
+            mQ, mK, mV, mdO, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
+            mdRab, mdRabAccum, alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
+            sQ_layout, sK_layout, sRab_layout, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma, SharedStorage,
+        ).launch(
+            grid=[heads_in_grid, mOffsetsQ.shape[0] - 1, num_m_blocks],
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, mQ, mK, mV, mdO, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets,
+               mRab, mdRab, mdRabAccum, alpha: Float32, inv_scale: Float32, window_left: Int32,
+               window_right: Int32, group_size: Int32, is_delta_q: Int32, sQ_layout, sK_layout, sRab_layout,
+               gmem_copy, gmem_store, gmem_copy_rab, tiled_mma, SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        head_idx, batch, m_block_rev = cute.arch.block_idx()
+        _, _, num_m_blocks = cute.arch.grid_dim()
+        m_block = num_m_blocks - 1 - m_block_rev
+        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
+            mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mQ.shape[0], mK.shape[0], batch)
+        if m_block * self.tile_m < seqlen_q:
+            spec = self.mask
+            seq = sequence_mask(spec, seqlen_q, seqlen_k, mNumContexts, mNumTargets, batch, window_left,
+                                window_right, group_size, is_delta_q)
+            n_lo, hole_lo, hole_size, n_count = masks.n_block_schedule(
+                spec, seq, m_block, self.tile_m, self.tile_n, KERNEL_OPS)
+            row_first = seq.row_offset + m_block * self.tile_m
+            q_rows = seqlen_q - m_block * self.tile_m
+
+            smem = cutlass.utils.SmemAllocator()
+            storage = smem.allocate(SharedStorage)
+            sQ = storage.sQ.get_tensor(sQ_layout)
+            sdO = storage.sdO.get_tensor(sQ_layout)
+            sK = storage.sK.get_tensor(sK_layout)
+            sV = storage.sV.get_tensor(sK_layout)
+            sKt = cute.composition(sK, cute.make_layout((self.head_dim, self.tile_n), stride=(self.tile_n, 1)))
+
+            thr_mma = tiled_mma.get_slice(tidx)
+            ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+            ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
+            copy_a = cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(tidx)
+            copy_b = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)
+            copy_bt = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx)
+            tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+            tSrdO = thr_mma.make_fragment_A(thr_mma.partition_A(sdO))
+            tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK))
+            tSrV = thr_mma.make_fragment_B(thr_mma.partition_B(sV))
+            tQrKt = thr_mma.make_fragment_B(thr_mma.partition_B(sKt))
+            tSsQ, tSsdO = copy_a.partition_S(sQ), copy_a.partition_S(sdO)
+            tSsK, tSsV = copy_b.partition_S(sK), copy_b.partition_S(sV)
+            tQsKt = copy_bt.partition_S(sKt)
+            cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+            tScS = thr_mma.partition_C(cS)
+            thr_copy = gmem_copy.get_slice(tidx)
+            tKVcKV = thr_copy.partition_S(cute.make_identity_tensor((self.tile_n, self.head_dim)))
+            tQcQ = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+            if const_expr(self.has_rab):
+                sRab = storage.sRab.get_tensor(sRab_layout)
+                thr_copy_rab = gmem_copy_rab.get_slice(tidx)
+                tRsR = thr_copy_rab.partition_D(sRab)
+                tRcR = thr_copy_rab.partition_S(cS)
+                smem_copy_rab = cute.make_tiled_copy_C(ldsm, tiled_mma).get_slice(tidx)
+                tSsRab = smem_copy_rab.partition_S(sRab)
+                rab_rows = cutlass.min(seq.row_offset + seqlen_q, mRab.shape[2]) - row_first
+                rab_cols = cutlass.min(seqlen_k, mRab.shape[3])
+
+            head_begin = head_idx
+            head_end = head_idx + 1
+            if const_expr(self.rab_sum_heads):
+                head_begin = Int32(0)
+                head_end = mQ.shape[1]
+            for head in cutlass.range(head_begin, head_end, unroll=1):
+                gQ = cute.local_tile(cute.domain_offset((q_start, 0), mQ[None, head, None]),
+                                     (self.tile_m, self.head_dim), (m_block, 0))
+                gdO = cute.local_tile(cute.domain_offset((q_start, 0), mdO[None, head, None]),
+                                      (self.tile_m, self.head_dim), (m_block, 0))
+                gdQ = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]),
+                                      (self.tile_m, self.head_dim), (m_block, 0))
+                gK = cute.local_tile(cute.domain_offset((k_start, 0), mK[None, head, None]),
+                                     (self.tile_n, self.head_dim), (None, 0))
+                gV = cute.local_tile(cute.domain_offset((k_start, 0), mV[None, head, None]),
+                                     (self.tile_n, self.head_dim), (None, 0))
+                tKgK, tKsK = thr_copy.partition_S(gK), thr_copy.partition_D(sK)
+                tVgV, tVsV = thr_copy.partition_S(gV), thr_copy.partition_D(sV)
+                self.load_rows(gmem_copy, thr_copy.partition_S(gQ), thr_copy.partition_D(sQ), tQcQ, q_rows, False)
+                self.load_rows(gmem_copy, thr_copy.partition_S(gdO), thr_copy.partition_D(sdO), tQcQ, q_rows, False)
+                if const_expr(self.has_rab):
+                    rab_head = cutlass.select_(mRab.shape[1] > 1, head, Int32(0))
+                    gRab = cute.local_tile(cute.domain_offset((seq.row_offset, 0), mRab[batch, rab_head, None, None]),
+                                           (self.tile_m, self.tile_n), (m_block, None))
+                    tRgR = thr_copy_rab.partition_S(gRab)
+                if const_expr(self.has_drab):
+                    drab_head = cutlass.select_(mdRab.shape[1] > 1, head, Int32(0))
+                    gdRab = cute.local_tile(cute.domain_offset((seq.row_offset, 0), mdRab[batch, drab_head, None, None]),
+                                            (self.tile_m, self.tile_n), (m_block, None))
+                    if const_expr(self.rab_sum_heads):
+                        gdRabAcc = cute.local_tile(
+                            cute.domain_offset((seq.row_offset, 0), mdRabAccum[batch, None, None]),
+                            (self.tile_m, self.tile_n), (m_block, None))
+
+                acc_dQ = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+                acc_dQ.fill(0.0)
+                for it in cutlass.range(n_count, unroll=1):
+                    n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
+                    k_rows = seqlen_k - n_block * self.tile_n
+                    # K is dQ's B operand: rows past seqlen_k must be finite (G is 0 there).
+                    self.load_rows(gmem_copy, tKgK[None, None, None, n_block], tKsK, tKVcKV, k_rows, True)
+                    self.load_rows(gmem_copy, tVgV[None, None, None, n_block], tVsV, tKVcKV, k_rows, False)
+                    if const_expr(self.has_rab):
+                        self.load_rab(gmem_copy_rab, tRgR[None, None, None, n_block], tRsR, tRcR, rab_rows,
+                                      rab_cols - n_block * self.tile_n)
+                    cute.arch.cp_async_commit_group()
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.barrier()
+
+                    acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+                    if const_expr(self.has_rab):
+                        rRab = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)
+                        cute.copy(smem_copy_rab, tSsRab, smem_copy_rab.retile(rRab))
+                        acc_S.store(rRab.load().to(Float32))
+                    else:
+                        acc_S.fill(0.0)
+                    gemm_ss(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSsK, copy_a, copy_b)
+                    acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+                    acc_dP.fill(0.0)
+                    gemm_ss(tiled_mma, acc_dP, tSrdO, tSrV, tSsdO, tSsV, copy_a, copy_b)
+                    silu_and_grad_inplace(acc_S, acc_dP, alpha, inv_scale, self.fast_silu)
+                    col0 = n_block * self.tile_n
+                    is_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
+                    if not is_full:
+                        for i in cutlass.range_constexpr(cute.size(acc_dP)):
+                            keep = masks.allowed(spec, seq, row_first + tScS[i][0], col0 + tScS[i][1], KERNEL_OPS)
+                            acc_dP[i] = cutlass.select_(keep, acc_dP[i], Float32(0.0))
+                    if const_expr(self.has_drab):
+                        tCgdR = thr_mma.partition_C(gdRab[None, None, n_block])
+                        if const_expr(self.rab_sum_heads):
+                            tCgdA = thr_mma.partition_C(gdRabAcc[None, None, n_block])
+                        for i in cutlass.range_constexpr(cute.size(acc_dP)):
+                            if tScS[i][0] < q_rows and tScS[i][1] < rab_cols - col0:
+                                if const_expr(self.rab_sum_heads):
+                                    total = tCgdA[i] + acc_dP[i]
+                                    tCgdA[i] = total
+                                    if head == head_end - 1:
+                                        tCgdR[i] = total.to(self.dtype)
+                                else:
+                                    tCgdR[i] = acc_dP[i].to(self.dtype)
+                    rG = cute.make_fragment_like(acc_dP, self.dtype)
+                    rG.store(acc_dP.load().to(self.dtype))
+                    gemm_rs(tiled_mma, acc_dQ, acc_to_operand_a(rG), tQrKt, tQsKt, copy_bt)
+                    cute.arch.barrier()
+                # With no n-block the Q/dO loads were never waited on: drain before staging in sQ.
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.barrier()
+                self.store_rows(gmem_store, tiled_mma, acc_dQ, sQ, gdQ, tidx, q_rows)
+                cute.arch.barrier()
+
+
+class HstuBackwardDkDvSm80(_BackwardBase):
+    """dK, dV kernel. Grid (heads, batch, n-blocks); n-block 0 first (with causal masks the early
+    keys are attended by the most queries).
+
+    Warp roles: none. Pipeline: per m-block one cp.async group (Q, dO, rab), wait_group(0) + CTA
+    barrier, compute, barrier. Barriers: bar 0 only.
+    """
+
+    @cute.jit
+    def __call__(self, mQ, mK, mV, mdO, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
+                 mNumTargets, mRab, alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32,
+                 group_size: Int32, is_delta_q: Int32, num_n_blocks: Int32, stream):
+        atom, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma = self._atoms()
+        D = self.head_dim
+        sQ_layout = cute.tile_to_shape(atom, (self.tile_m, D), (0, 1))
+        sK_layout = cute.tile_to_shape(atom, (self.tile_n, D), (0, 1))
+        rab_elems = 8
+        sRab_layout = None
+        if const_expr(self.has_rab):
+            sRab_layout = cute.tile_to_shape(smem_layout_atom(self.dtype, self.tile_n), (self.tile_m, self.tile_n), (0, 1))
+            rab_elems = cute.cosize(sRab_layout)
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sRab: cute.struct.Align[cute.struct.MemRange[self.dtype, rab_elems], 1024]
+
+        self.kernel(
+            mQ, mK, mV, mdO, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
+            alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
+            sQ_layout, sK_layout, sRab_layout, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma, SharedStorage,
+        ).launch(
+            grid=[mQ.shape[1], mOffsetsQ.shape[0] - 1, num_n_blocks],
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+        )
+
+    @cute.kernel
+    def kernel(self, mQ, mK, mV, mdO, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
+               mNumTargets, mRab, alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32,
+               group_size: Int32, is_delta_q: Int32, sQ_layout, sK_layout, sRab_layout, gmem_copy, gmem_store,
+               gmem_copy_rab, tiled_mma, SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        head, batch, n_block = cute.arch.block_idx()
+        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
+            mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mQ.shape[0], mK.shape[0], batch)
+        if n_block * self.tile_n < seqlen_k:
+            spec = self.mask
+            seq = sequence_mask(spec, seqlen_q, seqlen_k, mNumContexts, mNumTargets, batch, window_left,
+                                window_right, group_size, is_delta_q)
+            m_lo, m_hi = masks.m_block_range(spec, seq, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
+            k_rows = seqlen_k - n_block * self.tile_n
+            col0 = n_block * self.tile_n  # key coordinate of this CTA's first key
+
+            smem = cutlass.utils.SmemAllocator()
+            storage = smem.allocate(SharedStorage)
+            sQ = storage.sQ.get_tensor(sQ_layout)
+            sdO = storage.sdO.get_tensor(sQ_layout)
+            sK = storage.sK.get_tensor(sK_layout)
+            sV = storage.sV.get_tensor(sK_layout)
+            sQt = cute.composition(sQ, cute.make_layout((self.head_dim, self.tile_m), stride=(self.tile_m, 1)))
+            sdOt = cute.composition(sdO, cute.make_layout((self.head_dim, self.tile_m), stride=(self.tile_m, 1)))
+
+            gK = cute.local_tile(cute.domain_offset((k_start, 0), mK[None, head, None]), (self.tile_n, self.head_dim), (n_block, 0))
+            gV = cute.local_tile(cute.domain_offset((k_start, 0), mV[None, head, None]), (self.tile_n, self.head_dim), (n_block, 0))
+            gdK = cute.local_tile(cute.domain_offset((k_start, 0), mdK[None, head, None]), (self.tile_n, self.head_dim), (n_block, 0))
+            gdV = cute.local_tile(cute.domain_offset((k_start, 0), mdV[None, head, None]), (self.tile_n, self.head_dim), (n_block, 0))
+            gQ = cute.local_tile(cute.domain_offset((q_start, 0), mQ[None, head, None]), (self.tile_m, self.head_dim), (None, 0))
+            gdO = cute.local_tile(cute.domain_offset((q_start, 0), mdO[None, head, None]), (self.tile_m, self.head_dim), (None, 0))
+
+            thr_copy = gmem_copy.get_slice(tidx)
+            tKVcKV = thr_copy.partition_S(cute.make_identity_tensor((self.tile_n, self.head_dim)))
+            tQcQ = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+            tQgQ, tQsQ = thr_copy.partition_S(gQ), thr_copy.partition_D(sQ)
+            tQgdO, tQsdO = thr_copy.partition_S(gdO), thr_copy.partition_D(sdO)
+            # K/V rows past seqlen_k only feed dK/dV rows that are never stored.
+            self.load_rows(gmem_copy, thr_copy.partition_S(gK), thr_copy.partition_D(sK), tKVcKV, k_rows, False)
+            self.load_rows(gmem_copy, thr_copy.partition_S(gV), thr_copy.partition_D(sV), tKVcKV, k_rows, False)
+            # Commit now: wait_group only covers committed groups, and with no m-block (a sequence
+            # without queries) these loads would otherwise land in the dK/dV staging buffers.
+            cute.arch.cp_async_commit_group()
+
+            thr_mma = tiled_mma.get_slice(tidx)
+            ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+            ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
+            copy_a = cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(tidx)
+            copy_b = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)
+            copy_bt = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx)
+            tSrK = thr_mma.make_fragment_A(thr_mma.partition_A(sK))
+            tSrV = thr_mma.make_fragment_A(thr_mma.partition_A(sV))
+            tSrQ = thr_mma.make_fragment_B(thr_mma.partition_B(sQ))
+            tSrdO = thr_mma.make_fragment_B(thr_mma.partition_B(sdO))
+            tDrQt = thr_mma.make_fragment_B(thr_mma.partition_B(sQt))
+            tDrdOt = thr_mma.make_fragment_B(thr_mma.partition_B(sdOt))
+            tSsK, tSsV = copy_a.partition_S(sK), copy_a.partition_S(sV)
+            tSsQ, tSsdO = copy_b.partition_S(sQ), copy_b.partition_S(sdO)
+            tDsQt, tDsdOt = copy_bt.partition_S(sQt), copy_bt.partition_S(sdOt)
+            # Transposed orientation: accumulator rows are keys, columns are queries.
+            cST = cute.make_identity_tensor((self.tile_n, self.tile_m))
+            tScST = thr_mma.partition_C(cST)
+            if const_expr(self.has_rab):
+                sRab = storage.sRab.get_tensor(sRab_layout)
+                sRabT = cute.composition(sRab, cute.make_layout((self.tile_n, self.tile_m), stride=(self.tile_m, 1)))
+                tSsRabT = thr_mma.partition_C(sRabT)
+                thr_copy_rab = gmem_copy_rab.get_slice(tidx)
+                tRsR = thr_copy_rab.partition_D(sRab)
+                tRcR = thr_copy_rab.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+                rab_head = cutlass.select_(mRab.shape[1] > 1, head, Int32(0))
+                gRab = cute.local_tile(cute.domain_offset((seq.row_offset, 0), mRab[batch, rab_head, None, None]),
+                                       (self.tile_m, self.tile_n), (None, n_block))
+                tRgR = thr_copy_rab.partition_S(gRab)
+                rab_cols = cutlass.min(seqlen_k, mRab.shape[3]) - col0
+
+            acc_dK = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_n, self.head_dim)), Float32)
+            acc_dV = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_n, self.head_dim)), Float32)
+            acc_dK.fill(0.0)
+            acc_dV.fill(0.0)
+            for m_block in cutlass.range(m_lo, m_hi, unroll=1):
+                if masks.tile_nonempty(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
+                    q_rows = seqlen_q - m_block * self.tile_m
+                    row_first = seq.row_offset + m_block * self.tile_m
+                    # Q and dO rows past seqlen_q are zero-filled: then their dP (hence G) and
+                    # their dO are 0, so they add nothing to dK and dV.
+                    self.load_rows(gmem_copy, tQgQ[None, None, None, m_block], tQsQ, tQcQ, q_rows, True)
+                    self.load_rows(gmem_copy, tQgdO[None, None, None, m_block], tQsdO, tQcQ, q_rows, True)
+                    if const_expr(self.has_rab):
+                        self.load_rab(gmem_copy_rab, tRgR[None, None, None, m_block], tRsR, tRcR,
+                                      cutlass.min(seq.row_offset + seqlen_q, mRab.shape[2]) - row_first, rab_cols)
+                    cute.arch.cp_async_commit_group()
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.barrier()
+
+                    acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_n, self.tile_m)), Float32)
+                    if const_expr(self.has_rab):
+                        # Element loads: the transposed view of the swizzled tile has no vector path.
+                        for i in cutlass.range_constexpr(cute.size(acc_S)):
+                            acc_S[i] = tSsRabT[i].to(Float32)
+                    else:
+                        acc_S.fill(0.0)
+                    gemm_ss(tiled_mma, acc_S, tSrK, tSrQ, tSsK, tSsQ, copy_a, copy_b)
+                    acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_n, self.tile_m)), Float32)
+                    acc_dP.fill(0.0)
+                    gemm_ss(tiled_mma, acc_dP, tSrV, tSrdO, tSsV, tSsdO, copy_a, copy_b)
+                    silu_and_grad_inplace(acc_S, acc_dP, alpha, inv_scale, self.fast_silu)
+                    is_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
+                    if not is_full:
+                        for i in cutlass.range_constexpr(cute.size(acc_S)):
+                            keep = masks.allowed(spec, seq, row_first + tScST[i][1], col0 + tScST[i][0], KERNEL_OPS)
+                            acc_S[i] = cutlass.select_(keep, acc_S[i], Float32(0.0))
+                            acc_dP[i] = cutlass.select_(keep, acc_dP[i], Float32(0.0))
+                    rP = cute.make_fragment_like(acc_S, self.dtype)
+                    rP.store(acc_S.load().to(self.dtype))
+                    gemm_rs(tiled_mma, acc_dV, acc_to_operand_a(rP), tDrdOt, tDsdOt, copy_bt)
+                    rG = cute.make_fragment_like(acc_dP, self.dtype)
+                    rG.store(acc_dP.load().to(self.dtype))
+                    gemm_rs(tiled_mma, acc_dK, acc_to_operand_a(rG), tDrQt, tDsQt, copy_bt)
+                    cute.arch.barrier()
+            # No m-block may have run: drain the K/V group before sK/sV become staging buffers.
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
+            self.store_rows(gmem_store, tiled_mma, acc_dK, sK, gdK, tidx, k_rows)
+            self.store_rows(gmem_store, tiled_mma, acc_dV, sV, gdV, tidx, k_rows)

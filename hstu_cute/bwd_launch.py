@@ -1,0 +1,64 @@
+"""Backward launch: allocate gradients, pick the two backward kernels, launch them on the current
+stream. Called by :func:`hstu_cute.api.backward` after validation (done in the forward)."""
+
+from __future__ import annotations
+
+import torch
+
+from .ampere import BWD_HEAD_DIMS, make_bwd_keys
+
+
+def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
+                 num_targets, target_group_size, alpha, rab, has_drab, seqused_q, seqused_k, p,
+                 deterministic=False):
+    """Returns (dq, dk, dv, drab or None). ``deterministic`` is accepted for the API: both
+    kernels reduce in a fixed order without atomics, so every run is bitwise identical anyway."""
+    from . import api
+    from .cache import default_cache
+    from .compile import build
+
+    if p.head_dim not in BWD_HEAD_DIMS:
+        raise NotImplementedError(
+            f"q.shape[2] (head dim): the backward kernels support {BWD_HEAD_DIMS}, got {p.head_dim} "
+            "(head dim 256 backward is not built yet)"
+        )
+    zero_q, zero_k = seqused_q is not None, seqused_k is not None
+    dq = (torch.zeros if zero_q else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
+    dk = (torch.zeros if zero_k else torch.empty)(k.shape, dtype=k.dtype, device=k.device)
+    dv = (torch.zeros if zero_k else torch.empty)(v.shape, dtype=v.dtype, device=v.device)
+    drab = torch.zeros_like(rab) if has_drab else None
+    if q.shape[0] == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or p.batch == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_(), drab
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    q, k, v, dout = (api._aligned_16(t) for t in (q, k, v, dout))
+
+    device, batch = q.device, p.batch
+    rab_vec = api._rab_vec(rab) if rab is not None else 8
+    sum_heads = has_drab and rab is not None and rab.shape[1] == 1 and p.heads > 1
+    key_dq, key_dkdv = make_bwd_keys(api.device_arch(device), api._DTYPE_NAMES[p.dtype], p.head_dim, p.mask.kind,
+                                     p.mask.has_context or p.mask.has_target, rab is not None, rab_vec, has_drab,
+                                     sum_heads)
+    cache = default_cache()
+    fn_dq = cache.get(key_dq, lambda: build(key_dq))
+    fn_dkdv = cache.get(key_dkdv, lambda: build(key_dkdv))
+    if seqused_q is None:
+        seqused_q = api._filler(batch, device, api.INT32_MAX)
+    if seqused_k is None:
+        seqused_k = api._filler(batch, device, api.INT32_MAX)
+    if key_dq.has_context:
+        num_contexts = num_contexts if num_contexts is not None else api._filler(batch, device, 0)
+        num_targets = num_targets if num_targets is not None else api._filler(batch, device, 0)
+    drab_accum = None
+    if sum_heads:
+        drab_accum = torch.zeros((rab.shape[0], rab.shape[2], rab.shape[3]), dtype=torch.float32, device=device)
+    scalars = (float(alpha), 1.0 / p.scale_seqlen, p.window_left, p.window_right, int(target_group_size),
+               int(p.mask.is_delta_q))
+    num_m_blocks = -(-max_seqlen_q // key_dq.tile_m)
+    num_n_blocks = -(-max_seqlen_k // key_dkdv.tile_n)
+    with torch.cuda.device(device):
+        fn_dq(q, k, v, dout, dq, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts, num_targets,
+              rab, drab, drab_accum, *scalars, num_m_blocks)
+        fn_dkdv(q, k, v, dout, dk, dv, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
+                num_targets, rab, *scalars, num_n_blocks)
+    return dq, dk, dv, drab

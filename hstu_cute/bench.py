@@ -214,6 +214,34 @@ def run_workload(w: Workload, tiles: dict | None = None, sets: int = 3) -> dict:
     return row
 
 
+def run_workload_bwd(w: Workload, sets: int = 3) -> dict:
+    """Backward kernels alone (dq, dk, dv[, drab]) on the workload; FLOPs = 2.5 x forward."""
+    from . import api
+    from .bwd_launch import run_backward
+
+    calls = []
+    for s in range(sets):
+        full = make_inputs(w, seed=s)
+        lens_q, lens_k = full["_lens_q"], full["_lens_k"]
+        kw = {k: v for k, v in full.items() if not k.startswith("_")}
+        p = api.validate(
+            kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
+            kw["max_seqlen_k"], kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1),
+            kw["window_size"], 1.0, kw.get("rab"), kw.get("rab") is not None, kw["is_delta_q"], None, None, None,
+            None, -1, -1, None, None,
+        )
+        dout = torch.rand_like(kw["q"])
+        calls.append(lambda kw=kw, p=p, dout=dout: run_backward(
+            dout, kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
+            kw["max_seqlen_k"], kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1), 1.0,
+            kw.get("rab"), kw.get("rab") is not None, None, None, p))
+    calls[0]()
+    ms, iqr = time_cuda(calls)
+    f, convention = flops(w, lens_q, lens_k)
+    return dict(workload=w.name + " bwd", ms=ms, iqr_ms=iqr, tflops=2.5 * f / ms / 1e9, flops=convention + " x2.5",
+                tiles="bwd 64x64")
+
+
 def host_overhead_us(n: int = 2000) -> dict:
     """Host time per call on a tiny problem (no sync inside the loop): the public API, its
     validation alone, and the bare compiled launch with prepared arguments."""

@@ -49,6 +49,10 @@ if mode in ("headline", "all"):
 if mode in ("grid", "all"):
     for w in bench.default_grid():
         emit(bench.run_workload(w))
+if mode in ("bwd", "all"):
+    for w in (bench.headline(), bench.replace(bench.headline(), name="full B8 N4096 D64", head_dim=64),
+              bench.Workload("rab H_rab=1 B8 N2048", 8, 2048, rab_heads=1)):
+        emit(bench.run_workload_bwd(bench.replace(w, sdpa=False)))
 emit({"host_overhead": bench.host_overhead_us()})
 
 print("\n=== summary ===")

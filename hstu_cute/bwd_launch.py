@@ -34,7 +34,18 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
     q, k, v, dout = (api._aligned_16(t) for t in (q, k, v, dout))
 
     device, batch = q.device, p.batch
-    rab_vec = api._rab_vec(rab) if rab is not None else 8
+    drab_view = None
+    if rab is not None and api._rab_vec(rab) != 8:
+        # Rows not 16-byte aligned (e.g. max_seqlen_k % 8 != 0): copy rab into a padded slab so
+        # the kernels keep 16-byte loads, and return drab as a view of a padded gradient.
+        cols = rab.shape[3]
+        padded = torch.zeros(rab.shape[:3] + ((cols + 7) // 8 * 8,), dtype=rab.dtype, device=device)
+        padded[..., :cols].copy_(rab)
+        rab = padded
+        if has_drab:
+            drab = torch.zeros_like(rab)
+            drab_view = drab[..., :cols]
+    rab_vec = 8
     sum_heads = has_drab and rab is not None and rab.shape[1] == 1 and p.heads > 1
     key_dq, key_dkdv = make_bwd_keys(api.device_arch(device), api._DTYPE_NAMES[p.dtype], p.head_dim, p.mask.kind,
                                      p.mask.has_context or p.mask.has_target, rab is not None, rab_vec, has_drab,
@@ -61,4 +72,4 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
               rab, drab, drab_accum, *scalars, num_m_blocks)
         fn_dkdv(q, k, v, dout, dk, dv, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
                 num_targets, rab, *scalars, num_n_blocks)
-    return dq, dk, dv, drab
+    return dq, dk, dv, (drab_view if drab_view is not None else drab)

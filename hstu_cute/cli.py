@@ -168,12 +168,13 @@ def cmd_info(args, console) -> int:
 # ---------------------------------------------------------------------------------------------
 # warmup
 # ---------------------------------------------------------------------------------------------
-def select_keys(arch: str, dtypes=None, head_dims=None, masks_=None, rab: str = "all", limit=None) -> list:
-    """The shipped forward variants for ``arch`` filtered like the ``warmup`` options."""
-    from .ampere import SHIPPED_DTYPES, SHIPPED_HEAD_DIMS, shipped_fwd_keys
+def select_keys(arch: str, dtypes=None, head_dims=None, masks_=None, rab: str = "all", limit=None,
+                kernels: str = "all") -> list:
+    """The shipped forward and backward variants for ``arch`` filtered like the ``warmup`` options."""
+    from .ampere import SHIPPED_DTYPES, SHIPPED_HEAD_DIMS, shipped_keys
     from .masks import MaskKind
 
-    keys = shipped_fwd_keys(arch, tuple(dtypes or SHIPPED_DTYPES), tuple(head_dims or SHIPPED_HEAD_DIMS))
+    keys = shipped_keys(arch, tuple(dtypes or SHIPPED_DTYPES), tuple(head_dims or SHIPPED_HEAD_DIMS))
     if masks_:
         wanted = {
             {"none": (MaskKind.NONE, False), "local": (MaskKind.LOCAL, False), "causal": (MaskKind.CAUSAL, False),
@@ -185,6 +186,8 @@ def select_keys(arch: str, dtypes=None, head_dims=None, masks_=None, rab: str = 
         keys = [k for k in keys if not k.has_rab]
     elif rab == "only":
         keys = [k for k in keys if k.has_rab]
+    if kernels != "all":
+        keys = [k for k in keys if k.kernel_name.startswith(f"ampere_{kernels}")]
     if limit is not None:
         keys = keys[:limit]
     return keys
@@ -231,14 +234,15 @@ def cmd_warmup(args, console) -> int:
     from .warmup import default_arch
 
     arch = args.arch or default_arch()
-    keys = select_keys(arch, args.dtype, args.head_dim, args.mask, "none" if args.no_rab else args.rab, args.limit)
+    keys = select_keys(arch, args.dtype, args.head_dim, args.mask, "none" if args.no_rab else args.rab, args.limit,
+                       args.kernels)
     if not keys:
         console.print("[yellow]No variant matches these options[/]; nothing to compile.")
         return 0
     workers = args.workers if args.workers is not None else (os.cpu_count() or 1)
     workers = min(workers, len(keys))
     cache = default_cache()
-    console.print(f"Precompiling [bold]{len(keys)}[/] forward variants for [bold]{arch}[/] with {workers} "
+    console.print(f"Precompiling [bold]{len(keys)}[/] kernel variants for [bold]{arch}[/] with {workers} "
                   f"worker process{'es' if workers != 1 else ''} into {cache.fingerprint_dir()} "
                   f"(disk caching {'on' if cache.disk_enabled else 'OFF: kept in memory of this process only'}; "
                   "no GPU needed)")
@@ -570,6 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="variants with/without rab (default all)")
     p.add_argument("--no-rab", action="store_true", help="same as --rab none")
     p.add_argument("--limit", type=int, default=None, help="at most this many variants (after the filters)")
+    p.add_argument("--kernels", choices=("all", "fwd", "bwd"), default="all", help="forward, backward or both")
     p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failed compiles")
     p.set_defaults(func=cmd_warmup)
 

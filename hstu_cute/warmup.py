@@ -126,10 +126,10 @@ def _cost(key: Any) -> tuple:
 
 def _resolve_keys(arch: str | None, keys: Iterable[Any] | None) -> tuple[str, list]:
     if keys is None:
-        from .ampere import shipped_fwd_keys
+        from .ampere import shipped_keys
 
         arch = arch or default_arch()
-        return arch, shipped_fwd_keys(arch)
+        return arch, shipped_keys(arch)
     keys = list(keys)
     if arch is not None:
         # An explicit arch retargets the given variants.
@@ -160,7 +160,7 @@ def warmup(
         arch: target cubin arch (``"sm_80"``, ``"sm_86"``, ``"sm_90a"``, ...). Default: the
             current GPU's arch when there is one, else ``"sm_80"``. With ``keys``, an explicit
             ``arch`` replaces the arch of every key.
-        keys: compile keys (default: ``hstu_cute.ampere.shipped_fwd_keys(arch)``, every forward
+        keys: compile keys (default: ``hstu_cute.ampere.shipped_keys(arch)``, every forward and backward
             variant the API can select).
         workers: processes compiling in parallel (default ``os.cpu_count()``). ``1`` compiles in
             this process, without a pool. The parallel path needs the disk cache (workers hand

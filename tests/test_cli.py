@@ -82,7 +82,7 @@ def test_bench_without_gpu_exits_cleanly(tmp_path):
 
 
 WARMUP_ARGS = ("warmup", "--arch", "sm_80", "--head-dim", "64", "--dtype", "bfloat16", "--mask", "causal",
-               "--mask", "target", "--no-rab", "--workers", "2")
+               "--mask", "target", "--no-rab", "--kernels", "fwd", "--workers", "2")
 
 
 def test_warmup_compiles_then_hits_disk(tmp_path):
@@ -102,11 +102,14 @@ def test_warmup_compiles_then_hits_disk(tmp_path):
 def test_warmup_select_keys_filters():
     from hstu_cute.cli import select_keys
 
-    assert len(select_keys("sm_80")) == 96
-    keys = select_keys("sm_80", ["bfloat16"], [64], ["causal", "target"], "none")
+    assert len(select_keys("sm_80")) == 96 + 144
+    assert len(select_keys("sm_80", kernels="fwd")) == 96
+    assert len(select_keys("sm_80", kernels="bwd")) == 144
+    keys = select_keys("sm_80", ["bfloat16"], [64], ["causal", "target"], "none", kernels="fwd")
     assert [k.describe().split()[-1] for k in keys] == ["causal", "causal+context+target"]
     assert all(k.arch == "sm_80" and k.head_dim == 64 and not k.has_rab for k in keys)
-    assert len(select_keys("sm_86", head_dims=[32], rab="only")) == 2 * 4 * 2
+    assert len(select_keys("sm_86", head_dims=[32], rab="only", kernels="fwd")) == 2 * 4 * 2
+    assert len(select_keys("sm_86", head_dims=[32], rab="only", kernels="bwd")) == 2 * 4 * 4
     assert len(select_keys("sm_80", limit=5)) == 5
 
 
@@ -119,7 +122,7 @@ def test_warmup_in_process_and_progress(tmp_path, monkeypatch):
     monkeypatch.setenv("HSTU_CUTE_CACHE_DIR", str(tmp_path))
     reset_default_cache()
     try:
-        keys = select_keys("sm_80", ["float16"], [32], ["none"], "none")
+        keys = select_keys("sm_80", ["float16"], [32], ["none"], "none", kernels="fwd")
         seen = []
         results = warmup(keys=keys, workers=1, progress=lambda *a: seen.append(a))
         assert [(d, t) for d, t, _, _ in seen] == [(1, 1)]

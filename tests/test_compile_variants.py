@@ -1,6 +1,7 @@
-"""Compile-only CI test: every shipped forward variant compiles for sm_80 on a machine without a GPU.
+"""Compile-only CI test: every shipped variant (forward and backward) compiles for sm_80 on a
+machine without a GPU.
 
-``hstu_cute.warmup`` compiles each key of ``shipped_fwd_keys("sm_80")`` with
+``hstu_cute.warmup`` compiles each key of ``shipped_keys("sm_80")`` with
 ``hstu_cute.compile.build`` in worker processes (one per CI core) into a temporary module cache;
 each variant must produce a module, exported to disk. Runs by default (CI must run it) and takes
 a few minutes on 2 cores; ``pytest -m "not slow"`` skips it for a quick local run.
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from hstu_cute import warmup
-from hstu_cute.ampere import shipped_fwd_keys
+from hstu_cute.ampere import shipped_fwd_keys, shipped_keys
 from hstu_cute.cache import ModuleCache, reset_default_cache
 
 
@@ -43,8 +44,8 @@ def _assert_all_built(results, keys, cache_dir, arch):
 
 @pytest.mark.slow
 def test_every_shipped_sm80_variant_compiles(tmp_cache):
-    keys = shipped_fwd_keys("sm_80")
-    assert len(keys) == len(set(keys)) >= 96
+    keys = shipped_keys("sm_80")
+    assert len(keys) == len(set(keys)) >= 96 + 144
     results = warmup(arch="sm_80", workers=2, raise_errors=False)
     _assert_all_built(results, keys, tmp_cache, "sm_80")
     # Each exported object holds an sm_80 cubin.

@@ -150,12 +150,19 @@ def shipped_bwd_keys(arch: str, dtypes=SHIPPED_DTYPES, head_dims=BWD_HEAD_DIMS) 
     for dtype in dtypes:
         for head_dim in head_dims:
             for kind, context_target in SHIPPED_MASKS:
-                for has_rab, rab_vec in SHIPPED_RAB:
-                    drab_options = ((False, False), (True, False), (True, True)) if has_rab else ((False, False),)
-                    for has_drab, sum_heads in drab_options:
-                        dq, dkdv = make_bwd_keys(arch, dtype, head_dim, kind, context_target, has_rab, rab_vec,
-                                                 has_drab, sum_heads)
-                        keys.append(dq)
-                        if not has_drab or not sum_heads:
-                            keys.append(dkdv) if dkdv not in keys else None
+                # The backward always reads rab with 16-byte loads: the launcher pads rab's rows
+                # to a multiple of 8 elements when they are not (one copy, rare layouts only).
+                for has_rab, has_drab, sum_heads in ((False, False, False), (True, False, False),
+                                                     (True, True, False), (True, True, True)):
+                    dq, dkdv = make_bwd_keys(arch, dtype, head_dim, kind, context_target, has_rab, 8,
+                                             has_drab, sum_heads)
+                    keys.append(dq)
+                    if dkdv not in keys:
+                        keys.append(dkdv)
     return keys
+
+
+def shipped_keys(arch: str, dtypes=SHIPPED_DTYPES, head_dims=SHIPPED_HEAD_DIMS) -> list:
+    """Every variant (forward and backward) the API can select for ``arch``."""
+    bwd_dims = tuple(d for d in head_dims if d in BWD_HEAD_DIMS)
+    return shipped_fwd_keys(arch, dtypes, head_dims) + (shipped_bwd_keys(arch, dtypes, bwd_dims) if bwd_dims else [])

@@ -229,9 +229,11 @@ def validate(
             _fail(ValueError, "rab.device", f"{device} (same as q)", rab.device)
         rab_heads = rab.shape[1]
 
-    # Last, so that every other check can be exercised on CPU tensors.
-    if device.type != "cuda":
-        _fail(ValueError, "q.device", "a CUDA device (use hstu_cute.reference on CPU)", device)
+    # Last, so that every other check can be exercised on CPU tensors. Meta tensors (shapes only:
+    # the ops' fake implementations run, nothing is launched) serve tracing on machines without CUDA.
+    if device.type != "cuda" and device.type != "meta":
+        _fail(ValueError, "q.device", "a CUDA device (or meta for shapes only; use hstu_cute.reference on CPU)",
+              device)
     mask = masks.MaskSpec(kind, has_context, has_target, is_delta_q)
     return Problem(batch, heads, head_dim, q.dtype, mask, wl, wr, scale_seqlen, rab_heads)
 
@@ -360,20 +362,193 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# Backward launch (the kernels are being written: hstu_cute/ampere/bwd.py)
+# ---------------------------------------------------------------------------------------------
+def backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+             target_group_size, alpha, rab, has_drab, seqused_q, seqused_k, p: Problem, deterministic: bool):
+    """Launch the backward kernels: returns ``(dq, dk, dv, drab)``, fresh tensors shaped like
+    q, k, v (and like rab when ``has_drab``, else ``drab`` is None), in the input dtype. The
+    kernels reduce without atomics, so every run is bitwise identical (``deterministic`` is free).
+    """
+    from .bwd_launch import run_backward
+
+    return run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
+                        num_targets, target_group_size, alpha, rab, has_drab, seqused_q, seqused_k, p, deterministic)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library registration: hstu_cute::fwd and hstu_cute::bwd
+#
+# torch.compile and torch.export trace these ops (their fake implementations give the output
+# shapes without compiling or launching anything). Eager calls skip the dispatcher and call the
+# same Python bodies directly (see _eager), as quack does: going through torch.ops costs ~50-70 us
+# per call on the 2-core CPU machine vs ~5 us for the direct call (scripts/measure_dispatch.py,
+# docs/perf-log.md "custom op dispatch").
+# ---------------------------------------------------------------------------------------------
+_OP_ARGS = (
+    "Tensor seq_offsets_q, Tensor seq_offsets_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
+    "Tensor? num_contexts, Tensor? num_targets, SymInt target_group_size, SymInt window_left, "
+    "SymInt window_right, float alpha, Tensor? rab, bool is_delta_q, SymInt scaling_seqlen, "
+    "Tensor? seqused_q, Tensor? seqused_k"
+)
+_FWD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {_OP_ARGS}) -> Tensor"
+_BWD_SCHEMA = (f"(Tensor dout, Tensor q, Tensor k, Tensor v, {_OP_ARGS}, bool has_drab, bool deterministic)"
+               " -> (Tensor, Tensor, Tensor, Tensor)")
+
+_PROBLEMS: dict = {}
+
+
+def _problem(q, seq_offsets_q, max_seqlen_q, max_seqlen_k, num_contexts, num_targets, window_left, window_right,
+             rab, is_delta_q, scaling_seqlen) -> Problem:
+    """The :class:`Problem` of already validated op arguments (what validate() returned for the
+    public call; the window comes normalized). Memoized: the ops run it on every call."""
+    memo = (seq_offsets_q.shape[0], q.shape[1], q.shape[2], q.dtype, max_seqlen_q, max_seqlen_k,
+            num_contexts is not None, num_targets is not None, window_left, window_right, is_delta_q,
+            scaling_seqlen, rab.shape[1] if rab is not None else 0)
+    p = _PROBLEMS.get(memo)
+    if p is None:
+        if len(_PROBLEMS) > 256:
+            _PROBLEMS.clear()
+        kind, wl, wr = masks.normalize_window((window_left, window_right), max_seqlen_k)
+        mask = masks.MaskSpec(kind, memo[6], memo[7], is_delta_q)
+        p = _PROBLEMS[memo] = Problem(memo[0] - 1, memo[1], memo[2], q.dtype, mask, wl, wr,
+                                      scaling_seqlen if scaling_seqlen != -1 else max_seqlen_q, memo[12])
+    return p
+
+
+def _check_data(p, q, k, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+                seqused_q, seqused_k):
+    if os.environ.get("HSTU_CUTE_CHECK", "0") == "1":
+        debug_check_device_data(p, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, q, k,
+                                num_contexts, num_targets, seqused_q, seqused_k)
+
+
+def _fwd_impl(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+              target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen, seqused_q,
+              seqused_k):
+    p = _problem(q, seq_offsets_q, max_seqlen_q, max_seqlen_k, num_contexts, num_targets, window_left,
+                 window_right, rab, is_delta_q, scaling_seqlen)
+    # Compiled graphs reach the device-data checks here (eager calls run them before the op).
+    _check_data(p, q, k, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+                seqused_q, seqused_k)
+    return forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+                   target_group_size, alpha, rab, seqused_q, seqused_k, p)
+
+
+def _fwd_fake(q, k, v, *rest):
+    # forward() allocates a contiguous out of q's shape, whatever q's strides.
+    return q.new_empty(q.shape)
+
+
+def _empty_drab(q):
+    return q.new_empty((0,))
+
+
+def _bwd_impl(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+              target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen, seqused_q,
+              seqused_k, has_drab, deterministic):
+    p = _problem(q, seq_offsets_q, max_seqlen_q, max_seqlen_k, num_contexts, num_targets, window_left,
+                 window_right, rab, is_delta_q, scaling_seqlen)
+    grads = backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
+                     num_targets, target_group_size, alpha, rab, has_drab, seqused_q, seqused_k, p, deterministic)
+    # The fake implementation promises contiguous gradients (compiled graphs rely on its strides);
+    # a launcher may hand back a strided view (e.g. drab of a padded slab): copy it then.
+    dq, dk, dv, drab = (g if g is None or g.is_contiguous() else g.contiguous() for g in grads)
+    return dq, dk, dv, (drab if drab is not None else _empty_drab(q))
+
+
+def _bwd_fake(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+              target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen, seqused_q,
+              seqused_k, has_drab, deterministic):
+    # Contiguous gradients in the input dtype; drab shaped like rab (0 elements without has_drab).
+    drab = rab.new_empty(rab.shape) if has_drab and rab is not None else _empty_drab(q)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), drab
+
+
+fwd_op = torch.library.custom_op("hstu_cute::fwd", _fwd_impl, mutates_args=(), schema=_FWD_SCHEMA)
+fwd_op.register_fake(_fwd_fake)
+bwd_op = torch.library.custom_op("hstu_cute::bwd", _bwd_impl, mutates_args=(), schema=_BWD_SCHEMA)
+bwd_op.register_fake(_bwd_fake)
+
+
+def _eager(t) -> bool:
+    """True when a call may skip the dispatcher and run the Python body directly: not traced by
+    torch.compile / torch.export, a plain CUDA tensor (not meta, not a FakeTensor or another
+    subclass) and no torch dispatch mode active (FakeTensorMode, FlopCounterMode, ... must see
+    the op)."""
+    return (not torch.compiler.is_compiling() and type(t) is torch.Tensor and t.is_cuda
+            and not torch._C._len_torch_dispatch_stack())
+
+
+def _dedupe(tensors: tuple) -> tuple[tuple, tuple | None]:
+    """Dynamo cannot trace an autograd.Function given one tensor in two inputs (seq_offsets_k is
+    often seq_offsets_q): keep the first occurrence, pass None for the repeats, and return the
+    slot each repeat aliases (None when there are no repeats)."""
+    alias = [-1] * len(tensors)
+    for i in range(1, len(tensors)):
+        if tensors[i] is not None:
+            for j in range(i):
+                if tensors[j] is tensors[i]:
+                    alias[i] = j
+                    break
+    if all(a < 0 for a in alias):
+        return tensors, None
+    return tuple(None if a >= 0 else t for t, a in zip(tensors, alias)), tuple(alias)
+
+
 class _HstuAttnFunction(torch.autograd.Function):
+    """Autograd over hstu_cute::fwd / hstu_cute::bwd.
+
+    ``scalars`` are the op's non-tensor arguments; ``p`` (the validated Problem) is given on the
+    eager fast path and None when the call goes through the dispatcher (tracing); ``alias`` is
+    _dedupe's map (tracing only). The tensors are q, k, v, rab, seq_offsets_q, seq_offsets_k,
+    num_contexts, num_targets, seqused_q, seqused_k.
+    """
+
     @staticmethod
-    def forward(ctx, q, k, v, rab, *rest):
-        (seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-         target_group_size, alpha, seqused_q, seqused_k, p) = rest
-        return forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
-                       num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p)
+    def forward(ctx, scalars, p, alias, *tensors):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*tensors)
+        ctx.scalars, ctx.problem, ctx.alias = scalars, p, alias
+        if alias is not None:
+            tensors = tuple(t if a < 0 else tensors[a] for t, a in zip(tensors, alias))
+        q, k, v, rab, seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = tensors
+        (max_seqlen_q, max_seqlen_k, target_group_size, window_left, window_right, alpha, is_delta_q, scaling_seqlen,
+         _, _) = scalars
+        if p is not None:
+            return forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
+                           num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p)
+        return torch.ops.hstu_cute.fwd(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
+                                       num_contexts, num_targets, target_group_size, window_left, window_right,
+                                       alpha, rab, is_delta_q, scaling_seqlen, seqused_q, seqused_k)
 
     @staticmethod
     def backward(ctx, dout):
-        raise NotImplementedError(
-            "hstu_cute: the backward kernels (dq, dk, dv, drab) are not built yet; "
-            "run the forward under torch.no_grad() or use hstu_cute.reference for gradients"
-        )
+        if dout is None:
+            return (None,) * 13
+        tensors, alias = ctx.saved_tensors, ctx.alias
+        if alias is not None:
+            tensors = tuple(t if a < 0 else tensors[a] for t, a in zip(tensors, alias))
+        q, k, v, rab, seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = tensors
+        (max_seqlen_q, max_seqlen_k, target_group_size, window_left, window_right, alpha, is_delta_q, scaling_seqlen,
+         has_drab, deterministic) = ctx.scalars
+        if ctx.problem is not None and _eager(dout):
+            dq, dk, dv, drab = backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
+                                        num_contexts, num_targets, target_group_size, alpha, rab, has_drab,
+                                        seqused_q, seqused_k, ctx.problem, deterministic)
+        else:
+            dq, dk, dv, drab = torch.ops.hstu_cute.bwd(
+                dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+                target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen, seqused_q,
+                seqused_k, has_drab, deterministic)
+        grads = [dq, dk, dv, drab if has_drab else None]
+        if alias is not None:  # a tensor given as several of q, k, v gets the sum of their gradients
+            for i in (1, 2):
+                if alias[i] >= 0:
+                    grads[alias[i]] = grads[alias[i]] + grads[i]
+                    grads[i] = None
+        return (None, None, None, *grads) + (None,) * 6
 
 
 def hstu_attn_varlen_func(
@@ -393,24 +568,40 @@ def hstu_attn_varlen_func(
     quant_mode=-1,
     scaling_seqlen=-1,
     seqused_q=None, seqused_k=None,
+    deterministic=False,
 ):
     """HSTU attention over a jagged batch (spec: shared/spec/hstu-attention.md, FBGEMM-compatible).
 
     Returns ``out`` (T_q, H, D) in q's dtype. Every argument is checked before anything is
     compiled or launched; set ``HSTU_CUTE_CHECK=1`` to also check offsets and lengths on the device
     data (costs a GPU sync).
+
+    Differentiable w.r.t. q, k, v (and rab when ``has_drab=True``). ``deterministic=True`` asks
+    the backward for a bitwise reproducible accumulation of dq and drab. Under torch.compile and
+    torch.export the call is traced as the custom ops ``hstu_cute::fwd`` / ``hstu_cute::bwd``.
     """
+    if not isinstance(deterministic, bool):
+        _fail(TypeError, "deterministic", "a bool", type(deterministic).__name__)
     p = validate(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
                  target_group_size, window_size, alpha, rab, has_drab, is_delta_q, descale_q, descale_k,
                  descale_v, descale_do, quant_mode, scaling_seqlen, seqused_q, seqused_k)
-    if os.environ.get("HSTU_CUTE_CHECK", "0") == "1":
-        debug_check_device_data(p, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, q, k,
-                                num_contexts, num_targets, seqused_q, seqused_k)
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, rab if has_drab else None))
-    args = (seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-            target_group_size, alpha, seqused_q, seqused_k, p)
+    eager = _eager(q)
+    if eager:
+        _check_data(p, q, k, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+                    seqused_q, seqused_k)
+    needs_grad = torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad or (has_drab and rab.requires_grad))
     if needs_grad:
-        return _HstuAttnFunction.apply(q, k, v, rab, *args)
-    return forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
-                   num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p)
+        scalars = (max_seqlen_q, max_seqlen_k, target_group_size, p.window_left, p.window_right, alpha, is_delta_q,
+                   scaling_seqlen, has_drab, deterministic)
+        tensors = (q, k, v, rab, seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k)
+        if eager:
+            return _HstuAttnFunction.apply(scalars, p, None, *tensors)
+        tensors, alias = _dedupe(tensors)
+        return _HstuAttnFunction.apply(scalars, None, alias, *tensors)
+    if eager:
+        return forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
+                       num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p)
+    return torch.ops.hstu_cute.fwd(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
+                                   num_targets, target_group_size, p.window_left, p.window_right, alpha, rab,
+                                   is_delta_q, scaling_seqlen, seqused_q, seqused_k)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hstu_cute
-from hstu_cute import api
+from hstu_cute import api, masks
 
 B, H, D, L = 2, 2, 64, 8  # two sequences of length <= 8
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -203,8 +203,6 @@ CASES = [
     ("quant-mode--2", lambda a: dict(quant_mode=-2), ValueError, "quant_mode", "an int in -1..5", "-2"),
     # last: CUDA device
     ("q-on-cpu", lambda a: {}, ValueError, "q.device", "a CUDA device", "cpu"),
-    ("all-on-meta", lambda a: {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in a.items()},
-     ValueError, "q.device", "a CUDA device", "meta"),
 ]
 
 
@@ -294,9 +292,20 @@ def test_descale_not_implemented(name, no_launch):
     assert "descale_*" in msg and "FP8" in msg and "not built yet" in msg
 
 
-def test_backward_not_implemented():
-    with pytest.raises(NotImplementedError, match="backward kernels .* not built yet"):
-        api._HstuAttnFunction.backward(None, torch.zeros(1))
+def test_all_on_meta_is_shapes_only(no_launch):
+    """Meta tensors pass validation (the device check accepts them) and give a meta output of
+    the right shape from the op's fake implementation; nothing is compiled or launched."""
+    args = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in base_args().items()}
+    out = hstu_cute.hstu_attn_varlen_func(**args)
+    assert out.device.type == "meta" and out.shape == args["q"].shape and out.dtype == args["q"].dtype
+
+
+def test_backward_head_dim_256_not_built():
+    """Head dim 256 has a forward kernel but no backward one yet: a clear error, nothing launched."""
+    p = api.Problem(batch=1, heads=1, head_dim=256, dtype=torch.bfloat16, mask=masks.MaskSpec(),
+                    window_left=0, window_right=0, scale_seqlen=1, rab_heads=0)
+    with pytest.raises(NotImplementedError, match=r"head dim.*\(32, 64, 128\), got 256"):
+        api.backward(*([None] * 16), p, False)
 
 
 # ---------------------------------------------------------------------------------------------

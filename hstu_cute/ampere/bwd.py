@@ -163,12 +163,14 @@ class HstuBackwardDqSm80(_BackwardBase):
                  num_m_blocks: Int32, stream):
         atom, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma = self._atoms()
         D = self.head_dim
+        # K, V (and rab) are double-buffered: the next n-block loads while this one computes.
         sQ_layout = cute.tile_to_shape(atom, (self.tile_m, D), (0, 1))
-        sK_layout = cute.tile_to_shape(atom, (self.tile_n, D), (0, 1))
+        sK_layout = cute.tile_to_shape(atom, (self.tile_n, D, 2), (0, 1, 2))
         rab_elems = 8
         sRab_layout = None
         if const_expr(self.has_rab):
-            sRab_layout = cute.tile_to_shape(smem_layout_atom(self.dtype, self.tile_n), (self.tile_m, self.tile_n), (0, 1))
+            sRab_layout = cute.tile_to_shape(smem_layout_atom(self.dtype, self.tile_n), (self.tile_m, self.tile_n, 2),
+                                             (0, 1, 2))
             rab_elems = cute.cosize(sRab_layout)
 
         @cute.struct
@@ -190,6 +192,18 @@ class HstuBackwardDqSm80(_BackwardBase):
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
         )
+
+    @cute.jit
+    def load_k_v(self, gmem_copy, gmem_copy_rab, tKgK, tKsK, tVgV, tVsV, tKVcKV, tRgR, tRsR, tRcR,
+                 n_block: Int32, stage: Int32, seqlen_k: Int32, rab_rows: Int32, rab_cols: Int32):
+        k_rows = seqlen_k - n_block * self.tile_n
+        # K is dQ's B operand: rows past seqlen_k must be finite (G is 0 there).
+        self.load_rows(gmem_copy, tKgK[None, None, None, n_block], tKsK[None, None, None, stage], tKVcKV, k_rows, True)
+        self.load_rows(gmem_copy, tVgV[None, None, None, n_block], tVsV[None, None, None, stage], tKVcKV, k_rows,
+                       False)
+        if const_expr(self.has_rab):
+            self.load_rab(gmem_copy_rab, tRgR[None, None, None, n_block], tRsR[None, None, None, stage], tRcR,
+                          rab_rows, rab_cols - n_block * self.tile_n)
 
     @cute.kernel
     def kernel(self, mQ, mK, mV, mdO, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets,
@@ -217,7 +231,8 @@ class HstuBackwardDqSm80(_BackwardBase):
             sdO = storage.sdO.get_tensor(sQ_layout)
             sK = storage.sK.get_tensor(sK_layout)
             sV = storage.sV.get_tensor(sK_layout)
-            sKt = cute.composition(sK, cute.make_layout((self.head_dim, self.tile_n), stride=(self.tile_n, 1)))
+            sKt = cute.composition(sK, cute.make_layout((self.head_dim, self.tile_n, 2),
+                                                        stride=(self.tile_n, 1, self.tile_n * self.head_dim)))
 
             thr_mma = tiled_mma.get_slice(tidx)
             ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
@@ -227,9 +242,9 @@ class HstuBackwardDqSm80(_BackwardBase):
             copy_bt = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx)
             tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
             tSrdO = thr_mma.make_fragment_A(thr_mma.partition_A(sdO))
-            tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK))
-            tSrV = thr_mma.make_fragment_B(thr_mma.partition_B(sV))
-            tQrKt = thr_mma.make_fragment_B(thr_mma.partition_B(sKt))
+            tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
+            tSrV = thr_mma.make_fragment_B(thr_mma.partition_B(sV[None, None, 0]))
+            tQrKt = thr_mma.make_fragment_B(thr_mma.partition_B(sKt[None, None, 0]))
             tSsQ, tSsdO = copy_a.partition_S(sQ), copy_a.partition_S(sdO)
             tSsK, tSsV = copy_b.partition_S(sK), copy_b.partition_S(sV)
             tQsKt = copy_bt.partition_S(sKt)
@@ -247,6 +262,9 @@ class HstuBackwardDqSm80(_BackwardBase):
                 tSsRab = smem_copy_rab.partition_S(sRab)
                 rab_rows = cutlass.min(seq.row_offset + seqlen_q, mRab.shape[2]) - row_first
                 rab_cols = cutlass.min(seqlen_k, mRab.shape[3])
+            else:
+                tRsR = tRcR = None
+                rab_rows = rab_cols = Int32(0)
 
             head_begin = head_idx
             head_end = head_idx + 1
@@ -273,6 +291,8 @@ class HstuBackwardDqSm80(_BackwardBase):
                     gRab = cute.local_tile(cute.domain_offset((seq.row_offset, 0), mRab[batch, rab_head, None, None]),
                                            (self.tile_m, self.tile_n), (m_block, None))
                     tRgR = thr_copy_rab.partition_S(gRab)
+                else:
+                    tRgR = None
                 if const_expr(self.has_drab):
                     drab_head = cutlass.select_(mdRab.shape[1] > 1, head, Int32(0))
                     gdRab = cute.local_tile(cute.domain_offset((seq.row_offset, 0), mdRab[batch, drab_head, None, None]),
@@ -281,33 +301,36 @@ class HstuBackwardDqSm80(_BackwardBase):
                         gdRabAcc = cute.local_tile(
                             cute.domain_offset((seq.row_offset, 0), mdRabAccum[batch, None, None]),
                             (self.tile_m, self.tile_n), (m_block, None))
-
                 acc_dQ = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.head_dim)), Float32)
                 acc_dQ.fill(0.0)
+                if n_count > 0:
+                    self.load_k_v(gmem_copy, gmem_copy_rab, tKgK, tKsK, tVgV, tVsV, tKVcKV, tRgR, tRsR, tRcR,
+                                  masks.n_block_at(n_count - 1, n_lo, hole_lo, hole_size, KERNEL_OPS), 0, seqlen_k,
+                                  rab_rows, rab_cols)
+                cute.arch.cp_async_commit_group()
                 for it in cutlass.range(n_count, unroll=1):
+                    stage = it % 2
                     n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
-                    k_rows = seqlen_k - n_block * self.tile_n
-                    # K is dQ's B operand: rows past seqlen_k must be finite (G is 0 there).
-                    self.load_rows(gmem_copy, tKgK[None, None, None, n_block], tKsK, tKVcKV, k_rows, True)
-                    self.load_rows(gmem_copy, tVgV[None, None, None, n_block], tVsV, tKVcKV, k_rows, False)
-                    if const_expr(self.has_rab):
-                        self.load_rab(gmem_copy_rab, tRgR[None, None, None, n_block], tRsR, tRcR, rab_rows,
-                                      rab_cols - n_block * self.tile_n)
-                    cute.arch.cp_async_commit_group()
+                    # This stage's group has landed, and every thread is done with the other stage.
                     cute.arch.cp_async_wait_group(0)
                     cute.arch.barrier()
+                    if it + 1 < n_count:
+                        self.load_k_v(gmem_copy, gmem_copy_rab, tKgK, tKsK, tVgV, tVsV, tKVcKV, tRgR, tRsR, tRcR,
+                                      masks.n_block_at(n_count - 2 - it, n_lo, hole_lo, hole_size, KERNEL_OPS),
+                                      1 - stage, seqlen_k, rab_rows, rab_cols)
+                    cute.arch.cp_async_commit_group()
 
                     acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
                     if const_expr(self.has_rab):
                         rRab = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)
-                        cute.copy(smem_copy_rab, tSsRab, smem_copy_rab.retile(rRab))
+                        cute.copy(smem_copy_rab, tSsRab[None, None, None, stage], smem_copy_rab.retile(rRab))
                         acc_S.store(rRab.load().to(Float32))
                     else:
                         acc_S.fill(0.0)
-                    gemm_ss(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSsK, copy_a, copy_b)
+                    gemm_ss(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSsK[None, None, None, stage], copy_a, copy_b)
                     acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
                     acc_dP.fill(0.0)
-                    gemm_ss(tiled_mma, acc_dP, tSrdO, tSrV, tSsdO, tSsV, copy_a, copy_b)
+                    gemm_ss(tiled_mma, acc_dP, tSrdO, tSrV, tSsdO, tSsV[None, None, None, stage], copy_a, copy_b)
                     silu_and_grad_inplace(acc_S, acc_dP, alpha, inv_scale, self.fast_silu)
                     col0 = n_block * self.tile_n
                     is_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
@@ -330,10 +353,8 @@ class HstuBackwardDqSm80(_BackwardBase):
                                     tCgdR[i] = acc_dP[i].to(self.dtype)
                     rG = cute.make_fragment_like(acc_dP, self.dtype)
                     rG.store(acc_dP.load().to(self.dtype))
-                    gemm_rs(tiled_mma, acc_dQ, acc_to_operand_a(rG), tQrKt, tQsKt, copy_bt)
-                    cute.arch.barrier()
-                # With no n-block the Q/dO loads were never waited on: drain before staging in sQ.
-                cute.arch.cp_async_commit_group()
+                    gemm_rs(tiled_mma, acc_dQ, acc_to_operand_a(rG), tQrKt, tQsKt[None, None, None, stage], copy_bt)
+                # Drain every group (with no n-block, the Q/dO loads too) before staging in sQ.
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.barrier()
                 self.store_rows(gmem_store, tiled_mma, acc_dQ, sQ, gdQ, tidx, q_rows)
@@ -354,12 +375,14 @@ class HstuBackwardDkDvSm80(_BackwardBase):
                  group_size: Int32, is_delta_q: Int32, num_n_blocks: Int32, stream):
         atom, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma = self._atoms()
         D = self.head_dim
-        sQ_layout = cute.tile_to_shape(atom, (self.tile_m, D), (0, 1))
+        # Q, dO (and rab) are double-buffered: the next m-block loads while this one computes.
+        sQ_layout = cute.tile_to_shape(atom, (self.tile_m, D, 2), (0, 1, 2))
         sK_layout = cute.tile_to_shape(atom, (self.tile_n, D), (0, 1))
         rab_elems = 8
         sRab_layout = None
         if const_expr(self.has_rab):
-            sRab_layout = cute.tile_to_shape(smem_layout_atom(self.dtype, self.tile_n), (self.tile_m, self.tile_n), (0, 1))
+            sRab_layout = cute.tile_to_shape(smem_layout_atom(self.dtype, self.tile_n), (self.tile_m, self.tile_n, 2),
+                                             (0, 1, 2))
             rab_elems = cute.cosize(sRab_layout)
 
         @cute.struct
@@ -380,6 +403,20 @@ class HstuBackwardDkDvSm80(_BackwardBase):
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
         )
+
+    @cute.jit
+    def load_q_do(self, gmem_copy, gmem_copy_rab, tQgQ, tQsQ, tQgdO, tQsdO, tQcQ, tRgR, tRsR, tRcR,
+                  m_block: Int32, stage: Int32, seqlen_q: Int32, row_offset: Int32, rab_row_end: Int32,
+                  rab_cols: Int32):
+        # Q and dO rows past seqlen_q are zero-filled: then their dP (hence G) and their dO are 0,
+        # so they add nothing to dK and dV.
+        q_rows = seqlen_q - m_block * self.tile_m
+        self.load_rows(gmem_copy, tQgQ[None, None, None, m_block], tQsQ[None, None, None, stage], tQcQ, q_rows, True)
+        self.load_rows(gmem_copy, tQgdO[None, None, None, m_block], tQsdO[None, None, None, stage], tQcQ, q_rows,
+                       True)
+        if const_expr(self.has_rab):
+            self.load_rab(gmem_copy_rab, tRgR[None, None, None, m_block], tRsR[None, None, None, stage], tRcR,
+                          rab_row_end - row_offset - m_block * self.tile_m, rab_cols)
 
     @cute.kernel
     def kernel(self, mQ, mK, mV, mdO, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
@@ -404,8 +441,9 @@ class HstuBackwardDkDvSm80(_BackwardBase):
             sdO = storage.sdO.get_tensor(sQ_layout)
             sK = storage.sK.get_tensor(sK_layout)
             sV = storage.sV.get_tensor(sK_layout)
-            sQt = cute.composition(sQ, cute.make_layout((self.head_dim, self.tile_m), stride=(self.tile_m, 1)))
-            sdOt = cute.composition(sdO, cute.make_layout((self.head_dim, self.tile_m), stride=(self.tile_m, 1)))
+            qt_view = cute.make_layout((self.head_dim, self.tile_m, 2), stride=(self.tile_m, 1, self.tile_m * self.head_dim))
+            sQt = cute.composition(sQ, qt_view)
+            sdOt = cute.composition(sdO, qt_view)
 
             gK = cute.local_tile(cute.domain_offset((k_start, 0), mK[None, head, None]), (self.tile_n, self.head_dim), (n_block, 0))
             gV = cute.local_tile(cute.domain_offset((k_start, 0), mV[None, head, None]), (self.tile_n, self.head_dim), (n_block, 0))
@@ -434,10 +472,10 @@ class HstuBackwardDkDvSm80(_BackwardBase):
             copy_bt = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx)
             tSrK = thr_mma.make_fragment_A(thr_mma.partition_A(sK))
             tSrV = thr_mma.make_fragment_A(thr_mma.partition_A(sV))
-            tSrQ = thr_mma.make_fragment_B(thr_mma.partition_B(sQ))
-            tSrdO = thr_mma.make_fragment_B(thr_mma.partition_B(sdO))
-            tDrQt = thr_mma.make_fragment_B(thr_mma.partition_B(sQt))
-            tDrdOt = thr_mma.make_fragment_B(thr_mma.partition_B(sdOt))
+            tSrQ = thr_mma.make_fragment_B(thr_mma.partition_B(sQ[None, None, 0]))
+            tSrdO = thr_mma.make_fragment_B(thr_mma.partition_B(sdO[None, None, 0]))
+            tDrQt = thr_mma.make_fragment_B(thr_mma.partition_B(sQt[None, None, 0]))
+            tDrdOt = thr_mma.make_fragment_B(thr_mma.partition_B(sdOt[None, None, 0]))
             tSsK, tSsV = copy_a.partition_S(sK), copy_a.partition_S(sV)
             tSsQ, tSsdO = copy_b.partition_S(sQ), copy_b.partition_S(sdO)
             tDsQt, tDsdOt = copy_bt.partition_S(sQt), copy_bt.partition_S(sdOt)
@@ -446,7 +484,8 @@ class HstuBackwardDkDvSm80(_BackwardBase):
             tScST = thr_mma.partition_C(cST)
             if const_expr(self.has_rab):
                 sRab = storage.sRab.get_tensor(sRab_layout)
-                sRabT = cute.composition(sRab, cute.make_layout((self.tile_n, self.tile_m), stride=(self.tile_m, 1)))
+                sRabT = cute.composition(sRab, cute.make_layout((self.tile_n, self.tile_m, 2),
+                                                                stride=(self.tile_m, 1, self.tile_m * self.tile_n)))
                 tSsRabT = thr_mma.partition_C(sRabT)
                 thr_copy_rab = gmem_copy_rab.get_slice(tidx)
                 tRsR = thr_copy_rab.partition_D(sRab)
@@ -456,37 +495,43 @@ class HstuBackwardDkDvSm80(_BackwardBase):
                                        (self.tile_m, self.tile_n), (None, n_block))
                 tRgR = thr_copy_rab.partition_S(gRab)
                 rab_cols = cutlass.min(seqlen_k, mRab.shape[3]) - col0
+            else:
+                tRgR = tRsR = tRcR = None
+                rab_cols = Int32(0)
 
             acc_dK = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_n, self.head_dim)), Float32)
             acc_dV = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_n, self.head_dim)), Float32)
             acc_dK.fill(0.0)
             acc_dV.fill(0.0)
+            rab_row_end = Int32(0)
+            if const_expr(self.has_rab):
+                rab_row_end = cutlass.min(seq.row_offset + seqlen_q, mRab.shape[2])
+            if m_lo < m_hi:
+                self.load_q_do(gmem_copy, gmem_copy_rab, tQgQ, tQsQ, tQgdO, tQsdO, tQcQ, tRgR, tRsR, tRcR, m_lo, 0,
+                               seqlen_q, seq.row_offset, rab_row_end, rab_cols)
+            cute.arch.cp_async_commit_group()
             for m_block in cutlass.range(m_lo, m_hi, unroll=1):
+                stage = (m_block - m_lo) % 2
+                # This stage's group has landed, and every thread is done with the other stage.
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.barrier()
+                if m_block + 1 < m_hi:
+                    self.load_q_do(gmem_copy, gmem_copy_rab, tQgQ, tQsQ, tQgdO, tQsdO, tQcQ, tRgR, tRsR, tRcR,
+                                   m_block + 1, 1 - stage, seqlen_q, seq.row_offset, rab_row_end, rab_cols)
+                cute.arch.cp_async_commit_group()
                 if masks.tile_nonempty(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
-                    q_rows = seqlen_q - m_block * self.tile_m
                     row_first = seq.row_offset + m_block * self.tile_m
-                    # Q and dO rows past seqlen_q are zero-filled: then their dP (hence G) and
-                    # their dO are 0, so they add nothing to dK and dV.
-                    self.load_rows(gmem_copy, tQgQ[None, None, None, m_block], tQsQ, tQcQ, q_rows, True)
-                    self.load_rows(gmem_copy, tQgdO[None, None, None, m_block], tQsdO, tQcQ, q_rows, True)
-                    if const_expr(self.has_rab):
-                        self.load_rab(gmem_copy_rab, tRgR[None, None, None, m_block], tRsR, tRcR,
-                                      cutlass.min(seq.row_offset + seqlen_q, mRab.shape[2]) - row_first, rab_cols)
-                    cute.arch.cp_async_commit_group()
-                    cute.arch.cp_async_wait_group(0)
-                    cute.arch.barrier()
-
                     acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_n, self.tile_m)), Float32)
                     if const_expr(self.has_rab):
                         # Element loads: the transposed view of the swizzled tile has no vector path.
                         for i in cutlass.range_constexpr(cute.size(acc_S)):
-                            acc_S[i] = tSsRabT[i].to(Float32)
+                            acc_S[i] = tSsRabT[None, None, None, stage][i].to(Float32)
                     else:
                         acc_S.fill(0.0)
-                    gemm_ss(tiled_mma, acc_S, tSrK, tSrQ, tSsK, tSsQ, copy_a, copy_b)
+                    gemm_ss(tiled_mma, acc_S, tSrK, tSrQ, tSsK, tSsQ[None, None, None, stage], copy_a, copy_b)
                     acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_n, self.tile_m)), Float32)
                     acc_dP.fill(0.0)
-                    gemm_ss(tiled_mma, acc_dP, tSrV, tSrdO, tSsV, tSsdO, copy_a, copy_b)
+                    gemm_ss(tiled_mma, acc_dP, tSrV, tSrdO, tSsV, tSsdO[None, None, None, stage], copy_a, copy_b)
                     silu_and_grad_inplace(acc_S, acc_dP, alpha, inv_scale, self.fast_silu)
                     is_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
                     if not is_full:
@@ -496,11 +541,10 @@ class HstuBackwardDkDvSm80(_BackwardBase):
                             acc_dP[i] = cutlass.select_(keep, acc_dP[i], Float32(0.0))
                     rP = cute.make_fragment_like(acc_S, self.dtype)
                     rP.store(acc_S.load().to(self.dtype))
-                    gemm_rs(tiled_mma, acc_dV, acc_to_operand_a(rP), tDrdOt, tDsdOt, copy_bt)
+                    gemm_rs(tiled_mma, acc_dV, acc_to_operand_a(rP), tDrdOt, tDsdOt[None, None, None, stage], copy_bt)
                     rG = cute.make_fragment_like(acc_dP, self.dtype)
                     rG.store(acc_dP.load().to(self.dtype))
-                    gemm_rs(tiled_mma, acc_dK, acc_to_operand_a(rG), tDrQt, tDsQt, copy_bt)
-                    cute.arch.barrier()
+                    gemm_rs(tiled_mma, acc_dK, acc_to_operand_a(rG), tDrQt, tDsQt[None, None, None, stage], copy_bt)
             # No m-block may have run: drain the K/V group before sK/sV become staging buffers.
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()

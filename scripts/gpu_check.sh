@@ -13,6 +13,7 @@ status+=("gpu tests rc=$rc $(( $(date +%s) - t0 ))s: $(tail -n 1 "$OUT/gpu-tests
 t0=$(date +%s)
 compute-sanitizer --tool memcheck --error-exitcode 9 python scripts/sanitize_cases.py > "$OUT/sanitizer.log" 2>&1; rc=$?
 status+=("compute-sanitizer memcheck rc=$rc $(( $(date +%s) - t0 ))s: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -n 1)")
+python scripts/gpu_bwd_smoke.py > "$OUT/bwd-smoke.log" 2>&1; status+=("backward smoke rc=$?: $(tail -n 1 "$OUT/bwd-smoke.log")")
 python scripts/gpu_perf.py "${1:-all}" > "$OUT/perf.log" 2>&1; status+=("perf rc=$?")
 sed -n '/=== summary ===/,$p' "$OUT/perf.log"
 grep -E "FAILED|Error" "$OUT/gpu-tests.log" | head -n 20

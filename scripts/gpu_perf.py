@@ -21,13 +21,15 @@ def emit(row):
 
 
 emit({"ref": "gemm_bf16_8192", "tflops": bench.gemm_tflops(), "device": torch.cuda.get_device_name()})
-mode = sys.argv[1] if len(sys.argv) > 1 else "headline"
+modes = set((sys.argv[1] if len(sys.argv) > 1 else "headline").split(","))
+if "all" in modes:
+    modes |= {"ptxas", "sweep", "headline", "grid", "bwd"}
 SWEEP = {
     64: ((128, 64, 4, 2), (128, 128, 4, 2), (64, 128, 4, 2), (128, 128, 8, 2), (64, 64, 4, 2)),
     128: ((128, 64, 4, 2), (128, 32, 4, 2), (64, 64, 4, 2)),
     256: ((64, 64, 4, 1), (64, 64, 4, 2), (128, 64, 8, 1), (64, 32, 4, 2), (128, 32, 8, 2)),
 }
-if mode in ("ptxas", "all"):
+if "ptxas" in modes:
     from hstu_cute.ampere import default_fwd_tiles
     for d in (64, 128, 256):
         w = bench.replace(bench.headline(), name=f"full B8 N4096 D{d}", head_dim=d, sdpa=False)
@@ -35,7 +37,7 @@ if mode in ("ptxas", "all"):
             for opt in (3, 2):
                 tiles = dict(default_fwd_tiles(d), lpt_grid=True, ptxas_opt=opt)
                 emit(bench.run_workload(w, tiles))
-if mode in ("sweep", "all"):
+if "sweep" in modes:
     for d, configs in SWEEP.items():
         w = bench.replace(bench.headline(), name=f"full B8 N4096 D{d}", head_dim=d, sdpa=False)
         for tm, tn, nw, st in configs:
@@ -44,12 +46,12 @@ if mode in ("sweep", "all"):
                 emit(bench.run_workload(w, tiles))
             except Exception as e:  # a config may not fit smem/registers
                 emit({"workload": w.name, "tiles": tiles, "error": repr(e)[:300]})
-if mode in ("headline", "all"):
+if "headline" in modes:
     emit(bench.run_workload(bench.headline()))
-if mode in ("grid", "all"):
+if "grid" in modes:
     for w in bench.default_grid():
         emit(bench.run_workload(w))
-if mode in ("bwd", "all"):
+if "bwd" in modes:
     for w in (bench.headline(), bench.replace(bench.headline(), name="full B8 N4096 D64", head_dim=64),
               bench.Workload("rab H_rab=1 B8 N2048", 8, 2048, rab_heads=1)):
         emit(bench.run_workload_bwd(bench.replace(w, sdpa=False)))

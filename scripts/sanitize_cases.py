@@ -16,9 +16,16 @@ CASES = {
     "rab H_rab=H, seqused": dict(window_size=(-1, 0), rab_heads=2, seqused=True),
 }
 for name, kw in CASES.items():
-    for head_dim in (32, 256):
+    for head_dim in (32, 128, 256):
         b = reference.random_jagged_batch(5, 2, head_dim, 99 if kw.get("is_delta_q") else 131,
                                           device="cuda", seed=7, **kw)
         hstu_attn_varlen_func(**b)
+        if head_dim <= 128:  # backward kernels: head dims 32-128
+            for t in ("q", "k", "v"):
+                b[t].requires_grad_(True)
+            if b["rab"] is not None:
+                b["rab"].requires_grad_(True)
+            out = hstu_attn_varlen_func(**b, has_drab=b["rab"] is not None)
+            out.backward(torch.randn_like(out))
     torch.cuda.synchronize()
     print("ran", name, flush=True)

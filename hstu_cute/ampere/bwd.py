@@ -486,7 +486,6 @@ class HstuBackwardDkDvSm80(_BackwardBase):
                 sRab = storage.sRab.get_tensor(sRab_layout)
                 sRabT = cute.composition(sRab, cute.make_layout((self.tile_n, self.tile_m, 2),
                                                                 stride=(self.tile_m, 1, self.tile_m * self.tile_n)))
-                tSsRabT = thr_mma.partition_C(sRabT)
                 thr_copy_rab = gmem_copy_rab.get_slice(tidx)
                 tRsR = thr_copy_rab.partition_D(sRab)
                 tRcR = thr_copy_rab.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_n)))
@@ -524,8 +523,9 @@ class HstuBackwardDkDvSm80(_BackwardBase):
                     acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_n, self.tile_m)), Float32)
                     if const_expr(self.has_rab):
                         # Element loads: the transposed view of the swizzled tile has no vector path.
+                        tSsRabT = thr_mma.partition_C(sRabT[None, None, stage])
                         for i in cutlass.range_constexpr(cute.size(acc_S)):
-                            acc_S[i] = tSsRabT[None, None, None, stage][i].to(Float32)
+                            acc_S[i] = tSsRabT[i].to(Float32)
                     else:
                         acc_S.fill(0.0)
                     gemm_ss(tiled_mma, acc_S, tSrK, tSrQ, tSsK, tSsQ[None, None, None, stage], copy_a, copy_b)

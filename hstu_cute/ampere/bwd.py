@@ -40,7 +40,7 @@ def silu_and_grad_inplace(acc_s: cute.Tensor, acc_dp: cute.Tensor, alpha: Float3
                           fast: cutlass.Constexpr[bool]):
     """acc_s <- P = silu(alpha s) / S_len;  acc_dp <- G = alpha silu'(alpha s) dP / S_len."""
     alpha_scaled = alpha * inv_scale
-    for i in cutlass.range_constexpr(cute.size(acc_s)):
+    for i in cutlass.range(cute.size(acc_s), unroll_full=True):
         z = acc_s[i] * alpha
         if const_expr(fast):
             sig = Float32(0.5) + Float32(0.5) * tanh_approx(z * Float32(0.5))
@@ -335,7 +335,7 @@ class HstuBackwardDqSm80(_BackwardBase):
                     col0 = n_block * self.tile_n
                     is_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
                     if not is_full:
-                        for i in cutlass.range_constexpr(cute.size(acc_dP)):
+                        for i in cutlass.range(cute.size(acc_dP), unroll_full=True):
                             keep = masks.allowed(spec, seq, row_first + tScS[i][0], col0 + tScS[i][1], KERNEL_OPS)
                             acc_dP[i] = cutlass.select_(keep, acc_dP[i], Float32(0.0))
                     if const_expr(self.has_drab):
@@ -524,7 +524,7 @@ class HstuBackwardDkDvSm80(_BackwardBase):
                     if const_expr(self.has_rab):
                         # Element loads: the transposed view of the swizzled tile has no vector path.
                         tSsRabT = thr_mma.partition_C(sRabT[None, None, stage])
-                        for i in cutlass.range_constexpr(cute.size(acc_S)):
+                        for i in cutlass.range(cute.size(acc_S), unroll_full=True):
                             acc_S[i] = tSsRabT[i].to(Float32)
                     else:
                         acc_S.fill(0.0)
@@ -535,7 +535,7 @@ class HstuBackwardDkDvSm80(_BackwardBase):
                     silu_and_grad_inplace(acc_S, acc_dP, alpha, inv_scale, self.fast_silu)
                     is_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
                     if not is_full:
-                        for i in cutlass.range_constexpr(cute.size(acc_S)):
+                        for i in cutlass.range(cute.size(acc_S), unroll_full=True):
                             keep = masks.allowed(spec, seq, row_first + tScST[i][1], col0 + tScST[i][0], KERNEL_OPS)
                             acc_S[i] = cutlass.select_(keep, acc_S[i], Float32(0.0))
                             acc_dP[i] = cutlass.select_(keep, acc_dP[i], Float32(0.0))

@@ -15,8 +15,9 @@ With Z = alpha * S, P = silu(Z) / S_len and G = alpha * silu'(Z) * dP / S_len on
 entries (spec section 2); masked entries are selected to exact zeros.
 """
 
-from __future__ import annotations
 
+# No ``from __future__ import annotations`` here: _smem_plan's @cute.struct needs its field
+# annotations evaluated, not kept as strings.
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
@@ -81,14 +82,12 @@ class _BackwardBase:
         gmem_store = cute.make_tiled_copy_tv(copy_r2g, thr_layout, cute.make_layout((1, vec)))
         gmem_copy_rab = None
         if const_expr(self.has_rab):
-            if const_expr(self.rab_vec >= 2):
-                rab_atom = cute.make_copy_atom(
-                    cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), self.dtype,
-                    num_bits_per_copy=self.rab_vec * self.dtype.width,
-                )
-            else:
-                rab_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
-                                               num_bits_per_copy=self.dtype.width)
+            # The launcher pads rab rows to 16 bytes (rab_vec is always 8 for the backward).
+            assert self.rab_vec == 8
+            rab_atom = cute.make_copy_atom(
+                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), self.dtype,
+                num_bits_per_copy=self.rab_vec * self.dtype.width,
+            )
             rab_threads_per_row = min(self.tile_n // self.rab_vec, self.num_threads)
             gmem_copy_rab = cute.make_tiled_copy_tv(
                 rab_atom,
@@ -101,6 +100,33 @@ class _BackwardBase:
             permutation_mnk=(self.num_warps * 16, 16, 16),
         )
         return atom, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma
+
+    def _smem_plan(self, atom, q_stages: int, kv_stages: int):
+        """Layouts of the Q/dO tiles (tile_m rows), K/V tiles (tile_n rows) and the rab tile
+        (always two stages), and the SharedStorage struct that holds them."""
+
+        def tiles(rows, stages):
+            if stages == 1:
+                return cute.tile_to_shape(atom, (rows, self.head_dim), (0, 1))
+            return cute.tile_to_shape(atom, (rows, self.head_dim, stages), (0, 1, 2))
+
+        sQ_layout, sK_layout = tiles(self.tile_m, q_stages), tiles(self.tile_n, kv_stages)
+        sRab_layout = None
+        rab_elems = 8
+        if const_expr(self.has_rab):
+            sRab_layout = cute.tile_to_shape(smem_layout_atom(self.dtype, self.tile_n),
+                                             (self.tile_m, self.tile_n, 2), (0, 1, 2))
+            rab_elems = cute.cosize(sRab_layout)
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sRab: cute.struct.Align[cute.struct.MemRange[self.dtype, rab_elems], 1024]
+
+        return sQ_layout, sK_layout, sRab_layout, SharedStorage
 
     @cute.jit
     def load_rows(self, gmem_copy, tXgX, tXsX, tXcX, row_limit: Int32, zero_fill: cutlass.Constexpr[bool]):
@@ -162,24 +188,8 @@ class HstuBackwardDqSm80(_BackwardBase):
                  window_left: Int32, window_right: Int32, group_size: Int32, is_delta_q: Int32,
                  num_m_blocks: Int32, stream):
         atom, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma = self._atoms()
-        D = self.head_dim
         # K, V (and rab) are double-buffered: the next n-block loads while this one computes.
-        sQ_layout = cute.tile_to_shape(atom, (self.tile_m, D), (0, 1))
-        sK_layout = cute.tile_to_shape(atom, (self.tile_n, D, 2), (0, 1, 2))
-        rab_elems = 8
-        sRab_layout = None
-        if const_expr(self.has_rab):
-            sRab_layout = cute.tile_to_shape(smem_layout_atom(self.dtype, self.tile_n), (self.tile_m, self.tile_n, 2),
-                                             (0, 1, 2))
-            rab_elems = cute.cosize(sRab_layout)
-
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sRab: cute.struct.Align[cute.struct.MemRange[self.dtype, rab_elems], 1024]
+        sQ_layout, sK_layout, sRab_layout, SharedStorage = self._smem_plan(atom, q_stages=1, kv_stages=2)
 
         heads_in_grid = 1 if const_expr(self.rab_sum_heads) else mQ.shape[1]
         self.kernel(
@@ -374,24 +384,8 @@ class HstuBackwardDkDvSm80(_BackwardBase):
                  mNumTargets, mRab, alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32,
                  group_size: Int32, is_delta_q: Int32, num_n_blocks: Int32, stream):
         atom, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma = self._atoms()
-        D = self.head_dim
         # Q, dO (and rab) are double-buffered: the next m-block loads while this one computes.
-        sQ_layout = cute.tile_to_shape(atom, (self.tile_m, D, 2), (0, 1, 2))
-        sK_layout = cute.tile_to_shape(atom, (self.tile_n, D), (0, 1))
-        rab_elems = 8
-        sRab_layout = None
-        if const_expr(self.has_rab):
-            sRab_layout = cute.tile_to_shape(smem_layout_atom(self.dtype, self.tile_n), (self.tile_m, self.tile_n, 2),
-                                             (0, 1, 2))
-            rab_elems = cute.cosize(sRab_layout)
-
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sRab: cute.struct.Align[cute.struct.MemRange[self.dtype, rab_elems], 1024]
+        sQ_layout, sK_layout, sRab_layout, SharedStorage = self._smem_plan(atom, q_stages=2, kv_stages=1)
 
         self.kernel(
             mQ, mK, mV, mdO, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,

@@ -73,30 +73,8 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
     num_m_blocks = -(-max_seqlen_q // key_dq.tile_m)
     num_n_blocks = -(-max_seqlen_k // key_dkdv.tile_n)
     with torch.cuda.device(device):
-        # The two kernels are independent: the dQ kernel runs on a side stream forked from (and
-        # joined back into) the caller's stream, so each kernel's tail overlaps the other's work.
-        main = torch.cuda.current_stream(device)
-        side = _side_stream(device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            fn_dq(q, k, v, dout, dq, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
-                  num_targets, rab, drab, drab_accum, *scalars, num_m_blocks)
+        fn_dq(q, k, v, dout, dq, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts, num_targets,
+              rab, drab, drab_accum, *scalars, num_m_blocks)
         fn_dkdv(q, k, v, dout, dk, dv, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
                 num_targets, rab, *scalars, num_n_blocks)
-        main.wait_stream(side)
-        # Tensors the side stream touched may only be reused once its work is done.
-        for t in (q, k, v, dout, dq, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts, num_targets,
-                  rab, drab, drab_accum):
-            if t is not None:
-                t.record_stream(side)
     return dq, dk, dv, (drab_view if drab_view is not None else drab)
-
-
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    s = _SIDE_STREAMS.get(device)
-    if s is None:
-        s = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return s

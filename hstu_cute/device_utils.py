@@ -6,6 +6,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import warp
 
 from . import masks
 
@@ -27,6 +28,19 @@ def smem_layout_atom(dtype, k_extent: int) -> cute.ComposedLayout:
         cute.make_swizzle(swizzle_bits, 3, 3),
         0,
         cute.make_ordered_layout((8, seg_elems), order=(1, 0)),
+    )
+
+
+def ldmatrix_copies(dtype, tiled_mma, tidx):
+    """Per-thread smem->register copies (ldmatrix x4) laid out for ``tiled_mma``'s A operand,
+    B operand, transposed B operand (an MN-major tile, e.g. V for P.V) and C accumulator."""
+    ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
+    ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), dtype)
+    return (
+        cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(tidx),
+        cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx),
+        cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx),
+        cute.make_tiled_copy_C(ldsm, tiled_mma).get_slice(tidx),
     )
 
 

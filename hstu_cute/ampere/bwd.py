@@ -29,6 +29,7 @@ from ..device_utils import (
     acc_to_operand_a,
     gemm_rs,
     gemm_ss,
+    ldmatrix_copies,
     sequence_bounds,
     sequence_mask,
     smem_layout_atom,
@@ -245,11 +246,7 @@ class HstuBackwardDqSm80(_BackwardBase):
                                                         stride=(self.tile_n, 1, self.tile_n * self.head_dim)))
 
             thr_mma = tiled_mma.get_slice(tidx)
-            ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-            ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
-            copy_a = cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(tidx)
-            copy_b = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)
-            copy_bt = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx)
+            copy_a, copy_b, copy_bt, copy_c = ldmatrix_copies(self.dtype, tiled_mma, tidx)
             tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
             tSrdO = thr_mma.make_fragment_A(thr_mma.partition_A(sdO))
             tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
@@ -268,7 +265,7 @@ class HstuBackwardDqSm80(_BackwardBase):
                 thr_copy_rab = gmem_copy_rab.get_slice(tidx)
                 tRsR = thr_copy_rab.partition_D(sRab)
                 tRcR = thr_copy_rab.partition_S(cS)
-                smem_copy_rab = cute.make_tiled_copy_C(ldsm, tiled_mma).get_slice(tidx)
+                smem_copy_rab = copy_c
                 tSsRab = smem_copy_rab.partition_S(sRab)
                 rab_rows = cutlass.min(seq.row_offset + seqlen_q, mRab.shape[2]) - row_first
                 rab_cols = cutlass.min(seqlen_k, mRab.shape[3])
@@ -459,11 +456,7 @@ class HstuBackwardDkDvSm80(_BackwardBase):
             cute.arch.cp_async_commit_group()
 
             thr_mma = tiled_mma.get_slice(tidx)
-            ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-            ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
-            copy_a = cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(tidx)
-            copy_b = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)
-            copy_bt = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx)
+            copy_a, copy_b, copy_bt, _ = ldmatrix_copies(self.dtype, tiled_mma, tidx)
             tSrK = thr_mma.make_fragment_A(thr_mma.partition_A(sK))
             tSrV = thr_mma.make_fragment_A(thr_mma.partition_A(sV))
             tSrQ = thr_mma.make_fragment_B(thr_mma.partition_B(sQ[None, None, 0]))

@@ -16,6 +16,7 @@ from ..device_utils import (
     apply_mask_inplace,
     gemm_rs,
     gemm_ss,
+    ldmatrix_copies,
     silu_scaled_inplace,
     sequence_bounds,
     sequence_mask,
@@ -291,16 +292,11 @@ class HstuForwardSm80:
             acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.head_dim)), Float32)
             acc_O.fill(0.0)
 
-            ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-            ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
-            smem_copy_q = cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(tidx)
-            smem_copy_k = cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx)
-            smem_copy_v = cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx)
+            smem_copy_q, smem_copy_k, smem_copy_v, smem_copy_rab = ldmatrix_copies(self.dtype, tiled_mma, tidx)
             tSsQ = smem_copy_q.partition_S(sQ)
             tSsK = smem_copy_k.partition_S(sK)
             tOsVt = smem_copy_v.partition_S(sVt)
             if const_expr(self.has_rab):
-                smem_copy_rab = cute.make_tiled_copy_C(ldsm, tiled_mma).get_slice(tidx)
                 tSsRab = smem_copy_rab.partition_S(sRab)
             tScS = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
 

@@ -236,7 +236,7 @@ class HstuBackwardDqSm80(_BackwardBase):
             row_first = seq.row_offset + m_block * self.tile_m
             q_rows = seqlen_q - m_block * self.tile_m
 
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(SharedStorage)
             sQ = storage.sQ.get_tensor(sQ_layout)
             sdO = storage.sdO.get_tensor(sQ_layout)
@@ -426,7 +426,7 @@ class HstuBackwardDkDvSm80(_BackwardBase):
             k_rows = seqlen_k - n_block * self.tile_n
             col0 = n_block * self.tile_n  # key coordinate of this CTA's first key
 
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(SharedStorage)
             sQ = storage.sQ.get_tensor(sQ_layout)
             sdO = storage.sdO.get_tensor(sQ_layout)

@@ -240,7 +240,7 @@ class HstuForwardSm80:
             gK = cute.local_tile(mKh, (self.tile_n, self.head_dim), (None, 0))
             gV = cute.local_tile(mVh, (self.tile_n, self.head_dim), (None, 0))
 
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(SharedStorage)
             sQ = storage.sQ.get_tensor(sQ_layout)
             sK = storage.sK.get_tensor(sKV_layout)

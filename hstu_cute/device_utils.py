@@ -44,6 +44,19 @@ def ldmatrix_copies(dtype, tiled_mma, tidx):
     )
 
 
+def scores_init(thr_mma, shape_mn, dtype, smem_copy_rab=None, tSsRab=None) -> cute.Tensor:
+    """A fresh fp32 score accumulator: the rab tile read from smem (ldmatrix into the accumulator
+    layout), or zeros without rab -- Q K^T is then accumulated on top (spec: scores include rab)."""
+    acc = cute.make_rmem_tensor(thr_mma.partition_shape_C(shape_mn), Float32)
+    if const_expr(tSsRab is not None):
+        rRab = cute.make_rmem_tensor(thr_mma.partition_shape_C(shape_mn), dtype)
+        cute.copy(smem_copy_rab, tSsRab, smem_copy_rab.retile(rRab))
+        acc.store(rRab.load().to(Float32))
+    else:
+        acc.fill(0.0)
+    return acc
+
+
 @cute.jit
 def gemm_ss(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, smem_thr_copy_A, smem_thr_copy_B):
     """acc += A @ B with both operands read from smem by ldmatrix, one k-slice ahead."""

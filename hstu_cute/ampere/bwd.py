@@ -30,6 +30,7 @@ from ..device_utils import (
     gemm_rs,
     gemm_ss,
     ldmatrix_copies,
+    scores_init,
     sequence_bounds,
     sequence_mask,
     smem_layout_atom,
@@ -265,8 +266,7 @@ class HstuBackwardDqSm80(_BackwardBase):
                 thr_copy_rab = gmem_copy_rab.get_slice(tidx)
                 tRsR = thr_copy_rab.partition_D(sRab)
                 tRcR = thr_copy_rab.partition_S(cS)
-                smem_copy_rab = copy_c
-                tSsRab = smem_copy_rab.partition_S(sRab)
+                tSsRab = copy_c.partition_S(sRab)
                 rab_rows = cutlass.min(seq.row_offset + seqlen_q, mRab.shape[2]) - row_first
                 rab_cols = cutlass.min(seqlen_k, mRab.shape[3])
             else:
@@ -327,13 +327,10 @@ class HstuBackwardDqSm80(_BackwardBase):
                                       1 - stage, seqlen_k, rab_rows, rab_cols)
                     cute.arch.cp_async_commit_group()
 
-                    acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-                    if const_expr(self.has_rab):
-                        rRab = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)
-                        cute.copy(smem_copy_rab, tSsRab[None, None, None, stage], smem_copy_rab.retile(rRab))
-                        acc_S.store(rRab.load().to(Float32))
-                    else:
-                        acc_S.fill(0.0)
+                    acc_S = scores_init(
+                        thr_mma, (self.tile_m, self.tile_n), self.dtype, copy_c,
+                        tSsRab[None, None, None, stage] if const_expr(self.has_rab) else None,
+                    )
                     gemm_ss(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSsK[None, None, None, stage], copy_a, copy_b)
                     acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
                     acc_dP.fill(0.0)

@@ -17,6 +17,7 @@ from ..device_utils import (
     gemm_rs,
     gemm_ss,
     ldmatrix_copies,
+    scores_init,
     silu_scaled_inplace,
     sequence_bounds,
     sequence_mask,
@@ -331,13 +332,10 @@ class HstuForwardSm80:
                                  self.num_stages == 1, True)
                 cute.arch.cp_async_commit_group()
 
-                acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-                if const_expr(self.has_rab):
-                    rRab = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), self.dtype)
-                    cute.copy(smem_copy_rab, tSsRab[None, None, None, read_stage], smem_copy_rab.retile(rRab))
-                    acc_S.store(rRab.load().to(Float32))
-                else:
-                    acc_S.fill(0.0)
+                acc_S = scores_init(
+                    thr_mma, (self.tile_m, self.tile_n), self.dtype, smem_copy_rab,
+                    tSsRab[None, None, None, read_stage] if const_expr(self.has_rab) else None,
+                )
                 gemm_ss(
                     tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSsK[None, None, None, read_stage], smem_copy_q, smem_copy_k
                 )

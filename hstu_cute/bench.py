@@ -75,9 +75,11 @@ def _lengths(w: Workload, gen: torch.Generator) -> list[int]:
 
 
 def make_inputs(w: Workload, device="cuda", seed=0) -> dict:
-    gen = torch.Generator().manual_seed(seed)
+    """Inputs of one workload. The lengths depend only on the workload (so every rotated input
+    set has the same FLOP count); ``seed`` draws the values."""
     dtype = getattr(torch, w.dtype)
-    lens_k = _lengths(w, gen)
+    lens_k = _lengths(w, torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(seed)
     lens_q = [min(n, w.delta_q) for n in lens_k] if w.delta_q else lens_k
 
     def offsets(lens):

@@ -13,7 +13,8 @@ import tvm_ffi  # noqa: F401  (the kernels' calling convention; importing it her
 #                  one-time cost out of the first call, e.g. out of a disk-cache load)
 
 from . import masks
-from .ampere import AmpereFwdKey, make_fwd_key
+from .ampere import make_fwd_key
+from .hopper import make_hopper_fwd_key
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -38,10 +39,11 @@ def device_arch(device: torch.device) -> str:
 
 
 def kernel_path(device: torch.device) -> str:
-    """Which kernel family serves this device: 'ampere' today (sm80+, Hopper included).
+    """Which forward kernel family serves this device: 'hopper' (TMA + WGMMA) on sm90, 'ampere'
+    (mma.sync) on sm80-sm89. The backward runs the mma.sync kernels on every arch for now.
 
-    ``HSTU_CUTE_ARCH`` forces a path: 'sm80' (the mma.sync kernels) or 'sm90' (Hopper TMA/WGMMA
-    kernels, not built yet: selecting them raises NotImplementedError, never a silent fallback).
+    ``HSTU_CUTE_ARCH`` forces a path: 'sm80' (the mma.sync kernels, on any sm80+ GPU) or 'sm90'
+    (the Hopper kernels; only on a compute capability 9.x device).
     """
     forced = os.environ.get("HSTU_CUTE_ARCH", "").strip().lower().replace("_", "")
     return _kernel_path(forced, device.index if device.index is not None else torch.cuda.current_device())
@@ -49,21 +51,27 @@ def kernel_path(device: torch.device) -> str:
 
 @functools.lru_cache(maxsize=64)
 def _kernel_path(forced: str, index: int) -> str:
-    if forced:
-        if forced in ("sm80", "sm86", "sm89", "ampere"):
-            return "ampere"
-        if forced in ("sm90", "sm90a", "hopper"):
-            raise NotImplementedError(
-                "HSTU_CUTE_ARCH=sm90 selects the Hopper (TMA + WGMMA) kernels, which are not built yet; "
-                "unset HSTU_CUTE_ARCH or set it to sm80 to use the mma.sync kernels (they run on Hopper too)"
-            )
+    if forced and forced not in _AMPERE_NAMES + _HOPPER_NAMES:
         raise ValueError(f"HSTU_CUTE_ARCH: expected one of sm80, sm90; got {forced!r}")
-    major, _ = torch.cuda.get_device_capability(index)
+    if forced in _AMPERE_NAMES:
+        return "ampere"
+    major, minor = torch.cuda.get_device_capability(index)
+    if forced in _HOPPER_NAMES:
+        if major != 9:
+            raise NotImplementedError(
+                f"HSTU_CUTE_ARCH=sm90 selects the Hopper (TMA + WGMMA) kernels, which need compute capability "
+                f"9.x; device cuda:{index} has {major}.{minor} (unset HSTU_CUTE_ARCH or set it to sm80)"
+            )
+        return "hopper"
     if major < 8:
         raise NotImplementedError(
             f"hstu_cute needs compute capability >= 8.0 (Ampere); device cuda:{index} has {major}.x"
         )
-    return "ampere"
+    return "hopper" if major == 9 else "ampere"
+
+
+_AMPERE_NAMES = ("sm80", "sm86", "sm89", "ampere")
+_HOPPER_NAMES = ("sm90", "sm90a", "hopper")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -309,26 +317,43 @@ INT32_MAX = 2**31 - 1
 _KEYS: dict = {}
 
 
-def fwd_key(p: Problem, arch: str, rab, tiles: dict | None = None) -> AmpereFwdKey:
+def fwd_key(p: Problem, arch: str, rab, tiles: dict | None = None, path: str = "ampere"):
     """The compile key of this call (memoized: building the dataclass costs more than the lookup)."""
     rab_vec = _rab_vec(rab) if rab is not None else 0
-    memo = (arch, p.dtype, p.head_dim, p.mask.kind, p.mask.has_context or p.mask.has_target, rab_vec,
+    memo = (path, arch, p.dtype, p.head_dim, p.mask.kind, p.mask.has_context or p.mask.has_target, rab_vec,
             tuple(sorted(tiles.items())) if tiles else None)
     key = _KEYS.get(memo)
     if key is None:
-        key = _KEYS[memo] = make_fwd_key(arch, _DTYPE_NAMES[p.dtype], p.head_dim, p.mask.kind, memo[4],
-                                         rab is not None, rab_vec or 8, tiles)
+        if path == "hopper":
+            key = make_hopper_fwd_key(arch, _DTYPE_NAMES[p.dtype], p.head_dim, p.mask.kind, memo[5],
+                                      rab is not None, tiles)
+        else:
+            key = make_fwd_key(arch, _DTYPE_NAMES[p.dtype], p.head_dim, p.mask.kind, memo[5], rab is not None,
+                               rab_vec or 8, tiles)
+        key = _KEYS[memo] = key
     return key
+
+
+def pad_rab_rows(rab: torch.Tensor) -> torch.Tensor:
+    """rab with 16-byte aligned rows (what TMA and 16-byte loads need): ``rab`` itself when it
+    already has them, else a copy into a slab whose last dim is padded to a multiple of 8."""
+    if _rab_vec(rab) == 8:
+        return rab
+    cols = rab.shape[3]
+    padded = torch.zeros(rab.shape[:3] + ((cols + 7) // 8 * 8,), dtype=rab.dtype, device=rab.device)
+    padded[..., :cols].copy_(rab)
+    return padded
 
 
 def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
             target_group_size, alpha, rab, seqused_q, seqused_k, p: Problem, tiles: dict | None = None,
-            out: torch.Tensor | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
+    """Launch the forward kernel of ``path`` ('hopper' or 'ampere'; default: :func:`kernel_path`)."""
     from .cache import default_cache
     from .compile import build
 
-    if kernel_path(q.device) != "ampere":  # pragma: no cover - only the ampere path exists
-        raise NotImplementedError("no kernel for this device")
+    if path is None:
+        path = kernel_path(q.device)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if seqused_q is not None:
@@ -338,7 +363,9 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
     q, k, v = _aligned_16(q), _aligned_16(k), _aligned_16(v)
     if k.shape[0] == 0:
         return out.zero_()
-    key = fwd_key(p, device_arch(q.device), rab, tiles)
+    if rab is not None and path == "hopper":
+        rab = pad_rab_rows(rab)  # TMA needs 16-byte aligned rows
+    key = fwd_key(p, device_arch(q.device), rab, tiles, path)
     compiled = default_cache().get(key, lambda: build(key))
     num_m_blocks = -(-max_seqlen_q // key.tile_m)
     device, batch = q.device, p.batch

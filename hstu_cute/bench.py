@@ -187,7 +187,8 @@ def sdpa_tflops(w: Workload, backend: str) -> float | None:
     return f / ms / 1e9
 
 
-def run_workload(w: Workload, tiles: dict | None = None, sets: int = 3) -> dict:
+def run_workload(w: Workload, tiles: dict | None = None, sets: int = 3, path: str | None = None) -> dict:
+    """Forward kernel on ``w`` (``path``: 'hopper' or 'ampere'; default: the device's own)."""
     from . import api
 
     inputs = [make_inputs(w, seed=s) for s in range(sets)]
@@ -204,12 +205,12 @@ def run_workload(w: Workload, tiles: dict | None = None, sets: int = 3) -> dict:
         calls.append(lambda kw=kw, p=p: api.forward(
             kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
             kw["max_seqlen_k"], kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1),
-            1.0, kw.get("rab"), None, None, p, tiles))
+            1.0, kw.get("rab"), None, None, p, tiles, path=path))
     calls[0]()  # compile (or load from the module cache) outside the timing
     ms, iqr = time_cuda(calls)
     f, convention = flops(w, lens_q, lens_k)
     row = dict(workload=w.name, ms=ms, iqr_ms=iqr, tflops=f / ms / 1e9, flops=convention,
-               tiles=tiles or "default")
+               tiles=tiles or "default", path=path or api.kernel_path(inputs[0]["q"].device))
     if w.sdpa:
         row["sdpa_flash"] = sdpa_tflops(w, "flash")
         row["sdpa_cudnn"] = sdpa_tflops(w, "cudnn")

@@ -182,3 +182,62 @@ def sequence_mask(spec, seqlen_q, seqlen_k, mNumContexts, mNumTargets, batch, wi
         num_context=num_context, history_end=history_end, group_size=group_size,
         row_offset=cutlass.select_(is_delta_q != 0, seqlen_k - seqlen_q, Int32(0)),
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# sm90 (WGMMA) fragments. A warpgroup accumulator m64nNk16 holds, per thread, values
+# ((2 cols, 2 row halves, N/8 col groups), MMA_M, MMA_N).
+# ---------------------------------------------------------------------------------------------
+def wgmma_acc_rows_cols(layout: cute.Layout) -> cute.Layout:
+    """((2, 2, V), M, N) accumulator layout -> ((2, M), (2, V, N)): mode 0 walks the thread's
+    rows, mode 1 its columns, so a row's mask intervals are computed once per row."""
+    flat = cute.make_layout(layout.shape)
+    (c2, r2, v), m, n = flat.shape
+    (sc2, sr2, sv), sm, sn = flat.stride
+    rows_cols = cute.make_layout(((r2, m), (c2, v, n)), stride=((sr2, sm), (sc2, sv, sn)))
+    return cute.composition(layout, rows_cols)
+
+
+def wgmma_acc_as_operand_a(layout: cute.Layout) -> cute.Layout:
+    """((2, 2, V), M, N) fp32 accumulator layout -> ((2, 2, 2), M, (V/2, N)): for 16-bit types
+    two adjacent n8 column groups of an accumulator are exactly one k16 slice of an RS WGMMA's
+    register A operand, so P feeds the P.V GEMM without any data movement."""
+    assert layout.shape[0][2] % 2 == 0
+    split = cute.logical_divide(layout, ((None, None, 2), None, None))
+    return cute.make_layout(
+        ((split.shape[0][0], split.shape[0][1], split.shape[0][2][0]), split.shape[1],
+         (split.shape[0][2][1], split.shape[2])),
+        stride=((split.stride[0][0], split.stride[0][1], split.stride[0][2][0]), split.stride[1],
+                (split.stride[0][2][1], split.stride[2])),
+    )
+
+
+@cute.jit
+def wgmma(tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr[bool], wg_wait: cutlass.Constexpr[int]):
+    """acc (+)= A @ B over all k slices as one WGMMA group; waits until at most ``wg_wait`` groups
+    are in flight (-1: do not wait)."""
+    from cutlass.cute.nvgpu import warpgroup
+
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+        cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if const_expr(wg_wait >= 0):
+        warpgroup.wait_group(wg_wait)
+
+
+@cute.jit
+def apply_mask_rows_cols(acc_rc: cute.Tensor, coord_rc: cute.Tensor, spec: cutlass.Constexpr, seq, row0: Int32,
+                         col0: Int32):
+    """Zero every masked element of an accumulator seen as (rows, cols) (``coord_rc``: its tile
+    coordinates in the same view); one interval computation per row, a select per element."""
+    col_limit = seq.seqlen_k - col0
+    for i in cutlass.range_constexpr(cute.size(acc_rc.shape[0])):
+        lo_end, hi_start, hi_end = masks.row_intervals(spec, seq, row0 + coord_rc[i, 0][0], KERNEL_OPS)
+        lo_end, hi_start, hi_end = lo_end - col0, hi_start - col0, hi_end - col0
+        for j in cutlass.range_constexpr(cute.size(acc_rc.shape[1])):
+            keep = masks.in_intervals(coord_rc[i, j][1], lo_end, hi_start, hi_end, col_limit)
+            acc_rc[i, j] = cutlass.select_(keep, acc_rc[i, j], Float32(0.0))

@@ -1,5 +1,74 @@
-"""sm90 kernels (TMA loads, WGMMA, warp-specialized pipelines, FP8): not built yet.
+"""sm90a kernels: TMA loads, WGMMA, a producer warp feeding consumer warpgroups through mbarrier
+pipelines. The forward is :class:`~hstu_cute.hopper.fwd.HstuForwardSm90`; the backward still runs
+the sm80 kernels (compiled for sm_90a), and FP8 raises ``NotImplementedError``."""
 
-Until they land, Hopper GPUs run the sm80 mma.sync kernels of :mod:`hstu_cute.ampere` (compiled
-for sm_90a), and ``HSTU_CUTE_ARCH=sm90`` or any FP8 argument raises ``NotImplementedError``.
-"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..ampere import SHIPPED_DTYPES, SHIPPED_MASKS
+from ..masks import MaskKind, MaskSpec
+
+
+@dataclass(frozen=True)
+class HopperFwdKey:
+    """Compile key of :class:`~hstu_cute.hopper.fwd.HstuForwardSm90` (everything baked into the
+    cubin; lengths, batch, heads, strides and scalars are runtime arguments). rab always has
+    16-byte aligned rows here: TMA needs them, the launcher pads rab when they are not."""
+
+    kernel_name: ClassVar[str] = "hopper_fwd"
+
+    arch: str  # "sm_90a"
+    dtype: str
+    head_dim: int
+    mask_kind: int = int(MaskKind.NONE)
+    has_context: bool = False
+    has_target: bool = False
+    has_rab: bool = False
+    tile_m: int = 128  # 64 rows per consumer warpgroup
+    tile_n: int = 128
+    num_stages: int = 2
+    fast_silu: bool = True
+    intra_wg_overlap: bool = True
+    pingpong: bool = True
+    lpt_grid: bool = True
+    ptxas_opt: int = 3
+
+    @property
+    def mask(self) -> MaskSpec:
+        return MaskSpec(MaskKind(self.mask_kind), self.has_context, self.has_target)
+
+    def describe(self) -> str:
+        extras = [self.mask.name] + (["rab"] if self.has_rab else [])
+        flags = ("o" if self.intra_wg_overlap else "") + ("p" if self.pingpong else "")
+        return (f"{self.kernel_name} {self.arch} {self.dtype} d{self.head_dim} {self.tile_m}x{self.tile_n}"
+                f"s{self.num_stages}{flags} " + ",".join(extras))
+
+
+def default_hopper_fwd_tiles(head_dim: int, has_rab: bool) -> dict:
+    """(tile_m, tile_n, num_stages) per head dim; smem <= 227 KB with the rab ring."""
+    if head_dim <= 128:
+        return dict(tile_m=128, tile_n=128, num_stages=2)
+    return dict(tile_m=128, tile_n=64, num_stages=2)
+
+
+HOPPER_HEAD_DIMS = (32, 64, 128, 256)
+
+
+def make_hopper_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, tiles=None) -> HopperFwdKey:
+    return HopperFwdKey(
+        arch=arch, dtype=dtype, head_dim=head_dim, mask_kind=int(kind), has_context=context_target,
+        has_target=context_target, has_rab=has_rab, fast_silu=dtype == "bfloat16",
+        **(tiles or dict(default_hopper_fwd_tiles(head_dim, has_rab), lpt_grid=MaskKind(kind) == MaskKind.CAUSAL)),
+    )
+
+
+def shipped_hopper_fwd_keys(arch: str = "sm_90a", dtypes=SHIPPED_DTYPES, head_dims=HOPPER_HEAD_DIMS) -> list:
+    return [
+        make_hopper_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab)
+        for dtype in dtypes
+        for head_dim in head_dims
+        for kind, context_target in SHIPPED_MASKS
+        for has_rab in (False, True)
+    ]

@@ -1,0 +1,538 @@
+"""HSTU attention forward for sm90a: TMA loads, WGMMA, a producer warp and two consumer warpgroups."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.utils import LayoutEnum
+
+from .. import masks
+from ..device_utils import (
+    KERNEL_OPS,
+    apply_mask_rows_cols,
+    sequence_bounds,
+    sequence_mask,
+    silu_scaled_inplace,
+    wgmma,
+    wgmma_acc_as_operand_a,
+    wgmma_acc_rows_cols,
+)
+
+# Named barriers (id 0 is __syncthreads).
+_BAR_EPILOGUE = 1  # both consumer warpgroups are done reading sQ before it becomes sO
+_BAR_SCHED_WG0 = 2  # 2, 3: consumer warpgroups take turns issuing their GEMMs
+_BAR_ZERO_V_WG0 = 4  # 4, 5: per-warpgroup barrier after zeroing V rows past seqlen_k
+
+
+class HstuForwardSm90:
+    """Forward kernel: out = sum_j mask(silu(alpha * (q.k + rab))) v / S over one jagged batch.
+
+    Grid: one CTA per (m-block, head, batch) like the sm80 kernel (``lpt_grid``: m-blocks slowest
+    and in reverse, so the longest causal rows start first). CTAs past a sequence's end exit.
+
+    Warp roles (``128 * (1 + tile_m / 64)`` threads):
+      * warpgroup 0, warp 0: producer. Issues TMA loads of Q (once), then K(+rab) and V per
+        n-block into ``num_stages``-deep smem rings; 24 registers after ``setmaxnreg``.
+        Warps 1-3 of warpgroup 0 only lower their registers.
+      * warpgroups 1..: consumers, 64 query rows each, 240 registers. S = Q K^T (SS WGMMA),
+        S += rab, SiLU, mask (partial tiles only), P = bf16(S) stays in registers and feeds
+        O += P V as the register A operand (RS WGMMA).
+
+    Pipelines (mbarrier, TMA transaction counts): Q (1 stage), K, V and rab (``num_stages`` each).
+    K and V have separate rings so that, with ``intra_wg_overlap``, QK^T of block i+1 is issued
+    before P.V of block i and SiLU of block i+1 runs while the tensor cores do P.V of block i.
+    Barriers: named barriers 2/3 (``pingpong``) make the two consumer warpgroups alternate GEMM
+    issue, so one warpgroup's SiLU overlaps the other's GEMMs; 4/5 after zeroing the V rows past
+    seqlen_k (TMA reads the next sequence there: P is 0 for them, but 0 * NaN would be NaN);
+    1 before sQ is reused to stage the output. Epilogue: 1/S folded into the fp32 -> bf16
+    conversion, stmatrix to smem, 128-bit predicated stores (rows past seqlen_q are not written).
+    """
+
+    def __init__(
+        self,
+        dtype,
+        head_dim: int,
+        mask: masks.MaskSpec,
+        has_rab: bool,
+        tile_m: int,
+        tile_n: int,
+        num_stages: int,
+        fast_silu: bool,
+        intra_wg_overlap: bool = True,
+        pingpong: bool = True,
+        lpt_grid: bool = False,
+    ):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.mask = mask
+        self.has_rab = has_rab
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.num_stages = num_stages
+        self.fast_silu = fast_silu
+        self.intra_wg_overlap = intra_wg_overlap
+        self.num_mma_wg = tile_m // 64
+        self.pingpong = pingpong and self.num_mma_wg == 2
+        self.lpt_grid = lpt_grid
+        self.num_threads = 128 * (1 + self.num_mma_wg)
+        self.num_mma_threads = 128 * self.num_mma_wg
+        self.producer_regs = 24 if self.num_mma_wg == 2 else 32
+        self.mma_regs = 240 if self.num_mma_wg == 2 else 160
+        assert tile_m % 64 == 0 and tile_n % 16 == 0 and head_dim % 16 == 0
+
+    # ------------------------------------------------------------------------------------------
+    # Host side: layouts, TMA atoms, launch
+    # ------------------------------------------------------------------------------------------
+    def _smem_layout(self, rows: int, cols: int, stages: int | None):
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype
+        )
+        if stages is None:
+            return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+        return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (T_q, H, D)
+        mK: cute.Tensor,  # (T_k, H, D)
+        mV: cute.Tensor,  # (T_k, H, D)
+        mO: cute.Tensor,  # (T_q, H, D)
+        mOffsetsQ: cute.Tensor,  # (B + 1,) int32
+        mOffsetsK: cute.Tensor,  # (B + 1,) int32
+        mSeqUsedQ: cute.Tensor,  # (B,) int32 valid prefix (INT32_MAX when unused)
+        mSeqUsedK: cute.Tensor,  # (B,) int32
+        mNumContexts,  # (B,) int32 or None
+        mNumTargets,  # (B,) int32 or None
+        mRab,  # (B, H_rab, L, L) or None; rows 16-byte aligned (the launcher pads them)
+        alpha: Float32,
+        inv_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        group_size: Int32,
+        is_delta_q: Int32,
+        num_m_blocks: Int32,
+        stream,
+    ):
+        D = self.head_dim
+        sQ_layout = self._smem_layout(self.tile_m, D, None)
+        sK_layout = self._smem_layout(self.tile_n, D, self.num_stages)
+        sV_layout = sK_layout
+        sRab_layout = self._smem_layout(self.tile_m, self.tile_n, self.num_stages) if const_expr(self.has_rab) else None
+
+        tiled_mma_qk = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_n),
+        )
+        tiled_mma_pv = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, D), a_source=warpgroup.OperandSource.RMEM,
+        )
+
+        # (tokens, D, heads) views: a tile is (rows, D) at a token coordinate, the head indexed.
+        mQt, mKt, mVt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1])) for t in (mQ, mK, mV)]
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(tma_load, mQt, sQ_layout, (self.tile_m, D))
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
+            tma_load, mKt, cute.slice_(sK_layout, (None, None, 0)), (self.tile_n, D)
+        )
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
+            tma_load, mVt, cute.slice_(sV_layout, (None, None, 0)), (self.tile_n, D)
+        )
+        tma_atom_rab, tma_rab = None, None
+        if const_expr(self.has_rab):
+            # (B, H_rab, L_q, L_k) -> (L_q, L_k, H_rab, B); rows past L_q / columns past L_k read 0.
+            mRabt = cute.make_tensor(mRab.iterator, cute.select(mRab.layout, mode=[2, 3, 1, 0]))
+            tma_atom_rab, tma_rab = cpasync.make_tiled_tma_atom(
+                tma_load, mRabt, cute.slice_(sRab_layout, (None, None, 0)), (self.tile_m, self.tile_n)
+            )
+
+        elem_bytes = self.dtype.width // 8
+        self.q_bytes = self.tile_m * D * elem_bytes
+        self.kv_bytes = self.tile_n * D * elem_bytes
+        self.rab_bytes = self.tile_m * self.tile_n * elem_bytes
+
+        vec = 128 // self.dtype.width
+        threads_per_row = min(D // vec, 16)
+        copy_r2g = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        gmem_copy_o = cute.make_tiled_copy_tv(
+            copy_r2g,
+            cute.make_ordered_layout((self.num_mma_threads // threads_per_row, threads_per_row), order=(1, 0)),
+            cute.make_layout((1, vec)),
+        )
+        # V rows past seqlen_k are zeroed by each consumer warpgroup with 128-bit smem stores.
+        zero_copy_v = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
+            cute.make_ordered_layout((128 // threads_per_row, threads_per_row), order=(1, 0)),
+            cute.make_layout((1, vec)),
+        )
+
+        stages = self.num_stages
+        rab_elems = cute.cosize(sRab_layout) if const_expr(self.has_rab) else 8
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_rab: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+            sRab: cute.struct.Align[cute.struct.MemRange[self.dtype, rab_elems], 1024]
+
+        num_batch = mOffsetsQ.shape[0] - 1
+        num_heads = mQ.shape[1]
+        if const_expr(self.lpt_grid):
+            grid = [num_heads, num_batch, num_m_blocks]
+        else:
+            grid = [num_m_blocks, num_heads, num_batch]
+        self.kernel(
+            tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab,
+            mQ, mO, mK, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
+            alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
+            sQ_layout, sK_layout, sV_layout, sRab_layout, tiled_mma_qk, tiled_mma_pv, gmem_copy_o, zero_copy_v,
+            SharedStorage,
+        ).launch(
+            grid=grid,
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_q: cute.CopyAtom,
+        tma_q: cute.Tensor,
+        tma_atom_k: cute.CopyAtom,
+        tma_k: cute.Tensor,
+        tma_atom_v: cute.CopyAtom,
+        tma_v: cute.Tensor,
+        tma_atom_rab,
+        tma_rab,
+        mQ: cute.Tensor,
+        mO: cute.Tensor,
+        mK: cute.Tensor,
+        mOffsetsQ: cute.Tensor,
+        mOffsetsK: cute.Tensor,
+        mSeqUsedQ: cute.Tensor,
+        mSeqUsedK: cute.Tensor,
+        mNumContexts,
+        mNumTargets,
+        mRab,
+        alpha: Float32,
+        inv_scale: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        group_size: Int32,
+        is_delta_q: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sRab_layout,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        gmem_copy_o: cute.TiledCopy,
+        zero_copy_v: cute.TiledCopy,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if const_expr(self.lpt_grid):
+            head, batch, m_block_rev = cute.arch.block_idx()
+            _, _, num_m_blocks = cute.arch.grid_dim()
+        else:
+            m_block_rev, head, batch = cute.arch.block_idx()
+            num_m_blocks, _, _ = cute.arch.grid_dim()
+        m_block = num_m_blocks - 1 - m_block_rev
+
+        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
+            mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mQ.shape[0], mK.shape[0], batch
+        )
+        # The exit is uniform over the CTA, before any barrier is initialized.
+        if m_block * self.tile_m < seqlen_q:
+            if warp_idx == 0:
+                for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_rab):
+                    if const_expr(atom is not None):
+                        cpasync.prefetch_descriptor(atom)
+            spec = self.mask
+            seq = sequence_mask(spec, seqlen_q, seqlen_k, mNumContexts, mNumTargets, batch, window_left,
+                                window_right, group_size, is_delta_q)
+            n_lo, hole_lo, hole_size, n_count = masks.n_block_schedule(
+                spec, seq, m_block, self.tile_m, self.tile_n, KERNEL_OPS
+            )
+
+            smem = cutlass.memory.SmemAllocator()
+            storage = smem.allocate(SharedStorage)
+            producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+            consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+            pipe_q = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
+                consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True,
+            )
+            pipe_k = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages, producer_group=producer,
+                consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
+            )
+            pipe_v = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages, producer_group=producer,
+                consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
+            )
+            pipe_rab = None
+            if const_expr(self.has_rab):
+                pipe_rab = pipeline.PipelineTmaAsync.create(
+                    barrier_storage=storage.mbar_rab.data_ptr(), num_stages=self.num_stages,
+                    producer_group=producer, consumer_group=consumers, tx_count=self.rab_bytes, defer_sync=True,
+                )
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+
+            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+            sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+            sRab = None
+            if const_expr(self.has_rab):
+                sRab = storage.sRab.get_tensor(sRab_layout.outer, swizzle=sRab_layout.inner)
+
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp_idx == 0:
+                    self.produce(tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab,
+                                 sQ, sK, sV, sRab, pipe_q, pipe_k, pipe_v, pipe_rab, q_start, k_start, head,
+                                 batch, mRab, seq, m_block, n_lo, hole_lo, hole_size, n_count)
+            else:
+                cute.arch.setmaxregister_increase(self.mma_regs)
+                self.consume(tidx - 128, mO, sQ, sK, sV, sRab, pipe_q, pipe_k, pipe_v, pipe_rab, tiled_mma_qk,
+                             tiled_mma_pv, gmem_copy_o, zero_copy_v, alpha, inv_scale, q_start, head, seq,
+                             m_block, n_lo, hole_lo, hole_size, n_count)
+
+    # ------------------------------------------------------------------------------------------
+    # Producer warp
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def produce(self, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, sQ, sK, sV,
+                sRab, pipe_q, pipe_k, pipe_v, pipe_rab, q_start: Int32, k_start: Int32, head: Int32, batch: Int32,
+                mRab, seq, m_block: Int32, n_lo: Int32, hole_lo: Int32, hole_size: Int32, n_count: Int32):
+        D = self.head_dim
+        no_mcast = cute.make_layout(1)
+        gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_q[None, None, head]), (self.tile_m, D), (m_block, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, no_mcast, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_k[None, None, head]), (self.tile_n, D), (None, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, no_mcast, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_v[None, None, head]), (self.tile_n, D), (None, 0))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, no_mcast, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        tRsR = tRgR = None
+        if const_expr(self.has_rab):
+            rab_head = cutlass.select_(mRab.shape[1] > 1, head, Int32(0))
+            # rab rows are key coordinates: query i reads row row_offset + i.
+            gRab = cute.local_tile(
+                cute.domain_offset((seq.row_offset, 0), tma_rab[None, None, rab_head, batch]),
+                (self.tile_m, self.tile_n), (m_block, None),
+            )
+            tRsR, tRgR = cpasync.tma_partition(
+                tma_atom_rab, 0, no_mcast, cute.group_modes(sRab, 0, 2), cute.group_modes(gRab, 0, 2)
+            )
+
+        if n_count > 0:
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipe_q.producer_acquire(q_state)
+            cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+
+            k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+            v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+            # K (and rab) of block i+1 go out before V of block i: the consumers issue QK^T of
+            # block i+1 before P.V of block i.
+            for it in cutlass.range(n_count, unroll=1):
+                n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
+                pipe_k.producer_acquire(k_state)
+                cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, k_state.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
+                if const_expr(self.has_rab):
+                    pipe_rab.producer_acquire(k_state)
+                    cute.copy(tma_atom_rab, tRgR[None, n_block], tRsR[None, k_state.index],
+                              tma_bar_ptr=pipe_rab.producer_get_barrier(k_state))
+                k_state.advance()
+                if it > 0:
+                    n_prev = masks.n_block_at(n_count - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
+                    pipe_v.producer_acquire(v_state)
+                    cute.copy(tma_atom_v, tVgV[None, n_prev], tVsV[None, v_state.index],
+                              tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+                    v_state.advance()
+            n_last = masks.n_block_at(Int32(0), n_lo, hole_lo, hole_size, KERNEL_OPS)
+            pipe_v.producer_acquire(v_state)
+            cute.copy(tma_atom_v, tVgV[None, n_last], tVsV[None, v_state.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+
+    # ------------------------------------------------------------------------------------------
+    # Consumer warpgroups
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def consume(self, tidx: Int32, mO, sQ, sK, sV, sRab, pipe_q, pipe_k, pipe_v, pipe_rab, tiled_mma_qk, tiled_mma_pv,
+                gmem_copy_o, zero_copy_v, alpha: Float32, inv_scale: Float32, q_start: Int32, head: Int32, seq,
+                m_block: Int32, n_lo: Int32, hole_lo: Int32, hole_size: Int32, n_count: Int32):
+        D = self.head_dim
+        spec = self.mask
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg_thread0 = wg * 128
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        wg_mma_qk = tiled_mma_qk.get_slice(wg_thread0)
+        wg_mma_pv = tiled_mma_pv.get_slice(wg_thread0)
+        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+        # V is (n, D) with D contiguous: as the B operand of P.V (N = D, K = n) it is MN-major.
+        sVt = cute.composition(
+            sV, cute.make_ordered_layout((D, self.tile_n, self.num_stages), order=(1, 0, 2))
+        )
+        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
+        acc_shape_S = wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
+        acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.tile_m, D)), Float32)
+        acc_O.fill(0.0)
+        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
+
+        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        tScS = thr_mma_qk.partition_C(cS)
+        tScS_rc = cute.make_tensor(tScS.iterator, wgmma_acc_rows_cols(tScS.layout))
+        tSsRab = None
+        if const_expr(self.has_rab):
+            tSsRab = thr_mma_qk.partition_C(sRab)
+        row_first = seq.row_offset + m_block * self.tile_m
+
+        if const_expr(self.pingpong):
+            if wg == 0:
+                # Warpgroup 0 issues first: pre-arrive on its own turn barrier.
+                cute.arch.barrier_arrive(barrier_id=_BAR_SCHED_WG0, number_of_threads=256)
+
+        if n_count > 0:
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipe_q.consumer_wait(q_state)
+            k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+
+            # ---- first n-block: S only (P.V of it is issued with the next block's QK^T) ----
+            n_block = masks.n_block_at(n_count - 1, n_lo, hole_lo, hole_size, KERNEL_OPS)
+            pipe_k.consumer_wait(k_state)
+            acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+            wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], True, 0)
+            pipe_k.consumer_release(k_state)
+            self.scores_to_p(acc_S, tOrP, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block, n_block,
+                             row_first)
+            k_state.advance()
+
+            for it in cutlass.range(1, n_count, unroll=1):
+                n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
+                n_prev = masks.n_block_at(n_count - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
+                pipe_k.consumer_wait(k_state)
+                self.sched_wait(wg)
+                acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+                wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], True, -1)
+                self.wait_v(pipe_v, v_state, sV, zero_copy_v, tidx, wg, seq, n_prev)
+                wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
+                self.sched_signal(wg)
+                warpgroup.wait_group(1)
+                pipe_k.consumer_release(k_state)
+                rP = self.scores_to_p_deferred(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block,
+                                               n_block, row_first)
+                warpgroup.wait_group(0)
+                pipe_v.consumer_release(v_state)
+                tOrP.store(rP.load())
+                k_state.advance()
+                v_state.advance()
+
+            # ---- last P.V ----
+            n_last = masks.n_block_at(Int32(0), n_lo, hole_lo, hole_size, KERNEL_OPS)
+            self.wait_v(pipe_v, v_state, sV, zero_copy_v, tidx, wg, seq, n_last)
+            wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, 0)
+            pipe_v.consumer_release(v_state)
+
+        # ---- epilogue: O * (1/S) -> bf16 -> sO (= sQ) -> 128-bit predicated stores ----
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
+        sO = sQ
+        rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
+        rO.store((acc_O.load() * inv_scale).to(self.dtype))
+        stmatrix = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        smem_copy_o = cute.make_tiled_copy_C(stmatrix, tiled_mma_pv).get_slice(tidx)
+        cute.copy(smem_copy_o, smem_copy_o.retile(rO), smem_copy_o.partition_D(sO))
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
+        mOh = cute.domain_offset((q_start, 0), mO[None, head, None])
+        gO = cute.local_tile(mOh, (self.tile_m, D), (m_block, 0))
+        thr_copy_o = gmem_copy_o.get_slice(tidx)
+        tOsO = thr_copy_o.partition_S(sO)
+        tOgO = thr_copy_o.partition_D(gO)
+        tOcO = thr_copy_o.partition_S(cute.make_identity_tensor((self.tile_m, D)))
+        tOrO = cute.make_fragment_like(tOgO, self.dtype)
+        cute.copy(gmem_copy_o, tOsO, tOrO)
+        row_limit = seq.seqlen_q - m_block * self.tile_m
+        for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
+            if tOcO[0, m, 0][0] < row_limit:
+                cute.copy(gmem_copy_o, tOrO[None, m, None], tOgO[None, m, None])
+
+    @cute.jit
+    def sched_wait(self, wg: Int32):
+        if const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=_BAR_SCHED_WG0 + wg, number_of_threads=256)
+
+    @cute.jit
+    def sched_signal(self, wg: Int32):
+        if const_expr(self.pingpong):
+            cute.arch.barrier_arrive(barrier_id=_BAR_SCHED_WG0 + 1 - wg, number_of_threads=256)
+
+    @cute.jit
+    def wait_v(self, pipe_v, v_state, sV, zero_copy_v, tidx: Int32, wg: Int32, seq, n_block: Int32):
+        """Wait for V of ``n_block``; if the block crosses seqlen_k, zero its rows past the end
+        (only the first block visited can) so that P = 0 there multiplies finite values."""
+        pipe_v.consumer_wait(v_state)
+        row_limit = seq.seqlen_k - n_block * self.tile_n
+        if row_limit < self.tile_n:
+            thr = zero_copy_v.get_slice(tidx % 128)
+            tZsV = thr.partition_D(sV[None, None, v_state.index])
+            tZcV = thr.partition_D(cute.make_identity_tensor((self.tile_n, self.head_dim)))
+            zeros = cute.make_fragment_like(tZsV[None, 0, None], self.dtype)
+            zeros.fill(0.0)
+            for m in cutlass.range_constexpr(cute.size(tZsV.shape[1])):
+                if tZcV[0, m, 0][0] >= row_limit:
+                    cute.copy(zero_copy_v, zeros, tZsV[None, m, None])
+            # Generic-proxy stores must be visible to the WGMMA (async proxy) reads.
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=_BAR_ZERO_V_WG0 + wg, number_of_threads=128)
+
+    @cute.jit
+    def add_rab_silu_mask(self, acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha: Float32, spec: cutlass.Constexpr,
+                          seq, m_block: Int32, n_block: Int32, row_first: Int32):
+        if const_expr(self.has_rab):
+            pipe_rab.consumer_wait(k_state)
+            rRab = cute.make_rmem_tensor(acc_S.layout, self.dtype)
+            cute.autovec_copy(tSsRab[None, None, None, k_state.index], rRab)
+            pipe_rab.consumer_release(k_state)
+            acc_S.store(acc_S.load() + rRab.load().to(Float32))
+        silu_scaled_inplace(acc_S, alpha, self.fast_silu)
+        if not masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
+            acc_rc = cute.make_tensor(acc_S.iterator, wgmma_acc_rows_cols(acc_S.layout))
+            apply_mask_rows_cols(acc_rc, tScS_rc, spec, seq, row_first, n_block * self.tile_n)
+
+    @cute.jit
+    def scores_to_p(self, acc_S, tOrP, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec: cutlass.Constexpr, seq,
+                    m_block, n_block, row_first):
+        self.add_rab_silu_mask(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block, n_block,
+                               row_first)
+        tOrP.store(cute.make_tensor(acc_S.iterator, wgmma_acc_as_operand_a(acc_S.layout)).load().to(self.dtype))
+
+    @cute.jit
+    def scores_to_p_deferred(self, acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec: cutlass.Constexpr, seq,
+                             m_block, n_block, row_first):
+        """Like :meth:`scores_to_p` but into a fresh register tile: the previous P is still being
+        read by the in-flight P.V WGMMA."""
+        self.add_rab_silu_mask(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block, n_block,
+                               row_first)
+        acc_A = cute.make_tensor(acc_S.iterator, wgmma_acc_as_operand_a(acc_S.layout))
+        rP = cute.make_rmem_tensor(acc_A.layout, self.dtype)
+        rP.store(acc_A.load().to(self.dtype))
+        return rP

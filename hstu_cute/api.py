@@ -33,6 +33,16 @@ def _arch_of_index(index: int) -> str:
     return f"sm_{major}{minor}" + ("a" if major == 9 else "")
 
 
+@functools.lru_cache(maxsize=None)
+def _sms_of_index(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``: the persistent kernels launch one CTA per SM."""
+    return _sms_of_index(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def device_arch(device: torch.device) -> str:
     """The cubin target for a device: 'sm_80', 'sm_86', 'sm_89', 'sm_90a', ..."""
     return _arch_of_index(device.index if device.index is not None else torch.cuda.current_device())
@@ -379,6 +389,8 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
     args = (q, k, v, out, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts, num_targets, rab,
             float(alpha), 1.0 / p.scale_seqlen, p.window_left, p.window_right, int(target_group_size),
             int(p.mask.is_delta_q), num_m_blocks)
+    if path == "hopper":
+        args += (_num_sms(device),)
     # The launch goes to the current device's current stream (TVM-FFI env stream); switching
     # devices costs ~10 us, so only do it when q lives elsewhere.
     if device.index == torch.cuda.current_device():

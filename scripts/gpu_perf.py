@@ -46,6 +46,36 @@ if "sweep" in modes:
                 emit(bench.run_workload(w, tiles))
             except Exception as e:  # a config may not fit smem/registers
                 emit({"workload": w.name, "tiles": tiles, "error": repr(e)[:300]})
+if "hopper" in modes:
+    # Hopper forward: default vs variants, the Ampere path and cuDNN in the same run.
+    from hstu_cute.hopper import default_hopper_fwd_tiles
+
+    def hopper_tiles(d, **kw):
+        return dict(default_hopper_fwd_tiles(d, False), lpt_grid=True, **kw)
+
+    head = bench.headline()
+    emit(bench.run_workload(head, path="hopper"))
+    emit(bench.run_workload(bench.replace(head, sdpa=False), path="ampere"))
+    variants = {
+        128: [dict(persistent=False), dict(tile_n=176), dict(pingpong=False), dict(intra_wg_overlap=False),
+              dict(ptxas_opt=2), dict(num_stages=3)],
+        256: [dict(tile_n=80), dict(tile_n=96), dict(persistent=False)],
+        64: [dict(tile_n=192), dict(tile_m=192, pingpong=False), dict(num_stages=3)],
+    }
+    for d, tweaks in variants.items():
+        w = bench.replace(head, name=f"full B8 N4096 D{d}", head_dim=d, sdpa=d != 128)
+        if d != 128:
+            emit(bench.run_workload(w, path="hopper"))
+        w = bench.replace(w, sdpa=False)
+        for tw in tweaks:
+            tiles = hopper_tiles(d, **tw)
+            try:
+                emit(bench.run_workload(w, tiles, path="hopper"))
+            except Exception as e:
+                emit({"workload": w.name, "tiles": tiles, "error": repr(e)[:300]})
+    short = bench.Workload("uniform90 B1024 N256", 1024, 256, lengths="uniform90", sdpa=True)
+    emit(bench.run_workload(short, path="hopper"))
+    emit(bench.run_workload(bench.replace(short, sdpa=False), path="ampere"))
 if "headline" in modes:
     emit(bench.run_workload(bench.headline()))
 if "grid" in modes:
@@ -79,7 +109,7 @@ for r in rows:
         extra = ""
         if r.get("sdpa_flash"):
             extra = f"  sdpa flash {r['sdpa_flash']:.0f}  cudnn {r['sdpa_cudnn'] or 0:.0f}"
-        print(f"{r['workload']:28s} {str(r['tiles']):60s} {r['tflops']:7.1f} TF ({r['flops']}) {r['ms']:.3f} ms{extra}")
+        print(f"{r['workload']:28s} {r.get('path', ''):7s} {str(r['tiles']):60s} {r['tflops']:7.1f} TF ({r['flops']}) {r['ms']:.3f} ms{extra}")
     elif "ref" in r:
         print(f"{r['ref']:28s} {r['tflops']:.0f} TF")
     elif "host_overhead" in r:

@@ -33,6 +33,7 @@ class HopperFwdKey:
     intra_wg_overlap: bool = True
     pingpong: bool = True
     lpt_grid: bool = True
+    persistent: bool = True
     ptxas_opt: int = 3
 
     @property
@@ -41,7 +42,8 @@ class HopperFwdKey:
 
     def describe(self) -> str:
         extras = [self.mask.name] + (["rab"] if self.has_rab else [])
-        flags = ("o" if self.intra_wg_overlap else "") + ("p" if self.pingpong else "")
+        flags = ("o" if self.intra_wg_overlap else "") + ("p" if self.pingpong else "") + (
+            "P" if self.persistent else "")
         return (f"{self.kernel_name} {self.arch} {self.dtype} d{self.head_dim} {self.tile_m}x{self.tile_n}"
                 f"s{self.num_stages}{flags} " + ",".join(extras))
 

@@ -7,7 +7,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from .. import masks
@@ -23,7 +23,6 @@ from ..device_utils import (
 )
 
 # Named barriers (id 0 is __syncthreads).
-_BAR_EPILOGUE = 1  # both consumer warpgroups are done reading sQ before it becomes sO
 _BAR_SCHED_WG0 = 2  # 2, 3: consumer warpgroups take turns issuing their GEMMs
 _BAR_ZERO_V_WG0 = 4  # 4, 5: per-warpgroup barrier after zeroing V rows past seqlen_k
 
@@ -65,6 +64,7 @@ class HstuForwardSm90:
         intra_wg_overlap: bool = True,
         pingpong: bool = True,
         lpt_grid: bool = False,
+        persistent: bool = True,
     ):
         self.dtype = dtype
         self.head_dim = head_dim
@@ -78,6 +78,7 @@ class HstuForwardSm90:
         self.num_mma_wg = tile_m // 64
         self.pingpong = pingpong and self.num_mma_wg == 2
         self.lpt_grid = lpt_grid
+        self.persistent = persistent
         self.num_threads = 128 * (1 + self.num_mma_wg)
         self.num_mma_threads = 128 * self.num_mma_wg
         self.producer_regs = 24 if self.num_mma_wg == 2 else 32
@@ -116,6 +117,7 @@ class HstuForwardSm90:
         group_size: Int32,
         is_delta_q: Int32,
         num_m_blocks: Int32,
+        num_sms: Int32,
         stream,
     ):
         D = self.head_dim
@@ -158,12 +160,6 @@ class HstuForwardSm90:
 
         vec = 128 // self.dtype.width
         threads_per_row = min(D // vec, 16)
-        copy_r2g = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
-        gmem_copy_o = cute.make_tiled_copy_tv(
-            copy_r2g,
-            cute.make_ordered_layout((self.num_mma_threads // threads_per_row, threads_per_row), order=(1, 0)),
-            cute.make_layout((1, vec)),
-        )
         # V rows past seqlen_k are zeroed by each consumer warpgroup with 128-bit smem stores.
         zero_copy_v = cute.make_tiled_copy_tv(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
@@ -186,16 +182,15 @@ class HstuForwardSm90:
             sRab: cute.struct.Align[cute.struct.MemRange[self.dtype, rab_elems], 1024]
 
         num_batch = mOffsetsQ.shape[0] - 1
-        num_heads = mQ.shape[1]
-        if const_expr(self.lpt_grid):
-            grid = [num_heads, num_batch, num_m_blocks]
-        else:
-            grid = [num_m_blocks, num_heads, num_batch]
+        num_tiles = num_m_blocks * mQ.shape[1] * num_batch
+        # Persistent: one CTA per SM (smem allows no second one) walking the tiles; the producer
+        # runs ahead into the next tile while the consumers finish the current one.
+        grid = [cutlass.min(num_tiles, num_sms) if const_expr(self.persistent) else num_tiles, 1, 1]
         self.kernel(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab,
             mQ, mO, mK, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
-            alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
-            sQ_layout, sK_layout, sV_layout, sRab_layout, tiled_mma_qk, tiled_mma_pv, gmem_copy_o, zero_copy_v,
+            alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks,
+            sQ_layout, sK_layout, sV_layout, sRab_layout, tiled_mma_qk, tiled_mma_pv, zero_copy_v,
             SharedStorage,
         ).launch(
             grid=grid,
@@ -235,155 +230,167 @@ class HstuForwardSm90:
         window_right: Int32,
         group_size: Int32,
         is_delta_q: Int32,
+        num_m_blocks: Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         sRab_layout,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
-        gmem_copy_o: cute.TiledCopy,
         zero_copy_v: cute.TiledCopy,
         SharedStorage: cutlass.Constexpr,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if const_expr(self.lpt_grid):
-            head, batch, m_block_rev = cute.arch.block_idx()
-            _, _, num_m_blocks = cute.arch.grid_dim()
-        else:
-            m_block_rev, head, batch = cute.arch.block_idx()
-            num_m_blocks, _, _ = cute.arch.grid_dim()
-        m_block = num_m_blocks - 1 - m_block_rev
+        if warp_idx == 0:
+            for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_rab):
+                if const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
 
-        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
-            mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mQ.shape[0], mK.shape[0], batch
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
+            consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True,
         )
-        # The exit is uniform over the CTA, before any barrier is initialized.
-        if m_block * self.tile_m < seqlen_q:
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages, producer_group=producer,
+            consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
+        )
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages, producer_group=producer,
+            consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
+        )
+        pipe_rab = None
+        if const_expr(self.has_rab):
+            pipe_rab = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_rab.data_ptr(), num_stages=self.num_stages,
+                producer_group=producer, consumer_group=consumers, tx_count=self.rab_bytes, defer_sync=True,
+            )
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sRab = None
+        if const_expr(self.has_rab):
+            sRab = storage.sRab.get_tensor(sRab_layout.outer, swizzle=sRab_layout.inner)
+        tiles = _TileWalk(self.lpt_grid, num_m_blocks, mQ.shape[1], mOffsetsQ.shape[0] - 1)
+        geometry = (mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mQ.shape[0], mK.shape[0], mNumContexts,
+                    mNumTargets, window_left, window_right, group_size, is_delta_q)
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_rab):
-                    if const_expr(atom is not None):
-                        cpasync.prefetch_descriptor(atom)
-            spec = self.mask
-            seq = sequence_mask(spec, seqlen_q, seqlen_k, mNumContexts, mNumTargets, batch, window_left,
-                                window_right, group_size, is_delta_q)
-            n_lo, hole_lo, hole_size, n_count = masks.n_block_schedule(
-                spec, seq, m_block, self.tile_m, self.tile_n, KERNEL_OPS
-            )
+                self.produce(tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab,
+                             sQ, sK, sV, sRab, pipe_q, pipe_k, pipe_v, pipe_rab, mRab, tiles, geometry)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self.consume(tidx - 128, mO, sQ, sK, sV, sRab, pipe_q, pipe_k, pipe_v, pipe_rab, tiled_mma_qk,
+                         tiled_mma_pv, zero_copy_v, alpha, inv_scale, tiles, geometry)
 
-            smem = cutlass.memory.SmemAllocator()
-            storage = smem.allocate(SharedStorage)
-            producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-            consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
-            pipe_q = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
-                consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True,
-            )
-            pipe_k = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages, producer_group=producer,
-                consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
-            )
-            pipe_v = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages, producer_group=producer,
-                consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
-            )
-            pipe_rab = None
-            if const_expr(self.has_rab):
-                pipe_rab = pipeline.PipelineTmaAsync.create(
-                    barrier_storage=storage.mbar_rab.data_ptr(), num_stages=self.num_stages,
-                    producer_group=producer, consumer_group=consumers, tx_count=self.rab_bytes, defer_sync=True,
-                )
-            cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()
-
-            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-            sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-            sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-            sRab = None
-            if const_expr(self.has_rab):
-                sRab = storage.sRab.get_tensor(sRab_layout.outer, swizzle=sRab_layout.inner)
-
-            if warp_idx < 4:
-                cute.arch.setmaxregister_decrease(self.producer_regs)
-                if warp_idx == 0:
-                    self.produce(tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab,
-                                 sQ, sK, sV, sRab, pipe_q, pipe_k, pipe_v, pipe_rab, q_start, k_start, head,
-                                 batch, mRab, seq, m_block, n_lo, hole_lo, hole_size, n_count)
-            else:
-                cute.arch.setmaxregister_increase(self.mma_regs)
-                self.consume(tidx - 128, mO, sQ, sK, sV, sRab, pipe_q, pipe_k, pipe_v, pipe_rab, tiled_mma_qk,
-                             tiled_mma_pv, gmem_copy_o, zero_copy_v, alpha, inv_scale, q_start, head, seq,
-                             m_block, n_lo, hole_lo, hole_size, n_count)
+    @cute.jit
+    def tile_problem(self, tiles, geometry, tile: Int32):
+        """(m_block, head, batch, q_start, k_start, seq, live, n-block schedule) of a linear tile;
+        ``live``: the m-block starts inside its sequence (else the tile is skipped)."""
+        (mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, tokens_q, tokens_k, mNumContexts, mNumTargets, window_left,
+         window_right, group_size, is_delta_q) = geometry
+        m_block, head, batch = tiles.coords(tile)
+        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
+            mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, tokens_q, tokens_k, batch
+        )
+        seq = sequence_mask(self.mask, seqlen_q, seqlen_k, mNumContexts, mNumTargets, batch, window_left,
+                            window_right, group_size, is_delta_q)
+        n_lo, hole_lo, hole_size, n_count = masks.n_block_schedule(
+            self.mask, seq, m_block, self.tile_m, self.tile_n, KERNEL_OPS
+        )
+        live = m_block * self.tile_m < seqlen_q
+        return m_block, head, batch, q_start, k_start, seq, live, (n_lo, hole_lo, hole_size, n_count)
 
     # ------------------------------------------------------------------------------------------
     # Producer warp
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def produce(self, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, sQ, sK, sV,
-                sRab, pipe_q, pipe_k, pipe_v, pipe_rab, q_start: Int32, k_start: Int32, head: Int32, batch: Int32,
-                mRab, seq, m_block: Int32, n_lo: Int32, hole_lo: Int32, hole_size: Int32, n_count: Int32):
+                sRab, pipe_q, pipe_k, pipe_v, pipe_rab, mRab, tiles, geometry):
         D = self.head_dim
         no_mcast = cute.make_layout(1)
-        gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_q[None, None, head]), (self.tile_m, D), (m_block, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, no_mcast, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_k[None, None, head]), (self.tile_n, D), (None, 0))
-        tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, no_mcast, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_v[None, None, head]), (self.tile_n, D), (None, 0))
-        tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, no_mcast, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-        tRsR = tRgR = None
-        if const_expr(self.has_rab):
-            rab_head = cutlass.select_(mRab.shape[1] > 1, head, Int32(0))
-            # rab rows are key coordinates: query i reads row row_offset + i.
-            gRab = cute.local_tile(
-                cute.domain_offset((seq.row_offset, 0), tma_rab[None, None, rab_head, batch]),
-                (self.tile_m, self.tile_n), (m_block, None),
-            )
-            tRsR, tRgR = cpasync.tma_partition(
-                tma_atom_rab, 0, no_mcast, cute.group_modes(sRab, 0, 2), cute.group_modes(gRab, 0, 2)
-            )
-
-        if n_count > 0:
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            pipe_q.producer_acquire(q_state)
-            cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-
-            k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-            v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-            # K (and rab) of block i+1 go out before V of block i: the consumers issue QK^T of
-            # block i+1 before P.V of block i.
-            for it in cutlass.range(n_count, unroll=1):
-                n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
-                pipe_k.producer_acquire(k_state)
-                cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, k_state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        tile, _, _ = cute.arch.block_idx()
+        step, _, _ = cute.arch.grid_dim()
+        while tile < tiles.num_tiles:
+            m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(tiles, geometry, tile)
+            n_lo, hole_lo, hole_size, n_count = sched
+            if live & (n_count > 0):
+                gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_q[None, None, head]), (self.tile_m, D),
+                                     (m_block, 0))
+                tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, no_mcast, cute.group_modes(sQ, 0, 2),
+                                                   cute.group_modes(gQ, 0, 2))
+                gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_k[None, None, head]), (self.tile_n, D),
+                                     (None, 0))
+                tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, no_mcast, cute.group_modes(sK, 0, 2),
+                                                   cute.group_modes(gK, 0, 2))
+                gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_v[None, None, head]), (self.tile_n, D),
+                                     (None, 0))
+                tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, no_mcast, cute.group_modes(sV, 0, 2),
+                                                   cute.group_modes(gV, 0, 2))
+                tRsR = tRgR = None
                 if const_expr(self.has_rab):
-                    pipe_rab.producer_acquire(k_state)
-                    cute.copy(tma_atom_rab, tRgR[None, n_block], tRsR[None, k_state.index],
-                              tma_bar_ptr=pipe_rab.producer_get_barrier(k_state))
-                k_state.advance()
-                if it > 0:
-                    n_prev = masks.n_block_at(n_count - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
-                    pipe_v.producer_acquire(v_state)
-                    cute.copy(tma_atom_v, tVgV[None, n_prev], tVsV[None, v_state.index],
-                              tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
-                    v_state.advance()
-            n_last = masks.n_block_at(Int32(0), n_lo, hole_lo, hole_size, KERNEL_OPS)
-            pipe_v.producer_acquire(v_state)
-            cute.copy(tma_atom_v, tVgV[None, n_last], tVsV[None, v_state.index],
-                      tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+                    rab_head = cutlass.select_(mRab.shape[1] > 1, head, Int32(0))
+                    # rab rows are key coordinates: query i reads row row_offset + i.
+                    gRab = cute.local_tile(
+                        cute.domain_offset((seq.row_offset, 0), tma_rab[None, None, rab_head, batch]),
+                        (self.tile_m, self.tile_n), (m_block, None),
+                    )
+                    tRsR, tRgR = cpasync.tma_partition(
+                        tma_atom_rab, 0, no_mcast, cute.group_modes(sRab, 0, 2), cute.group_modes(gRab, 0, 2)
+                    )
+
+                pipe_q.producer_acquire(q_state)
+                cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+                q_state.advance()
+                # K (and rab) of block i+1 go out before V of block i: the consumers issue QK^T of
+                # block i+1 before P.V of block i.
+                for it in cutlass.range(n_count, unroll=1):
+                    n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
+                    pipe_k.producer_acquire(k_state)
+                    cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, k_state.index],
+                              tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
+                    if const_expr(self.has_rab):
+                        pipe_rab.producer_acquire(k_state)
+                        cute.copy(tma_atom_rab, tRgR[None, n_block], tRsR[None, k_state.index],
+                                  tma_bar_ptr=pipe_rab.producer_get_barrier(k_state))
+                    k_state.advance()
+                    if it > 0:
+                        n_prev = masks.n_block_at(n_count - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
+                        pipe_v.producer_acquire(v_state)
+                        cute.copy(tma_atom_v, tVgV[None, n_prev], tVsV[None, v_state.index],
+                                  tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+                        v_state.advance()
+                n_last = masks.n_block_at(Int32(0), n_lo, hole_lo, hole_size, KERNEL_OPS)
+                pipe_v.producer_acquire(v_state)
+                cute.copy(tma_atom_v, tVgV[None, n_last], tVsV[None, v_state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+                v_state.advance()
+            tile += step
 
     # ------------------------------------------------------------------------------------------
     # Consumer warpgroups
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def consume(self, tidx: Int32, mO, sQ, sK, sV, sRab, pipe_q, pipe_k, pipe_v, pipe_rab, tiled_mma_qk, tiled_mma_pv,
-                gmem_copy_o, zero_copy_v, alpha: Float32, inv_scale: Float32, q_start: Int32, head: Int32, seq,
-                m_block: Int32, n_lo: Int32, hole_lo: Int32, hole_size: Int32, n_count: Int32):
+                zero_copy_v, alpha: Float32, inv_scale: Float32, tiles, geometry):
         D = self.head_dim
         spec = self.mask
         wg = cute.arch.make_warp_uniform(tidx // 128)
         wg_thread0 = wg * 128
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
         wg_mma_qk = tiled_mma_qk.get_slice(wg_thread0)
         wg_mma_pv = tiled_mma_pv.get_slice(wg_thread0)
         tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
@@ -394,86 +401,97 @@ class HstuForwardSm90:
         )
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
         acc_shape_S = wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
-        acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.tile_m, D)), Float32)
-        acc_O.fill(0.0)
+        acc_shape_O = wg_mma_pv.partition_shape_C((self.tile_m, D))
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
 
-        cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
-        tScS = thr_mma_qk.partition_C(cS)
+        tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         tScS_rc = cute.make_tensor(tScS.iterator, wgmma_acc_rows_cols(tScS.layout))
+        tOcO = thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, D)))
+        tOcO_rc = cute.make_tensor(tOcO.iterator, wgmma_acc_rows_cols(tOcO.layout))
         tSsRab = None
         if const_expr(self.has_rab):
             tSsRab = thr_mma_qk.partition_C(sRab)
-        row_first = seq.row_offset + m_block * self.tile_m
 
         if const_expr(self.pingpong):
             if wg == 0:
                 # Warpgroup 0 issues first: pre-arrive on its own turn barrier.
                 cute.arch.barrier_arrive(barrier_id=_BAR_SCHED_WG0, number_of_threads=256)
 
-        if n_count > 0:
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            pipe_q.consumer_wait(q_state)
-            k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-            v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        tile, _, _ = cute.arch.block_idx()
+        step, _, _ = cute.arch.grid_dim()
+        while tile < tiles.num_tiles:
+            m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(tiles, geometry, tile)
+            n_lo, hole_lo, hole_size, n_count = sched
+            if live:
+                row_first = seq.row_offset + m_block * self.tile_m
+                acc_O = cute.make_rmem_tensor(acc_shape_O, Float32)
+                acc_O.fill(0.0)
+                if n_count > 0:
+                    pipe_q.consumer_wait(q_state)
+                    # ---- first n-block: S only (its P.V goes out with the next block's QK^T) ----
+                    n_block = masks.n_block_at(n_count - 1, n_lo, hole_lo, hole_size, KERNEL_OPS)
+                    pipe_k.consumer_wait(k_state)
+                    acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+                    wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], True, 0)
+                    pipe_k.consumer_release(k_state)
+                    self.scores_to_p(acc_S, tOrP, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block,
+                                     n_block, row_first)
+                    k_state.advance()
 
-            # ---- first n-block: S only (P.V of it is issued with the next block's QK^T) ----
-            n_block = masks.n_block_at(n_count - 1, n_lo, hole_lo, hole_size, KERNEL_OPS)
-            pipe_k.consumer_wait(k_state)
-            acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-            wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], True, 0)
-            pipe_k.consumer_release(k_state)
-            self.scores_to_p(acc_S, tOrP, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block, n_block,
-                             row_first)
-            k_state.advance()
+                    for it in cutlass.range(1, n_count, unroll=1):
+                        n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
+                        n_prev = masks.n_block_at(n_count - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
+                        pipe_k.consumer_wait(k_state)
+                        self.sched_wait(wg)
+                        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+                        wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], True, -1)
+                        self.wait_v(pipe_v, v_state, sV, zero_copy_v, tidx, wg, seq, n_prev)
+                        wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
+                        self.sched_signal(wg)
+                        warpgroup.wait_group(1)
+                        pipe_k.consumer_release(k_state)
+                        rP = self.scores_to_p_deferred(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq,
+                                                       m_block, n_block, row_first)
+                        warpgroup.wait_group(0)
+                        pipe_v.consumer_release(v_state)
+                        tOrP.store(rP.load())
+                        k_state.advance()
+                        v_state.advance()
+                    # Every QK^T of this tile is complete: the producer may load the next Q.
+                    pipe_q.consumer_release(q_state)
+                    q_state.advance()
 
-            for it in cutlass.range(1, n_count, unroll=1):
-                n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
-                n_prev = masks.n_block_at(n_count - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
-                pipe_k.consumer_wait(k_state)
-                self.sched_wait(wg)
-                acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-                wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], True, -1)
-                self.wait_v(pipe_v, v_state, sV, zero_copy_v, tidx, wg, seq, n_prev)
-                wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
-                self.sched_signal(wg)
-                warpgroup.wait_group(1)
-                pipe_k.consumer_release(k_state)
-                rP = self.scores_to_p_deferred(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block,
-                                               n_block, row_first)
-                warpgroup.wait_group(0)
-                pipe_v.consumer_release(v_state)
-                tOrP.store(rP.load())
-                k_state.advance()
-                v_state.advance()
+                    # ---- last P.V ----
+                    n_last = masks.n_block_at(Int32(0), n_lo, hole_lo, hole_size, KERNEL_OPS)
+                    self.wait_v(pipe_v, v_state, sV, zero_copy_v, tidx, wg, seq, n_last)
+                    wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, 0)
+                    pipe_v.consumer_release(v_state)
+                    v_state.advance()
 
-            # ---- last P.V ----
-            n_last = masks.n_block_at(Int32(0), n_lo, hole_lo, hole_size, KERNEL_OPS)
-            self.wait_v(pipe_v, v_state, sV, zero_copy_v, tidx, wg, seq, n_last)
-            wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, 0)
-            pipe_v.consumer_release(v_state)
+                # ---- epilogue: O * (1/S) -> bf16, stored from registers (pairs of columns) ----
+                rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
+                rO.store((acc_O.load() * inv_scale).to(self.dtype))
+                gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, head, None]), (self.tile_m, D),
+                                     (m_block, 0))
+                tOgO = thr_mma_pv.partition_C(gO)
+                self.store_rows(rO, tOgO, tOcO_rc, seq.seqlen_q - m_block * self.tile_m)
+            tile += step
 
-        # ---- epilogue: O * (1/S) -> bf16 -> sO (= sQ) -> 128-bit predicated stores ----
-        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
-        sO = sQ
-        rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
-        rO.store((acc_O.load() * inv_scale).to(self.dtype))
-        stmatrix = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        smem_copy_o = cute.make_tiled_copy_C(stmatrix, tiled_mma_pv).get_slice(tidx)
-        cute.copy(smem_copy_o, smem_copy_o.retile(rO), smem_copy_o.partition_D(sO))
-        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=self.num_mma_threads)
-        mOh = cute.domain_offset((q_start, 0), mO[None, head, None])
-        gO = cute.local_tile(mOh, (self.tile_m, D), (m_block, 0))
-        thr_copy_o = gmem_copy_o.get_slice(tidx)
-        tOsO = thr_copy_o.partition_S(sO)
-        tOgO = thr_copy_o.partition_D(gO)
-        tOcO = thr_copy_o.partition_S(cute.make_identity_tensor((self.tile_m, D)))
-        tOrO = cute.make_fragment_like(tOgO, self.dtype)
-        cute.copy(gmem_copy_o, tOsO, tOrO)
-        row_limit = seq.seqlen_q - m_block * self.tile_m
-        for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
-            if tOcO[0, m, 0][0] < row_limit:
-                cute.copy(gmem_copy_o, tOrO[None, m, None], tOgO[None, m, None])
+    @cute.jit
+    def store_rows(self, rO, tOgO, tOcO_rc, row_limit: Int32):
+        """Store the thread's output rows below ``row_limit``, two adjacent columns per store."""
+        rO_rc = cute.make_tensor(rO.iterator, wgmma_acc_rows_cols(rO.layout))
+        tOgO_rc = cute.make_tensor(tOgO.iterator, wgmma_acc_rows_cols(tOgO.layout))
+        col_groups = cute.size(rO_rc.shape[1]) // 2
+        for i in cutlass.range_constexpr(cute.size(rO_rc.shape[0])):
+            if tOcO_rc[i, 0][0] < row_limit:
+                src = cute.logical_divide(rO_rc[i, None], 2)
+                dst = cute.logical_divide(tOgO_rc[i, None], 2)
+                for j in cutlass.range_constexpr(col_groups):
+                    cute.autovec_copy(src[None, j], dst[None, j])
 
     @cute.jit
     def sched_wait(self, wg: Int32):
@@ -536,3 +554,30 @@ class HstuForwardSm90:
         rP = cute.make_rmem_tensor(acc_A.layout, self.dtype)
         rP.store(acc_A.load().to(self.dtype))
         return rP
+
+
+class _TileWalk:
+    """Linear tile index -> (m_block, head, batch). With ``lpt`` m-blocks vary slowest and in
+    reverse (the longest causal rows first across all heads and sequences; heads vary fastest),
+    else fastest (tiles running together share one sequence's K/V in L2)."""
+
+    def __init__(self, lpt: bool, num_m_blocks, num_heads, num_batch):
+        self.lpt = lpt
+        self.num_m_blocks = num_m_blocks
+        self.num_heads = num_heads
+        self.num_batch = num_batch
+        self.num_tiles = num_m_blocks * num_heads * num_batch
+
+    def coords(self, tile):
+        if self.lpt:
+            per_m_block = self.num_heads * self.num_batch
+            m_block_rev = tile // per_m_block
+            rest = tile - m_block_rev * per_m_block
+            batch = rest // self.num_heads
+            head = rest - batch * self.num_heads
+        else:
+            m_block_rev = tile % self.num_m_blocks
+            rest = tile // self.num_m_blocks
+            head = rest % self.num_heads
+            batch = rest // self.num_heads
+        return self.num_m_blocks - 1 - m_block_rev, head, batch

@@ -76,18 +76,26 @@ def _parse_window(text: str) -> tuple[int, int]:
     return left, right
 
 
+def _key_classes() -> dict:
+    """Compile-key class by name, for :func:`_key_variant` (no eval: only these names are built)."""
+    from .ampere import AmpereBwdKey, AmpereFwdKey
+    from .hopper import HopperFwdKey
+
+    return {cls.__name__: cls for cls in (AmpereFwdKey, AmpereBwdKey, HopperFwdKey)}
+
+
 def _key_variant(key_repr: str | None) -> str:
     """A compact description of a cached entry from its sidecar's key repr (parsed with ast,
-    never evaluated); the raw repr when it is not an AmpereFwdKey."""
+    never evaluated); the raw repr when it is not a known compile key."""
     if not key_repr:
         return "?"
     try:
         node = ast.parse(key_repr, mode="eval").body
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "AmpereFwdKey":
-            from .ampere import AmpereFwdKey
-
-            fields = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
-            return AmpereFwdKey(**fields).describe()
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args:
+            cls = _key_classes().get(node.func.id)
+            if cls is not None:
+                fields = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+                return cls(**fields).describe()
     except Exception:
         pass
     return key_repr
@@ -132,7 +140,8 @@ def cmd_info(args, console) -> int:
         t.add_row("compute capability", f"{major}.{minor}")
         try:
             path = kernel_path(dev)
-            t.add_row("kernel path", f"{path} (mma.sync forward kernels)" if path == "ampere" else path)
+            t.add_row("kernel path", {"hopper": "hopper (TMA + WGMMA forward, mma.sync backward)",
+                                      "ampere": "ampere (mma.sync kernels)"}.get(path, path))
         except (NotImplementedError, ValueError) as exc:
             t.add_row("kernel path", f"[red]{type(exc).__name__}[/]: {exc}")
         t.add_row("cubin arch", device_arch(dev))
@@ -170,9 +179,11 @@ def cmd_info(args, console) -> int:
 # ---------------------------------------------------------------------------------------------
 def select_keys(arch: str, dtypes=None, head_dims=None, masks_=None, rab: str = "all", limit=None,
                 kernels: str = "all") -> list:
-    """The shipped forward and backward variants for ``arch`` filtered like the ``warmup`` options."""
-    from .ampere import SHIPPED_DTYPES, SHIPPED_HEAD_DIMS, shipped_keys
+    """The shipped forward and backward variants for ``arch`` (:func:`hstu_cute.variants.shipped_keys`:
+    the Hopper forward kernels too on sm_90a) filtered like the ``warmup`` options."""
+    from .ampere import SHIPPED_DTYPES, SHIPPED_HEAD_DIMS
     from .masks import MaskKind
+    from .variants import shipped_keys
 
     keys = shipped_keys(arch, tuple(dtypes or SHIPPED_DTYPES), tuple(head_dims or SHIPPED_HEAD_DIMS))
     if masks_:
@@ -187,7 +198,8 @@ def select_keys(arch: str, dtypes=None, head_dims=None, masks_=None, rab: str = 
     elif rab == "only":
         keys = [k for k in keys if k.has_rab]
     if kernels != "all":
-        keys = [k for k in keys if k.kernel_name.startswith(f"ampere_{kernels}")]
+        # kernel_name: "ampere_fwd", "hopper_fwd", "ampere_bwd_dq", "ampere_bwd_dkdv"
+        keys = [k for k in keys if k.kernel_name.split("_")[1] == kernels]
     if limit is not None:
         keys = keys[:limit]
     return keys
@@ -574,7 +586,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="variants with/without rab (default all)")
     p.add_argument("--no-rab", action="store_true", help="same as --rab none")
     p.add_argument("--limit", type=int, default=None, help="at most this many variants (after the filters)")
-    p.add_argument("--kernels", choices=("all", "fwd", "bwd"), default="all", help="forward, backward or both")
+    p.add_argument("--kernels", choices=("all", "fwd", "bwd"), default="all",
+                   help="forward (Ampere, plus Hopper on sm_90a), backward or both")
     p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failed compiles")
     p.set_defaults(func=cmd_warmup)
 

@@ -1,6 +1,6 @@
 """Precompile kernel variants into the module cache, with or without a GPU.
 
-``warmup()`` compiles every forward variant the API can select for a target arch (or the keys
+``warmup()`` compiles every kernel variant the API can select for a target arch (or the keys
 you pass) through :func:`hstu_cute.cache.default_cache`, so that the first call of
 ``hstu_attn_varlen_func`` in a later process loads the module from disk instead of compiling it.
 The target arch is part of each compile key, so no GPU is needed: a CPU-only build machine can
@@ -126,7 +126,7 @@ def _cost(key: Any) -> tuple:
 
 def _resolve_keys(arch: str | None, keys: Iterable[Any] | None) -> tuple[str, list]:
     if keys is None:
-        from .ampere import shipped_keys
+        from .variants import shipped_keys
 
         arch = arch or default_arch()
         return arch, shipped_keys(arch)
@@ -160,8 +160,8 @@ def warmup(
         arch: target cubin arch (``"sm_80"``, ``"sm_86"``, ``"sm_90a"``, ...). Default: the
             current GPU's arch when there is one, else ``"sm_80"``. With ``keys``, an explicit
             ``arch`` replaces the arch of every key.
-        keys: compile keys (default: ``hstu_cute.ampere.shipped_keys(arch)``, every forward and backward
-            variant the API can select).
+        keys: compile keys (default: ``hstu_cute.variants.shipped_keys(arch)``, every forward and
+            backward variant the API can select, the Hopper forward kernels included on sm_90a).
         workers: processes compiling in parallel (default ``os.cpu_count()``). ``1`` compiles in
             this process, without a pool. The parallel path needs the disk cache (workers hand
             their modules over through it); with ``HSTU_CUTE_CACHE=0`` it compiles in-process.

@@ -57,10 +57,10 @@ if "hopper" in modes:
     emit(bench.run_workload(head, path="hopper"))
     emit(bench.run_workload(bench.replace(head, sdpa=False), path="ampere"))
     variants = {
-        128: [dict(persistent=False), dict(tile_n=176), dict(pingpong=False), dict(intra_wg_overlap=False),
-              dict(ptxas_opt=2), dict(num_stages=3)],
-        256: [dict(tile_n=80), dict(tile_n=96), dict(persistent=False)],
-        64: [dict(tile_n=192), dict(tile_m=192, pingpong=False), dict(num_stages=3)],
+        128: [dict(persistent=True), dict(persistent=True, ptxas_opt=2), dict(ptxas_opt=2), dict(),
+              dict(num_stages=3)],
+        256: [dict(persistent=True), dict(tile_n=80), dict(ptxas_opt=2)],
+        64: [dict(persistent=True), dict(ptxas_opt=2), dict(num_stages=3)],
     }
     for d, tweaks in variants.items():
         w = bench.replace(head, name=f"full B8 N4096 D{d}", head_dim=d, sdpa=d != 128)
@@ -75,6 +75,7 @@ if "hopper" in modes:
                 emit({"workload": w.name, "tiles": tiles, "error": repr(e)[:300]})
     short = bench.Workload("uniform90 B1024 N256", 1024, 256, lengths="uniform90", sdpa=True)
     emit(bench.run_workload(short, path="hopper"))
+    emit(bench.run_workload(bench.replace(short, sdpa=False), hopper_tiles(128, persistent=True), path="hopper"))
     emit(bench.run_workload(bench.replace(short, sdpa=False), path="ampere"))
 if "headline" in modes:
     emit(bench.run_workload(bench.headline()))

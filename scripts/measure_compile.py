@@ -23,8 +23,13 @@ from hstu_cute.compile import build
 from hstu_cute.masks import MaskKind
 t_import = time.perf_counter() - t0
 arch, mode = sys.argv[1], sys.argv[2]
-keys = [make_fwd_key(arch, "bfloat16", 128, MaskKind.CAUSAL, False, False, 8),
-        make_fwd_key(arch, "bfloat16", 64, MaskKind.NONE, False, False, 8)]
+if arch.startswith("sm_90"):  # the Hopper (TMA + WGMMA) forward
+    from hstu_cute.hopper import make_hopper_fwd_key
+    keys = [make_hopper_fwd_key(arch, "bfloat16", 128, MaskKind.CAUSAL, False, False),
+            make_hopper_fwd_key(arch, "bfloat16", 64, MaskKind.NONE, False, False)]
+else:
+    keys = [make_fwd_key(arch, "bfloat16", 128, MaskKind.CAUSAL, False, False, 8),
+            make_fwd_key(arch, "bfloat16", 64, MaskKind.NONE, False, False, 8)]
 res = {"import_s": t_import}
 if torch.cuda.is_available():
     torch.zeros(1, device="cuda")  # a user process has initialized CUDA before its first call

@@ -1,7 +1,13 @@
-"""A small jagged batch through every mask family (and rab, delta_q, seqused), for compute-sanitizer."""
+"""A small jagged batch through every mask family (and rab, delta_q, seqused), for compute-sanitizer.
+
+On a compute capability 9.x GPU every case runs the forward on both kernel paths (hopper, then
+ampere, forced through HSTU_CUTE_ARCH); the backward (the same mma.sync kernels on every path)
+runs once per case, on the first path."""
+import os
+
 import torch
 
-from hstu_cute import hstu_attn_varlen_func, reference
+from hstu_cute import api, hstu_attn_varlen_func, reference
 
 CASES = {
     "none": dict(window_size=(-1, -1)),
@@ -15,17 +21,21 @@ CASES = {
     "rab H_rab=1 (odd row stride)": dict(window_size=(-1, 0), rab_heads=1),
     "rab H_rab=H, seqused": dict(window_size=(-1, 0), rab_heads=2, seqused=True),
 }
-for name, kw in CASES.items():
-    for head_dim in (32, 128, 256):
-        b = reference.random_jagged_batch(5, 2, head_dim, 99 if kw.get("is_delta_q") else 131,
-                                          device="cuda", seed=7, **kw)
-        hstu_attn_varlen_func(**b)
-        if head_dim <= 128:  # backward kernels: head dims 32-128
-            for t in ("q", "k", "v"):
-                b[t].requires_grad_(True)
-            if b["rab"] is not None:
-                b["rab"].requires_grad_(True)
-            out = hstu_attn_varlen_func(**b, has_drab=b["rab"] is not None)
-            out.backward(torch.randn_like(out))
-    torch.cuda.synchronize()
-    print("ran", name, flush=True)
+PATHS = ("hopper", "ampere") if torch.cuda.get_device_capability()[0] == 9 else ("ampere",)
+for path in PATHS:
+    os.environ["HSTU_CUTE_ARCH"] = {"hopper": "sm90", "ampere": "sm80"}[path]
+    api._kernel_path.cache_clear()
+    for name, kw in CASES.items():
+        for head_dim in (32, 128, 256):
+            b = reference.random_jagged_batch(5, 2, head_dim, 99 if kw.get("is_delta_q") else 131,
+                                              device="cuda", seed=7, **kw)
+            hstu_attn_varlen_func(**b)
+            if path == PATHS[0] and head_dim <= 128:  # backward kernels: head dims 32-128
+                for t in ("q", "k", "v"):
+                    b[t].requires_grad_(True)
+                if b["rab"] is not None:
+                    b["rab"].requires_grad_(True)
+                out = hstu_attn_varlen_func(**b, has_drab=b["rab"] is not None)
+                out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+        print("ran", path, name, flush=True)

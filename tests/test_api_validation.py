@@ -340,20 +340,32 @@ def capability(monkeypatch):
 CUDA0 = torch.device("cuda", 0)  # never touched: the capability query is mocked
 
 
-@pytest.mark.parametrize("value", ["sm90", "sm_90", "SM90A", "sm_90a", "hopper"])
-def test_forced_hopper_path_not_implemented(value, monkeypatch, capability):
+HOPPER_VALUES = ["sm90", "sm_90", "SM90A", "sm_90a", "hopper"]
+
+
+@pytest.mark.parametrize("value", HOPPER_VALUES)
+def test_forced_hopper_path_on_sm90(value, monkeypatch, capability):
     monkeypatch.setenv("HSTU_CUTE_ARCH", value)
     capability((9, 0))
+    assert api.kernel_path(CUDA0) == "hopper"
+
+
+@pytest.mark.parametrize("value", HOPPER_VALUES)
+def test_forced_hopper_path_on_sm80_not_implemented(value, monkeypatch, capability):
+    monkeypatch.setenv("HSTU_CUTE_ARCH", value)
+    capability((8, 0))
     with pytest.raises(NotImplementedError) as info:
         api.kernel_path(CUDA0)
     msg = str(info.value)
-    assert "HSTU_CUTE_ARCH=sm90" in msg and "not built yet" in msg and "sm80" in msg
+    assert "HSTU_CUTE_ARCH=sm90" in msg and "9.x" in msg and "8.0" in msg
 
 
+@pytest.mark.parametrize("cap", [None, (8, 0), (8, 6), (8, 9), (9, 0)])
 @pytest.mark.parametrize("value", ["sm80", "sm_80", "sm86", "sm89", "ampere", " SM80 "])
-def test_forced_ampere_path(value, monkeypatch, capability):
+def test_forced_ampere_path(value, cap, monkeypatch, capability):
+    """Forcing sm80 works on any device (the capability is not even queried)."""
     monkeypatch.setenv("HSTU_CUTE_ARCH", value)
-    capability(None)
+    capability(cap)
     assert api.kernel_path(CUDA0) == "ampere"
 
 
@@ -368,11 +380,17 @@ def test_forced_unknown_path_is_value_error(value, monkeypatch, capability):
     assert repr(value.strip().lower().replace("_", "")) in msg
 
 
-@pytest.mark.parametrize("cap", [(8, 0), (8, 6), (8, 9), (9, 0)])
-def test_default_path_is_ampere_on_sm80_plus(cap, monkeypatch, capability):
+@pytest.mark.parametrize("cap", [(8, 0), (8, 6), (8, 9)])
+def test_default_path_is_ampere_on_sm8x(cap, monkeypatch, capability):
     monkeypatch.delenv("HSTU_CUTE_ARCH", raising=False)
     capability(cap)
     assert api.kernel_path(CUDA0) == "ampere"
+
+
+def test_default_path_is_hopper_on_sm90(monkeypatch, capability):
+    monkeypatch.delenv("HSTU_CUTE_ARCH", raising=False)
+    capability((9, 0))
+    assert api.kernel_path(CUDA0) == "hopper"
 
 
 def test_pre_ampere_device_not_implemented(monkeypatch, capability):

@@ -1,5 +1,5 @@
-"""Compile-only CI test: every shipped variant (forward and backward) compiles for sm_80 on a
-machine without a GPU.
+"""Compile-only CI test: every shipped variant (forward and backward) compiles for sm_80, and every
+Hopper forward variant for sm_90a, on a machine without a GPU.
 
 ``hstu_cute.warmup`` compiles each key of ``shipped_keys("sm_80")`` with
 ``hstu_cute.compile.build`` in worker processes (one per CI core) into a temporary module cache;
@@ -18,6 +18,7 @@ import pytest
 from hstu_cute import warmup
 from hstu_cute.ampere import shipped_fwd_keys, shipped_keys
 from hstu_cute.cache import ModuleCache, reset_default_cache
+from hstu_cute.hopper import shipped_hopper_fwd_keys
 
 
 @pytest.fixture
@@ -52,6 +53,20 @@ def test_every_shipped_sm80_variant_compiles(tmp_cache):
     for r in results:
         if r["path"]:
             assert b"sm_80" in Path(r["path"]).read_bytes()
+
+
+@pytest.mark.slow
+def test_every_hopper_fwd_variant_compiles(tmp_cache):
+    """Every Hopper (TMA + WGMMA) forward variant the API can select on sm90 builds for sm_90a."""
+    keys = shipped_hopper_fwd_keys("sm_90a")
+    assert len(keys) == len(set(keys)) == 64
+    assert {k.kernel_name for k in keys} == {"hopper_fwd"}
+    results = warmup(arch="sm_90a", keys=keys, workers=2, raise_errors=False)
+    _assert_all_built(results, keys, tmp_cache, "sm_90a")
+    for r in results:
+        if r["path"]:
+            archs = set(re.findall(rb"sm_[0-9]+a?", Path(r["path"]).read_bytes()))
+            assert archs == {b"sm_90a"}, (r["variant"], archs)
 
 
 def test_one_sm90a_variant_compiles(tmp_cache):

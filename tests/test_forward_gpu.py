@@ -1,4 +1,7 @@
-"""Kernel vs oracle on the GPU (spec section 5 ratio rule). Skips cleanly without a GPU."""
+"""Kernel vs oracle on the GPU (spec section 5 ratio rule). Skips cleanly without a GPU.
+
+Every test runs on both forward kernel paths (the ``path`` fixture of conftest.py): 'ampere'
+(mma.sync, any sm80+ GPU) and 'hopper' (TMA + WGMMA, compute capability 9.x only, skipped elsewhere)."""
 
 from __future__ import annotations
 
@@ -50,9 +53,8 @@ def _grid():
     return cases
 
 
-def _run(batch, dtype, heads=2, **kw):
-    """Poisoned output buffer -> kernel -> ratio rule against fp32 and same-dtype oracles."""
-    b = reference.random_jagged_batch(batch, heads, device="cuda", dtype=dtype, **kw)
+def _check(b, path):
+    """Poisoned output buffer -> kernel of ``path`` -> ratio rule against fp32 and same-dtype oracles."""
     p = api.validate(
         b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"], b["max_seqlen_k"],
         b["num_contexts"], b["num_targets"], b["target_group_size"], b["window_size"], b["alpha"], b["rab"],
@@ -62,59 +64,91 @@ def _run(batch, dtype, heads=2, **kw):
     api.forward(
         b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"], b["max_seqlen_k"],
         b["num_contexts"], b["num_targets"], b["target_group_size"], b["alpha"], b["rab"], b["seqused_q"],
-        b["seqused_k"], p, out=out,
+        b["seqused_k"], p, out=out, path=path,
     )
     torch.cuda.synchronize()
     ref32 = reference.hstu_attn_reference(**b)
     ref_same = reference.hstu_attn_reference(**b, compute_dtype=None)
     ok, err, ref_err = reference.ratio_check(out, ref32, ref_same, 2.0)
-    assert not torch.isnan(out).any(), "unwritten (poisoned) output rows"
-    assert ok, f"kernel err {err:.3e} > 2 x same-dtype err {ref_err:.3e}"
-    return b, out
+    assert not torch.isnan(out).any(), "unwritten (poisoned) output rows, or NaN read from padding"
+    assert ok, f"[{path}] kernel err {err:.3e} > 2 x same-dtype err {ref_err:.3e}"
+    return out
+
+
+def _run(path, batch, dtype, heads=2, **kw):
+    """A random jagged batch through the kernel of ``path``, checked against the oracle."""
+    b = reference.random_jagged_batch(batch, heads, device="cuda", dtype=dtype, **kw)
+    return b, _check(b, path)
 
 
 @pytest.mark.parametrize("case", _grid())
-def test_fbgemm_grid(case):
+def test_fbgemm_grid(case, path):
+    case = dict(case)  # the param dict is shared by both paths' runs
     mask = case.pop("mask")
     rab = case.pop("rab")
     rab_heads = 2 if rab == "H" else rab
-    _run(32, case.pop("dtype"), rab_heads=rab_heads, seed=hash(str(case)) % 2**31, **mask, **case)
+    _run(path, 32, case.pop("dtype"), rab_heads=rab_heads, seed=hash(str(case)) % 2**31, **mask, **case)
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("mask", ["none", "causal", "ctx+tgt g1", "tgt g11", "local111,11"])
-def test_edge_lengths(head_dim, mask):
+def test_edge_lengths(head_dim, mask, path):
     m = dict(MASKS[mask])
     if "num_contexts" in m or "num_targets" in m:
         m["num_contexts"], m["num_targets"], m["target_group_size"] = 5, 20, 3
-    _run(4, torch.bfloat16, head_dim=head_dim, max_seqlen_q=1111, lengths=[0, 1, 17, 1111], rab_heads=1, **m)
+    _run(path, 4, torch.bfloat16, head_dim=head_dim, max_seqlen_q=1111, lengths=[0, 1, 17, 1111], rab_heads=1, **m)
 
 
-def test_all_target_sequences():
+def test_all_target_sequences(path):
     lens = [64, 300, 1, 129]
-    _run(4, torch.bfloat16, head_dim=128, max_seqlen_q=300, lengths=lens, window_size=(-1, 0),
+    _run(path, 4, torch.bfloat16, head_dim=128, max_seqlen_q=300, lengths=lens, window_size=(-1, 0),
          num_targets=lens, target_group_size=7)
 
 
 @pytest.mark.parametrize("max_len", [0, 16])
-def test_empty_batch(max_len):
+def test_empty_batch(max_len, path):
     b = reference.random_jagged_batch(3, 2, 64, max_len, lengths=[0, 0, 0], device="cuda")
     out = api.hstu_attn_varlen_func(**b)
     assert out.shape == (0, 2, 64)
 
 
-def test_delta_q_with_seqused_and_scaling():
-    _run(8, torch.float16, head_dim=64, max_seqlen_q=77, max_seqlen_k=300, is_delta_q=True,
+def test_delta_q_with_seqused_and_scaling(path):
+    _run(path, 8, torch.float16, head_dim=64, max_seqlen_q=77, max_seqlen_k=300, is_delta_q=True,
          window_size=(-1, 0), seqused=True, scaling_seqlen=500, rab_heads=2)
 
 
-def test_large_batch_short_sequences():
-    _run(3000, torch.bfloat16, heads=1, head_dim=32, max_seqlen_q=9, window_size=(-1, 0))
+def test_large_batch_short_sequences(path):
+    _run(path, 3000, torch.bfloat16, heads=1, head_dim=32, max_seqlen_q=9, window_size=(-1, 0))
 
 
-def test_public_api_matches_forward():
+def test_public_api_matches_forward(path):
     b = reference.random_jagged_batch(4, 2, 128, 200, device="cuda", window_size=(-1, 0), seed=3)
     out = api.hstu_attn_varlen_func(**b)
     ref32 = reference.hstu_attn_reference(**b)
     ref_same = reference.hstu_attn_reference(**b, compute_dtype=None)
     assert reference.ratio_check(out, ref32, ref_same, 2.0)[0]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("case", [
+    pytest.param(dict(max_seqlen_q=300, window_size=(-1, 0)), id="causal"),
+    pytest.param(dict(max_seqlen_q=257, window_size=(-1, -1), rab_heads=2), id="none-rab"),
+    pytest.param(dict(max_seqlen_q=77, max_seqlen_k=300, is_delta_q=True, window_size=(64, 0), rab_heads=1),
+                 id="delta_q-local-rab"),
+])
+def test_nan_beyond_seqused(head_dim, case, path):
+    """k and v rows past seqused_k (up to the next sequence's offset) are NaN: the kernel must never
+    let them into a valid output (masked scores times NaN would still be NaN)."""
+    b = reference.random_jagged_batch(8, 2, head_dim, lengths="full", seqused=True, seed=head_dim + len(str(case)),
+                                      device="cuda", dtype=torch.bfloat16, **case)
+    offsets = b["seq_offsets_k"].tolist()
+    used = b["seqused_k"].tolist()
+    poisoned = 0
+    for start, end, n in zip(offsets, offsets[1:], used):
+        if start + n < end:
+            b["k"][start + n:end] = float("nan")
+            b["v"][start + n:end] = float("nan")
+            poisoned += end - start - n
+    assert poisoned > 0, "the draw left no padding to poison"
+    out = _check(b, path)
+    assert not torch.isnan(out).any()

@@ -81,7 +81,8 @@ class HstuForwardSm90:
         self.persistent = persistent
         self.num_threads = 128 * (1 + self.num_mma_wg)
         self.num_mma_threads = 128 * self.num_mma_wg
-        self.producer_regs = 24 if self.num_mma_wg == 2 else 32
+        # 32 * 128 + 240 * 256 = 64K registers: the whole file with two consumer warpgroups.
+        self.producer_regs = 32
         self.mma_regs = 240 if self.num_mma_wg == 2 else 160
         assert tile_m % 64 == 0 and tile_n % 16 == 0 and head_dim % 16 == 0
 
@@ -321,9 +322,11 @@ class HstuForwardSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        tile, _, _ = cute.arch.block_idx()
-        step, _, _ = cute.arch.grid_dim()
-        while tile < tiles.num_tiles:
+        cta, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        num_tiles = tiles.num_tiles
+        tile = cta
+        while tile < num_tiles:
             m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(tiles, geometry, tile)
             n_lo, hole_lo, hole_size, n_count = sched
             if live & (n_count > 0):
@@ -353,7 +356,7 @@ class HstuForwardSm90:
 
                 pipe_q.producer_acquire(q_state)
                 cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-                q_state.advance()
+                q_state = _advanced(q_state)
                 # K (and rab) of block i+1 go out before V of block i: the consumers issue QK^T of
                 # block i+1 before P.V of block i.
                 for it in cutlass.range(n_count, unroll=1):
@@ -365,19 +368,19 @@ class HstuForwardSm90:
                         pipe_rab.producer_acquire(k_state)
                         cute.copy(tma_atom_rab, tRgR[None, n_block], tRsR[None, k_state.index],
                                   tma_bar_ptr=pipe_rab.producer_get_barrier(k_state))
-                    k_state.advance()
+                    k_state = _advanced(k_state)
                     if it > 0:
                         n_prev = masks.n_block_at(n_count - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
                         pipe_v.producer_acquire(v_state)
                         cute.copy(tma_atom_v, tVgV[None, n_prev], tVsV[None, v_state.index],
                                   tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
-                        v_state.advance()
+                        v_state = _advanced(v_state)
                 n_last = masks.n_block_at(Int32(0), n_lo, hole_lo, hole_size, KERNEL_OPS)
                 pipe_v.producer_acquire(v_state)
                 cute.copy(tma_atom_v, tVgV[None, n_last], tVsV[None, v_state.index],
                           tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
-                v_state.advance()
-            tile += step
+                v_state = _advanced(v_state)
+            tile = _snake_next(tile, cta, grid)
 
     # ------------------------------------------------------------------------------------------
     # Consumer warpgroups
@@ -420,9 +423,11 @@ class HstuForwardSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        tile, _, _ = cute.arch.block_idx()
-        step, _, _ = cute.arch.grid_dim()
-        while tile < tiles.num_tiles:
+        cta, _, _ = cute.arch.block_idx()
+        grid, _, _ = cute.arch.grid_dim()
+        num_tiles = tiles.num_tiles
+        tile = cta
+        while tile < num_tiles:
             m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(tiles, geometry, tile)
             n_lo, hole_lo, hole_size, n_count = sched
             if live:
@@ -439,7 +444,7 @@ class HstuForwardSm90:
                     pipe_k.consumer_release(k_state)
                     self.scores_to_p(acc_S, tOrP, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block,
                                      n_block, row_first)
-                    k_state.advance()
+                    k_state = _advanced(k_state)
 
                     for it in cutlass.range(1, n_count, unroll=1):
                         n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
@@ -458,18 +463,18 @@ class HstuForwardSm90:
                         warpgroup.wait_group(0)
                         pipe_v.consumer_release(v_state)
                         tOrP.store(rP.load())
-                        k_state.advance()
-                        v_state.advance()
+                        k_state = _advanced(k_state)
+                        v_state = _advanced(v_state)
                     # Every QK^T of this tile is complete: the producer may load the next Q.
                     pipe_q.consumer_release(q_state)
-                    q_state.advance()
+                    q_state = _advanced(q_state)
 
                     # ---- last P.V ----
                     n_last = masks.n_block_at(Int32(0), n_lo, hole_lo, hole_size, KERNEL_OPS)
                     self.wait_v(pipe_v, v_state, sV, zero_copy_v, tidx, wg, seq, n_last)
                     wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, 0)
                     pipe_v.consumer_release(v_state)
-                    v_state.advance()
+                    v_state = _advanced(v_state)
 
                 # ---- epilogue: O * (1/S) -> bf16, stored from registers (pairs of columns) ----
                 rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
@@ -478,7 +483,7 @@ class HstuForwardSm90:
                                      (m_block, 0))
                 tOgO = thr_mma_pv.partition_C(gO)
                 self.store_rows(rO, tOgO, tOcO_rc, seq.seqlen_q - m_block * self.tile_m)
-            tile += step
+            tile = _snake_next(tile, cta, grid)
 
     @cute.jit
     def store_rows(self, rO, tOgO, tOcO_rc, row_limit: Int32):
@@ -554,6 +559,22 @@ class HstuForwardSm90:
         rP = cute.make_rmem_tensor(acc_A.layout, self.dtype)
         rP.store(acc_A.load().to(self.dtype))
         return rP
+
+
+def _advanced(state):
+    """The next pipeline state, as a new value: reassigning it lets the DSL carry it out of
+    runtime ``if``/``for``/``while`` bodies."""
+    nxt = state.clone()
+    nxt.advance()
+    return nxt
+
+
+def _snake_next(tile, cta, grid):
+    """Persistent CTAs walk rounds of ``grid`` tiles in a snake order (forward, then backward):
+    with tiles sorted heaviest first, every CTA's total work evens out (a plain stride hands CTA 0
+    the heaviest tile of every round). One tile per CTA: the first step leaves the range."""
+    round_next = tile // grid + 1
+    return round_next * grid + cutlass.select_(round_next % 2 == 1, grid - 1 - cta, cta)
 
 
 class _TileWalk:

@@ -8,10 +8,10 @@ status=()
 t0=$(date +%s)
 python -m hstu_cute warmup --workers "$(nproc)" > "$OUT/warmup.log" 2>&1; status+=("warmup rc=$? $(( $(date +%s) - t0 ))s")
 t0=$(date +%s)
-python -m pytest -q -m gpu tests -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1; rc=$?
+timeout "${GPU_TESTS_TIMEOUT:-300}" python -m pytest -q -m gpu tests -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1; rc=$?
 status+=("gpu tests rc=$rc $(( $(date +%s) - t0 ))s: $(tail -n 1 "$OUT/gpu-tests.log")")
 t0=$(date +%s)
-compute-sanitizer --tool memcheck --error-exitcode 9 python scripts/sanitize_cases.py > "$OUT/sanitizer.log" 2>&1; rc=$?
+timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 python scripts/sanitize_cases.py > "$OUT/sanitizer.log" 2>&1; rc=$?
 status+=("compute-sanitizer memcheck rc=$rc $(( $(date +%s) - t0 ))s: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -n 1)")
 python scripts/gpu_bwd_smoke.py > "$OUT/bwd-smoke.log" 2>&1; status+=("backward smoke rc=$?: $(tail -n 1 "$OUT/bwd-smoke.log")")
 python scripts/gpu_perf.py "${1:-all}" > "$OUT/perf.log" 2>&1; status+=("perf rc=$?")

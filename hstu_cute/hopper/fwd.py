@@ -81,8 +81,10 @@ class HstuForwardSm90:
         self.persistent = persistent
         self.num_threads = 128 * (1 + self.num_mma_wg)
         self.num_mma_threads = 128 * self.num_mma_wg
-        # 32 * 128 + 240 * 256 = 64K registers: the whole file with two consumer warpgroups.
-        self.producer_regs = 32
+        # The CTA launches with 168 x 384 registers; setmaxnreg moves them between roles, so the
+        # consumers' 240 must come out of that pool: (64512 - 24 * 128) / 256 = 240 exactly (with
+        # a 32-register producer the consumers' increase never completes: a deadlock, seen on the H100).
+        self.producer_regs = 24 if self.num_mma_wg == 2 else 32
         self.mma_regs = 240 if self.num_mma_wg == 2 else 160
         assert tile_m % 64 == 0 and tile_n % 16 == 0 and head_dim % 16 == 0
 

@@ -86,6 +86,8 @@ class HstuForwardSm90:
         # a 32-register producer the consumers' increase never completes: a deadlock, seen on the H100).
         self.producer_regs = 24 if self.num_mma_wg == 2 else 32
         self.mma_regs = 240 if self.num_mma_wg == 2 else 160
+        launch_regs = 65536 // self.num_threads // 8 * 8
+        assert launch_regs * self.num_threads - self.producer_regs * 128 >= self.mma_regs * self.num_mma_threads
         assert tile_m % 64 == 0 and tile_n % 16 == 0 and head_dim % 16 == 0
 
     # ------------------------------------------------------------------------------------------

@@ -33,9 +33,9 @@ class HopperFwdKey:
     intra_wg_overlap: bool = True
     pingpong: bool = True
     lpt_grid: bool = True
-    # B8 N4096 D128 causal on the H100: 533 TF one tile per CTA vs 465 persistent with a plain
-    # stride over LPT-ordered tiles (2026-11-21).
-    persistent: bool = False
+    # Persistent CTAs walk LPT-ordered tiles in a snake order (docs/perf-log.md 2026-11-21: a
+    # plain stride lost to one tile per CTA, 465 vs 533 TF; the snake order won, D256 612 vs 544).
+    persistent: bool = True
     ptxas_opt: int = 3
 
     @property
@@ -51,10 +51,12 @@ class HopperFwdKey:
 
 
 def default_hopper_fwd_tiles(head_dim: int, has_rab: bool) -> dict:
-    """(tile_m, tile_n, num_stages) per head dim; smem <= 227 KB with the rab ring."""
+    """(tile_m, tile_n, num_stages, ptxas_opt) per head dim; smem <= 227 KB with the rab ring.
+    H100, B8 N4096 causal (2026-11-21): D128 persistent -O2 565.6 TF vs -O3 462.3; tile_n 176 and
+    3 stages were slower; D256 128x64 612 vs 128x80 582."""
     if head_dim <= 128:
-        return dict(tile_m=128, tile_n=128, num_stages=2)
-    return dict(tile_m=128, tile_n=64, num_stages=2)
+        return dict(tile_m=128, tile_n=128, num_stages=2, ptxas_opt=2)
+    return dict(tile_m=128, tile_n=64, num_stages=2, ptxas_opt=3)
 
 
 HOPPER_HEAD_DIMS = (32, 64, 128, 256)

@@ -217,7 +217,8 @@ def run_workload(w: Workload, tiles: dict | None = None, sets: int = 3, path: st
     return row
 
 
-def run_workload_bwd(w: Workload, sets: int = 3, tiles_dq: dict | None = None, tiles_dkdv: dict | None = None) -> dict:
+def run_workload_bwd(w: Workload, sets: int = 3, tiles_dq: dict | None = None, tiles_dkdv: dict | None = None,
+                     path: str | None = None) -> dict:
     """Backward kernels alone (dq, dk, dv[, drab]) on the workload; FLOPs = 2.5 x forward."""
     from . import api
     from .bwd_launch import run_backward
@@ -237,13 +238,13 @@ def run_workload_bwd(w: Workload, sets: int = 3, tiles_dq: dict | None = None, t
         calls.append(lambda kw=kw, p=p, dout=dout: run_backward(
             dout, kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
             kw["max_seqlen_k"], kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1), 1.0,
-            kw.get("rab"), kw.get("rab") is not None, None, None, p, False, tiles_dq, tiles_dkdv))
+            kw.get("rab"), kw.get("rab") is not None, None, None, p, False, tiles_dq, tiles_dkdv, path))
     calls[0]()
     ms, iqr = time_cuda(calls)
     f, convention = flops(w, lens_q, lens_k)
     tiles = "bwd default" if not (tiles_dq or tiles_dkdv) else f"dq {tiles_dq} dkdv {tiles_dkdv}"
     return dict(workload=w.name + " bwd", ms=ms, iqr_ms=iqr, tflops=2.5 * f / ms / 1e9, flops=convention + " x2.5",
-                tiles=tiles)
+                tiles=tiles, path=path or api.kernel_path(torch.device("cuda")))
 
 
 def host_overhead_us(n: int = 2000) -> dict:

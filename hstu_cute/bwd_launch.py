@@ -10,9 +10,12 @@ from .ampere import BWD_HEAD_DIMS, make_bwd_keys
 
 def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
                  num_targets, target_group_size, alpha, rab, has_drab, seqused_q, seqused_k, p,
-                 deterministic=False, tiles_dq: dict | None = None, tiles_dkdv: dict | None = None):
+                 deterministic=False, tiles_dq: dict | None = None, tiles_dkdv: dict | None = None,
+                 path: str | None = None):
     """Returns (dq, dk, dv, drab or None). ``deterministic`` is accepted for the API: both
-    kernels reduce in a fixed order without atomics, so every run is bitwise identical anyway."""
+    kernels reduce in a fixed order without atomics, so every run is bitwise identical anyway.
+    ``path`` 'hopper' (default on sm90) runs the TMA + WGMMA dK/dV kernel, 'ampere' the sm80 one;
+    dQ and drab come from the sm80 dQ kernel on both."""
     from . import api
     from .cache import default_cache
     from .compile import build
@@ -50,11 +53,19 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
     key_dq, key_dkdv = make_bwd_keys(api.device_arch(device), api._DTYPE_NAMES[p.dtype], p.head_dim, p.mask.kind,
                                      p.mask.has_context or p.mask.has_target, rab is not None, rab_vec, has_drab,
                                      sum_heads)
+    if path is None:
+        path = api.kernel_path(device)
     if tiles_dq or tiles_dkdv:  # benchmark sweeps only
         import dataclasses
 
         key_dq = dataclasses.replace(key_dq, **(tiles_dq or {}))
-        key_dkdv = dataclasses.replace(key_dkdv, **(tiles_dkdv or {}))
+        if path != "hopper":
+            key_dkdv = dataclasses.replace(key_dkdv, **(tiles_dkdv or {}))
+    if path == "hopper":
+        from .hopper import make_hopper_bwd_key
+
+        key_dkdv = make_hopper_bwd_key(key_dkdv.arch, key_dkdv.dtype, p.head_dim, p.mask.kind,
+                                       key_dkdv.has_context, rab is not None, tiles_dkdv)
     cache = default_cache()
     fn_dq = cache.get(key_dq, lambda: build(key_dq))
     fn_dkdv = cache.get(key_dkdv, lambda: build(key_dkdv))

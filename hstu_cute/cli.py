@@ -79,9 +79,9 @@ def _parse_window(text: str) -> tuple[int, int]:
 def _key_classes() -> dict:
     """Compile-key class by name, for :func:`_key_variant` (no eval: only these names are built)."""
     from .ampere import AmpereBwdKey, AmpereFwdKey
-    from .hopper import HopperFwdKey
+    from .hopper import HopperBwdKey, HopperFwdKey
 
-    return {cls.__name__: cls for cls in (AmpereFwdKey, AmpereBwdKey, HopperFwdKey)}
+    return {cls.__name__: cls for cls in (AmpereFwdKey, AmpereBwdKey, HopperFwdKey, HopperBwdKey)}
 
 
 def _key_variant(key_repr: str | None) -> str:

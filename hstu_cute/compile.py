@@ -164,7 +164,45 @@ def build_hopper_fwd(key):
         )
 
 
-BUILDERS = {"hopper_fwd": build_hopper_fwd, "ampere_fwd": build_ampere_fwd, "ampere_bwd_dq": build_ampere_bwd, "ampere_bwd_dkdv": build_ampere_bwd}
+def build_hopper_bwd(key):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from .hopper.bwd import HstuBackwardDkDvSm90
+
+    dtype = _dsl_dtype(key.dtype)
+    kernel = HstuBackwardDkDvSm90(dtype, key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n,
+                                  key.num_stages, key.fast_silu)
+    t_q, t_k, heads = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    batch, batch1 = cute.sym_int(), cute.sym_int()
+    q, do = (_fake_tokens_heads_dim(dtype, t_q, heads, key.head_dim) for _ in range(2))
+    k, v, dk, dv = (_fake_tokens_heads_dim(dtype, t_k, heads, key.head_dim) for _ in range(4))
+
+    def int_vec(n):
+        return cute.runtime.make_fake_compact_tensor(cutlass.Int32, (n,), assumed_align=4)
+
+    rab = None
+    if key.has_rab:
+        rab = cute.runtime.make_fake_tensor(
+            dtype, tuple(cute.sym_int() for _ in range(4)),
+            (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1),
+            assumed_align=16,
+        )
+    args = (q, k, v, do, dk, dv, int_vec(batch1), int_vec(batch1), int_vec(batch), int_vec(batch),
+            int_vec(batch) if key.has_context else None, int_vec(batch) if key.has_target else None, rab)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = f"--enable-tvm-ffi --gpu-arch {key.arch}"
+    if key.ptxas_opt != 3:
+        options += f" --ptxas-options=-O{key.ptxas_opt}"
+    with _COMPILE_LOCK:
+        return cute.compile(
+            kernel, *args, Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(0), Int32(1), stream,
+            options=options,
+        )
+
+
+BUILDERS = {"hopper_fwd": build_hopper_fwd, "hopper_bwd_dkdv": build_hopper_bwd, "ampere_fwd": build_ampere_fwd, "ampere_bwd_dq": build_ampere_bwd, "ampere_bwd_dkdv": build_ampere_bwd}
 
 
 def build(key):

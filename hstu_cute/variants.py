@@ -4,7 +4,8 @@
 * every arch: the Ampere (mma.sync) forward and backward kernels (:func:`hstu_cute.ampere.shipped_keys`);
   on sm90 they still serve the backward, and the forward under ``HSTU_CUTE_ARCH=sm80``;
 * ``sm_90*``: also the Hopper (TMA + WGMMA) forward kernels
-  (:func:`hstu_cute.hopper.shipped_hopper_fwd_keys`), the default forward there.
+  (:func:`hstu_cute.hopper.shipped_hopper_fwd_keys`) and dK/dV kernels
+  (:func:`hstu_cute.hopper.shipped_hopper_bwd_keys`), the defaults there.
 
 Imports no torch or cutlass (the key modules are plain dataclasses).
 """
@@ -27,9 +28,12 @@ def shipped_keys(arch: str, dtypes=SHIPPED_DTYPES, head_dims=SHIPPED_HEAD_DIMS) 
     dtypes, head_dims = tuple(dtypes), tuple(head_dims)
     keys = _ampere_shipped_keys(arch, dtypes, head_dims)
     if has_hopper_kernels(arch):
-        from .hopper import HOPPER_HEAD_DIMS, shipped_hopper_fwd_keys
+        from .hopper import HOPPER_BWD_HEAD_DIMS, HOPPER_HEAD_DIMS, shipped_hopper_bwd_keys, shipped_hopper_fwd_keys
 
         hopper_dims = tuple(d for d in head_dims if d in HOPPER_HEAD_DIMS)
         if hopper_dims:
             keys += shipped_hopper_fwd_keys(arch, dtypes, hopper_dims)
+        bwd_dims = tuple(d for d in head_dims if d in HOPPER_BWD_HEAD_DIMS)
+        if bwd_dims:
+            keys += shipped_hopper_bwd_keys(arch, dtypes, bwd_dims)
     return keys

@@ -18,7 +18,7 @@ import pytest
 from hstu_cute import warmup
 from hstu_cute.ampere import shipped_fwd_keys, shipped_keys
 from hstu_cute.cache import ModuleCache, reset_default_cache
-from hstu_cute.hopper import shipped_hopper_fwd_keys
+from hstu_cute.hopper import shipped_hopper_bwd_keys, shipped_hopper_fwd_keys
 
 
 @pytest.fixture
@@ -56,11 +56,11 @@ def test_every_shipped_sm80_variant_compiles(tmp_cache):
 
 
 @pytest.mark.slow
-def test_every_hopper_fwd_variant_compiles(tmp_cache):
-    """Every Hopper (TMA + WGMMA) forward variant the API can select on sm90 builds for sm_90a."""
-    keys = shipped_hopper_fwd_keys("sm_90a")
-    assert len(keys) == len(set(keys)) == 64
-    assert {k.kernel_name for k in keys} == {"hopper_fwd"}
+def test_every_hopper_variant_compiles(tmp_cache):
+    """Every Hopper (TMA + WGMMA) variant the API can select on sm90 (forward, dK/dV) builds for sm_90a."""
+    keys = shipped_hopper_fwd_keys("sm_90a") + shipped_hopper_bwd_keys("sm_90a")
+    assert len(keys) == len(set(keys)) == 64 + 48
+    assert {k.kernel_name for k in keys} == {"hopper_fwd", "hopper_bwd_dkdv"}
     results = warmup(arch="sm_90a", keys=keys, workers=2, raise_errors=False)
     _assert_all_built(results, keys, tmp_cache, "sm_90a")
     for r in results:

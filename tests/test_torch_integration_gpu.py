@@ -200,7 +200,7 @@ def _check_backward(b, has_drab, deterministic=False, dtype=BF16):
 
 @pytest.mark.parametrize("rab", [None, "1", "H"], ids=["no-rab", "H_rab=1", "H_rab=H"])
 @pytest.mark.parametrize("mask", list(MASKS))
-def test_backward_matches_oracle(mask, rab):
+def test_backward_matches_oracle(mask, rab, path):
     m = dict(MASKS[mask])
     lengths = [0, 1, 17, 200, 129]
     max_q = 200
@@ -214,7 +214,7 @@ def test_backward_matches_oracle(mask, rab):
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
-def test_backward_head_dims_fp16(head_dim):
+def test_backward_head_dims_fp16(head_dim, path):
     b = reference.random_jagged_batch(3, H, head_dim, 130, device="cuda", dtype=torch.float16, lengths=[130, 17, 1],
                                       window_size=(-1, 0), num_targets=9, target_group_size=2, rab_heads=1, seed=7)
     _check_backward(b, has_drab=True, dtype=torch.float16)
@@ -228,18 +228,18 @@ def test_backward_head_dim_256_raises_before_launch():
         out.backward(torch.randn_like(out))
 
 
-def test_backward_rab_without_drab():
+def test_backward_rab_without_drab(path):
     b = _batch(rab_heads=H, num_targets=5)
     _check_backward(b, has_drab=False)
 
 
-def test_backward_seqused_and_scaling():
+def test_backward_seqused_and_scaling(path):
     b = reference.random_jagged_batch(6, H, D, 90, device="cuda", dtype=BF16, window_size=(-1, 0), seqused=True,
                                       scaling_seqlen=300, rab_heads=H, seed=11)
     _check_backward(b, has_drab=True)
 
 
-def test_backward_deterministic_is_bitwise_reproducible():
+def test_backward_deterministic_is_bitwise_reproducible(path):
     b = reference.random_jagged_batch(4, H, D, 300, device="cuda", dtype=BF16, lengths=[300, 17, 1, 250],
                                       window_size=(-1, 0), num_contexts=4, num_targets=30, rab_heads=1, seed=3)
     runs = []

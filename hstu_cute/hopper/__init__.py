@@ -50,6 +50,54 @@ class HopperFwdKey:
                 f"s{self.num_stages}{flags} " + ",".join(extras))
 
 
+@dataclass(frozen=True)
+class HopperBwdKey:
+    """Compile key of :class:`~hstu_cute.hopper.bwd.HstuBackwardDkDvSm90` (the dK/dV kernel; dQ
+    and drab come from the sm80 dQ kernel)."""
+
+    kernel_name: ClassVar[str] = "hopper_bwd_dkdv"
+
+    arch: str
+    dtype: str
+    head_dim: int
+    mask_kind: int = int(MaskKind.NONE)
+    has_context: bool = False
+    has_target: bool = False
+    has_rab: bool = False
+    tile_m: int = 64  # queries per m-block
+    tile_n: int = 128  # keys per CTA, 64 per consumer warpgroup
+    num_stages: int = 2
+    fast_silu: bool = True
+    ptxas_opt: int = 3
+
+    @property
+    def mask(self) -> MaskSpec:
+        return MaskSpec(MaskKind(self.mask_kind), self.has_context, self.has_target)
+
+    def describe(self) -> str:
+        extras = [self.mask.name] + (["rab"] if self.has_rab else [])
+        return (f"{self.kernel_name} {self.arch} {self.dtype} d{self.head_dim} {self.tile_m}x{self.tile_n}"
+                f"s{self.num_stages} " + ",".join(extras))
+
+
+HOPPER_BWD_HEAD_DIMS = (32, 64, 128)
+
+
+def make_hopper_bwd_key(arch, dtype, head_dim, kind, context_target, has_rab, tiles=None) -> HopperBwdKey:
+    return HopperBwdKey(arch=arch, dtype=dtype, head_dim=head_dim, mask_kind=int(kind), has_context=context_target,
+                        has_target=context_target, has_rab=has_rab, fast_silu=dtype == "bfloat16", **(tiles or {}))
+
+
+def shipped_hopper_bwd_keys(arch: str = "sm_90a", dtypes=SHIPPED_DTYPES, head_dims=HOPPER_BWD_HEAD_DIMS) -> list:
+    return [
+        make_hopper_bwd_key(arch, dtype, head_dim, kind, context_target, has_rab)
+        for dtype in dtypes
+        for head_dim in head_dims
+        for kind, context_target in SHIPPED_MASKS
+        for has_rab in (False, True)
+    ]
+
+
 def default_hopper_fwd_tiles(head_dim: int, has_rab: bool) -> dict:
     """(tile_m, tile_n, num_stages, ptxas_opt) per head dim; smem <= 227 KB with the rab ring.
     H100, B8 N4096 causal (2026-11-21): D128 persistent -O2 565.6 TF vs -O3 462.3; tile_n 176 and

@@ -1,0 +1,335 @@
+"""HSTU attention backward for sm90a: the dK/dV kernel (TMA loads, WGMMA, a producer warp and two
+consumer warpgroups). dQ and drab still come from the sm80 kernel (:mod:`hstu_cute.ampere.bwd`)."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+from .. import masks
+from ..ampere.bwd import silu_and_grad_inplace
+from ..device_utils import KERNEL_OPS, sequence_bounds, sequence_mask, wgmma, wgmma_acc_as_operand_a, wgmma_acc_rows_cols
+from .fwd import _advanced
+
+_BAR_ZERO_Q_WG0 = 4  # 4, 5: per-warpgroup barrier after zeroing Q/dO rows past seqlen_q
+
+
+class HstuBackwardDkDvSm90:
+    """dK, dV kernel. One CTA per (n-block, head, batch), n-block 0 first (with causal masks the
+    first keys are attended by the most queries); it owns K_j and V_j (``tile_n`` keys, 64 per
+    consumer warpgroup) and walks the m-blocks that attend to them, in the transposed
+    orientation (accumulator rows are keys, columns are queries):
+    S^T = K Q^T (+ rab^T), dP^T = V dO^T, then P^T and G^T (spec section 2), dV += P^T dO and
+    dK += G^T Q with P^T / G^T as the register A operand.
+
+    Warp roles (384 threads): warpgroup 0, warp 0 is the producer (TMA: K and V once, then Q, dO
+    and rab per m-block; 24 registers); warpgroups 1-2 are consumers (240 registers).
+    Pipelines (mbarrier + TMA transaction counts): K+V (1 stage), Q+dO(+rab) (``num_stages``).
+    Barriers: named 4/5 after a warpgroup zeroes the Q/dO rows past seqlen_q in smem (TMA reads
+    the next sequence there; its G and P are 0, but 0 * NaN would be NaN).
+    Epilogue: dK and dV stored from registers (pairs of columns), key rows past seqlen_k skipped.
+    """
+
+    def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
+                 num_stages: int, fast_silu: bool):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.mask = mask
+        self.has_rab = has_rab
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.num_stages = num_stages
+        self.fast_silu = fast_silu
+        self.num_mma_wg = tile_n // 64
+        self.num_threads = 128 * (1 + self.num_mma_wg)
+        self.num_mma_threads = 128 * self.num_mma_wg
+        self.producer_regs = 24 if self.num_mma_wg == 2 else 32
+        self.mma_regs = 240 if self.num_mma_wg == 2 else 160
+        launch_regs = 65536 // self.num_threads // 8 * 8
+        assert launch_regs * self.num_threads - self.producer_regs * 128 >= self.mma_regs * self.num_mma_threads
+        assert tile_n % 64 == 0 and tile_m % 16 == 0
+
+    def _smem_layout(self, rows: int, cols: int, stages: int | None):
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype
+        )
+        if stages is None:
+            return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+        return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+    @cute.jit
+    def __call__(self, mQ, mK, mV, mdO, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
+                 mNumTargets, mRab, alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32,
+                 group_size: Int32, is_delta_q: Int32, num_n_blocks: Int32, stream):
+        D = self.head_dim
+        sK_layout = self._smem_layout(self.tile_n, D, None)
+        sQ_layout = self._smem_layout(self.tile_m, D, self.num_stages)
+        sRab_layout = None
+        if const_expr(self.has_rab):
+            sRab_layout = self._smem_layout(self.tile_m, self.tile_n, self.num_stages)
+        # S^T / dP^T: (keys, queries) = K Q^T, both operands K-major in smem.
+        tiled_mma_s = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_m),
+        )
+        # dV / dK: (keys, D) += P^T / G^T (registers) x dO / Q (smem, MN-major as (D, queries)).
+        tiled_mma_d = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, D), a_source=warpgroup.OperandSource.RMEM,
+        )
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        mQt, mKt, mVt, mdOt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1]))
+                               for t in (mQ, mK, mV, mdO)]
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mKt, sK_layout, (self.tile_n, D))
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mVt, sK_layout, (self.tile_n, D))
+        sQ_one = cute.slice_(sQ_layout, (None, None, 0))
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(tma_load, mQt, sQ_one, (self.tile_m, D))
+        tma_atom_do, tma_do = cpasync.make_tiled_tma_atom(tma_load, mdOt, sQ_one, (self.tile_m, D))
+        tma_atom_rab, tma_rab = None, None
+        if const_expr(self.has_rab):
+            mRabt = cute.make_tensor(mRab.iterator, cute.select(mRab.layout, mode=[2, 3, 1, 0]))
+            tma_atom_rab, tma_rab = cpasync.make_tiled_tma_atom(
+                tma_load, mRabt, cute.slice_(sRab_layout, (None, None, 0)), (self.tile_m, self.tile_n)
+            )
+        elem = self.dtype.width // 8
+        self.kv_bytes = 2 * self.tile_n * D * elem
+        self.q_bytes = 2 * self.tile_m * D * elem + (self.tile_m * self.tile_n * elem if const_expr(self.has_rab) else 0)
+        vec = 128 // self.dtype.width
+        threads_per_row = min(D // vec, 16)
+        zero_copy = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
+            cute.make_ordered_layout((128 // threads_per_row, threads_per_row), order=(1, 0)),
+            cute.make_layout((1, vec)),
+        )
+        stages = self.num_stages
+        rab_elems = cute.cosize(sRab_layout) if const_expr(self.has_rab) else 8
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sRab: cute.struct.Align[cute.struct.MemRange[self.dtype, rab_elems], 1024]
+
+        num_batch = mOffsetsQ.shape[0] - 1
+        self.kernel(
+            tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab, tma_rab,
+            mQ, mK, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
+            alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
+            sK_layout, sQ_layout, sRab_layout, tiled_mma_s, tiled_mma_d, zero_copy, SharedStorage,
+        ).launch(
+            grid=[mQ.shape[1], num_batch, num_n_blocks],
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def kernel(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
+               tma_rab, mQ, mK, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets,
+               mRab, alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32, group_size: Int32,
+               is_delta_q: Int32, sK_layout, sQ_layout, sRab_layout, tiled_mma_s, tiled_mma_d, zero_copy,
+               SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        head, batch, n_block = cute.arch.block_idx()
+        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
+            mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mQ.shape[0], mK.shape[0], batch)
+        # Uniform over the CTA, before any barrier is initialized.
+        if n_block * self.tile_n < seqlen_k:
+            if warp_idx == 0:
+                for atom in (tma_atom_k, tma_atom_v, tma_atom_q, tma_atom_do, tma_atom_rab):
+                    if const_expr(atom is not None):
+                        cpasync.prefetch_descriptor(atom)
+            spec = self.mask
+            seq = sequence_mask(spec, seqlen_q, seqlen_k, mNumContexts, mNumTargets, batch, window_left,
+                                window_right, group_size, is_delta_q)
+            m_lo, m_hi = masks.m_block_range(spec, seq, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
+
+            smem = cutlass.memory.SmemAllocator()
+            storage = smem.allocate(SharedStorage)
+            producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+            consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+            pipe_kv = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=producer,
+                consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
+            )
+            pipe_q = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.num_stages, producer_group=producer,
+                consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True,
+            )
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+            sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+            sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sRab = None
+            if const_expr(self.has_rab):
+                sRab = storage.sRab.get_tensor(sRab_layout.outer, swizzle=sRab_layout.inner)
+
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp_idx == 0:
+                    self.produce(tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do,
+                                 tma_atom_rab, tma_rab, sK, sV, sQ, sdO, sRab, pipe_kv, pipe_q, mRab, q_start,
+                                 k_start, head, batch, n_block, seq, m_lo, m_hi)
+            else:
+                cute.arch.setmaxregister_increase(self.mma_regs)
+                self.consume(tidx - 128, mdK, mdV, sK, sV, sQ, sdO, sRab, pipe_kv, pipe_q, tiled_mma_s, tiled_mma_d,
+                             zero_copy, alpha, inv_scale, k_start, head, n_block, seq, m_lo, m_hi)
+
+    @cute.jit
+    def produce(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
+                tma_rab, sK, sV, sQ, sdO, sRab, pipe_kv, pipe_q, mRab, q_start: Int32, k_start: Int32, head: Int32,
+                batch: Int32, n_block: Int32, seq, m_lo: Int32, m_hi: Int32):
+        D = self.head_dim
+        one = cute.make_layout(1)
+        gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_k[None, None, head]), (self.tile_n, D), (n_block, 0))
+        gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_v[None, None, head]), (self.tile_n, D), (n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_q[None, None, head]), (self.tile_m, D), (None, 0))
+        gdO = cute.local_tile(cute.domain_offset((q_start, 0), tma_do[None, None, head]), (self.tile_m, D), (None, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tOsO, tOgO = cpasync.tma_partition(tma_atom_do, 0, one, cute.group_modes(sdO, 0, 2),
+                                           cute.group_modes(gdO, 0, 2))
+        tRsR = tRgR = None
+        if const_expr(self.has_rab):
+            rab_head = cutlass.select_(mRab.shape[1] > 1, head, Int32(0))
+            gRab = cute.local_tile(cute.domain_offset((seq.row_offset, 0), tma_rab[None, None, rab_head, batch]),
+                                   (self.tile_m, self.tile_n), (None, n_block))
+            tRsR, tRgR = cpasync.tma_partition(tma_atom_rab, 0, one, cute.group_modes(sRab, 0, 2),
+                                               cute.group_modes(gRab, 0, 2))
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_kv.producer_acquire(kv_state)
+        cute.copy(tma_atom_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        cute.copy(tma_atom_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        for m_block in cutlass.range(m_lo, m_hi, unroll=1):
+            if masks.tile_nonempty(self.mask, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
+                pipe_q.producer_acquire(q_state)
+                bar = pipe_q.producer_get_barrier(q_state)
+                cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, q_state.index], tma_bar_ptr=bar)
+                cute.copy(tma_atom_do, tOgO[None, m_block], tOsO[None, q_state.index], tma_bar_ptr=bar)
+                if const_expr(self.has_rab):
+                    cute.copy(tma_atom_rab, tRgR[None, m_block], tRsR[None, q_state.index], tma_bar_ptr=bar)
+                q_state = _advanced(q_state)
+
+    @cute.jit
+    def consume(self, tidx: Int32, mdK, mdV, sK, sV, sQ, sdO, sRab, pipe_kv, pipe_q, tiled_mma_s, tiled_mma_d,
+                zero_copy, alpha: Float32, inv_scale: Float32, k_start: Int32, head: Int32, n_block: Int32, seq,
+                m_lo: Int32, m_hi: Int32):
+        D = self.head_dim
+        spec = self.mask
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        thr_mma_s = tiled_mma_s.get_slice(tidx)
+        thr_mma_d = tiled_mma_d.get_slice(tidx)
+        wg_mma_s = tiled_mma_s.get_slice(wg * 128)
+        wg_mma_d = tiled_mma_d.get_slice(wg * 128)
+        tSrK = wg_mma_s.make_fragment_A(wg_mma_s.partition_A(sK))
+        tSrV = wg_mma_s.make_fragment_A(wg_mma_s.partition_A(sV))
+        tSrQ = wg_mma_s.make_fragment_B(wg_mma_s.partition_B(sQ))
+        tSrdO = wg_mma_s.make_fragment_B(wg_mma_s.partition_B(sdO))
+        # Q and dO are (queries, D) with D contiguous: as B of (keys, D) += (keys, queries) x (queries, D)
+        # they are (N = D, K = queries), MN-major.
+        qt = cute.make_ordered_layout((D, self.tile_m, self.num_stages), order=(1, 0, 2))
+        tDrQt = wg_mma_d.make_fragment_B(wg_mma_d.partition_B(cute.composition(sQ, qt)))
+        tDrdOt = wg_mma_d.make_fragment_B(wg_mma_d.partition_B(cute.composition(sdO, qt)))
+        shape_S = wg_mma_s.partition_shape_C((self.tile_n, self.tile_m))
+        acc_dK = cute.make_rmem_tensor(wg_mma_d.partition_shape_C((self.tile_n, D)), Float32)
+        acc_dV = cute.make_rmem_tensor(wg_mma_d.partition_shape_C((self.tile_n, D)), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+        tScS = thr_mma_s.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
+        tSsRabT = None
+        if const_expr(self.has_rab):
+            # rab tiles are (queries, keys) in smem; the accumulator reads them transposed.
+            sRabT = cute.composition(sRab, cute.make_ordered_layout((self.tile_n, self.tile_m, self.num_stages),
+                                                                    order=(1, 0, 2)))
+            tSsRabT = thr_mma_s.partition_C(sRabT)
+        col0 = n_block * self.tile_n
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_kv.consumer_wait(kv_state)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        for m_block in cutlass.range(m_lo, m_hi, unroll=1):
+            if masks.tile_nonempty(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
+                pipe_q.consumer_wait(q_state)
+                q_rows = seq.seqlen_q - m_block * self.tile_m
+                if q_rows < self.tile_m:
+                    self.zero_rows_past(sQ, sdO, q_state.index, zero_copy, tidx, wg, q_rows)
+                acc_S = cute.make_rmem_tensor(shape_S, Float32)
+                acc_dP = cute.make_rmem_tensor(shape_S, Float32)
+                wgmma(tiled_mma_s, acc_S, tSrK, tSrQ[None, None, None, q_state.index], True, -1)
+                wgmma(tiled_mma_s, acc_dP, tSrV, tSrdO[None, None, None, q_state.index], True, 1)
+                if const_expr(self.has_rab):
+                    rRab = cute.make_rmem_tensor(shape_S, self.dtype)
+                    cute.autovec_copy(tSsRabT[None, None, None, q_state.index], rRab)
+                    warpgroup.wait_group(1)
+                    acc_S.store(acc_S.load() + rRab.load().to(Float32))
+                warpgroup.wait_group(0)
+                silu_and_grad_inplace(acc_S, acc_dP, alpha, inv_scale, self.fast_silu)
+                row_first = seq.row_offset + m_block * self.tile_m
+                is_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n,
+                                             KERNEL_OPS) & (q_rows >= self.tile_m)
+                if not is_full:
+                    for i in cutlass.range(cute.size(acc_S), unroll_full=True):
+                        key, query = tScS[i]
+                        keep = masks.allowed(spec, seq, row_first + query, col0 + key, KERNEL_OPS) & (query < q_rows)
+                        acc_S[i] = cutlass.select_(keep, acc_S[i], Float32(0.0))
+                        acc_dP[i] = cutlass.select_(keep, acc_dP[i], Float32(0.0))
+                rP = wg_mma_d.make_fragment_A(wg_mma_d.partition_shape_A((self.tile_n, self.tile_m)))
+                rP.store(cute.make_tensor(acc_S.iterator, wgmma_acc_as_operand_a(acc_S.layout)).load().to(self.dtype))
+                rG = wg_mma_d.make_fragment_A(wg_mma_d.partition_shape_A((self.tile_n, self.tile_m)))
+                rG.store(cute.make_tensor(acc_dP.iterator, wgmma_acc_as_operand_a(acc_dP.layout)).load().to(self.dtype))
+                wgmma(tiled_mma_d, acc_dV, rP, tDrdOt[None, None, None, q_state.index], False, -1)
+                wgmma(tiled_mma_d, acc_dK, rG, tDrQt[None, None, None, q_state.index], False, 0)
+                pipe_q.consumer_release(q_state)
+                q_state = _advanced(q_state)
+
+        k_rows = seq.seqlen_k - n_block * self.tile_n
+        tKcK = thr_mma_d.partition_C(cute.make_identity_tensor((self.tile_n, D)))
+        tKcK_rc = cute.make_tensor(tKcK.iterator, wgmma_acc_rows_cols(tKcK.layout))
+        for acc, mOut in ((acc_dK, mdK), (acc_dV, mdV)):
+            rOut = cute.make_rmem_tensor(acc.layout, self.dtype)
+            rOut.store(acc.load().to(self.dtype))
+            gOut = cute.local_tile(cute.domain_offset((k_start, 0), mOut[None, head, None]), (self.tile_n, D),
+                                   (n_block, 0))
+            self.store_rows(rOut, thr_mma_d.partition_C(gOut), tKcK_rc, k_rows)
+
+    @cute.jit
+    def zero_rows_past(self, sQ, sdO, stage: Int32, zero_copy, tidx: Int32, wg: Int32, row_limit: Int32):
+        """Zero the Q and dO rows at and past ``row_limit`` of one stage (each warpgroup for itself;
+        the values written are the same), then make them visible to the WGMMA (async proxy)."""
+        thr = zero_copy.get_slice(tidx % 128)
+        tZc = thr.partition_D(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        for sX in (sQ, sdO):
+            tZs = thr.partition_D(sX[None, None, stage])
+            zeros = cute.make_fragment_like(tZs[None, 0, None], self.dtype)
+            zeros.fill(0.0)
+            for m in cutlass.range_constexpr(cute.size(tZs.shape[1])):
+                if tZc[0, m, 0][0] >= row_limit:
+                    cute.copy(zero_copy, zeros, tZs[None, m, None])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_BAR_ZERO_Q_WG0 + wg, number_of_threads=128)
+
+    @cute.jit
+    def store_rows(self, rOut, tOg, tOc_rc, row_limit: Int32):
+        rc = cute.make_tensor(rOut.iterator, wgmma_acc_rows_cols(rOut.layout))
+        g_rc = cute.make_tensor(tOg.iterator, wgmma_acc_rows_cols(tOg.layout))
+        for i in cutlass.range_constexpr(cute.size(rc.shape[0])):
+            if tOc_rc[i, 0][0] < row_limit:
+                src = cute.logical_divide(rc[i, None], 2)
+                dst = cute.logical_divide(g_rc[i, None], 2)
+                for j in cutlass.range_constexpr(cute.size(rc.shape[1]) // 2):
+                    cute.autovec_copy(src[None, j], dst[None, j])

@@ -64,8 +64,10 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
     if path == "hopper":
         from .hopper import make_hopper_bwd_key
 
-        key_dkdv = make_hopper_bwd_key(key_dkdv.arch, key_dkdv.dtype, p.head_dim, p.mask.kind,
-                                       key_dkdv.has_context, rab is not None, tiles_dkdv)
+        common = (key_dkdv.arch, key_dkdv.dtype, p.head_dim, p.mask.kind, key_dkdv.has_context, rab is not None)
+        key_dkdv = make_hopper_bwd_key("dkdv", *common, tiles_dkdv)
+        if not has_drab:  # drab (and its sum over heads) comes from the sm80 dQ kernel
+            key_dq = make_hopper_bwd_key("dq", *common, tiles_dq)
     cache = default_cache()
     fn_dq = cache.get(key_dq, lambda: build(key_dq))
     fn_dkdv = cache.get(key_dkdv, lambda: build(key_dkdv))
@@ -84,8 +86,12 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
     num_m_blocks = -(-max_seqlen_q // key_dq.tile_m)
     num_n_blocks = -(-max_seqlen_k // key_dkdv.tile_n)
     with torch.cuda.device(device):
-        fn_dq(q, k, v, dout, dq, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts, num_targets,
-              rab, drab, drab_accum, *scalars, num_m_blocks)
+        if key_dq.kernel_name == "hopper_bwd_dq":
+            fn_dq(q, k, v, dout, dq, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts, num_targets,
+                  rab, *scalars, num_m_blocks)
+        else:
+            fn_dq(q, k, v, dout, dq, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts, num_targets,
+                  rab, drab, drab_accum, *scalars, num_m_blocks)
         fn_dkdv(q, k, v, dout, dk, dv, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
                 num_targets, rab, *scalars, num_n_blocks)
     return dq, dk, dv, (drab_view if drab_view is not None else drab)

@@ -169,14 +169,14 @@ def build_hopper_bwd(key):
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
-    from .hopper.bwd import HstuBackwardDkDvSm90
+    from .hopper.bwd import HstuBackwardDkDvSm90, HstuBackwardDqSm90
 
     dtype = _dsl_dtype(key.dtype)
-    kernel = HstuBackwardDkDvSm90(dtype, key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n,
-                                  key.num_stages, key.fast_silu)
+    cls = HstuBackwardDkDvSm90 if key.role == "dkdv" else HstuBackwardDqSm90
+    kernel = cls(dtype, key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n, key.num_stages, key.fast_silu)
     t_q, t_k, heads = cute.sym_int(), cute.sym_int(), cute.sym_int()
     batch, batch1 = cute.sym_int(), cute.sym_int()
-    q, do = (_fake_tokens_heads_dim(dtype, t_q, heads, key.head_dim) for _ in range(2))
+    q, do, dq = (_fake_tokens_heads_dim(dtype, t_q, heads, key.head_dim) for _ in range(3))
     k, v, dk, dv = (_fake_tokens_heads_dim(dtype, t_k, heads, key.head_dim) for _ in range(4))
 
     def int_vec(n):
@@ -189,7 +189,8 @@ def build_hopper_bwd(key):
             (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1),
             assumed_align=16,
         )
-    args = (q, k, v, do, dk, dv, int_vec(batch1), int_vec(batch1), int_vec(batch), int_vec(batch),
+    outs = (dk, dv) if key.role == "dkdv" else (dq,)
+    args = (q, k, v, do, *outs, int_vec(batch1), int_vec(batch1), int_vec(batch), int_vec(batch),
             int_vec(batch) if key.has_context else None, int_vec(batch) if key.has_target else None, rab)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = f"--enable-tvm-ffi --gpu-arch {key.arch}"
@@ -202,7 +203,7 @@ def build_hopper_bwd(key):
         )
 
 
-BUILDERS = {"hopper_fwd": build_hopper_fwd, "hopper_bwd_dkdv": build_hopper_bwd, "ampere_fwd": build_ampere_fwd, "ampere_bwd_dq": build_ampere_bwd, "ampere_bwd_dkdv": build_ampere_bwd}
+BUILDERS = {"hopper_fwd": build_hopper_fwd, "hopper_bwd_dkdv": build_hopper_bwd, "hopper_bwd_dq": build_hopper_bwd, "ampere_fwd": build_ampere_fwd, "ampere_bwd_dq": build_ampere_bwd, "ampere_bwd_dkdv": build_ampere_bwd}
 
 
 def build(key):

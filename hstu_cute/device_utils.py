@@ -241,3 +241,18 @@ def apply_mask_rows_cols(acc_rc: cute.Tensor, coord_rc: cute.Tensor, spec: cutla
         for j in cutlass.range_constexpr(cute.size(acc_rc.shape[1])):
             keep = masks.in_intervals(coord_rc[i, j][1], lo_end, hi_start, hi_end, col_limit)
             acc_rc[i, j] = cutlass.select_(keep, acc_rc[i, j], Float32(0.0))
+
+
+@cute.jit
+def store_acc_rows(rOut: cute.Tensor, tOg: cute.Tensor, tOc_rc: cute.Tensor, row_limit: Int32):
+    """Store a WGMMA-layout register tile to global memory, two adjacent columns per store,
+    skipping the thread's rows at and past ``row_limit`` (``tOc_rc``: tile coordinates seen as
+    (rows, cols))."""
+    rc = cute.make_tensor(rOut.iterator, wgmma_acc_rows_cols(rOut.layout))
+    g_rc = cute.make_tensor(tOg.iterator, wgmma_acc_rows_cols(tOg.layout))
+    for i in cutlass.range_constexpr(cute.size(rc.shape[0])):
+        if tOc_rc[i, 0][0] < row_limit:
+            src = cute.logical_divide(rc[i, None], 2)
+            dst = cute.logical_divide(g_rc[i, None], 2)
+            for j in cutlass.range_constexpr(cute.size(rc.shape[1]) // 2):
+                cute.autovec_copy(src[None, j], dst[None, j])

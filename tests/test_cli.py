@@ -112,9 +112,9 @@ def test_warmup_select_keys_filters():
     assert len(select_keys("sm_86", head_dims=[32], rab="only", kernels="bwd")) == 2 * 4 * 4
     assert len(select_keys("sm_80", limit=5)) == 5
     # sm_90a: the Hopper forward and dK/dV kernels too (hstu_cute.variants.shipped_keys).
-    assert len(select_keys("sm_90a")) == 96 + 144 + 64 + 48
+    assert len(select_keys("sm_90a")) == 96 + 144 + 64 + 96
     assert len(select_keys("sm_90a", kernels="fwd")) == 96 + 64
-    assert len(select_keys("sm_90a", kernels="bwd")) == 144 + 48
+    assert len(select_keys("sm_90a", kernels="bwd")) == 144 + 96
     keys = select_keys("sm_90a", ["bfloat16"], [128], ["causal"], "none", kernels="fwd")
     assert [k.kernel_name for k in keys] == ["ampere_fwd", "hopper_fwd"]
     assert not any(k.kernel_name == "hopper_fwd" for k in select_keys("sm_89"))
@@ -126,7 +126,7 @@ def test_key_variant_parses_every_key_class():
 
     keys = shipped_keys("sm_90a", ("float16",), (64,))
     assert {k.kernel_name for k in keys} == {"ampere_fwd", "ampere_bwd_dq", "ampere_bwd_dkdv", "hopper_fwd",
-                                             "hopper_bwd_dkdv"}
+                                             "hopper_bwd_dkdv", "hopper_bwd_dq"}
     for k in keys:
         assert _key_variant(repr(k)) == k.describe()
     # Never evaluated: anything but a known key class comes back verbatim.

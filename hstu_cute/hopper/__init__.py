@@ -52,11 +52,11 @@ class HopperFwdKey:
 
 @dataclass(frozen=True)
 class HopperBwdKey:
-    """Compile key of :class:`~hstu_cute.hopper.bwd.HstuBackwardDkDvSm90` (the dK/dV kernel; dQ
-    and drab come from the sm80 dQ kernel)."""
+    """Compile key of the sm90 backward kernels (:mod:`hstu_cute.hopper.bwd`): role "dkdv"
+    (:class:`~hstu_cute.hopper.bwd.HstuBackwardDkDvSm90`) or "dq"
+    (:class:`~hstu_cute.hopper.bwd.HstuBackwardDqSm90`, calls without drab)."""
 
-    kernel_name: ClassVar[str] = "hopper_bwd_dkdv"
-
+    role: str
     arch: str
     dtype: str
     head_dim: int
@@ -64,11 +64,15 @@ class HopperBwdKey:
     has_context: bool = False
     has_target: bool = False
     has_rab: bool = False
-    tile_m: int = 64  # queries per m-block
-    tile_n: int = 128  # keys per CTA, 64 per consumer warpgroup
+    tile_m: int = 64  # queries per m-block (dq: per CTA, 64 per consumer warpgroup)
+    tile_n: int = 128  # keys per CTA (dkdv: 64 per consumer warpgroup; dq: per n-block)
     num_stages: int = 2
     fast_silu: bool = True
     ptxas_opt: int = 3
+
+    @property
+    def kernel_name(self) -> str:
+        return f"hopper_bwd_{self.role}"
 
     @property
     def mask(self) -> MaskSpec:
@@ -81,16 +85,19 @@ class HopperBwdKey:
 
 
 HOPPER_BWD_HEAD_DIMS = (32, 64, 128)
+_BWD_TILES = {"dkdv": dict(tile_m=64, tile_n=128), "dq": dict(tile_m=128, tile_n=64)}
 
 
-def make_hopper_bwd_key(arch, dtype, head_dim, kind, context_target, has_rab, tiles=None) -> HopperBwdKey:
-    return HopperBwdKey(arch=arch, dtype=dtype, head_dim=head_dim, mask_kind=int(kind), has_context=context_target,
-                        has_target=context_target, has_rab=has_rab, fast_silu=dtype == "bfloat16", **(tiles or {}))
+def make_hopper_bwd_key(role, arch, dtype, head_dim, kind, context_target, has_rab, tiles=None) -> HopperBwdKey:
+    return HopperBwdKey(role=role, arch=arch, dtype=dtype, head_dim=head_dim, mask_kind=int(kind),
+                        has_context=context_target, has_target=context_target, has_rab=has_rab,
+                        fast_silu=dtype == "bfloat16", **(tiles or _BWD_TILES[role]))
 
 
 def shipped_hopper_bwd_keys(arch: str = "sm_90a", dtypes=SHIPPED_DTYPES, head_dims=HOPPER_BWD_HEAD_DIMS) -> list:
     return [
-        make_hopper_bwd_key(arch, dtype, head_dim, kind, context_target, has_rab)
+        make_hopper_bwd_key(role, arch, dtype, head_dim, kind, context_target, has_rab)
+        for role in ("dkdv", "dq")
         for dtype in dtypes
         for head_dim in head_dims
         for kind, context_target in SHIPPED_MASKS

@@ -13,7 +13,16 @@ from cutlass.utils import LayoutEnum
 
 from .. import masks
 from ..ampere.bwd import silu_and_grad_inplace
-from ..device_utils import KERNEL_OPS, sequence_bounds, sequence_mask, wgmma, wgmma_acc_as_operand_a, wgmma_acc_rows_cols
+from ..device_utils import (
+    KERNEL_OPS,
+    apply_mask_rows_cols,
+    sequence_bounds,
+    sequence_mask,
+    store_acc_rows,
+    wgmma,
+    wgmma_acc_as_operand_a,
+    wgmma_acc_rows_cols,
+)
 from .fwd import _advanced
 
 _BAR_ZERO_Q_WG0 = 4  # 4, 5: per-warpgroup barrier after zeroing Q/dO rows past seqlen_q
@@ -305,7 +314,7 @@ class HstuBackwardDkDvSm90:
             rOut.store(acc.load().to(self.dtype))
             gOut = cute.local_tile(cute.domain_offset((k_start, 0), mOut[None, head, None]), (self.tile_n, D),
                                    (n_block, 0))
-            self.store_rows(rOut, thr_mma_d.partition_C(gOut), tKcK_rc, k_rows)
+            store_acc_rows(rOut, thr_mma_d.partition_C(gOut), tKcK_rc, k_rows)
 
     @cute.jit
     def zero_rows_past(self, sQ, sdO, stage: Int32, zero_copy, tidx: Int32, wg: Int32, row_limit: Int32):
@@ -323,13 +332,292 @@ class HstuBackwardDkDvSm90:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=_BAR_ZERO_Q_WG0 + wg, number_of_threads=128)
 
+
+_BAR_ZERO_K_WG0 = 4  # 4, 5: per-warpgroup barrier after zeroing K rows past seqlen_k
+
+
+class HstuBackwardDqSm90:
+    """dQ kernel (no drab: with ``has_drab`` the sm80 dQ kernel runs). One CTA per (m-block,
+    head, batch), longest causal rows first; it owns Q_i and dO_i (``tile_m`` queries, 64 per
+    consumer warpgroup) and walks the forward's n-block schedule (target hole skipped):
+    S = Q K^T (+ rab), dP = dO V^T (SS WGMMA), G (spec section 2) in registers as the A operand
+    of dQ += G K (RS WGMMA, K read MN-major).
+
+    Warp roles (384 threads): warpgroup 0, warp 0 is the producer (TMA: Q and dO once, then K, V
+    (+rab) per n-block; 24 registers); warpgroups 1-2 are consumers (240 registers).
+    Pipelines: Q+dO (1 stage), K+V(+rab) (``num_stages``). Barriers: named 4/5 after a warpgroup
+    zeroes the K rows past seqlen_k (TMA reads the next sequence there; G is 0 for them, but
+    0 * NaN would be NaN). Epilogue: dQ stored from registers, query rows past seqlen_q skipped.
+    """
+
+    def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
+                 num_stages: int, fast_silu: bool):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.mask = mask
+        self.has_rab = has_rab
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.num_stages = num_stages
+        self.fast_silu = fast_silu
+        self.num_mma_wg = tile_m // 64
+        self.num_threads = 128 * (1 + self.num_mma_wg)
+        self.num_mma_threads = 128 * self.num_mma_wg
+        self.producer_regs = 24 if self.num_mma_wg == 2 else 32
+        self.mma_regs = 240 if self.num_mma_wg == 2 else 160
+        launch_regs = 65536 // self.num_threads // 8 * 8
+        assert launch_regs * self.num_threads - self.producer_regs * 128 >= self.mma_regs * self.num_mma_threads
+        assert tile_m % 64 == 0 and tile_n % 16 == 0
+
+    _smem_layout = HstuBackwardDkDvSm90._smem_layout
+
     @cute.jit
-    def store_rows(self, rOut, tOg, tOc_rc, row_limit: Int32):
-        rc = cute.make_tensor(rOut.iterator, wgmma_acc_rows_cols(rOut.layout))
-        g_rc = cute.make_tensor(tOg.iterator, wgmma_acc_rows_cols(tOg.layout))
-        for i in cutlass.range_constexpr(cute.size(rc.shape[0])):
-            if tOc_rc[i, 0][0] < row_limit:
-                src = cute.logical_divide(rc[i, None], 2)
-                dst = cute.logical_divide(g_rc[i, None], 2)
-                for j in cutlass.range_constexpr(cute.size(rc.shape[1]) // 2):
-                    cute.autovec_copy(src[None, j], dst[None, j])
+    def __call__(self, mQ, mK, mV, mdO, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
+                 mNumTargets, mRab, alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32,
+                 group_size: Int32, is_delta_q: Int32, num_m_blocks: Int32, stream):
+        D = self.head_dim
+        sQ_layout = self._smem_layout(self.tile_m, D, None)
+        sK_layout = self._smem_layout(self.tile_n, D, self.num_stages)
+        sRab_layout = None
+        if const_expr(self.has_rab):
+            sRab_layout = self._smem_layout(self.tile_m, self.tile_n, self.num_stages)
+        tiled_mma_s = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_n),
+        )
+        tiled_mma_dq = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, D), a_source=warpgroup.OperandSource.RMEM,
+        )
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        mQt, mKt, mVt, mdOt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1]))
+                               for t in (mQ, mK, mV, mdO)]
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(tma_load, mQt, sQ_layout, (self.tile_m, D))
+        tma_atom_do, tma_do = cpasync.make_tiled_tma_atom(tma_load, mdOt, sQ_layout, (self.tile_m, D))
+        sK_one = cute.slice_(sK_layout, (None, None, 0))
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mKt, sK_one, (self.tile_n, D))
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mVt, sK_one, (self.tile_n, D))
+        tma_atom_rab, tma_rab = None, None
+        if const_expr(self.has_rab):
+            mRabt = cute.make_tensor(mRab.iterator, cute.select(mRab.layout, mode=[2, 3, 1, 0]))
+            tma_atom_rab, tma_rab = cpasync.make_tiled_tma_atom(
+                tma_load, mRabt, cute.slice_(sRab_layout, (None, None, 0)), (self.tile_m, self.tile_n)
+            )
+        elem = self.dtype.width // 8
+        self.q_bytes = 2 * self.tile_m * D * elem
+        self.kv_bytes = 2 * self.tile_n * D * elem + (self.tile_m * self.tile_n * elem if const_expr(self.has_rab) else 0)
+        vec = 128 // self.dtype.width
+        threads_per_row = min(D // vec, 16)
+        zero_copy = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
+            cute.make_ordered_layout((128 // threads_per_row, threads_per_row), order=(1, 0)),
+            cute.make_layout((1, vec)),
+        )
+        stages = self.num_stages
+        rab_elems = cute.cosize(sRab_layout) if const_expr(self.has_rab) else 8
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sRab: cute.struct.Align[cute.struct.MemRange[self.dtype, rab_elems], 1024]
+
+        self.kernel(
+            tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab,
+            mQ, mK, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
+            alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
+            sQ_layout, sK_layout, sRab_layout, tiled_mma_s, tiled_mma_dq, zero_copy, SharedStorage,
+        ).launch(
+            grid=[mQ.shape[1], mOffsetsQ.shape[0] - 1, num_m_blocks],
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def kernel(self, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab,
+               tma_rab, mQ, mK, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
+               alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32, group_size: Int32,
+               is_delta_q: Int32, sQ_layout, sK_layout, sRab_layout, tiled_mma_s, tiled_mma_dq, zero_copy,
+               SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        head, batch, m_block_rev = cute.arch.block_idx()
+        _, _, num_m_blocks = cute.arch.grid_dim()
+        m_block = num_m_blocks - 1 - m_block_rev
+        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
+            mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mQ.shape[0], mK.shape[0], batch)
+        if m_block * self.tile_m < seqlen_q:
+            if warp_idx == 0:
+                for atom in (tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_rab):
+                    if const_expr(atom is not None):
+                        cpasync.prefetch_descriptor(atom)
+            spec = self.mask
+            seq = sequence_mask(spec, seqlen_q, seqlen_k, mNumContexts, mNumTargets, batch, window_left,
+                                window_right, group_size, is_delta_q)
+            sched = masks.n_block_schedule(spec, seq, m_block, self.tile_m, self.tile_n, KERNEL_OPS)
+
+            smem = cutlass.memory.SmemAllocator()
+            storage = smem.allocate(SharedStorage)
+            producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+            consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+            pipe_q = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
+                consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True,
+            )
+            pipe_kv = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_kv.data_ptr(), num_stages=self.num_stages, producer_group=producer,
+                consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
+            )
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+            sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+            sRab = None
+            if const_expr(self.has_rab):
+                sRab = storage.sRab.get_tensor(sRab_layout.outer, swizzle=sRab_layout.inner)
+
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp_idx == 0:
+                    self.produce(tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
+                                 tma_atom_rab, tma_rab, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, mRab, q_start,
+                                 k_start, head, batch, m_block, seq, sched)
+            else:
+                cute.arch.setmaxregister_increase(self.mma_regs)
+                self.consume(tidx - 128, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, tiled_mma_s, tiled_mma_dq,
+                             zero_copy, alpha, inv_scale, q_start, head, m_block, seq, sched)
+
+    @cute.jit
+    def produce(self, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab,
+                tma_rab, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, mRab, q_start: Int32, k_start: Int32, head: Int32,
+                batch: Int32, m_block: Int32, seq, sched):
+        D = self.head_dim
+        one = cute.make_layout(1)
+        n_lo, hole_lo, hole_size, n_count = sched
+        if n_count > 0:
+            gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_q[None, None, head]), (self.tile_m, D),
+                                 (m_block, 0))
+            gdO = cute.local_tile(cute.domain_offset((q_start, 0), tma_do[None, None, head]), (self.tile_m, D),
+                                  (m_block, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, one, cute.group_modes(sQ, 0, 2),
+                                               cute.group_modes(gQ, 0, 2))
+            tOsO, tOgO = cpasync.tma_partition(tma_atom_do, 0, one, cute.group_modes(sdO, 0, 2),
+                                               cute.group_modes(gdO, 0, 2))
+            gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_k[None, None, head]), (self.tile_n, D),
+                                 (None, 0))
+            gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_v[None, None, head]), (self.tile_n, D),
+                                 (None, 0))
+            tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, one, cute.group_modes(sK, 0, 2),
+                                               cute.group_modes(gK, 0, 2))
+            tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, one, cute.group_modes(sV, 0, 2),
+                                               cute.group_modes(gV, 0, 2))
+            tRsR = tRgR = None
+            if const_expr(self.has_rab):
+                rab_head = cutlass.select_(mRab.shape[1] > 1, head, Int32(0))
+                gRab = cute.local_tile(cute.domain_offset((seq.row_offset, 0), tma_rab[None, None, rab_head, batch]),
+                                       (self.tile_m, self.tile_n), (m_block, None))
+                tRsR, tRgR = cpasync.tma_partition(tma_atom_rab, 0, one, cute.group_modes(sRab, 0, 2),
+                                                   cute.group_modes(gRab, 0, 2))
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            pipe_q.producer_acquire(q_state)
+            bar_q = pipe_q.producer_get_barrier(q_state)
+            cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=bar_q)
+            cute.copy(tma_atom_do, tOgO, tOsO, tma_bar_ptr=bar_q)
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+            for it in cutlass.range(n_count, unroll=1):
+                n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
+                pipe_kv.producer_acquire(kv_state)
+                bar = pipe_kv.producer_get_barrier(kv_state)
+                cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, kv_state.index], tma_bar_ptr=bar)
+                cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, kv_state.index], tma_bar_ptr=bar)
+                if const_expr(self.has_rab):
+                    cute.copy(tma_atom_rab, tRgR[None, n_block], tRsR[None, kv_state.index], tma_bar_ptr=bar)
+                kv_state = _advanced(kv_state)
+
+    @cute.jit
+    def consume(self, tidx: Int32, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, tiled_mma_s, tiled_mma_dq,
+                zero_copy, alpha: Float32, inv_scale: Float32, q_start: Int32, head: Int32, m_block: Int32, seq,
+                sched):
+        D = self.head_dim
+        spec = self.mask
+        n_lo, hole_lo, hole_size, n_count = sched
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        thr_mma_s = tiled_mma_s.get_slice(tidx)
+        thr_mma_dq = tiled_mma_dq.get_slice(tidx)
+        wg_mma_s = tiled_mma_s.get_slice(wg * 128)
+        wg_mma_dq = tiled_mma_dq.get_slice(wg * 128)
+        tSrQ = wg_mma_s.make_fragment_A(wg_mma_s.partition_A(sQ))
+        tSrdO = wg_mma_s.make_fragment_A(wg_mma_s.partition_A(sdO))
+        tSrK = wg_mma_s.make_fragment_B(wg_mma_s.partition_B(sK))
+        tSrV = wg_mma_s.make_fragment_B(wg_mma_s.partition_B(sV))
+        # K is (keys, D) with D contiguous: as B of (queries, D) += (queries, keys) x (keys, D) it is
+        # (N = D, K = keys), MN-major.
+        kt = cute.make_ordered_layout((D, self.tile_n, self.num_stages), order=(1, 0, 2))
+        tDrKt = wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(cute.composition(sK, kt)))
+        shape_S = wg_mma_s.partition_shape_C((self.tile_m, self.tile_n))
+        acc_dQ = cute.make_rmem_tensor(wg_mma_dq.partition_shape_C((self.tile_m, D)), Float32)
+        acc_dQ.fill(0.0)
+        tScS = thr_mma_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        tScS_rc = cute.make_tensor(tScS.iterator, wgmma_acc_rows_cols(tScS.layout))
+        tSsRab = None
+        if const_expr(self.has_rab):
+            tSsRab = thr_mma_s.partition_C(sRab)
+        row_first = seq.row_offset + m_block * self.tile_m
+
+        if n_count > 0:
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipe_q.consumer_wait(q_state)
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            for it in cutlass.range(n_count, unroll=1):
+                n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
+                pipe_kv.consumer_wait(kv_state)
+                k_rows = seq.seqlen_k - n_block * self.tile_n
+                if k_rows < self.tile_n:
+                    self.zero_k_rows_past(sK, kv_state.index, zero_copy, tidx, wg, k_rows)
+                acc_S = cute.make_rmem_tensor(shape_S, Float32)
+                acc_dP = cute.make_rmem_tensor(shape_S, Float32)
+                wgmma(tiled_mma_s, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, -1)
+                wgmma(tiled_mma_s, acc_dP, tSrdO, tSrV[None, None, None, kv_state.index], True, 1)
+                if const_expr(self.has_rab):
+                    rRab = cute.make_rmem_tensor(shape_S, self.dtype)
+                    cute.autovec_copy(tSsRab[None, None, None, kv_state.index], rRab)
+                    acc_S.store(acc_S.load() + rRab.load().to(Float32))
+                warpgroup.wait_group(0)
+                silu_and_grad_inplace(acc_S, acc_dP, alpha, inv_scale, self.fast_silu)
+                if not masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
+                    acc_rc = cute.make_tensor(acc_dP.iterator, wgmma_acc_rows_cols(acc_dP.layout))
+                    apply_mask_rows_cols(acc_rc, tScS_rc, spec, seq, row_first, n_block * self.tile_n)
+                rG = wg_mma_dq.make_fragment_A(wg_mma_dq.partition_shape_A((self.tile_m, self.tile_n)))
+                rG.store(cute.make_tensor(acc_dP.iterator, wgmma_acc_as_operand_a(acc_dP.layout)).load().to(self.dtype))
+                wgmma(tiled_mma_dq, acc_dQ, rG, tDrKt[None, None, None, kv_state.index], False, 0)
+                pipe_kv.consumer_release(kv_state)
+                kv_state = _advanced(kv_state)
+
+        rOut = cute.make_rmem_tensor(acc_dQ.layout, self.dtype)
+        rOut.store(acc_dQ.load().to(self.dtype))
+        gOut = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]), (self.tile_m, D),
+                               (m_block, 0))
+        tQc = thr_mma_dq.partition_C(cute.make_identity_tensor((self.tile_m, D)))
+        tQc_rc = cute.make_tensor(tQc.iterator, wgmma_acc_rows_cols(tQc.layout))
+        store_acc_rows(rOut, thr_mma_dq.partition_C(gOut), tQc_rc, seq.seqlen_q - m_block * self.tile_m)
+
+    @cute.jit
+    def zero_k_rows_past(self, sK, stage: Int32, zero_copy, tidx: Int32, wg: Int32, row_limit: Int32):
+        thr = zero_copy.get_slice(tidx % 128)
+        tZc = thr.partition_D(cute.make_identity_tensor((self.tile_n, self.head_dim)))
+        tZs = thr.partition_D(sK[None, None, stage])
+        zeros = cute.make_fragment_like(tZs[None, 0, None], self.dtype)
+        zeros.fill(0.0)
+        for m in cutlass.range_constexpr(cute.size(tZs.shape[1])):
+            if tZc[0, m, 0][0] >= row_limit:
+                cute.copy(zero_copy, zeros, tZs[None, m, None])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=_BAR_ZERO_K_WG0 + wg, number_of_threads=128)

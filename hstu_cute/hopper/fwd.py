@@ -17,6 +17,7 @@ from ..device_utils import (
     sequence_bounds,
     sequence_mask,
     silu_scaled_inplace,
+    store_acc_rows,
     wgmma,
     wgmma_acc_as_operand_a,
     wgmma_acc_rows_cols,
@@ -486,21 +487,8 @@ class HstuForwardSm90:
                 gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, head, None]), (self.tile_m, D),
                                      (m_block, 0))
                 tOgO = thr_mma_pv.partition_C(gO)
-                self.store_rows(rO, tOgO, tOcO_rc, seq.seqlen_q - m_block * self.tile_m)
+                store_acc_rows(rO, tOgO, tOcO_rc, seq.seqlen_q - m_block * self.tile_m)
             tile = _snake_next(tile, cta, grid)
-
-    @cute.jit
-    def store_rows(self, rO, tOgO, tOcO_rc, row_limit: Int32):
-        """Store the thread's output rows below ``row_limit``, two adjacent columns per store."""
-        rO_rc = cute.make_tensor(rO.iterator, wgmma_acc_rows_cols(rO.layout))
-        tOgO_rc = cute.make_tensor(tOgO.iterator, wgmma_acc_rows_cols(tOgO.layout))
-        col_groups = cute.size(rO_rc.shape[1]) // 2
-        for i in cutlass.range_constexpr(cute.size(rO_rc.shape[0])):
-            if tOcO_rc[i, 0][0] < row_limit:
-                src = cute.logical_divide(rO_rc[i, None], 2)
-                dst = cute.logical_divide(tOgO_rc[i, None], 2)
-                for j in cutlass.range_constexpr(col_groups):
-                    cute.autovec_copy(src[None, j], dst[None, j])
 
     @cute.jit
     def sched_wait(self, wg: Int32):

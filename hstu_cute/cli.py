@@ -324,8 +324,13 @@ def _demo_workload(args, lens_k):
 def _demo_key(args, arch: str):
     from .ampere import make_fwd_key
     from .masks import normalize_window
+    from .variants import has_hopper_kernels
 
     kind, _, _ = normalize_window(_mask_window(args.mask, args.window), args.max_len)
+    if has_hopper_kernels(arch):  # what the API runs by default there
+        from .hopper import make_hopper_fwd_key
+
+        return make_hopper_fwd_key(arch, args.dtype, args.head_dim, kind, args.mask == "target", bool(args.rab_heads))
     # Same choice as the API: 16-byte rab loads when every rab row is 16-byte aligned.
     rab_vec = 8 if args.max_len % 8 == 0 else 1
     return make_fwd_key(arch, args.dtype, args.head_dim, kind, args.mask == "target", bool(args.rab_heads), rab_vec)
@@ -513,6 +518,9 @@ def _bench_gpu(args, console, dev, name: str) -> int:
                 bar.update(task, description=w.name)
                 try:
                     row = bench.run_workload(w)
+                    if path == "hopper":  # the sm80 kernels on the same inputs, side by side
+                        row["sm80_tflops"] = bench.run_workload(dataclasses.replace(w, sdpa=False),
+                                                                path="ampere")["tflops"]
                 except Exception as exc:  # one bad workload (e.g. out of memory) must not end the run
                     row = dict(workload=w.name, error=f"{type(exc).__name__}: {exc}")
                     torch.cuda.empty_cache()
@@ -524,21 +532,23 @@ def _bench_gpu(args, console, dev, name: str) -> int:
         except Exception as exc:
             overhead = {"error": f"{type(exc).__name__}: {exc}"}
 
-    table = Table(title=f"hstu_cute forward on {name} ({arch})", title_justify="left")
-    for col in ("workload", "ms", "IQR", "TFLOP/s", "FLOPs", "% GEMM", "SDPA flash", "SDPA cuDNN",
-                "x flash", "x cuDNN"):
+    table = Table(title=f"hstu_cute forward on {name} ({arch}, {path} kernels)", title_justify="left")
+    both = path == "hopper"
+    cols = ["workload", "ms", "IQR", "TFLOP/s", "FLOPs", "% GEMM"] + (["sm80 kernel"] if both else []) + [
+        "SDPA flash", "SDPA cuDNN", "x flash", "x cuDNN"]
+    for col in cols:
         table.add_column(col, justify="left" if col in ("workload", "FLOPs") else "right")
     table.add_row("[dim]bf16 GEMM 8192^3 (peak, same run)[/]", "-", "-", f"{gemm:.1f}", "2MNK", "100%",
-                  "-", "-", "-", "-")
+                  *["-"] * (len(cols) - 6))
     for row in rows:
         if "error" in row:
-            table.add_row(row["workload"], f"[red]{row['error'][:60]}[/]", *["-"] * 8)
+            table.add_row(row["workload"], f"[red]{row['error'][:60]}[/]", *["-"] * (len(cols) - 2))
             continue
         tf, fl, cu = row["tflops"], row.get("sdpa_flash"), row.get("sdpa_cudnn")
         table.add_row(
             row["workload"], f"{row['ms']:.3f}", f"{row['iqr_ms']:.3f}", f"{tf:.1f}", row["flops"],
-            f"{100 * tf / gemm:.0f}%", _fmt_tf(fl), _fmt_tf(cu),
-            f"{tf / fl:.2f}" if fl else "-", f"{tf / cu:.2f}" if cu else "-",
+            f"{100 * tf / gemm:.0f}%", *([_fmt_tf(row.get("sm80_tflops"))] if both else []), _fmt_tf(fl),
+            _fmt_tf(cu), f"{tf / fl:.2f}" if fl else "-", f"{tf / cu:.2f}" if cu else "-",
         )
     console.print(table)
     if "api_us" in overhead:

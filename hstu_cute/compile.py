@@ -135,7 +135,7 @@ def build_hopper_fwd(key):
 
     dtype = _dsl_dtype(key.dtype)
     kernel = HstuForwardSm90(dtype, key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n, key.num_stages,
-                             key.fast_silu, key.intra_wg_overlap, key.pingpong, key.lpt_grid, key.persistent)
+                             key.fast_silu, key.intra_wg_overlap, key.pingpong, key.persistent)
     t_q, t_k, heads = cute.sym_int(), cute.sym_int(), cute.sym_int()
     batch, batch1 = cute.sym_int(), cute.sym_int()
     q, o = (_fake_tokens_heads_dim(dtype, t_q, heads, key.head_dim) for _ in range(2))
@@ -159,7 +159,8 @@ def build_hopper_fwd(key):
         options += f" --ptxas-options=-O{key.ptxas_opt}"
     with _COMPILE_LOCK:
         return cute.compile(
-            kernel, *args, Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(0), Int32(1), Int32(1), stream,
+            kernel, *args, Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(0), Int32(1), Int32(1), Int32(1),
+            stream,
             options=options,
         )
 

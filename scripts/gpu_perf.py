@@ -57,7 +57,7 @@ if "hopper" in modes:
         emit(bench.run_workload(w, path="hopper"))
         w = bench.replace(w, sdpa=False)
         for rep in range(2):
-            emit(bench.run_workload(w, dict(default_hopper_fwd_tiles(d, False), lpt_grid=True, persistent=False),
+            emit(bench.run_workload(w, dict(default_hopper_fwd_tiles(d, False), persistent=False),
                                     path="hopper"))
             emit(bench.run_workload(w, path="hopper"))
     emit(bench.run_workload(bench.replace(head, sdpa=False), path="ampere"))

@@ -32,7 +32,6 @@ class HopperFwdKey:
     fast_silu: bool = True
     intra_wg_overlap: bool = True
     pingpong: bool = True
-    lpt_grid: bool = True
     # Persistent CTAs walk LPT-ordered tiles in a snake order (docs/perf-log.md 2026-11-21: a
     # plain stride lost to one tile per CTA, 465 vs 533 TF; the snake order won, D256 612 vs 544).
     persistent: bool = True
@@ -121,7 +120,7 @@ def make_hopper_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, ti
     return HopperFwdKey(
         arch=arch, dtype=dtype, head_dim=head_dim, mask_kind=int(kind), has_context=context_target,
         has_target=context_target, has_rab=has_rab, fast_silu=dtype == "bfloat16",
-        **(tiles or dict(default_hopper_fwd_tiles(head_dim, has_rab), lpt_grid=MaskKind(kind) == MaskKind.CAUSAL)),
+        **(tiles or default_hopper_fwd_tiles(head_dim, has_rab)),
     )
 
 

@@ -31,8 +31,9 @@ _BAR_ZERO_V_WG0 = 4  # 4, 5: per-warpgroup barrier after zeroing V rows past seq
 class HstuForwardSm90:
     """Forward kernel: out = sum_j mask(silu(alpha * (q.k + rab))) v / S over one jagged batch.
 
-    Grid: one CTA per (m-block, head, batch) like the sm80 kernel (``lpt_grid``: m-blocks slowest
-    and in reverse, so the longest causal rows start first). CTAs past a sequence's end exit.
+    Tiles: (m-block, head, batch) in the order the runtime ``lpt_order`` picks (longest causal rows
+    first, or a sequence's m-blocks together); with ``persistent`` one CTA per SM walks them in a
+    snake order, else one CTA per tile. Tiles past a sequence's end are skipped.
 
     Warp roles (``128 * (1 + tile_m / 64)`` threads):
       * warpgroup 0, warp 0: producer. Issues TMA loads of Q (once), then K(+rab) and V per
@@ -64,7 +65,6 @@ class HstuForwardSm90:
         fast_silu: bool,
         intra_wg_overlap: bool = True,
         pingpong: bool = True,
-        lpt_grid: bool = False,
         persistent: bool = True,
     ):
         self.dtype = dtype
@@ -78,7 +78,6 @@ class HstuForwardSm90:
         self.intra_wg_overlap = intra_wg_overlap
         self.num_mma_wg = tile_m // 64
         self.pingpong = pingpong and self.num_mma_wg == 2
-        self.lpt_grid = lpt_grid
         self.persistent = persistent
         self.num_threads = 128 * (1 + self.num_mma_wg)
         self.num_mma_threads = 128 * self.num_mma_wg
@@ -124,6 +123,7 @@ class HstuForwardSm90:
         is_delta_q: Int32,
         num_m_blocks: Int32,
         num_sms: Int32,
+        lpt_order: Int32,  # 1: longest causal rows first; 0: a sequence's m-blocks together (L2)
         stream,
     ):
         D = self.head_dim
@@ -195,7 +195,7 @@ class HstuForwardSm90:
         self.kernel(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab,
             mQ, mO, mK, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
-            alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks,
+            alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks, lpt_order,
             sQ_layout, sK_layout, sV_layout, sRab_layout, tiled_mma_qk, tiled_mma_pv, zero_copy_v,
             SharedStorage,
         ).launch(
@@ -237,6 +237,7 @@ class HstuForwardSm90:
         group_size: Int32,
         is_delta_q: Int32,
         num_m_blocks: Int32,
+        lpt_order: Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -284,7 +285,7 @@ class HstuForwardSm90:
         sRab = None
         if const_expr(self.has_rab):
             sRab = storage.sRab.get_tensor(sRab_layout.outer, swizzle=sRab_layout.inner)
-        tiles = _TileWalk(self.lpt_grid, num_m_blocks, mQ.shape[1], mOffsetsQ.shape[0] - 1)
+        tiles = _TileWalk(lpt_order != 0, num_m_blocks, mQ.shape[1], mOffsetsQ.shape[0] - 1)
         geometry = (mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mQ.shape[0], mK.shape[0], mNumContexts,
                     mNumTargets, window_left, window_right, group_size, is_delta_q)
 
@@ -570,11 +571,12 @@ def _snake_next(tile, cta, grid):
 
 
 class _TileWalk:
-    """Linear tile index -> (m_block, head, batch). With ``lpt`` m-blocks vary slowest and in
-    reverse (the longest causal rows first across all heads and sequences; heads vary fastest),
-    else fastest (tiles running together share one sequence's K/V in L2)."""
+    """Linear tile index -> (m_block, head, batch). With ``lpt`` (a runtime flag) m-blocks vary
+    slowest and in reverse (the longest causal rows first across all heads and sequences; heads
+    vary fastest), else fastest (the tiles running together share one sequence's K/V in L2:
+    B1024 N256 jagged causal on the H100, 144 TF vs 115 with lpt, 2026-11-21)."""
 
-    def __init__(self, lpt: bool, num_m_blocks, num_heads, num_batch):
+    def __init__(self, lpt, num_m_blocks, num_heads, num_batch):
         self.lpt = lpt
         self.num_m_blocks = num_m_blocks
         self.num_heads = num_heads
@@ -582,15 +584,16 @@ class _TileWalk:
         self.num_tiles = num_m_blocks * num_heads * num_batch
 
     def coords(self, tile):
-        if self.lpt:
-            per_m_block = self.num_heads * self.num_batch
-            m_block_rev = tile // per_m_block
-            rest = tile - m_block_rev * per_m_block
-            batch = rest // self.num_heads
-            head = rest - batch * self.num_heads
-        else:
-            m_block_rev = tile % self.num_m_blocks
-            rest = tile // self.num_m_blocks
-            head = rest % self.num_heads
-            batch = rest // self.num_heads
+        per_m_block = self.num_heads * self.num_batch
+        lpt_m_rev = tile // per_m_block
+        lpt_rest = tile - lpt_m_rev * per_m_block
+        lpt_batch = lpt_rest // self.num_heads
+        lpt_head = lpt_rest - lpt_batch * self.num_heads
+        l2_rest = tile // self.num_m_blocks
+        l2_m_rev = tile - l2_rest * self.num_m_blocks
+        l2_batch = l2_rest // self.num_heads
+        l2_head = l2_rest - l2_batch * self.num_heads
+        m_block_rev = cutlass.select_(self.lpt, lpt_m_rev, l2_m_rev)
+        head = cutlass.select_(self.lpt, lpt_head, l2_head)
+        batch = cutlass.select_(self.lpt, lpt_batch, l2_batch)
         return self.num_m_blocks - 1 - m_block_rev, head, batch

@@ -39,12 +39,10 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
     device, batch = q.device, p.batch
     drab_view = None
     if rab is not None and api._rab_vec(rab) != 8:
-        # Rows not 16-byte aligned (e.g. max_seqlen_k % 8 != 0): copy rab into a padded slab so
-        # the kernels keep 16-byte loads, and return drab as a view of a padded gradient.
+        # Rows not 16-byte aligned (e.g. max_seqlen_k % 8 != 0): the kernels read a padded copy,
+        # and drab is returned as a view of a padded gradient.
         cols = rab.shape[3]
-        padded = torch.zeros(rab.shape[:3] + ((cols + 7) // 8 * 8,), dtype=rab.dtype, device=device)
-        padded[..., :cols].copy_(rab)
-        rab = padded
+        rab = api.pad_rab_rows(rab)
         if has_drab:
             drab = torch.zeros_like(rab)
             drab_view = drab[..., :cols]

@@ -26,6 +26,18 @@ def _fake_tokens_heads_dim(dtype, tokens, heads, head_dim):
     return cute.runtime.make_fake_tensor(dtype, (tokens, heads, head_dim), (stride_t, stride_h, 1), assumed_align=16)
 
 
+def _fake_rab_rows_aligned(dtype):
+    """(B, H_rab, L_q, L_k) rab whose rows start 16-byte aligned (what TMA needs; the launchers
+    pad rab when they do not)."""
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_tensor(
+        dtype, tuple(cute.sym_int() for _ in range(4)),
+        (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1),
+        assumed_align=16,
+    )
+
+
 def build_ampere_fwd(key):
     import cutlass
     import cutlass.cute as cute
@@ -144,13 +156,7 @@ def build_hopper_fwd(key):
     def int_vec(n):
         return cute.runtime.make_fake_compact_tensor(cutlass.Int32, (n,), assumed_align=4)
 
-    rab = None
-    if key.has_rab:
-        rab = cute.runtime.make_fake_tensor(
-            dtype, tuple(cute.sym_int() for _ in range(4)),
-            (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1),
-            assumed_align=16,
-        )
+    rab = _fake_rab_rows_aligned(dtype) if key.has_rab else None
     args = (q, k, v, o, int_vec(batch1), int_vec(batch1), int_vec(batch), int_vec(batch),
             int_vec(batch) if key.has_context else None, int_vec(batch) if key.has_target else None, rab)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
@@ -183,13 +189,7 @@ def build_hopper_bwd(key):
     def int_vec(n):
         return cute.runtime.make_fake_compact_tensor(cutlass.Int32, (n,), assumed_align=4)
 
-    rab = None
-    if key.has_rab:
-        rab = cute.runtime.make_fake_tensor(
-            dtype, tuple(cute.sym_int() for _ in range(4)),
-            (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1),
-            assumed_align=16,
-        )
+    rab = _fake_rab_rows_aligned(dtype) if key.has_rab else None
     outs = (dk, dv) if key.role == "dkdv" else (dq,)
     args = (q, k, v, do, *outs, int_vec(batch1), int_vec(batch1), int_vec(batch), int_vec(batch),
             int_vec(batch) if key.has_context else None, int_vec(batch) if key.has_target else None, rab)

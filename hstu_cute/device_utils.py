@@ -256,3 +256,67 @@ def store_acc_rows(rOut: cute.Tensor, tOg: cute.Tensor, tOc_rc: cute.Tensor, row
             dst = cute.logical_divide(g_rc[i, None], 2)
             for j in cutlass.range_constexpr(cute.size(rc.shape[1]) // 2):
                 cute.autovec_copy(src[None, j], dst[None, j])
+
+
+# ---------------------------------------------------------------------------------------------
+# sm90 kernel scaffolding shared by the Hopper forward and backward kernels
+# ---------------------------------------------------------------------------------------------
+# Named barrier ids 4 + warpgroup (4, 5): a consumer warpgroup's own barrier after it zeroes smem
+# rows (each of the two has its own).
+BAR_ZERO_ROWS_WG0 = 4
+
+
+def sm90_register_split(num_mma_wg: int) -> tuple[int, int]:
+    """(producer, consumer) registers per thread after ``setmaxnreg``, for one producer warpgroup
+    and ``num_mma_wg`` consumer warpgroups. The CTA launches with 65536 / threads registers
+    (rounded down to 8) and setmaxnreg only moves them between roles: with 2 consumer warpgroups
+    (64512 - 24 * 128) / 256 = 240 exactly (a 32-register producer deadlocked the consumers'
+    increase on the H100)."""
+    producer, consumer = (24, 240) if num_mma_wg == 2 else (32, 160)
+    threads = 128 * (1 + num_mma_wg)
+    launch = 65536 // threads // 8 * 8
+    assert launch * threads - producer * 128 >= consumer * 128 * num_mma_wg, (num_mma_wg, producer, consumer)
+    return producer, consumer
+
+
+def sm90_smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
+    """Row-major (rows, cols[, stages]) smem tile in the swizzled WGMMA / TMA layout."""
+    import cutlass.utils.hopper_helpers as sm90_helpers
+    from cutlass.cute.nvgpu import warpgroup
+    from cutlass.utils import LayoutEnum
+
+    atom = warpgroup.make_smem_layout_atom(sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+
+
+def rows_zero_copy(dtype, cols: int) -> cute.TiledCopy:
+    """128 threads (one warpgroup) storing 16-byte zero vectors over (rows, cols) smem tiles."""
+    vec = 128 // dtype.width
+    threads_per_row = min(cols // vec, 16)
+    return cute.make_tiled_copy_tv(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128),
+        cute.make_ordered_layout((128 // threads_per_row, threads_per_row), order=(1, 0)),
+        cute.make_layout((1, vec)),
+    )
+
+
+@cute.jit
+def zero_smem_rows_past(zero_copy, tiles, tile_shape: cutlass.Constexpr, tid_in_wg: Int32, wg: Int32,
+                        row_limit: Int32):
+    """Zero the rows at and past ``row_limit`` of each smem tile in ``tiles`` (one warpgroup;
+    the other consumer warpgroup may write the same zeros), then make the generic-proxy stores
+    visible to WGMMA (async proxy) reads and sync the warpgroup. TMA reads whatever follows a
+    sequence: P or G is 0 against those rows, but 0 * NaN would be NaN."""
+    thr = zero_copy.get_slice(tid_in_wg)
+    tZc = thr.partition_D(cute.make_identity_tensor(tile_shape))
+    for sX in tiles:
+        tZs = thr.partition_D(sX)
+        zeros = cute.make_fragment_like(tZs[None, 0, None], sX.element_type)
+        zeros.fill(0.0)
+        for m in cutlass.range_constexpr(cute.size(tZs.shape[1])):
+            if tZc[0, m, 0][0] >= row_limit:
+                cute.copy(zero_copy, zeros, tZs[None, m, None])
+    cute.arch.fence_view_async_shared()
+    cute.arch.barrier(barrier_id=BAR_ZERO_ROWS_WG0 + wg, number_of_threads=128)

@@ -9,7 +9,6 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.utils import LayoutEnum
 
 from .. import masks
 from ..ampere.bwd import silu_and_grad_inplace
@@ -17,15 +16,18 @@ from ..device_utils import (
     KERNEL_OPS,
     apply_mask_rows_cols,
     sequence_bounds,
+    rows_zero_copy,
     sequence_mask,
+    sm90_register_split,
+    sm90_smem_layout,
     store_acc_rows,
     wgmma,
     wgmma_acc_as_operand_a,
     wgmma_acc_rows_cols,
+    zero_smem_rows_past,
 )
 from .fwd import _advanced
 
-_BAR_ZERO_Q_WG0 = 4  # 4, 5: per-warpgroup barrier after zeroing Q/dO rows past seqlen_q
 
 
 class HstuBackwardDkDvSm90:
@@ -57,30 +59,19 @@ class HstuBackwardDkDvSm90:
         self.num_mma_wg = tile_n // 64
         self.num_threads = 128 * (1 + self.num_mma_wg)
         self.num_mma_threads = 128 * self.num_mma_wg
-        self.producer_regs = 24 if self.num_mma_wg == 2 else 32
-        self.mma_regs = 240 if self.num_mma_wg == 2 else 160
-        launch_regs = 65536 // self.num_threads // 8 * 8
-        assert launch_regs * self.num_threads - self.producer_regs * 128 >= self.mma_regs * self.num_mma_threads
+        self.producer_regs, self.mma_regs = sm90_register_split(self.num_mma_wg)
         assert tile_n % 64 == 0 and tile_m % 16 == 0
-
-    def _smem_layout(self, rows: int, cols: int, stages: int | None):
-        atom = warpgroup.make_smem_layout_atom(
-            sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype
-        )
-        if stages is None:
-            return cute.tile_to_shape(atom, (rows, cols), (0, 1))
-        return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
 
     @cute.jit
     def __call__(self, mQ, mK, mV, mdO, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
                  mNumTargets, mRab, alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32,
                  group_size: Int32, is_delta_q: Int32, num_n_blocks: Int32, stream):
         D = self.head_dim
-        sK_layout = self._smem_layout(self.tile_n, D, None)
-        sQ_layout = self._smem_layout(self.tile_m, D, self.num_stages)
+        sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, None)
+        sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, self.num_stages)
         sRab_layout = None
         if const_expr(self.has_rab):
-            sRab_layout = self._smem_layout(self.tile_m, self.tile_n, self.num_stages)
+            sRab_layout = sm90_smem_layout(self.dtype, self.tile_m, self.tile_n, self.num_stages)
         # S^T / dP^T: (keys, queries) = K Q^T, both operands K-major in smem.
         tiled_mma_s = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
@@ -108,13 +99,7 @@ class HstuBackwardDkDvSm90:
         elem = self.dtype.width // 8
         self.kv_bytes = 2 * self.tile_n * D * elem
         self.q_bytes = 2 * self.tile_m * D * elem + (self.tile_m * self.tile_n * elem if const_expr(self.has_rab) else 0)
-        vec = 128 // self.dtype.width
-        threads_per_row = min(D // vec, 16)
-        zero_copy = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
-            cute.make_ordered_layout((128 // threads_per_row, threads_per_row), order=(1, 0)),
-            cute.make_layout((1, vec)),
-        )
+        zero_copy = rows_zero_copy(self.dtype, D)
         stages = self.num_stages
         rab_elems = cute.cosize(sRab_layout) if const_expr(self.has_rab) else 8
 
@@ -276,7 +261,8 @@ class HstuBackwardDkDvSm90:
                 pipe_q.consumer_wait(q_state)
                 q_rows = seq.seqlen_q - m_block * self.tile_m
                 if q_rows < self.tile_m:
-                    self.zero_rows_past(sQ, sdO, q_state.index, zero_copy, tidx, wg, q_rows)
+                    zero_smem_rows_past(zero_copy, (sQ[None, None, q_state.index], sdO[None, None, q_state.index]),
+                                        (self.tile_m, D), tidx % 128, wg, q_rows)
                 acc_S = cute.make_rmem_tensor(shape_S, Float32)
                 acc_dP = cute.make_rmem_tensor(shape_S, Float32)
                 wgmma(tiled_mma_s, acc_S, tSrK, tSrQ[None, None, None, q_state.index], True, -1)
@@ -316,25 +302,6 @@ class HstuBackwardDkDvSm90:
                                    (n_block, 0))
             store_acc_rows(rOut, thr_mma_d.partition_C(gOut), tKcK_rc, k_rows)
 
-    @cute.jit
-    def zero_rows_past(self, sQ, sdO, stage: Int32, zero_copy, tidx: Int32, wg: Int32, row_limit: Int32):
-        """Zero the Q and dO rows at and past ``row_limit`` of one stage (each warpgroup for itself;
-        the values written are the same), then make them visible to the WGMMA (async proxy)."""
-        thr = zero_copy.get_slice(tidx % 128)
-        tZc = thr.partition_D(cute.make_identity_tensor((self.tile_m, self.head_dim)))
-        for sX in (sQ, sdO):
-            tZs = thr.partition_D(sX[None, None, stage])
-            zeros = cute.make_fragment_like(tZs[None, 0, None], self.dtype)
-            zeros.fill(0.0)
-            for m in cutlass.range_constexpr(cute.size(tZs.shape[1])):
-                if tZc[0, m, 0][0] >= row_limit:
-                    cute.copy(zero_copy, zeros, tZs[None, m, None])
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=_BAR_ZERO_Q_WG0 + wg, number_of_threads=128)
-
-
-_BAR_ZERO_K_WG0 = 4  # 4, 5: per-warpgroup barrier after zeroing K rows past seqlen_k
-
 
 class HstuBackwardDqSm90:
     """dQ kernel (no drab: with ``has_drab`` the sm80 dQ kernel runs). One CTA per (m-block,
@@ -363,24 +330,19 @@ class HstuBackwardDqSm90:
         self.num_mma_wg = tile_m // 64
         self.num_threads = 128 * (1 + self.num_mma_wg)
         self.num_mma_threads = 128 * self.num_mma_wg
-        self.producer_regs = 24 if self.num_mma_wg == 2 else 32
-        self.mma_regs = 240 if self.num_mma_wg == 2 else 160
-        launch_regs = 65536 // self.num_threads // 8 * 8
-        assert launch_regs * self.num_threads - self.producer_regs * 128 >= self.mma_regs * self.num_mma_threads
+        self.producer_regs, self.mma_regs = sm90_register_split(self.num_mma_wg)
         assert tile_m % 64 == 0 and tile_n % 16 == 0
-
-    _smem_layout = HstuBackwardDkDvSm90._smem_layout
 
     @cute.jit
     def __call__(self, mQ, mK, mV, mdO, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
                  mNumTargets, mRab, alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32,
                  group_size: Int32, is_delta_q: Int32, num_m_blocks: Int32, stream):
         D = self.head_dim
-        sQ_layout = self._smem_layout(self.tile_m, D, None)
-        sK_layout = self._smem_layout(self.tile_n, D, self.num_stages)
+        sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, None)
+        sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, self.num_stages)
         sRab_layout = None
         if const_expr(self.has_rab):
-            sRab_layout = self._smem_layout(self.tile_m, self.tile_n, self.num_stages)
+            sRab_layout = sm90_smem_layout(self.dtype, self.tile_m, self.tile_n, self.num_stages)
         tiled_mma_s = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
             atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_n),
@@ -406,13 +368,7 @@ class HstuBackwardDqSm90:
         elem = self.dtype.width // 8
         self.q_bytes = 2 * self.tile_m * D * elem
         self.kv_bytes = 2 * self.tile_n * D * elem + (self.tile_m * self.tile_n * elem if const_expr(self.has_rab) else 0)
-        vec = 128 // self.dtype.width
-        threads_per_row = min(D // vec, 16)
-        zero_copy = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
-            cute.make_ordered_layout((128 // threads_per_row, threads_per_row), order=(1, 0)),
-            cute.make_layout((1, vec)),
-        )
+        zero_copy = rows_zero_copy(self.dtype, D)
         stages = self.num_stages
         rab_elems = cute.cosize(sRab_layout) if const_expr(self.has_rab) else 8
 
@@ -581,7 +537,8 @@ class HstuBackwardDqSm90:
                 pipe_kv.consumer_wait(kv_state)
                 k_rows = seq.seqlen_k - n_block * self.tile_n
                 if k_rows < self.tile_n:
-                    self.zero_k_rows_past(sK, kv_state.index, zero_copy, tidx, wg, k_rows)
+                    zero_smem_rows_past(zero_copy, (sK[None, None, kv_state.index],), (self.tile_n, D), tidx % 128,
+                                        wg, k_rows)
                 acc_S = cute.make_rmem_tensor(shape_S, Float32)
                 acc_dP = cute.make_rmem_tensor(shape_S, Float32)
                 wgmma(tiled_mma_s, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, -1)
@@ -608,16 +565,3 @@ class HstuBackwardDqSm90:
         tQc = thr_mma_dq.partition_C(cute.make_identity_tensor((self.tile_m, D)))
         tQc_rc = cute.make_tensor(tQc.iterator, wgmma_acc_rows_cols(tQc.layout))
         store_acc_rows(rOut, thr_mma_dq.partition_C(gOut), tQc_rc, seq.seqlen_q - m_block * self.tile_m)
-
-    @cute.jit
-    def zero_k_rows_past(self, sK, stage: Int32, zero_copy, tidx: Int32, wg: Int32, row_limit: Int32):
-        thr = zero_copy.get_slice(tidx % 128)
-        tZc = thr.partition_D(cute.make_identity_tensor((self.tile_n, self.head_dim)))
-        tZs = thr.partition_D(sK[None, None, stage])
-        zeros = cute.make_fragment_like(tZs[None, 0, None], self.dtype)
-        zeros.fill(0.0)
-        for m in cutlass.range_constexpr(cute.size(tZs.shape[1])):
-            if tZc[0, m, 0][0] >= row_limit:
-                cute.copy(zero_copy, zeros, tZs[None, m, None])
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=_BAR_ZERO_K_WG0 + wg, number_of_threads=128)

@@ -8,7 +8,6 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.utils import LayoutEnum
 
 from .. import masks
 from ..device_utils import (
@@ -16,16 +15,19 @@ from ..device_utils import (
     apply_mask_rows_cols,
     sequence_bounds,
     sequence_mask,
+    rows_zero_copy,
     silu_scaled_inplace,
+    sm90_register_split,
+    sm90_smem_layout,
     store_acc_rows,
     wgmma,
     wgmma_acc_as_operand_a,
     wgmma_acc_rows_cols,
+    zero_smem_rows_past,
 )
 
 # Named barriers (id 0 is __syncthreads).
 _BAR_SCHED_WG0 = 2  # 2, 3: consumer warpgroups take turns issuing their GEMMs
-_BAR_ZERO_V_WG0 = 4  # 4, 5: per-warpgroup barrier after zeroing V rows past seqlen_k
 
 
 class HstuForwardSm90:
@@ -84,23 +86,12 @@ class HstuForwardSm90:
         # The CTA launches with 168 x 384 registers; setmaxnreg moves them between roles, so the
         # consumers' 240 must come out of that pool: (64512 - 24 * 128) / 256 = 240 exactly (with
         # a 32-register producer the consumers' increase never completes: a deadlock, seen on the H100).
-        self.producer_regs = 24 if self.num_mma_wg == 2 else 32
-        self.mma_regs = 240 if self.num_mma_wg == 2 else 160
-        launch_regs = 65536 // self.num_threads // 8 * 8
-        assert launch_regs * self.num_threads - self.producer_regs * 128 >= self.mma_regs * self.num_mma_threads
+        self.producer_regs, self.mma_regs = sm90_register_split(self.num_mma_wg)
         assert tile_m % 64 == 0 and tile_n % 16 == 0 and head_dim % 16 == 0
 
     # ------------------------------------------------------------------------------------------
     # Host side: layouts, TMA atoms, launch
     # ------------------------------------------------------------------------------------------
-    def _smem_layout(self, rows: int, cols: int, stages: int | None):
-        atom = warpgroup.make_smem_layout_atom(
-            sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols), self.dtype
-        )
-        if stages is None:
-            return cute.tile_to_shape(atom, (rows, cols), (0, 1))
-        return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
-
     @cute.jit
     def __call__(
         self,
@@ -127,10 +118,10 @@ class HstuForwardSm90:
         stream,
     ):
         D = self.head_dim
-        sQ_layout = self._smem_layout(self.tile_m, D, None)
-        sK_layout = self._smem_layout(self.tile_n, D, self.num_stages)
+        sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, None)
+        sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, self.num_stages)
         sV_layout = sK_layout
-        sRab_layout = self._smem_layout(self.tile_m, self.tile_n, self.num_stages) if const_expr(self.has_rab) else None
+        sRab_layout = sm90_smem_layout(self.dtype, self.tile_m, self.tile_n, self.num_stages) if const_expr(self.has_rab) else None
 
         tiled_mma_qk = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
@@ -164,14 +155,7 @@ class HstuForwardSm90:
         self.kv_bytes = self.tile_n * D * elem_bytes
         self.rab_bytes = self.tile_m * self.tile_n * elem_bytes
 
-        vec = 128 // self.dtype.width
-        threads_per_row = min(D // vec, 16)
-        # V rows past seqlen_k are zeroed by each consumer warpgroup with 128-bit smem stores.
-        zero_copy_v = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
-            cute.make_ordered_layout((128 // threads_per_row, threads_per_row), order=(1, 0)),
-            cute.make_layout((1, vec)),
-        )
+        zero_copy_v = rows_zero_copy(self.dtype, D)  # V rows past seqlen_k, per consumer warpgroup
 
         stages = self.num_stages
         rab_elems = cute.cosize(sRab_layout) if const_expr(self.has_rab) else 8
@@ -508,17 +492,8 @@ class HstuForwardSm90:
         pipe_v.consumer_wait(v_state)
         row_limit = seq.seqlen_k - n_block * self.tile_n
         if row_limit < self.tile_n:
-            thr = zero_copy_v.get_slice(tidx % 128)
-            tZsV = thr.partition_D(sV[None, None, v_state.index])
-            tZcV = thr.partition_D(cute.make_identity_tensor((self.tile_n, self.head_dim)))
-            zeros = cute.make_fragment_like(tZsV[None, 0, None], self.dtype)
-            zeros.fill(0.0)
-            for m in cutlass.range_constexpr(cute.size(tZsV.shape[1])):
-                if tZcV[0, m, 0][0] >= row_limit:
-                    cute.copy(zero_copy_v, zeros, tZsV[None, m, None])
-            # Generic-proxy stores must be visible to the WGMMA (async proxy) reads.
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=_BAR_ZERO_V_WG0 + wg, number_of_threads=128)
+            zero_smem_rows_past(zero_copy_v, (sV[None, None, v_state.index],), (self.tile_n, self.head_dim),
+                                tidx % 128, wg, row_limit)
 
     @cute.jit
     def add_rab_silu_mask(self, acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha: Float32, spec: cutlass.Constexpr,

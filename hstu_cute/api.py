@@ -410,8 +410,10 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
 def backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
              target_group_size, alpha, rab, has_drab, seqused_q, seqused_k, p: Problem, deterministic: bool):
     """Launch the backward kernels: returns ``(dq, dk, dv, drab)``, fresh tensors shaped like
-    q, k, v (and like rab when ``has_drab``, else ``drab`` is None), in the input dtype. The
-    kernels reduce without atomics, so every run is bitwise identical (``deterministic`` is free).
+    q, k, v (and like rab when ``has_drab``, else ``drab`` is None), in the input dtype. The sm80
+    kernels and the sm90 dK/dV + dQ pair sum in a fixed order (bitwise identical runs); the sm90
+    fused D128 kernel reduces dQ with TMA reduce-adds (order varies: ``deterministic=True``
+    takes the pair instead, :func:`hstu_cute.bwd_launch.run_backward`).
     """
     from .bwd_launch import run_backward
 

@@ -187,6 +187,31 @@ def sdpa_tflops(w: Workload, backend: str) -> float | None:
     return f / ms / 1e9
 
 
+def sdpa_bwd_tflops(w: Workload, backend: str) -> float | None:
+    """torch SDPA backward alone (gradients of q, k, v from a saved forward), FLOPs 2.5 x the
+    forward's: the softmax reference line for :func:`run_workload_bwd`."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    dtype = getattr(torch, w.dtype)
+    causal = w.window == (-1, 0)
+    fns = []
+    try:
+        with sdpa_kernel([be]):
+            for _ in range(3):
+                q, k, v = (torch.randn(w.batch, w.heads, w.max_len, w.head_dim, device="cuda", dtype=dtype,
+                                       requires_grad=True) for _ in range(3))
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                dout = torch.randn_like(out)
+                fns.append(lambda out=out, q=q, k=k, v=v, dout=dout: torch.autograd.grad(
+                    out, (q, k, v), dout, retain_graph=True))
+            ms, _ = time_cuda(fns)
+    except RuntimeError:
+        return None
+    f = 2.0 * w.heads * w.head_dim * w.batch * w.max_len**2 * (1 if causal else 2)
+    return 2.5 * f / ms / 1e9
+
+
 def run_workload(w: Workload, tiles: dict | None = None, sets: int = 3, path: str | None = None) -> dict:
     """Forward kernel on ``w`` (``path``: 'hopper' or 'ampere'; default: the device's own)."""
     from . import api
@@ -218,8 +243,9 @@ def run_workload(w: Workload, tiles: dict | None = None, sets: int = 3, path: st
 
 
 def run_workload_bwd(w: Workload, sets: int = 3, tiles_dq: dict | None = None, tiles_dkdv: dict | None = None,
-                     path: str | None = None) -> dict:
-    """Backward kernels alone (dq, dk, dv[, drab]) on the workload; FLOPs = 2.5 x forward."""
+                     path: str | None = None, deterministic: bool = False) -> dict:
+    """Backward kernels alone (dq, dk, dv[, drab]) on the workload; FLOPs = 2.5 x forward. With
+    ``w.sdpa`` the torch SDPA (flash, cuDNN) backward lines of the same shape are added."""
     from . import api
     from .bwd_launch import run_backward
 
@@ -238,13 +264,19 @@ def run_workload_bwd(w: Workload, sets: int = 3, tiles_dq: dict | None = None, t
         calls.append(lambda kw=kw, p=p, dout=dout: run_backward(
             dout, kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
             kw["max_seqlen_k"], kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1), 1.0,
-            kw.get("rab"), kw.get("rab") is not None, None, None, p, False, tiles_dq, tiles_dkdv, path))
+            kw.get("rab"), kw.get("rab") is not None, None, None, p, deterministic, tiles_dq, tiles_dkdv, path))
     calls[0]()
     ms, iqr = time_cuda(calls)
     f, convention = flops(w, lens_q, lens_k)
     tiles = "bwd default" if not (tiles_dq or tiles_dkdv) else f"dq {tiles_dq} dkdv {tiles_dkdv}"
-    return dict(workload=w.name + " bwd", ms=ms, iqr_ms=iqr, tflops=2.5 * f / ms / 1e9, flops=convention + " x2.5",
-                tiles=tiles, path=path or api.kernel_path(torch.device("cuda")))
+    if deterministic:
+        tiles += " deterministic"
+    row = dict(workload=w.name + " bwd", ms=ms, iqr_ms=iqr, tflops=2.5 * f / ms / 1e9, flops=convention + " x2.5",
+               tiles=tiles, path=path or api.kernel_path(torch.device("cuda")))
+    if w.sdpa:
+        row["sdpa_flash"] = sdpa_bwd_tflops(w, "flash")
+        row["sdpa_cudnn"] = sdpa_bwd_tflops(w, "cudnn")
+    return row
 
 
 def host_overhead_us(n: int = 2000) -> dict:

@@ -12,10 +12,13 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
                  num_targets, target_group_size, alpha, rab, has_drab, seqused_q, seqused_k, p,
                  deterministic=False, tiles_dq: dict | None = None, tiles_dkdv: dict | None = None,
                  path: str | None = None):
-    """Returns (dq, dk, dv, drab or None). ``deterministic`` is accepted for the API: both
-    kernels reduce in a fixed order without atomics, so every run is bitwise identical anyway.
-    ``path`` 'hopper' (default on sm90) runs the TMA + WGMMA dK/dV kernel, 'ampere' the sm80 one;
-    dQ and drab come from the sm80 dQ kernel on both."""
+    """Returns (dq, dk, dv, drab or None).
+
+    ``path`` 'hopper' (default on sm90): at head dim 128, without drab and unless ``deterministic``, one fused
+    TMA + WGMMA kernel computes dK, dV and reduces dQ into an fp32 accumulator (the order of
+    that sum varies run to run); otherwise a dK/dV kernel and a dQ kernel (the sm80 one when
+    drab is wanted), each summing in a fixed order. 'ampere': the sm80 dK/dV and dQ kernels,
+    deterministic."""
     from . import api
     from .cache import default_cache
     from .compile import build
@@ -59,15 +62,18 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
         key_dq = dataclasses.replace(key_dq, **(tiles_dq or {}))
         if path != "hopper":
             key_dkdv = dataclasses.replace(key_dkdv, **(tiles_dkdv or {}))
+    from .hopper import HOPPER_FUSED_HEAD_DIMS
+
+    fused = path == "hopper" and not has_drab and not deterministic and p.head_dim in HOPPER_FUSED_HEAD_DIMS
     if path == "hopper":
         from .hopper import make_hopper_bwd_key
 
         common = (key_dkdv.arch, key_dkdv.dtype, p.head_dim, p.mask.kind, key_dkdv.has_context, rab is not None)
-        key_dkdv = make_hopper_bwd_key("dkdv", *common, tiles_dkdv)
+        key_dkdv = make_hopper_bwd_key("fused" if fused else "dkdv", *common, tiles_dkdv)
         if not has_drab:  # drab (and its sum over heads) comes from the sm80 dQ kernel
             key_dq = make_hopper_bwd_key("dq", *common, tiles_dq)
     cache = default_cache()
-    fn_dq = cache.get(key_dq, lambda: build(key_dq))
+    fn_dq = None if fused else cache.get(key_dq, lambda: build(key_dq))
     fn_dkdv = cache.get(key_dkdv, lambda: build(key_dkdv))
     if seqused_q is None:
         seqused_q = api._filler(batch, device, api.INT32_MAX)
@@ -84,12 +90,18 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
     num_m_blocks = -(-max_seqlen_q // key_dq.tile_m)
     num_n_blocks = -(-max_seqlen_k // key_dkdv.tile_n)
     with torch.cuda.device(device):
+        if fused:
+            dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=device)
+            fn_dkdv(q, k, v, dout, dk, dv, dq_accum, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k,
+                    num_contexts, num_targets, rab, *scalars, num_n_blocks)
+            return dq_accum.to(q.dtype), dk, dv, None
         if key_dq.kernel_name == "hopper_bwd_dq":
             fn_dq(q, k, v, dout, dq, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts, num_targets,
                   rab, *scalars, num_m_blocks)
         else:
             fn_dq(q, k, v, dout, dq, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts, num_targets,
                   rab, drab, drab_accum, *scalars, num_m_blocks)
-        fn_dkdv(q, k, v, dout, dk, dv, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
-                num_targets, rab, *scalars, num_n_blocks)
+        dkdv_extra = (None,) if path == "hopper" else ()  # the unfused dK/dV kernel takes no dQ accumulator
+        fn_dkdv(q, k, v, dout, dk, dv, *dkdv_extra, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k,
+                num_contexts, num_targets, rab, *scalars, num_n_blocks)
     return dq, dk, dv, (drab_view if drab_view is not None else drab)

@@ -179,8 +179,12 @@ def build_hopper_bwd(key):
     from .hopper.bwd import HstuBackwardDkDvSm90, HstuBackwardDqSm90
 
     dtype = _dsl_dtype(key.dtype)
-    cls = HstuBackwardDkDvSm90 if key.role == "dkdv" else HstuBackwardDqSm90
-    kernel = cls(dtype, key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n, key.num_stages, key.fast_silu)
+    if key.role == "dq":
+        kernel = HstuBackwardDqSm90(dtype, key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n,
+                                    key.num_stages, key.fast_silu)
+    else:
+        kernel = HstuBackwardDkDvSm90(dtype, key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n,
+                                      key.num_stages, key.fast_silu, fuse_dq=key.role == "fused")
     t_q, t_k, heads = cute.sym_int(), cute.sym_int(), cute.sym_int()
     batch, batch1 = cute.sym_int(), cute.sym_int()
     q, do, dq = (_fake_tokens_heads_dim(dtype, t_q, heads, key.head_dim) for _ in range(3))
@@ -190,7 +194,12 @@ def build_hopper_bwd(key):
         return cute.runtime.make_fake_compact_tensor(cutlass.Int32, (n,), assumed_align=4)
 
     rab = _fake_rab_rows_aligned(dtype) if key.has_rab else None
-    outs = (dk, dv) if key.role == "dkdv" else (dq,)
+    # The fused kernel reduces dQ into an fp32 (T_q, H, D) accumulator through TMA (16-byte strides).
+    dq_accum = cute.runtime.make_fake_tensor(
+        cutlass.Float32, (t_q, heads, key.head_dim), (cute.sym_int64(divisibility=4), cute.sym_int(divisibility=4), 1),
+        assumed_align=16,
+    )
+    outs = {"dkdv": (dk, dv, None), "fused": (dk, dv, dq_accum), "dq": (dq,)}[key.role]
     args = (q, k, v, do, *outs, int_vec(batch1), int_vec(batch1), int_vec(batch), int_vec(batch),
             int_vec(batch) if key.has_context else None, int_vec(batch) if key.has_target else None, rab)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
@@ -204,7 +213,8 @@ def build_hopper_bwd(key):
         )
 
 
-BUILDERS = {"hopper_fwd": build_hopper_fwd, "hopper_bwd_dkdv": build_hopper_bwd, "hopper_bwd_dq": build_hopper_bwd, "ampere_fwd": build_ampere_fwd, "ampere_bwd_dq": build_ampere_bwd, "ampere_bwd_dkdv": build_ampere_bwd}
+BUILDERS = {"hopper_fwd": build_hopper_fwd, "hopper_bwd_dkdv": build_hopper_bwd, "hopper_bwd_dq": build_hopper_bwd,
+            "hopper_bwd_fused": build_hopper_bwd, "ampere_fwd": build_ampere_fwd, "ampere_bwd_dq": build_ampere_bwd, "ampere_bwd_dkdv": build_ampere_bwd}
 
 
 def build(key):

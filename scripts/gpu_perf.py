@@ -88,8 +88,9 @@ if "bwdsweep" in modes:
 if "bwd" in modes:
     for w in (bench.headline(), bench.replace(bench.headline(), name="full B8 N4096 D64", head_dim=64),
               bench.Workload("rab H_rab=1 B8 N2048", 8, 2048, rab_heads=1)):
-        emit(bench.run_workload_bwd(bench.replace(w, sdpa=False)))
+        emit(bench.run_workload_bwd(w))
         if torch.cuda.get_device_capability()[0] == 9:
+            emit(bench.run_workload_bwd(bench.replace(w, sdpa=False), deterministic=True))
             emit(bench.run_workload_bwd(bench.replace(w, sdpa=False), path="ampere"))
     emit(bench.run_workload_bwd(bench.replace(bench.headline(), sdpa=False)))
 emit({"host_overhead": bench.host_overhead_us()})

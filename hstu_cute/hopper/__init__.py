@@ -51,9 +51,10 @@ class HopperFwdKey:
 
 @dataclass(frozen=True)
 class HopperBwdKey:
-    """Compile key of the sm90 backward kernels (:mod:`hstu_cute.hopper.bwd`): role "dkdv"
-    (:class:`~hstu_cute.hopper.bwd.HstuBackwardDkDvSm90`) or "dq"
-    (:class:`~hstu_cute.hopper.bwd.HstuBackwardDqSm90`, calls without drab)."""
+    """Compile key of the sm90 backward kernels (:mod:`hstu_cute.hopper.bwd`): role "fused"
+    (:class:`~hstu_cute.hopper.bwd.HstuBackwardDkDvSm90` with its dQ reduction: the default),
+    or the deterministic pair "dkdv" + "dq" (:class:`~hstu_cute.hopper.bwd.HstuBackwardDqSm90`,
+    calls without drab; with drab the sm80 dQ kernel pairs with "dkdv")."""
 
     role: str
     arch: str
@@ -84,7 +85,13 @@ class HopperBwdKey:
 
 
 HOPPER_BWD_HEAD_DIMS = (32, 64, 128)
-_BWD_TILES = {"dkdv": dict(tile_m=64, tile_n=128), "dq": dict(tile_m=128, tile_n=64)}
+_BWD_TILES = {"dkdv": dict(tile_m=64, tile_n=128), "fused": dict(tile_m=64, tile_n=128),
+              "dq": dict(tile_m=128, tile_n=64)}
+HOPPER_BWD_ROLES = ("fused", "dkdv", "dq")
+# Head dims where the fused kernel is the default (no drab, not deterministic). H200, B8 N4096
+# causal bf16, same run (docs/perf-log.md 2026-11-21): D128 fused 431 vs pair 404 TF; D64 fused
+# 252 vs pair 280 (at D64 the per-m-block barriers and dQ reduce are not hidden by the GEMMs).
+HOPPER_FUSED_HEAD_DIMS = (128,)
 
 
 def make_hopper_bwd_key(role, arch, dtype, head_dim, kind, context_target, has_rab, tiles=None) -> HopperBwdKey:
@@ -96,9 +103,10 @@ def make_hopper_bwd_key(role, arch, dtype, head_dim, kind, context_target, has_r
 def shipped_hopper_bwd_keys(arch: str = "sm_90a", dtypes=SHIPPED_DTYPES, head_dims=HOPPER_BWD_HEAD_DIMS) -> list:
     return [
         make_hopper_bwd_key(role, arch, dtype, head_dim, kind, context_target, has_rab)
-        for role in ("dkdv", "dq")
+        for role in HOPPER_BWD_ROLES
         for dtype in dtypes
         for head_dim in head_dims
+        if role != "fused" or head_dim in HOPPER_FUSED_HEAD_DIMS
         for kind, context_target in SHIPPED_MASKS
         for has_rab in (False, True)
     ]

@@ -1,5 +1,6 @@
-"""HSTU attention backward for sm90a: the dK/dV kernel (TMA loads, WGMMA, a producer warp and two
-consumer warpgroups). dQ and drab still come from the sm80 kernel (:mod:`hstu_cute.ampere.bwd`)."""
+"""HSTU attention backward for sm90a (TMA loads, WGMMA, a producer warp and two consumer
+warpgroups): the dK/dV kernel, fused with a dQ reduction by default at D128, and the dQ kernel
+of the deterministic pair. drab still comes from the sm80 dQ kernel (:mod:`hstu_cute.ampere.bwd`)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ from ..device_utils import (
 )
 from .fwd import _advanced
 
+# Named barriers of the fused dK/dV/dQ kernel (0: syncthreads; 4/5: zero_smem_rows_past).
+# Alternating dQ owner: 6 + (m-block parity) = sdS buffer written by both warpgroups.
+# Split dQ columns: 6 = sdS free, 7 = sdS written.
+_BAR_DS = 6
+_BAR_DQ_WG0 = 8  # 8, 9: a warpgroup's sdQ buffer
 
 
 class HstuBackwardDkDvSm90:
@@ -44,10 +50,29 @@ class HstuBackwardDkDvSm90:
     Barriers: named 4/5 after a warpgroup zeroes the Q/dO rows past seqlen_q in smem (TMA reads
     the next sequence there; its G and P are 0, but 0 * NaN would be NaN).
     Epilogue: dK and dV stored from registers (pairs of columns), key rows past seqlen_k skipped.
+
+    ``fuse_dq`` (the default backward; the 5-GEMM schedule): the warpgroups also write G^T to
+    smem (sdS, queries contiguous), and dQ_i = G K_j (SS WGMMA, A = sdS read MN-major, B = sK
+    read MN-major) is reduced into an fp32 (T_q, H, D) accumulator with a TMA reduce-add
+    (atomic per element in L2: the summation order over n-blocks is not fixed, so
+    ``deterministic=True`` keeps the two-kernel path). By default the warpgroups take turns by
+    m-block parity: the owner computes all of dQ_i (N = D: fewer smem operand bytes per FLOP than
+    two N = D/2 halves) while the other runs ahead into the next m-block, so one warpgroup's
+    SiLU overlaps the other's GEMMs. sdS has two buffers; barrier 6 + parity is bar.sync for the
+    owner and bar.arrive for the other (alternating ids keep a warpgroup that runs ahead from
+    completing a barrier generation alone). With rab at D >= 128 that smem does not fit: both
+    warpgroups then compute half of dQ's columns each, in lockstep (barriers 6: sdS free,
+    7: sdS written). Barriers 8/9: a warpgroup's sdQ buffer free, then written and fenced.
+    Rows of sK past seqlen_k are zeroed (0 * NaN); dQ rows past seqlen_q are exact zeros, so
+    adding them into the next sequence's rows is harmless, and the TMA clips rows past T_q.
     """
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
-                 num_stages: int, fast_silu: bool):
+                 num_stages: int, fast_silu: bool, fuse_dq: bool = False):
+        self.fuse_dq = fuse_dq
+        # Column halves only where smem is short (rab ring) and a half is whole 128-byte swizzle atoms.
+        self.dq_split = fuse_dq and has_rab and head_dim >= 128
+        self.dq_cols = head_dim // 2 if self.dq_split else head_dim
         self.dtype = dtype
         self.head_dim = head_dim
         self.mask = mask
@@ -63,9 +88,9 @@ class HstuBackwardDkDvSm90:
         assert tile_n % 64 == 0 and tile_m % 16 == 0
 
     @cute.jit
-    def __call__(self, mQ, mK, mV, mdO, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
-                 mNumTargets, mRab, alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32,
-                 group_size: Int32, is_delta_q: Int32, num_n_blocks: Int32, stream):
+    def __call__(self, mQ, mK, mV, mdO, mdK, mdV, mdQaccum, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK,
+                 mNumContexts, mNumTargets, mRab, alpha: Float32, inv_scale: Float32, window_left: Int32,
+                 window_right: Int32, group_size: Int32, is_delta_q: Int32, num_n_blocks: Int32, stream):
         D = self.head_dim
         sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, None)
         sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, self.num_stages)
@@ -96,6 +121,22 @@ class HstuBackwardDkDvSm90:
             tma_atom_rab, tma_rab = cpasync.make_tiled_tma_atom(
                 tma_load, mRabt, cute.slice_(sRab_layout, (None, None, 0)), (self.tile_m, self.tile_n)
             )
+        sdS_layout = sdQ_layout = tiled_mma_dq = tma_atom_dq = tma_dq = None
+        ds_elems = dq_elems = 8
+        if const_expr(self.fuse_dq):
+            # G^T as (keys, queries), queries contiguous: the dQ GEMM reads it as an MN-major A.
+            sdS_layout = sm90_smem_layout(self.dtype, self.tile_n, self.tile_m, 1 if self.dq_split else 2)
+            sdQ_layout = sm90_smem_layout(Float32, self.tile_m, self.dq_cols, 2)  # one buffer per warpgroup
+            ds_elems, dq_elems = cute.cosize(sdS_layout), cute.cosize(sdQ_layout)
+            tiled_mma_dq = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN, Float32,
+                atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.dq_cols),
+            )
+            mdQt = cute.make_tensor(mdQaccum.iterator, cute.select(mdQaccum.layout, mode=[0, 2, 1]))
+            tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQt, cute.slice_(sdQ_layout, (None, None, 0)),
+                (self.tile_m, self.dq_cols),
+            )
         elem = self.dtype.width // 8
         self.kv_bytes = 2 * self.tile_n * D * elem
         self.q_bytes = 2 * self.tile_m * D * elem + (self.tile_m * self.tile_n * elem if const_expr(self.has_rab) else 0)
@@ -112,13 +153,16 @@ class HstuBackwardDkDvSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sRab: cute.struct.Align[cute.struct.MemRange[self.dtype, rab_elems], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, ds_elems], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_elems], 1024]
 
         num_batch = mOffsetsQ.shape[0] - 1
         self.kernel(
             tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab, tma_rab,
-            mQ, mK, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
-            alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
-            sK_layout, sQ_layout, sRab_layout, tiled_mma_s, tiled_mma_d, zero_copy, SharedStorage,
+            tma_atom_dq, tma_dq, mQ, mK, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
+            mNumTargets, mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
+            sK_layout, sQ_layout, sRab_layout, sdS_layout, sdQ_layout, tiled_mma_s, tiled_mma_d, tiled_mma_dq,
+            zero_copy, SharedStorage,
         ).launch(
             grid=[mQ.shape[1], num_batch, num_n_blocks],
             block=[self.num_threads, 1, 1],
@@ -129,9 +173,10 @@ class HstuBackwardDkDvSm90:
 
     @cute.kernel
     def kernel(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
-               tma_rab, mQ, mK, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets,
-               mRab, alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32, group_size: Int32,
-               is_delta_q: Int32, sK_layout, sQ_layout, sRab_layout, tiled_mma_s, tiled_mma_d, zero_copy,
+               tma_rab, tma_atom_dq, tma_dq, mQ, mK, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK,
+               mNumContexts, mNumTargets, mRab, alpha: Float32, inv_scale: Float32, window_left: Int32,
+               window_right: Int32, group_size: Int32, is_delta_q: Int32, sK_layout, sQ_layout, sRab_layout,
+               sdS_layout, sdQ_layout, tiled_mma_s, tiled_mma_d, tiled_mma_dq, zero_copy,
                SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -141,7 +186,7 @@ class HstuBackwardDkDvSm90:
         # Uniform over the CTA, before any barrier is initialized.
         if n_block * self.tile_n < seqlen_k:
             if warp_idx == 0:
-                for atom in (tma_atom_k, tma_atom_v, tma_atom_q, tma_atom_do, tma_atom_rab):
+                for atom in (tma_atom_k, tma_atom_v, tma_atom_q, tma_atom_do, tma_atom_rab, tma_atom_dq):
                     if const_expr(atom is not None):
                         cpasync.prefetch_descriptor(atom)
             spec = self.mask
@@ -167,9 +212,12 @@ class HstuBackwardDkDvSm90:
             sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
             sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
             sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-            sRab = None
+            sRab = sdS = sdQ = None
             if const_expr(self.has_rab):
                 sRab = storage.sRab.get_tensor(sRab_layout.outer, swizzle=sRab_layout.inner)
+            if const_expr(self.fuse_dq):
+                sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+                sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
 
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -179,8 +227,9 @@ class HstuBackwardDkDvSm90:
                                  k_start, head, batch, n_block, seq, m_lo, m_hi)
             else:
                 cute.arch.setmaxregister_increase(self.mma_regs)
-                self.consume(tidx - 128, mdK, mdV, sK, sV, sQ, sdO, sRab, pipe_kv, pipe_q, tiled_mma_s, tiled_mma_d,
-                             zero_copy, alpha, inv_scale, k_start, head, n_block, seq, m_lo, m_hi)
+                self.consume(tidx - 128, mdK, mdV, sK, sV, sQ, sdO, sRab, sdS, sdQ, tma_atom_dq, tma_dq, pipe_kv,
+                             pipe_q, tiled_mma_s, tiled_mma_d, tiled_mma_dq, zero_copy, alpha, inv_scale, q_start,
+                             k_start, head, n_block, seq, m_lo, m_hi)
 
     @cute.jit
     def produce(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
@@ -220,9 +269,9 @@ class HstuBackwardDkDvSm90:
                 q_state = _advanced(q_state)
 
     @cute.jit
-    def consume(self, tidx: Int32, mdK, mdV, sK, sV, sQ, sdO, sRab, pipe_kv, pipe_q, tiled_mma_s, tiled_mma_d,
-                zero_copy, alpha: Float32, inv_scale: Float32, k_start: Int32, head: Int32, n_block: Int32, seq,
-                m_lo: Int32, m_hi: Int32):
+    def consume(self, tidx: Int32, mdK, mdV, sK, sV, sQ, sdO, sRab, sdS, sdQ, tma_atom_dq, tma_dq, pipe_kv,
+                pipe_q, tiled_mma_s, tiled_mma_d, tiled_mma_dq, zero_copy, alpha: Float32, inv_scale: Float32,
+                q_start: Int32, k_start: Int32, head: Int32, n_block: Int32, seq, m_lo: Int32, m_hi: Int32):
         D = self.head_dim
         spec = self.mask
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -252,10 +301,34 @@ class HstuBackwardDkDvSm90:
                                                                     order=(1, 0, 2)))
             tSsRabT = thr_mma_s.partition_C(sRabT)
         col0 = n_block * self.tile_n
+        k_rows = seq.seqlen_k - n_block * self.tile_n
+        tid_in_wg = tidx % 128
+        tSsdS = tdQrdS = tdQrKt = tdQsdQ = tdQsdQ_tma = tdQgdQ = None
+        if const_expr(self.fuse_dq):
+            tSsdS = thr_mma_s.partition_C(sdS)
+            thr_mma_dq = tiled_mma_dq.get_slice(tid_in_wg)
+            # dS as (queries, keys) and K as (D, keys): both contiguous along their first mode.
+            sdSt = cute.composition(sdS, cute.make_ordered_layout((self.tile_m, self.tile_n, cute.size(sdS, mode=[2])),
+                                                                  order=(1, 0, 2)))
+            sKt = cute.composition(sK, cute.make_ordered_layout((D, self.tile_n), order=(1, 0)))
+            tdQrdS = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sdSt))
+            dq_col_block = wg if const_expr(self.dq_split) else 0
+            sKt_cols = cute.local_tile(sKt, (self.dq_cols, self.tile_n), (dq_col_block, 0))
+            tdQrKt = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(sKt_cols))
+            sdQ_wg = sdQ[None, None, wg]
+            tdQsdQ = thr_mma_dq.partition_C(sdQ_wg)
+            gdQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_dq[None, None, head]),
+                                  (self.tile_m, self.dq_cols), (None, dq_col_block))
+            tdQsdQ_tma, tdQgdQ = cpasync.tma_partition(tma_atom_dq, 0, cute.make_layout(1),
+                                                       cute.group_modes(sdQ_wg, 0, 2), cute.group_modes(gdQ, 0, 2))
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
+        if const_expr(self.fuse_dq):
+            if k_rows < self.tile_n:
+                zero_smem_rows_past(zero_copy, (sK,), (self.tile_n, D), tid_in_wg, wg, k_rows)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        blocks_done = Int32(0)
         for m_block in cutlass.range(m_lo, m_hi, unroll=1):
             if masks.tile_nonempty(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
                 pipe_q.consumer_wait(q_state)
@@ -286,13 +359,30 @@ class HstuBackwardDkDvSm90:
                 rP = wg_mma_d.make_fragment_A(wg_mma_d.partition_shape_A((self.tile_n, self.tile_m)))
                 rP.store(cute.make_tensor(acc_S.iterator, wgmma_acc_as_operand_a(acc_S.layout)).load().to(self.dtype))
                 rG = wg_mma_d.make_fragment_A(wg_mma_d.partition_shape_A((self.tile_n, self.tile_m)))
-                rG.store(cute.make_tensor(acc_dP.iterator, wgmma_acc_as_operand_a(acc_dP.layout)).load().to(self.dtype))
+                if const_expr(self.fuse_dq):
+                    rG_acc = cute.make_rmem_tensor(acc_dP.layout, self.dtype)
+                    rG_acc.store(acc_dP.load().to(self.dtype))
+                    rG.store(cute.make_tensor(rG_acc.iterator, wgmma_acc_as_operand_a(rG_acc.layout)).load())
+                    if const_expr(self.dq_split):
+                        cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=self.num_mma_threads)
+                    cute.autovec_copy(rG_acc, tSsdS[None, None, None, self.ds_buffer(blocks_done)])
+                else:
+                    rG.store(cute.make_tensor(acc_dP.iterator, wgmma_acc_as_operand_a(acc_dP.layout)).load().to(self.dtype))
                 wgmma(tiled_mma_d, acc_dV, rP, tDrdOt[None, None, None, q_state.index], False, -1)
-                wgmma(tiled_mma_d, acc_dK, rG, tDrQt[None, None, None, q_state.index], False, 0)
+                if const_expr(not self.fuse_dq):
+                    wgmma(tiled_mma_d, acc_dK, rG, tDrQt[None, None, None, q_state.index], False, 0)
+                else:
+                    wgmma(tiled_mma_d, acc_dK, rG, tDrQt[None, None, None, q_state.index], False, -1)
+                    cute.arch.fence_view_async_shared()
+                    self.reduce_dq(tiled_mma_dq, tdQrdS, tdQrKt, tdQsdQ, tdQsdQ_tma, tdQgdQ, tma_atom_dq, tid_in_wg, wg,
+                                   m_block, blocks_done)
                 pipe_q.consumer_release(q_state)
                 q_state = _advanced(q_state)
+                blocks_done += 1
 
-        k_rows = seq.seqlen_k - n_block * self.tile_n
+        if const_expr(self.fuse_dq):
+            if tid_in_wg < 32:
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
         tKcK = thr_mma_d.partition_C(cute.make_identity_tensor((self.tile_n, D)))
         tKcK_rc = cute.make_tensor(tKcK.iterator, wgmma_acc_rows_cols(tKcK.layout))
         for acc, mOut in ((acc_dK, mdK), (acc_dV, mdV)):
@@ -301,6 +391,44 @@ class HstuBackwardDkDvSm90:
             gOut = cute.local_tile(cute.domain_offset((k_start, 0), mOut[None, head, None]), (self.tile_n, D),
                                    (n_block, 0))
             store_acc_rows(rOut, thr_mma_d.partition_C(gOut), tKcK_rc, k_rows)
+
+
+    def ds_buffer(self, blocks_done: Int32):
+        return 0 if const_expr(self.dq_split) else blocks_done % 2
+
+    @cute.jit
+    def reduce_dq(self, tiled_mma_dq, tdQrdS, tdQrKt, tdQsdQ, tdQsdQ_tma, tdQgdQ, tma_atom_dq, tid_in_wg: Int32,
+                  wg: Int32, m_block: Int32, blocks_done: Int32):
+        """dQ_i (all columns, or this warpgroup's half) = dS K_j, then a TMA reduce-add into the
+        fp32 accumulator. Waits for every WGMMA this warpgroup has in flight (dV and dK too)."""
+        buf = self.ds_buffer(blocks_done)
+        mine = True
+        if const_expr(self.dq_split):
+            cute.arch.barrier(barrier_id=_BAR_DS + 1, number_of_threads=self.num_mma_threads)
+        else:
+            mine = buf == wg
+            if not mine:
+                cute.arch.barrier_arrive(barrier_id=_BAR_DS + buf, number_of_threads=self.num_mma_threads)
+                warpgroup.wait_group(0)
+        if mine:
+            if const_expr(not self.dq_split):
+                # dV and dK retire first: their register A operands (P^T, G^T) and a 64 x D dQ
+                # accumulator do not fit together (ptxas serialized every WGMMA, C7512).
+                warpgroup.wait_group(0)
+                cute.arch.barrier(barrier_id=_BAR_DS + buf, number_of_threads=self.num_mma_threads)
+            acc_dQ = cute.make_rmem_tensor(tdQsdQ.shape, Float32)
+            wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, True, 0)
+            # The TMA copy elects its issuing lane (elect.sync): a whole warp must reach it. Its
+            # previous reduce from this buffer must have finished reading smem.
+            if tid_in_wg < 32:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=_BAR_DQ_WG0 + wg, number_of_threads=128)
+            cute.autovec_copy(acc_dQ, tdQsdQ)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=_BAR_DQ_WG0 + wg, number_of_threads=128)
+            if tid_in_wg < 32:
+                cute.copy(tma_atom_dq, tdQsdQ_tma, tdQgdQ[None, m_block])
+                cute.arch.cp_async_bulk_commit_group()
 
 
 class HstuBackwardDqSm90:

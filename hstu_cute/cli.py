@@ -490,9 +490,9 @@ def cmd_bench(args, console) -> int:
 def _bench_gpu(args, console, dev, name: str) -> int:
     import torch
     from rich.progress import Progress
-    from rich.table import Table
 
     from . import __version__, bench
+    from .ampere import BWD_HEAD_DIMS
     from .api import device_arch, kernel_path
 
     try:
@@ -507,33 +507,70 @@ def _bench_gpu(args, console, dev, name: str) -> int:
     meta = dict(gpu=name, arch=arch, kernel_path=path, torch=torch.__version__,
                 dsl=_dist_version("nvidia-cutlass-dsl"), hstu_cute=__version__, grid=args.grid,
                 time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-    console.print(f"GPU: [bold]{name}[/] ({arch}, kernel path {path}); {len(workloads)} workloads, forward, "
-                  "bf16 unless named; FLOP conventions of shared/perf/README.md")
-    rows: list[dict] = []
+    console.print(f"GPU: [bold]{name}[/] ({arch}, kernel path {path}); {len(workloads)} workloads, "
+                  f"{args.direction.replace('both', 'forward and backward')}, bf16 unless named; FLOP conventions "
+                  "of shared/perf/README.md")
+
+    both = path == "hopper"  # the sm80 kernels on the same inputs, side by side
+    directions = ("fwd", "bwd") if args.direction == "both" else (args.direction,)
+    bwd_workloads = [w for w in workloads if w.head_dim in BWD_HEAD_DIMS]
+    rows: dict[str, list[dict]] = {"fwd": [], "bwd": []}
     with torch.cuda.device(dev):
         gemm = bench.gemm_tflops()
         with Progress(console=console, transient=True) as bar:
-            task = bar.add_task("bench", total=len(workloads))
-            for w in workloads:
-                bar.update(task, description=w.name)
-                try:
-                    row = bench.run_workload(w)
-                    if path == "hopper":  # the sm80 kernels on the same inputs, side by side
-                        row["sm80_tflops"] = bench.run_workload(dataclasses.replace(w, sdpa=False),
-                                                                path="ampere")["tflops"]
-                except Exception as exc:  # one bad workload (e.g. out of memory) must not end the run
-                    row = dict(workload=w.name, error=f"{type(exc).__name__}: {exc}")
-                    torch.cuda.empty_cache()
-                row["spec"] = dataclasses.asdict(w)
-                rows.append(row)
-                bar.advance(task)
+            for direction in directions:
+                todo = workloads if direction == "fwd" else bwd_workloads
+                run = bench.run_workload if direction == "fwd" else bench.run_workload_bwd
+                task = bar.add_task(direction, total=len(todo))
+                for w in todo:
+                    bar.update(task, description=f"{direction} {w.name}")
+                    try:
+                        row = run(w)
+                        if both:
+                            row["sm80_tflops"] = run(dataclasses.replace(w, sdpa=False), path="ampere")["tflops"]
+                    except Exception as exc:  # one bad workload (e.g. out of memory) must not end the run
+                        row = dict(workload=w.name, error=f"{type(exc).__name__}: {exc}")
+                        torch.cuda.empty_cache()
+                    row["spec"] = dataclasses.asdict(w)
+                    row["direction"] = direction
+                    rows[direction].append(row)
+                    bar.advance(task)
         try:
             overhead = bench.host_overhead_us()
         except Exception as exc:
             overhead = {"error": f"{type(exc).__name__}: {exc}"}
 
-    table = Table(title=f"hstu_cute forward on {name} ({arch}, {path} kernels)", title_justify="left")
-    both = path == "hopper"
+    for direction in directions:
+        title = {"fwd": "forward", "bwd": "backward (dq, dk, dv)"}[direction]
+        console.print(_bench_table(f"hstu_cute {title} on {name} ({arch}, {path} kernels)", rows[direction], gemm,
+                                   both))
+    skipped_bwd = [w.name for w in workloads if w not in bwd_workloads]
+    if "bwd" in directions and skipped_bwd:
+        console.print(f"Backward not timed for head dim 256 (not built yet): {', '.join(skipped_bwd)}")
+    if "api_us" in overhead:
+        parts = ", ".join(f"{k[:-3]} {v:.1f} us" for k, v in overhead.items() if k != "api_us" and k.endswith("_us"))
+        console.print(f"Host overhead of one hstu_attn_varlen_func call (tiny problem): {overhead['api_us']:.1f} us"
+                      + (f" ({parts})" if parts else ""))
+    else:
+        console.print(f"Host overhead: not measured ({overhead.get('error')})")
+    console.print("SDPA lines: torch scaled_dot_product_attention (softmax) on the same dense shapes, timed in this "
+                  "run (backward: the gradient pass alone, FLOPs 2.5x the forward's); '-' where a workload has no "
+                  "dense equivalent or the backend is unavailable.")
+    all_rows = rows["fwd"] + rows["bwd"]
+    if args.out:
+        with open(args.out, "a", encoding="utf-8") as fh:
+            for row in all_rows:
+                fh.write(json.dumps({**meta, "gemm_tflops": gemm, **row}, default=str) + "\n")
+            fh.write(json.dumps({**meta, "gemm_tflops": gemm, "workload": "host_overhead", **overhead}) + "\n")
+        console.print(f"Appended {len(all_rows) + 1} JSON lines to {args.out}")
+    return 1 if any("error" in r for r in all_rows) else 0
+
+
+def _bench_table(title: str, rows: list[dict], gemm: float, both: bool):
+    """One rich table: our TFLOP/s, the GEMM peak, the sm80 kernels (on sm90) and SDPA lines."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
     cols = ["workload", "ms", "IQR", "TFLOP/s", "FLOPs", "% GEMM"] + (["sm80 kernel"] if both else []) + [
         "SDPA flash", "SDPA cuDNN", "x flash", "x cuDNN"]
     for col in cols:
@@ -550,22 +587,7 @@ def _bench_gpu(args, console, dev, name: str) -> int:
             f"{100 * tf / gemm:.0f}%", *([_fmt_tf(row.get("sm80_tflops"))] if both else []), _fmt_tf(fl),
             _fmt_tf(cu), f"{tf / fl:.2f}" if fl else "-", f"{tf / cu:.2f}" if cu else "-",
         )
-    console.print(table)
-    if "api_us" in overhead:
-        parts = ", ".join(f"{k[:-3]} {v:.1f} us" for k, v in overhead.items() if k != "api_us" and k.endswith("_us"))
-        console.print(f"Host overhead of one hstu_attn_varlen_func call (tiny problem): {overhead['api_us']:.1f} us"
-                      + (f" ({parts})" if parts else ""))
-    else:
-        console.print(f"Host overhead: not measured ({overhead.get('error')})")
-    console.print("SDPA lines: torch scaled_dot_product_attention (softmax) on the same dense shapes, timed in this "
-                  "run; '-' where a workload has no dense equivalent or the backend is unavailable.")
-    if args.out:
-        with open(args.out, "a", encoding="utf-8") as fh:
-            for row in rows:
-                fh.write(json.dumps({**meta, "gemm_tflops": gemm, **row}, default=str) + "\n")
-            fh.write(json.dumps({**meta, "gemm_tflops": gemm, "workload": "host_overhead", **overhead}) + "\n")
-        console.print(f"Appended {len(rows) + 1} JSON lines to {args.out}")
-    return 1 if any("error" in r for r in rows) else 0
+    return table
 
 
 # ---------------------------------------------------------------------------------------------
@@ -622,6 +644,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmark grid with GEMM peak and SDPA reference lines (GPU)")
     p.add_argument("--grid", choices=("headline", "full"), default="headline",
                    help="headline: B8 N4096 D128 causal; full: the grid of shared/perf/README.md")
+    p.add_argument("--direction", choices=("fwd", "bwd", "both"), default="both",
+                   help="time the forward, the backward (head dims 32-128) or both (default)")
     p.add_argument("--out", default=None, help="append one JSON line per workload to this file")
     p.add_argument("--limit", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bench)

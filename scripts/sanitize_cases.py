@@ -1,8 +1,9 @@
 """A small jagged batch through every mask family (and rab, delta_q, seqused), for compute-sanitizer.
 
 On a compute capability 9.x GPU every case runs the forward on both kernel paths (hopper, then
-ampere, forced through HSTU_CUTE_ARCH); the backward (the same mma.sync kernels on every path)
-runs once per case, on the first path."""
+ampere, forced through HSTU_CUTE_ARCH). The backward runs on both paths too, three ways per case:
+the default (on hopper at D128: the fused dK/dV/dQ kernel, rab without drab included),
+deterministic=True (the dK/dV + dQ pair) and, with rab, has_drab=True."""
 import os
 
 import torch
@@ -30,12 +31,16 @@ for path in PATHS:
             b = reference.random_jagged_batch(5, 2, head_dim, 99 if kw.get("is_delta_q") else 131,
                                               device="cuda", seed=7, **kw)
             hstu_attn_varlen_func(**b)
-            if path == PATHS[0] and head_dim <= 128:  # backward kernels: head dims 32-128
+            if head_dim <= 128:  # backward kernels: head dims 32-128
                 for t in ("q", "k", "v"):
                     b[t].requires_grad_(True)
+                modes = [dict(), dict(deterministic=True)]
                 if b["rab"] is not None:
-                    b["rab"].requires_grad_(True)
-                out = hstu_attn_varlen_func(**b, has_drab=b["rab"] is not None)
-                out.backward(torch.randn_like(out))
+                    modes.append(dict(has_drab=True))
+                for mode in modes:
+                    if b["rab"] is not None:
+                        b["rab"].requires_grad_(mode.get("has_drab", False))
+                    out = hstu_attn_varlen_func(**b, **mode)
+                    out.backward(torch.randn_like(out))
         torch.cuda.synchronize()
         print("ran", path, name, flush=True)

@@ -213,6 +213,40 @@ def test_backward_matches_oracle(mask, rab, path):
     _check_backward(b, has_drab=rab_heads is not None)
 
 
+@pytest.mark.parametrize("rab", [None, "1", "H"], ids=["no-rab", "H_rab=1", "H_rab=H"])
+@pytest.mark.parametrize("mask", list(MASKS) + ["all-target g5"])
+def test_backward_d128_without_drab_matches_oracle(mask, rab, path):
+    """At D128 without drab the Hopper path runs the fused dK/dV/dQ kernel (dQ by TMA reduce-add;
+    with rab its split-column mode): edge lengths, all-target sequences, delta_q, rab."""
+    m = dict(MASKS.get(mask, dict(window_size=(-1, 0), target_group_size=5)))
+    lengths = [0, 1, 17, 300, 129, 64]
+    if mask == "all-target g5":
+        m["num_targets"] = list(lengths)
+    max_q = 300
+    if m.get("is_delta_q"):
+        max_q = 70
+        m["lengths_q"] = "random"
+    rab_heads = {None: None, "1": 1, "H": H}[rab]
+    b = reference.random_jagged_batch(len(lengths), H, 128, max_q, 300, lengths=lengths, device="cuda", dtype=BF16,
+                                      rab_heads=rab_heads, alpha=0.5, seed=zlib.crc32(f"d128/{mask}/{rab}".encode()),
+                                      **m)
+    _check_backward(b, has_drab=False)
+
+
+def test_backward_d128_deterministic_is_bitwise_and_close_to_default(path):
+    b = reference.random_jagged_batch(4, H, 128, 400, device="cuda", dtype=BF16, lengths=[400, 17, 1, 250],
+                                      window_size=(-1, 0), seed=9)
+    runs = []
+    for deterministic in (True, True, True, False):
+        torch.manual_seed(0)  # same dout every run
+        runs.append(_check_backward(b, has_drab=False, deterministic=deterministic))
+    for other in runs[1:3]:
+        for n in runs[0]:
+            assert torch.equal(runs[0][n], other[n]), f"d{n} differs between deterministic runs"
+    for n in runs[0]:  # the default (fused on Hopper) sums dQ in another order: close, not bitwise
+        torch.testing.assert_close(runs[3][n], runs[0][n], rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_backward_head_dims_fp16(head_dim, path):
     b = reference.random_jagged_batch(3, H, head_dim, 130, device="cuda", dtype=torch.float16, lengths=[130, 17, 1],

@@ -167,49 +167,32 @@ def gemm_tflops() -> float:
     return 2 * 8192**3 / ms / 1e9
 
 
-def sdpa_tflops(w: Workload, backend: str) -> float | None:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
-    dtype = getattr(torch, w.dtype)
-    sets = []
-    for _ in range(3):
-        q, k, v = (torch.randn(w.batch, w.heads, w.max_len, w.head_dim, device="cuda", dtype=dtype) for _ in range(3))
-        sets.append((q, k, v))
-    causal = w.window == (-1, 0)
-    try:
-        with sdpa_kernel([be]):
-            fns = [lambda s=s: torch.nn.functional.scaled_dot_product_attention(*s, is_causal=causal) for s in sets]
-            ms, _ = time_cuda(fns)
-    except RuntimeError:
-        return None
-    f = 2.0 * w.heads * w.head_dim * w.batch * w.max_len**2 * (1 if causal else 2)
-    return f / ms / 1e9
-
-
-def sdpa_bwd_tflops(w: Workload, backend: str) -> float | None:
-    """torch SDPA backward alone (gradients of q, k, v from a saved forward), FLOPs 2.5 x the
-    forward's: the softmax reference line for :func:`run_workload_bwd`."""
+def sdpa_tflops(w: Workload, backend: str, backward: bool = False) -> float | None:
+    """torch SDPA (softmax) on the dense shape of ``w``: the reference lines. ``backward``: the
+    gradient pass alone (q, k, v from a saved forward), FLOPs 2.5 x the forward's."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
     dtype = getattr(torch, w.dtype)
     causal = w.window == (-1, 0)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     fns = []
     try:
         with sdpa_kernel([be]):
             for _ in range(3):
                 q, k, v = (torch.randn(w.batch, w.heads, w.max_len, w.head_dim, device="cuda", dtype=dtype,
-                                       requires_grad=True) for _ in range(3))
-                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                dout = torch.randn_like(out)
-                fns.append(lambda out=out, q=q, k=k, v=v, dout=dout: torch.autograd.grad(
-                    out, (q, k, v), dout, retain_graph=True))
+                                       requires_grad=backward) for _ in range(3))
+                if backward:
+                    out = sdpa(q, k, v, is_causal=causal)
+                    fns.append(lambda out=out, q=q, k=k, v=v, dout=torch.randn_like(out): torch.autograd.grad(
+                        out, (q, k, v), dout, retain_graph=True))
+                else:
+                    fns.append(lambda q=q, k=k, v=v: sdpa(q, k, v, is_causal=causal))
             ms, _ = time_cuda(fns)
     except RuntimeError:
         return None
     f = 2.0 * w.heads * w.head_dim * w.batch * w.max_len**2 * (1 if causal else 2)
-    return 2.5 * f / ms / 1e9
+    return (2.5 if backward else 1.0) * f / ms / 1e9
 
 
 def run_workload(w: Workload, tiles: dict | None = None, sets: int = 3, path: str | None = None) -> dict:
@@ -274,8 +257,8 @@ def run_workload_bwd(w: Workload, sets: int = 3, tiles_dq: dict | None = None, t
     row = dict(workload=w.name + " bwd", ms=ms, iqr_ms=iqr, tflops=2.5 * f / ms / 1e9, flops=convention + " x2.5",
                tiles=tiles, path=path or api.kernel_path(torch.device("cuda")))
     if w.sdpa:
-        row["sdpa_flash"] = sdpa_bwd_tflops(w, "flash")
-        row["sdpa_cudnn"] = sdpa_bwd_tflops(w, "cudnn")
+        row["sdpa_flash"] = sdpa_tflops(w, "flash", backward=True)
+        row["sdpa_cudnn"] = sdpa_tflops(w, "cudnn", backward=True)
     return row
 
 

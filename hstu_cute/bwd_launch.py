@@ -62,15 +62,13 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
         key_dq = dataclasses.replace(key_dq, **(tiles_dq or {}))
         if path != "hopper":
             key_dkdv = dataclasses.replace(key_dkdv, **(tiles_dkdv or {}))
-    from .hopper import HOPPER_FUSED_HEAD_DIMS
+    from .hopper import HOPPER_FUSED_HEAD_DIMS, make_hopper_bwd_key
 
     fused = path == "hopper" and not has_drab and not deterministic and p.head_dim in HOPPER_FUSED_HEAD_DIMS
     if path == "hopper":
-        from .hopper import make_hopper_bwd_key
-
         common = (key_dkdv.arch, key_dkdv.dtype, p.head_dim, p.mask.kind, key_dkdv.has_context, rab is not None)
         key_dkdv = make_hopper_bwd_key("fused" if fused else "dkdv", *common, tiles_dkdv)
-        if not has_drab:  # drab (and its sum over heads) comes from the sm80 dQ kernel
+        if not has_drab and not fused:  # drab (and its sum over heads) comes from the sm80 dQ kernel
             key_dq = make_hopper_bwd_key("dq", *common, tiles_dq)
     cache = default_cache()
     fn_dq = None if fused else cache.get(key_dq, lambda: build(key_dq))

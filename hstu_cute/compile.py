@@ -16,6 +16,26 @@ def _dsl_dtype(name: str):
     return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
 
 
+def _int_vec(n):
+    import cutlass
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_compact_tensor(cutlass.Int32, (n,), assumed_align=4)
+
+
+def _compile(key, kernel, *args):
+    """``cute.compile`` with the trailing stream argument (the caller's torch stream at run time),
+    the key's arch and ptxas level; one compile at a time."""
+    import cutlass.cute as cute
+
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    options = f"--enable-tvm-ffi --gpu-arch {key.arch}"
+    if key.ptxas_opt != 3:
+        options += f" --ptxas-options=-O{key.ptxas_opt}"
+    with _COMPILE_LOCK:
+        return cute.compile(kernel, *args, stream, options=options)
+
+
 def _fake_tokens_heads_dim(dtype, tokens, heads, head_dim):
     """(T, H, D) view with a 64-bit token stride (global offsets never overflow int32) and a
     16-byte aligned head stride."""
@@ -39,7 +59,6 @@ def _fake_rab_rows_aligned(dtype):
 
 
 def build_ampere_fwd(key):
-    import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
@@ -65,14 +84,10 @@ def build_ampere_fwd(key):
     k = _fake_tokens_heads_dim(dtype, t_k, heads, key.head_dim)
     v = _fake_tokens_heads_dim(dtype, t_k, heads, key.head_dim)
     o = _fake_tokens_heads_dim(dtype, t_q, heads, key.head_dim)
-
-    def int_vec(n):
-        return cute.runtime.make_fake_compact_tensor(cutlass.Int32, (n,), assumed_align=4)
-
-    offsets_q, offsets_k = int_vec(batch1), int_vec(batch1)
-    seqused_q, seqused_k = int_vec(batch), int_vec(batch)
-    num_contexts = int_vec(batch) if key.has_context else None
-    num_targets = int_vec(batch) if key.has_target else None
+    offsets_q, offsets_k = _int_vec(batch1), _int_vec(batch1)
+    seqused_q, seqused_k = _int_vec(batch), _int_vec(batch)
+    num_contexts = _int_vec(batch) if key.has_context else None
+    num_targets = _int_vec(batch) if key.has_target else None
     rab = None
     if key.has_rab:
         rab = cute.runtime.make_fake_tensor(
@@ -82,16 +97,8 @@ def build_ampere_fwd(key):
              cute.sym_int(divisibility=key.rab_vec), 1),
             assumed_align=2 * key.rab_vec,
         )
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    options = f"--enable-tvm-ffi --gpu-arch {key.arch}"
-    if key.ptxas_opt != 3:
-        options += f" --ptxas-options=-O{key.ptxas_opt}"
-    with _COMPILE_LOCK:
-        return cute.compile(
-            kernel, q, k, v, o, offsets_q, offsets_k, seqused_q, seqused_k, num_contexts, num_targets, rab,
-            Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(0), Int32(1), stream,
-            options=options,
-        )
+    return _compile(key, kernel, q, k, v, o, offsets_q, offsets_k, seqused_q, seqused_k, num_contexts, num_targets,
+                    rab, Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(0), Int32(1))
 
 
 def build_ampere_bwd(key):
@@ -110,19 +117,15 @@ def build_ampere_bwd(key):
     q, do, dq = (_fake_tokens_heads_dim(dtype, t_q, heads, key.head_dim) for _ in range(3))
     k, v, dk, dv = (_fake_tokens_heads_dim(dtype, t_k, heads, key.head_dim) for _ in range(4))
 
-    def int_vec(n):
-        return cute.runtime.make_fake_compact_tensor(cutlass.Int32, (n,), assumed_align=4)
-
     def slab(elem, vec, rank):
         shape = tuple(cute.sym_int() for _ in range(rank))
         stride = tuple(cute.sym_int64(divisibility=vec) for _ in range(rank - 2)) + (cute.sym_int(divisibility=vec), 1)
         return cute.runtime.make_fake_tensor(elem, shape, stride, assumed_align=max(elem.width // 8 * vec, 4))
 
-    offsets_q, offsets_k, seqused_q, seqused_k = int_vec(batch1), int_vec(batch1), int_vec(batch), int_vec(batch)
-    num_contexts = int_vec(batch) if key.has_context else None
-    num_targets = int_vec(batch) if key.has_target else None
+    offsets_q, offsets_k, seqused_q, seqused_k = _int_vec(batch1), _int_vec(batch1), _int_vec(batch), _int_vec(batch)
+    num_contexts = _int_vec(batch) if key.has_context else None
+    num_targets = _int_vec(batch) if key.has_target else None
     rab = slab(dtype, key.rab_vec, 4) if key.has_rab else None
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     scalars = (Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(0), Int32(1))
     if key.role == "dq":
         drab = slab(dtype, 1, 4) if key.has_drab else None
@@ -131,15 +134,10 @@ def build_ampere_bwd(key):
                 drab_accum)
     else:
         args = (q, k, v, do, dk, dv, offsets_q, offsets_k, seqused_q, seqused_k, num_contexts, num_targets, rab)
-    options = f"--enable-tvm-ffi --gpu-arch {key.arch}"
-    if key.ptxas_opt != 3:
-        options += f" --ptxas-options=-O{key.ptxas_opt}"
-    with _COMPILE_LOCK:
-        return cute.compile(kernel, *args, *scalars, stream, options=options)
+    return _compile(key, kernel, *args, *scalars)
 
 
 def build_hopper_fwd(key):
-    import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
@@ -152,23 +150,11 @@ def build_hopper_fwd(key):
     batch, batch1 = cute.sym_int(), cute.sym_int()
     q, o = (_fake_tokens_heads_dim(dtype, t_q, heads, key.head_dim) for _ in range(2))
     k, v = (_fake_tokens_heads_dim(dtype, t_k, heads, key.head_dim) for _ in range(2))
-
-    def int_vec(n):
-        return cute.runtime.make_fake_compact_tensor(cutlass.Int32, (n,), assumed_align=4)
-
     rab = _fake_rab_rows_aligned(dtype) if key.has_rab else None
-    args = (q, k, v, o, int_vec(batch1), int_vec(batch1), int_vec(batch), int_vec(batch),
-            int_vec(batch) if key.has_context else None, int_vec(batch) if key.has_target else None, rab)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    options = f"--enable-tvm-ffi --gpu-arch {key.arch}"
-    if key.ptxas_opt != 3:
-        options += f" --ptxas-options=-O{key.ptxas_opt}"
-    with _COMPILE_LOCK:
-        return cute.compile(
-            kernel, *args, Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(0), Int32(1), Int32(1), Int32(1),
-            stream,
-            options=options,
-        )
+    args = (q, k, v, o, _int_vec(batch1), _int_vec(batch1), _int_vec(batch), _int_vec(batch),
+            _int_vec(batch) if key.has_context else None, _int_vec(batch) if key.has_target else None, rab)
+    return _compile(key, kernel, *args, Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(0), Int32(1),
+                    Int32(1), Int32(1))
 
 
 def build_hopper_bwd(key):
@@ -189,10 +175,6 @@ def build_hopper_bwd(key):
     batch, batch1 = cute.sym_int(), cute.sym_int()
     q, do, dq = (_fake_tokens_heads_dim(dtype, t_q, heads, key.head_dim) for _ in range(3))
     k, v, dk, dv = (_fake_tokens_heads_dim(dtype, t_k, heads, key.head_dim) for _ in range(4))
-
-    def int_vec(n):
-        return cute.runtime.make_fake_compact_tensor(cutlass.Int32, (n,), assumed_align=4)
-
     rab = _fake_rab_rows_aligned(dtype) if key.has_rab else None
     # The fused kernel reduces dQ into an fp32 (T_q, H, D) accumulator through TMA (16-byte strides).
     dq_accum = cute.runtime.make_fake_tensor(
@@ -200,17 +182,9 @@ def build_hopper_bwd(key):
         assumed_align=16,
     )
     outs = {"dkdv": (dk, dv, None), "fused": (dk, dv, dq_accum), "dq": (dq,)}[key.role]
-    args = (q, k, v, do, *outs, int_vec(batch1), int_vec(batch1), int_vec(batch), int_vec(batch),
-            int_vec(batch) if key.has_context else None, int_vec(batch) if key.has_target else None, rab)
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    options = f"--enable-tvm-ffi --gpu-arch {key.arch}"
-    if key.ptxas_opt != 3:
-        options += f" --ptxas-options=-O{key.ptxas_opt}"
-    with _COMPILE_LOCK:
-        return cute.compile(
-            kernel, *args, Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(0), Int32(1), stream,
-            options=options,
-        )
+    args = (q, k, v, do, *outs, _int_vec(batch1), _int_vec(batch1), _int_vec(batch), _int_vec(batch),
+            _int_vec(batch) if key.has_context else None, _int_vec(batch) if key.has_target else None, rab)
+    return _compile(key, kernel, *args, Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(0), Int32(1))
 
 
 BUILDERS = {"hopper_fwd": build_hopper_fwd, "hopper_bwd_dkdv": build_hopper_bwd, "hopper_bwd_dq": build_hopper_bwd,

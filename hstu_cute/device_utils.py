@@ -291,6 +291,25 @@ def sm90_smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
     return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
 
 
+def sm90_tma_atom_tokens(op, mX: cute.Tensor, smem_tile, rows: int, cols: int | None = None):
+    """TMA atom over a (T, H, D) token tensor seen as (T, D, H): a tile is (``rows``, ``cols``; default
+    all of D) at a token coordinate with the head as an index. ``smem_tile``: one stage of smem."""
+    from cutlass.cute.nvgpu import cpasync
+
+    mXt = cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=[0, 2, 1]))
+    return cpasync.make_tiled_tma_atom(op, mXt, smem_tile, (rows, mX.shape[2] if cols is None else cols))
+
+
+def sm90_tma_atom_rab(mRab: cute.Tensor, sRab_layout, tile_m: int, tile_n: int):
+    """TMA load atom over rab (B, H_rab, L_q, L_k) seen as (L_q, L_k, H_rab, B); rows past L_q and
+    columns past L_k read 0. ``sRab_layout`` is the staged smem layout."""
+    from cutlass.cute.nvgpu import cpasync
+
+    mRabt = cute.make_tensor(mRab.iterator, cute.select(mRab.layout, mode=[2, 3, 1, 0]))
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mRabt,
+                                       cute.slice_(sRab_layout, (None, None, 0)), (tile_m, tile_n))
+
+
 def rows_zero_copy(dtype, cols: int) -> cute.TiledCopy:
     """128 threads (one warpgroup) storing 16-byte zero vectors over (rows, cols) smem tiles."""
     vec = 128 // dtype.width

@@ -21,6 +21,8 @@ from ..device_utils import (
     sequence_mask,
     sm90_register_split,
     sm90_smem_layout,
+    sm90_tma_atom_rab,
+    sm90_tma_atom_tokens,
     store_acc_rows,
     wgmma,
     wgmma_acc_as_operand_a,
@@ -108,19 +110,14 @@ class HstuBackwardDkDvSm90:
             atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, D), a_source=warpgroup.OperandSource.RMEM,
         )
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
-        mQt, mKt, mVt, mdOt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1]))
-                               for t in (mQ, mK, mV, mdO)]
-        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mKt, sK_layout, (self.tile_n, D))
-        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mVt, sK_layout, (self.tile_n, D))
+        tma_atom_k, tma_k = sm90_tma_atom_tokens(tma_load, mK, sK_layout, self.tile_n)
+        tma_atom_v, tma_v = sm90_tma_atom_tokens(tma_load, mV, sK_layout, self.tile_n)
         sQ_one = cute.slice_(sQ_layout, (None, None, 0))
-        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(tma_load, mQt, sQ_one, (self.tile_m, D))
-        tma_atom_do, tma_do = cpasync.make_tiled_tma_atom(tma_load, mdOt, sQ_one, (self.tile_m, D))
+        tma_atom_q, tma_q = sm90_tma_atom_tokens(tma_load, mQ, sQ_one, self.tile_m)
+        tma_atom_do, tma_do = sm90_tma_atom_tokens(tma_load, mdO, sQ_one, self.tile_m)
         tma_atom_rab, tma_rab = None, None
         if const_expr(self.has_rab):
-            mRabt = cute.make_tensor(mRab.iterator, cute.select(mRab.layout, mode=[2, 3, 1, 0]))
-            tma_atom_rab, tma_rab = cpasync.make_tiled_tma_atom(
-                tma_load, mRabt, cute.slice_(sRab_layout, (None, None, 0)), (self.tile_m, self.tile_n)
-            )
+            tma_atom_rab, tma_rab = sm90_tma_atom_rab(mRab, sRab_layout, self.tile_m, self.tile_n)
         sdS_layout = sdQ_layout = tiled_mma_dq = tma_atom_dq = tma_dq = None
         ds_elems = dq_elems = 8
         if const_expr(self.fuse_dq):
@@ -132,11 +129,9 @@ class HstuBackwardDkDvSm90:
                 self.dtype, self.dtype, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN, Float32,
                 atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.dq_cols),
             )
-            mdQt = cute.make_tensor(mdQaccum.iterator, cute.select(mdQaccum.layout, mode=[0, 2, 1]))
-            tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
-                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQt, cute.slice_(sdQ_layout, (None, None, 0)),
-                (self.tile_m, self.dq_cols),
-            )
+            tma_atom_dq, tma_dq = sm90_tma_atom_tokens(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum,
+                                                       cute.slice_(sdQ_layout, (None, None, 0)), self.tile_m,
+                                                       self.dq_cols)
         elem = self.dtype.width // 8
         self.kv_bytes = 2 * self.tile_n * D * elem
         self.q_bytes = 2 * self.tile_m * D * elem + (self.tile_m * self.tile_n * elem if const_expr(self.has_rab) else 0)
@@ -480,19 +475,14 @@ class HstuBackwardDqSm90:
             atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, D), a_source=warpgroup.OperandSource.RMEM,
         )
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
-        mQt, mKt, mVt, mdOt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1]))
-                               for t in (mQ, mK, mV, mdO)]
-        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(tma_load, mQt, sQ_layout, (self.tile_m, D))
-        tma_atom_do, tma_do = cpasync.make_tiled_tma_atom(tma_load, mdOt, sQ_layout, (self.tile_m, D))
+        tma_atom_q, tma_q = sm90_tma_atom_tokens(tma_load, mQ, sQ_layout, self.tile_m)
+        tma_atom_do, tma_do = sm90_tma_atom_tokens(tma_load, mdO, sQ_layout, self.tile_m)
         sK_one = cute.slice_(sK_layout, (None, None, 0))
-        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mKt, sK_one, (self.tile_n, D))
-        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mVt, sK_one, (self.tile_n, D))
+        tma_atom_k, tma_k = sm90_tma_atom_tokens(tma_load, mK, sK_one, self.tile_n)
+        tma_atom_v, tma_v = sm90_tma_atom_tokens(tma_load, mV, sK_one, self.tile_n)
         tma_atom_rab, tma_rab = None, None
         if const_expr(self.has_rab):
-            mRabt = cute.make_tensor(mRab.iterator, cute.select(mRab.layout, mode=[2, 3, 1, 0]))
-            tma_atom_rab, tma_rab = cpasync.make_tiled_tma_atom(
-                tma_load, mRabt, cute.slice_(sRab_layout, (None, None, 0)), (self.tile_m, self.tile_n)
-            )
+            tma_atom_rab, tma_rab = sm90_tma_atom_rab(mRab, sRab_layout, self.tile_m, self.tile_n)
         elem = self.dtype.width // 8
         self.q_bytes = 2 * self.tile_m * D * elem
         self.kv_bytes = 2 * self.tile_n * D * elem + (self.tile_m * self.tile_n * elem if const_expr(self.has_rab) else 0)

@@ -19,6 +19,8 @@ from ..device_utils import (
     silu_scaled_inplace,
     sm90_register_split,
     sm90_smem_layout,
+    sm90_tma_atom_rab,
+    sm90_tma_atom_tokens,
     store_acc_rows,
     wgmma,
     wgmma_acc_as_operand_a,
@@ -132,23 +134,13 @@ class HstuForwardSm90:
             atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, D), a_source=warpgroup.OperandSource.RMEM,
         )
 
-        # (tokens, D, heads) views: a tile is (rows, D) at a token coordinate, the head indexed.
-        mQt, mKt, mVt = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1])) for t in (mQ, mK, mV)]
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(tma_load, mQt, sQ_layout, (self.tile_m, D))
-        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
-            tma_load, mKt, cute.slice_(sK_layout, (None, None, 0)), (self.tile_n, D)
-        )
-        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
-            tma_load, mVt, cute.slice_(sV_layout, (None, None, 0)), (self.tile_n, D)
-        )
+        tma_atom_q, tma_q = sm90_tma_atom_tokens(tma_load, mQ, sQ_layout, self.tile_m)
+        tma_atom_k, tma_k = sm90_tma_atom_tokens(tma_load, mK, cute.slice_(sK_layout, (None, None, 0)), self.tile_n)
+        tma_atom_v, tma_v = sm90_tma_atom_tokens(tma_load, mV, cute.slice_(sV_layout, (None, None, 0)), self.tile_n)
         tma_atom_rab, tma_rab = None, None
         if const_expr(self.has_rab):
-            # (B, H_rab, L_q, L_k) -> (L_q, L_k, H_rab, B); rows past L_q / columns past L_k read 0.
-            mRabt = cute.make_tensor(mRab.iterator, cute.select(mRab.layout, mode=[2, 3, 1, 0]))
-            tma_atom_rab, tma_rab = cpasync.make_tiled_tma_atom(
-                tma_load, mRabt, cute.slice_(sRab_layout, (None, None, 0)), (self.tile_m, self.tile_n)
-            )
+            tma_atom_rab, tma_rab = sm90_tma_atom_rab(mRab, sRab_layout, self.tile_m, self.tile_n)
 
         elem_bytes = self.dtype.width // 8
         self.q_bytes = self.tile_m * D * elem_bytes

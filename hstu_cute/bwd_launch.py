@@ -17,16 +17,27 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
     ``path`` 'hopper' (default on sm90): at head dim 128, without drab and unless ``deterministic``, one fused
     TMA + WGMMA kernel computes dK, dV and reduces dQ into an fp32 accumulator (the order of
     that sum varies run to run); otherwise a dK/dV kernel and a dQ kernel (the sm80 one when
-    drab is wanted), each summing in a fixed order. 'ampere': the sm80 dK/dV and dQ kernels,
-    deterministic."""
+    drab is wanted), each summing in a fixed order. At head dim 256 one kernel computes dK, dV,
+    dQ and drab (atomic sums; ``deterministic`` is refused). 'ampere': the sm80 dK/dV and dQ
+    kernels, deterministic."""
     from . import api
     from .cache import default_cache
     from .compile import build
+    from .hopper import HOPPER_FUSED_HEAD_DIMS, HOPPER_WIDE_HEAD_DIMS, make_hopper_bwd_key
 
-    if p.head_dim not in BWD_HEAD_DIMS:
+    if path is None:
+        path = api.kernel_path(q.device)
+    wide = path == "hopper" and p.head_dim in HOPPER_WIDE_HEAD_DIMS
+    if p.head_dim not in BWD_HEAD_DIMS and not wide:
         raise NotImplementedError(
-            f"q.shape[2] (head dim): the backward kernels support {BWD_HEAD_DIMS}, got {p.head_dim} "
-            "(head dim 256 backward is not built yet)"
+            f"q.shape[2] (head dim): the {path} backward kernels support "
+            f"{BWD_HEAD_DIMS + (HOPPER_WIDE_HEAD_DIMS if path == 'hopper' else ())}, got {p.head_dim} "
+            "(the sm80 backward at head dim 256 is not built yet)"
+        )
+    if wide and deterministic:
+        raise NotImplementedError(
+            f"deterministic: the head dim {p.head_dim} backward sums dQ atomically; expected False, got True "
+            "(a bitwise reproducible head dim 256 backward is not built yet)"
         )
     zero_q, zero_k = seqused_q is not None, seqused_k is not None
     dq = (torch.zeros if zero_q else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
@@ -51,19 +62,40 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
             drab_view = drab[..., :cols]
     rab_vec = 8
     sum_heads = has_drab and rab is not None and rab.shape[1] == 1 and p.heads > 1
-    key_dq, key_dkdv = make_bwd_keys(api.device_arch(device), api._DTYPE_NAMES[p.dtype], p.head_dim, p.mask.kind,
-                                     p.mask.has_context or p.mask.has_target, rab is not None, rab_vec, has_drab,
-                                     sum_heads)
-    if path is None:
-        path = api.kernel_path(device)
+    if seqused_q is None:
+        seqused_q = api._filler(batch, device, api.INT32_MAX)
+    if seqused_k is None:
+        seqused_k = api._filler(batch, device, api.INT32_MAX)
+    context_target = p.mask.has_context or p.mask.has_target
+    if context_target:
+        num_contexts = num_contexts if num_contexts is not None else api._filler(batch, device, 0)
+        num_targets = num_targets if num_targets is not None else api._filler(batch, device, 0)
+    scalars = (float(alpha), 1.0 / p.scale_seqlen, p.window_left, p.window_right, int(target_group_size),
+               int(p.mask.is_delta_q))
+    arch, dtype_name = api.device_arch(device), api._DTYPE_NAMES[p.dtype]
+    if wide:
+        key = make_hopper_bwd_key("wide", arch, dtype_name, p.head_dim, p.mask.kind, context_target, rab is not None,
+                                  tiles_dkdv, has_drab=has_drab, rab_sum_heads=sum_heads)
+        fn = default_cache().get(key, lambda: build(key))
+        dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=device)
+        drab_out = None
+        if has_drab:
+            drab_out = (torch.zeros((rab.shape[0], rab.shape[2], rab.shape[3]), dtype=torch.float32, device=device)
+                        if sum_heads else drab)
+        with torch.cuda.device(device):
+            fn(q, k, v, dout, dk, dv, dq_accum, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
+               num_targets, rab, drab_out, *scalars, -(-max_seqlen_k // key.tile_n))
+        if sum_heads:
+            drab[:, 0].copy_(drab_out)
+        return dq_accum.to(q.dtype), dk, dv, (drab_view if drab_view is not None else drab)
+    key_dq, key_dkdv = make_bwd_keys(arch, dtype_name, p.head_dim, p.mask.kind, context_target, rab is not None,
+                                     rab_vec, has_drab, sum_heads)
     if tiles_dq or tiles_dkdv:  # benchmark sweeps only
         import dataclasses
 
         key_dq = dataclasses.replace(key_dq, **(tiles_dq or {}))
         if path != "hopper":
             key_dkdv = dataclasses.replace(key_dkdv, **(tiles_dkdv or {}))
-    from .hopper import HOPPER_FUSED_HEAD_DIMS, make_hopper_bwd_key
-
     fused = path == "hopper" and not has_drab and not deterministic and p.head_dim in HOPPER_FUSED_HEAD_DIMS
     if path == "hopper":
         common = (key_dkdv.arch, key_dkdv.dtype, p.head_dim, p.mask.kind, key_dkdv.has_context, rab is not None)
@@ -73,18 +105,9 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
     cache = default_cache()
     fn_dq = None if fused else cache.get(key_dq, lambda: build(key_dq))
     fn_dkdv = cache.get(key_dkdv, lambda: build(key_dkdv))
-    if seqused_q is None:
-        seqused_q = api._filler(batch, device, api.INT32_MAX)
-    if seqused_k is None:
-        seqused_k = api._filler(batch, device, api.INT32_MAX)
-    if key_dq.has_context:
-        num_contexts = num_contexts if num_contexts is not None else api._filler(batch, device, 0)
-        num_targets = num_targets if num_targets is not None else api._filler(batch, device, 0)
     drab_accum = None
     if sum_heads:
         drab_accum = torch.zeros((rab.shape[0], rab.shape[2], rab.shape[3]), dtype=torch.float32, device=device)
-    scalars = (float(alpha), 1.0 / p.scale_seqlen, p.window_left, p.window_right, int(target_group_size),
-               int(p.mask.is_delta_q))
     num_m_blocks = -(-max_seqlen_q // key_dq.tile_m)
     num_n_blocks = -(-max_seqlen_k // key_dkdv.tile_n)
     with torch.cuda.device(device):

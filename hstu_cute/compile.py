@@ -163,9 +163,13 @@ def build_hopper_bwd(key):
     from cutlass import Float32, Int32
 
     from .hopper.bwd import HstuBackwardDkDvSm90, HstuBackwardDqSm90
+    from .hopper.bwd_wide import HstuBackwardWideSm90
 
     dtype = _dsl_dtype(key.dtype)
-    if key.role == "dq":
+    if key.role == "wide":
+        kernel = HstuBackwardWideSm90(dtype, key.head_dim, key.mask, key.has_rab, key.has_drab, key.rab_sum_heads,
+                                      key.tile_m, key.tile_n, key.num_stages, key.fast_silu)
+    elif key.role == "dq":
         kernel = HstuBackwardDqSm90(dtype, key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n,
                                     key.num_stages, key.fast_silu)
     else:
@@ -181,14 +185,23 @@ def build_hopper_bwd(key):
         cutlass.Float32, (t_q, heads, key.head_dim), (cute.sym_int64(divisibility=4), cute.sym_int(divisibility=4), 1),
         assumed_align=16,
     )
-    outs = {"dkdv": (dk, dv, None), "fused": (dk, dv, dq_accum), "dq": (dq,)}[key.role]
+    outs = {"dkdv": (dk, dv, None), "fused": (dk, dv, dq_accum), "dq": (dq,), "wide": (dk, dv, dq_accum)}[key.role]
     args = (q, k, v, do, *outs, _int_vec(batch1), _int_vec(batch1), _int_vec(batch), _int_vec(batch),
             _int_vec(batch) if key.has_context else None, _int_vec(batch) if key.has_target else None, rab)
+    if key.role == "wide":
+        # drab: (B, H_rab, L_q, L_k) in the input dtype, or the fp32 (B, L_q, L_k) sum over heads.
+        drab = None
+        if key.has_drab:
+            rank, elem = (3, cutlass.Float32) if key.rab_sum_heads else (4, dtype)
+            drab = cute.runtime.make_fake_tensor(
+                elem, tuple(cute.sym_int() for _ in range(rank)),
+                tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,), assumed_align=4)
+        args += (drab,)
     return _compile(key, kernel, *args, Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(0), Int32(1))
 
 
 BUILDERS = {"hopper_fwd": build_hopper_fwd, "hopper_bwd_dkdv": build_hopper_bwd, "hopper_bwd_dq": build_hopper_bwd,
-            "hopper_bwd_fused": build_hopper_bwd, "ampere_fwd": build_ampere_fwd, "ampere_bwd_dq": build_ampere_bwd, "ampere_bwd_dkdv": build_ampere_bwd}
+            "hopper_bwd_fused": build_hopper_bwd, "hopper_bwd_wide": build_hopper_bwd, "ampere_fwd": build_ampere_fwd, "ampere_bwd_dq": build_ampere_bwd, "ampere_bwd_dkdv": build_ampere_bwd}
 
 
 def build(key):

@@ -90,6 +90,14 @@ if "bwd" in modes:
             emit(bench.run_workload_bwd(bench.replace(w, sdpa=False), deterministic=True))
             emit(bench.run_workload_bwd(bench.replace(w, sdpa=False), path="ampere"))
     emit(bench.run_workload_bwd(bench.replace(bench.headline(), sdpa=False)))
+if "bwd256" in modes:
+    d256 = bench.replace(bench.headline(), name="full B8 N4096 D256", head_dim=256)
+    for w in (d256, d256, bench.Workload("rab H_rab=1 B8 N2048 D256", 8, 2048, head_dim=256, rab_heads=1),
+              bench.Workload("rab H_rab=H B8 N2048 D256", 8, 2048, head_dim=256, rab_heads=4)):
+        try:
+            emit(bench.run_workload_bwd(w))
+        except Exception as e:
+            emit({"workload": w.name + " bwd", "tiles": "-", "error": repr(e)[:300]})
 emit({"host_overhead": bench.host_overhead_us()})
 
 print("\n=== summary ===")

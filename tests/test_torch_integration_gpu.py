@@ -254,11 +254,51 @@ def test_backward_head_dims_fp16(head_dim, path):
     _check_backward(b, has_drab=True, dtype=torch.float16)
 
 
-def test_backward_head_dim_256_raises_before_launch():
+@pytest.fixture
+def hopper_path(monkeypatch):
+    """The Hopper kernels only (the head dim 256 backward exists there alone)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Hopper kernels need a compute capability 9.x GPU")
+    monkeypatch.setenv("HSTU_CUTE_ARCH", "sm90")
+    api._kernel_path.cache_clear()
+    yield "hopper"
+    api._kernel_path.cache_clear()
+
+
+@pytest.mark.parametrize("rab", [None, "1", "H", "1 no-drab"], ids=["no-rab", "H_rab=1", "H_rab=H", "H_rab=1-no-drab"])
+@pytest.mark.parametrize("mask", list(MASKS) + ["all-target g5"])
+def test_backward_d256_matches_oracle(mask, rab, hopper_path):
+    """The head dim 256 kernel (dK, dV, dQ by red.global, drab stored per head or summed over
+    heads): edge lengths, all-target sequences, delta_q, rab with 1 and H heads."""
+    m = dict(MASKS.get(mask, dict(window_size=(-1, 0), target_group_size=5)))
+    lengths = [0, 1, 17, 200, 129, 64]
+    if mask == "all-target g5":
+        m["num_targets"] = list(lengths)
+    max_q = 200
+    if m.get("is_delta_q"):
+        max_q = 70
+        m["lengths_q"] = "random"
+    rab_heads = {None: None, "1": 1, "H": H, "1 no-drab": 1}[rab]
+    b = reference.random_jagged_batch(len(lengths), H, 256, max_q, 200, lengths=lengths, device="cuda", dtype=BF16,
+                                      rab_heads=rab_heads, alpha=0.5, seed=zlib.crc32(f"d256/{mask}/{rab}".encode()),
+                                      **m)
+    _check_backward(b, has_drab=rab in ("1", "H"))
+
+
+def test_backward_d256_fp16_seqused_long(hopper_path):
+    b = reference.random_jagged_batch(3, H, 256, 1111, device="cuda", dtype=torch.float16, lengths=[1111, 17, 300],
+                                      window_size=(-1, 0), seqused=True, num_targets=9, target_group_size=2,
+                                      rab_heads=1, seed=8)
+    _check_backward(b, has_drab=True, dtype=torch.float16)
+
+
+def test_backward_head_dim_256_refusals_before_launch(path):
+    """Not built: the sm80 backward at head dim 256, and a deterministic one on Hopper."""
     b = reference.random_jagged_batch(2, H, 256, 64, device="cuda", dtype=BF16, window_size=(-1, 0), seed=2,
                                       requires_grad=True)
-    out = hstu_attn_varlen_func(**b)
-    with pytest.raises(NotImplementedError, match="head dim 256 backward"):
+    out = hstu_attn_varlen_func(**b, deterministic=path == "hopper")
+    match = "deterministic" if path == "hopper" else "sm80 backward at head dim 256"
+    with pytest.raises(NotImplementedError, match=match):
         out.backward(torch.randn_like(out))
 
 

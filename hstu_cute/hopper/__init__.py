@@ -1,6 +1,7 @@
 """sm90a kernels: TMA loads, WGMMA, a producer warp feeding consumer warpgroups through mbarrier
-pipelines. The forward is :class:`~hstu_cute.hopper.fwd.HstuForwardSm90`; the backward still runs
-the sm80 kernels (compiled for sm_90a), and FP8 raises ``NotImplementedError``."""
+pipelines. The forward is :class:`~hstu_cute.hopper.fwd.HstuForwardSm90`; the backward is
+:mod:`hstu_cute.hopper.bwd` (head dims 32-128) and :mod:`hstu_cute.hopper.bwd_wide` (256). FP8
+raises ``NotImplementedError``."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ class HopperBwdKey:
     """Compile key of the sm90 backward kernels (:mod:`hstu_cute.hopper.bwd`): role "fused"
     (:class:`~hstu_cute.hopper.bwd.HstuBackwardDkDvSm90` with its dQ reduction: the default),
     or the deterministic pair "dkdv" + "dq" (:class:`~hstu_cute.hopper.bwd.HstuBackwardDqSm90`,
-    calls without drab; with drab the sm80 dQ kernel pairs with "dkdv")."""
+    calls without drab; with drab the sm80 dQ kernel pairs with "dkdv"); at head dim 256 role
+    "wide" (:class:`~hstu_cute.hopper.bwd_wide.HstuBackwardWideSm90`: dK, dV, dQ and drab)."""
 
     role: str
     arch: str
@@ -64,6 +66,8 @@ class HopperBwdKey:
     has_context: bool = False
     has_target: bool = False
     has_rab: bool = False
+    has_drab: bool = False  # role "wide" only (the others leave drab to the sm80 dQ kernel)
+    rab_sum_heads: bool = False  # role "wide": drab of one rab head summed over H > 1 heads
     tile_m: int = 64  # queries per m-block (dq: per CTA, 64 per consumer warpgroup)
     tile_n: int = 128  # keys per CTA (dkdv: 64 per consumer warpgroup; dq: per n-block)
     num_stages: int = 2
@@ -79,36 +83,50 @@ class HopperBwdKey:
         return MaskSpec(MaskKind(self.mask_kind), self.has_context, self.has_target)
 
     def describe(self) -> str:
-        extras = [self.mask.name] + (["rab"] if self.has_rab else [])
+        extras = ([self.mask.name] + (["rab"] if self.has_rab else []) + (["drab"] if self.has_drab else [])
+                  + (["sum_heads"] if self.rab_sum_heads else []))
         return (f"{self.kernel_name} {self.arch} {self.dtype} d{self.head_dim} {self.tile_m}x{self.tile_n}"
                 f"s{self.num_stages} " + ",".join(extras))
 
 
-HOPPER_BWD_HEAD_DIMS = (32, 64, 128)
+HOPPER_BWD_HEAD_DIMS = (32, 64, 128, 256)
 _BWD_TILES = {"dkdv": dict(tile_m=64, tile_n=128), "fused": dict(tile_m=64, tile_n=128),
-              "dq": dict(tile_m=128, tile_n=64)}
-HOPPER_BWD_ROLES = ("fused", "dkdv", "dq")
+              "dq": dict(tile_m=128, tile_n=64), "wide": dict(tile_m=64, tile_n=64)}
+HOPPER_BWD_ROLES = ("fused", "dkdv", "dq", "wide")
+# Head dims of the wide kernel (one kernel for dK, dV, dQ and drab; the only backward there).
+HOPPER_WIDE_HEAD_DIMS = (256,)
+# (has_rab, has_drab, rab_sum_heads) of the wide kernel's variants.
+_WIDE_RAB = ((False, False, False), (True, False, False), (True, True, False), (True, True, True))
 # Head dims where the fused kernel is the default (no drab, not deterministic). H200, B8 N4096
 # causal bf16, same run (docs/perf-log.md 2026-11-21): D128 fused 431 vs pair 404 TF; D64 fused
 # 252 vs pair 280 (at D64 the per-m-block barriers and dQ reduce are not hidden by the GEMMs).
 HOPPER_FUSED_HEAD_DIMS = (128,)
 
 
-def make_hopper_bwd_key(role, arch, dtype, head_dim, kind, context_target, has_rab, tiles=None) -> HopperBwdKey:
+def make_hopper_bwd_key(role, arch, dtype, head_dim, kind, context_target, has_rab, tiles=None, has_drab=False,
+                        rab_sum_heads=False) -> HopperBwdKey:
     return HopperBwdKey(role=role, arch=arch, dtype=dtype, head_dim=head_dim, mask_kind=int(kind),
-                        has_context=context_target, has_target=context_target, has_rab=has_rab,
-                        fast_silu=dtype == "bfloat16", **(tiles or _BWD_TILES[role]))
+                        has_context=context_target, has_target=context_target, has_rab=has_rab, has_drab=has_drab,
+                        rab_sum_heads=rab_sum_heads, fast_silu=dtype == "bfloat16", **(tiles or _BWD_TILES[role]))
+
+
+def _role_serves(role: str, head_dim: int) -> bool:
+    if head_dim in HOPPER_WIDE_HEAD_DIMS:
+        return role == "wide"
+    return role != "wide" and (role != "fused" or head_dim in HOPPER_FUSED_HEAD_DIMS)
 
 
 def shipped_hopper_bwd_keys(arch: str = "sm_90a", dtypes=SHIPPED_DTYPES, head_dims=HOPPER_BWD_HEAD_DIMS) -> list:
     return [
-        make_hopper_bwd_key(role, arch, dtype, head_dim, kind, context_target, has_rab)
+        make_hopper_bwd_key(role, arch, dtype, head_dim, kind, context_target, has_rab, has_drab=has_drab,
+                            rab_sum_heads=sum_heads)
         for role in HOPPER_BWD_ROLES
         for dtype in dtypes
         for head_dim in head_dims
-        if role != "fused" or head_dim in HOPPER_FUSED_HEAD_DIMS
+        if _role_serves(role, head_dim)
         for kind, context_target in SHIPPED_MASKS
-        for has_rab in (False, True)
+        for has_rab, has_drab, sum_heads in (_WIDE_RAB if role == "wide" else ((False, False, False),
+                                                                               (True, False, False)))
     ]
 
 

@@ -1,0 +1,374 @@
+"""HSTU attention backward for sm90a at head dim 256: one kernel computes dK, dV, dQ and drab."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from .. import masks
+from ..ampere.bwd import silu_and_grad_inplace
+from ..device_utils import (
+    KERNEL_OPS,
+    red_add_acc_rows_f32,
+    red_add_f32,
+    rows_zero_copy,
+    sequence_bounds,
+    sequence_mask,
+    sm90_register_split,
+    sm90_smem_layout,
+    sm90_tma_atom_rab,
+    sm90_tma_atom_tokens,
+    store_acc_rows,
+    wgmma,
+    wgmma_acc_rows_cols,
+    zero_smem_rows_past,
+)
+from .bwd import HstuBackwardDkDvSm90
+from .fwd import _advanced
+
+# Named barriers (0: syncthreads; 4/5: zero_smem_rows_past): sP/sdS written by both warpgroups,
+# and (one buffer only) sP/sdS no longer read by the previous m-block's GEMMs.
+_BAR_PDS_WRITTEN = 6
+_BAR_PDS_FREE = 7
+SMEM_LIMIT = 227 * 1024
+
+
+def wide_smem_bytes(elem_bytes: int, head_dim: int, tile_m: int, tile_n: int, num_stages: int, has_rab: bool,
+                    pds_buffers: int) -> int:
+    kv = 2 * tile_n * head_dim * elem_bytes
+    q_do = num_stages * 2 * tile_m * head_dim * elem_bytes
+    rab = num_stages * tile_m * tile_n * elem_bytes if has_rab else 0
+    p_ds = pds_buffers * 2 * tile_n * tile_m * elem_bytes
+    return kv + q_do + rab + p_ds + 1024  # barriers and 1024-byte alignment
+
+
+class HstuBackwardWideSm90:
+    """dK, dV, dQ (and drab) at head dims where one warpgroup cannot hold dK and dV of 64 keys
+    (D = 256: 2 x 128 fp32 registers per thread). One CTA per (head, batch, n-block of
+    ``tile_n`` = 64 keys), n-block 0 first; it walks the m-blocks (``tile_m`` = 64 queries) that
+    attend to its keys, in the transposed orientation (accumulator rows are keys):
+
+    * S^T = K Q^T (+ rab^T), dP^T = V dO^T: warpgroup w computes queries [32 w, 32 w + 32);
+      P^T and G^T (spec section 2) go to smem (sP, sdS: keys x queries, queries contiguous).
+    * dV[:, half w] += P^T dO[:, half w] and dK[:, half w] += G^T Q[:, half w]: each warpgroup
+      owns half of D for all 64 keys (SS WGMMA, A = sP / sdS K-major, B = dO / Q MN-major).
+    * dQ[:, half w] = G K[:, half w] (SS WGMMA, A = sdS read MN-major, B = sK read MN-major),
+      added into an fp32 (T_q, H, D) accumulator with red.global.add.v2.f32 straight from the
+      registers: staging it in smem would cost the second Q/dO stage (64 KB).
+    * drab = G: stored per head (H_rab = H; each element has exactly one writer) or added with
+      red.global.add.f32 into an fp32 (B, L_q, L_k) slab (H_rab = 1 < H).
+
+    Warp roles (384 threads): warpgroup 0, warp 0 is the producer (TMA: K and V once, then Q, dO
+    and rab per m-block; 24 registers); warpgroups 1-2 are consumers (240 registers).
+    Pipelines (mbarrier + TMA transaction counts): K+V (1 stage), Q+dO(+rab) (``num_stages``).
+    Barriers: named 4/5 after a warpgroup zeroes the rows of a tile past the sequence (TMA reads
+    the next sequence there; P and G are 0 against them, but 0 * NaN would be NaN); 6 after both
+    warpgroups wrote sP/sdS; 7 (with one sP/sdS buffer, when rab's ring takes the smem of the
+    second) before either overwrites them. The dQ and drab sums over n-blocks are atomic, so their
+    order varies run to run (``deterministic=True`` is not built for this kernel).
+    """
+
+    produce = HstuBackwardDkDvSm90.produce
+
+    def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, has_drab: bool,
+                 rab_sum_heads: bool, tile_m: int, tile_n: int, num_stages: int, fast_silu: bool):
+        assert tile_n == 64 and tile_m % 64 == 0 and head_dim % 128 == 0, (tile_m, tile_n, head_dim)
+        assert has_rab or not has_drab
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.mask = mask
+        self.has_rab = has_rab
+        self.has_drab = has_drab
+        self.rab_sum_heads = rab_sum_heads
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.num_stages = num_stages
+        self.fast_silu = fast_silu
+        self.num_mma_wg = 2
+        self.num_threads = 384
+        self.num_mma_threads = 256
+        self.producer_regs, self.mma_regs = sm90_register_split(self.num_mma_wg)
+        elem = dtype.width // 8
+        self.pds_buffers = 2
+        if wide_smem_bytes(elem, head_dim, tile_m, tile_n, num_stages, has_rab, 2) > SMEM_LIMIT:
+            self.pds_buffers = 1
+        assert wide_smem_bytes(elem, head_dim, tile_m, tile_n, num_stages, has_rab, self.pds_buffers) <= SMEM_LIMIT
+
+    @cute.jit
+    def __call__(self, mQ, mK, mV, mdO, mdK, mdV, mdQaccum, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK,
+                 mNumContexts, mNumTargets, mRab, mdRab, alpha: Float32, inv_scale: Float32, window_left: Int32,
+                 window_right: Int32, group_size: Int32, is_delta_q: Int32, num_n_blocks: Int32, stream):
+        D = self.head_dim
+        sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, None)
+        sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, self.num_stages)
+        sP_layout = sm90_smem_layout(self.dtype, self.tile_n, self.tile_m, self.pds_buffers)
+        sRab_layout = None
+        if const_expr(self.has_rab):
+            sRab_layout = sm90_smem_layout(self.dtype, self.tile_m, self.tile_n, self.num_stages)
+        # S^T / dP^T (keys, queries): the two warpgroups split the queries (N).
+        tiled_mma_s = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(1, 2, 1), tiler_mn=(64, self.tile_m // 2),
+        )
+        # dV / dK (keys, D) += P^T / G^T (smem, K-major) x dO / Q (smem, MN-major): split along D.
+        tiled_mma_dkv = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(1, 2, 1), tiler_mn=(64, D // 2),
+        )
+        # dQ (queries, D) = G (sdS read MN-major) x K (MN-major as (D, keys)): split along D.
+        tiled_mma_dq = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(1, 2, 1), tiler_mn=(64, D // 2),
+        )
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_k, tma_k = sm90_tma_atom_tokens(tma_load, mK, sK_layout, self.tile_n)
+        tma_atom_v, tma_v = sm90_tma_atom_tokens(tma_load, mV, sK_layout, self.tile_n)
+        sQ_one = cute.slice_(sQ_layout, (None, None, 0))
+        tma_atom_q, tma_q = sm90_tma_atom_tokens(tma_load, mQ, sQ_one, self.tile_m)
+        tma_atom_do, tma_do = sm90_tma_atom_tokens(tma_load, mdO, sQ_one, self.tile_m)
+        tma_atom_rab, tma_rab = None, None
+        if const_expr(self.has_rab):
+            tma_atom_rab, tma_rab = sm90_tma_atom_rab(mRab, sRab_layout, self.tile_m, self.tile_n)
+        elem = self.dtype.width // 8
+        # Read by the inherited producer.
+        self.kv_bytes = 2 * self.tile_n * D * elem
+        self.q_bytes = 2 * self.tile_m * D * elem + (self.tile_m * self.tile_n * elem if const_expr(self.has_rab) else 0)
+        zero_copy = rows_zero_copy(self.dtype, D)
+        stages = self.num_stages
+        rab_elems = cute.cosize(sRab_layout) if const_expr(self.has_rab) else 8
+
+        @cute.struct
+        class SharedStorage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
+            sRab: cute.struct.Align[cute.struct.MemRange[self.dtype, rab_elems], 1024]
+
+        self.kernel(
+            tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab, tma_rab,
+            mQ, mK, mdK, mdV, mdQaccum, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
+            mdRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
+            sK_layout, sQ_layout, sP_layout, sRab_layout, tiled_mma_s, tiled_mma_dkv, tiled_mma_dq, zero_copy,
+            SharedStorage,
+        ).launch(
+            grid=[mQ.shape[1], mOffsetsQ.shape[0] - 1, num_n_blocks],
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def kernel(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
+               tma_rab, mQ, mK, mdK, mdV, mdQaccum, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
+               mNumTargets, mRab, mdRab, alpha: Float32, inv_scale: Float32, window_left: Int32,
+               window_right: Int32, group_size: Int32, is_delta_q: Int32, sK_layout, sQ_layout, sP_layout,
+               sRab_layout, tiled_mma_s, tiled_mma_dkv, tiled_mma_dq, zero_copy, SharedStorage: cutlass.Constexpr):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        head, batch, n_block = cute.arch.block_idx()
+        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
+            mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mQ.shape[0], mK.shape[0], batch)
+        # Uniform over the CTA, before any barrier is initialized.
+        if n_block * self.tile_n < seqlen_k:
+            if warp_idx == 0:
+                for atom in (tma_atom_k, tma_atom_v, tma_atom_q, tma_atom_do, tma_atom_rab):
+                    if const_expr(atom is not None):
+                        cpasync.prefetch_descriptor(atom)
+            spec = self.mask
+            seq = sequence_mask(spec, seqlen_q, seqlen_k, mNumContexts, mNumTargets, batch, window_left,
+                                window_right, group_size, is_delta_q)
+            m_lo, m_hi = masks.m_block_range(spec, seq, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
+
+            smem = cutlass.memory.SmemAllocator()
+            storage = smem.allocate(SharedStorage)
+            producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+            consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+            pipe_kv = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=producer,
+                consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
+            )
+            pipe_q = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.num_stages, producer_group=producer,
+                consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True,
+            )
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+            sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+            sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+            sdS = storage.sdS.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
+            sRab = None
+            if const_expr(self.has_rab):
+                sRab = storage.sRab.get_tensor(sRab_layout.outer, swizzle=sRab_layout.inner)
+
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp_idx == 0:
+                    self.produce(tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do,
+                                 tma_atom_rab, tma_rab, sK, sV, sQ, sdO, sRab, pipe_kv, pipe_q, mRab, q_start,
+                                 k_start, head, batch, n_block, seq, m_lo, m_hi)
+            else:
+                cute.arch.setmaxregister_increase(self.mma_regs)
+                self.consume(tidx - 128, mdK, mdV, mdQaccum, mdRab, sK, sV, sQ, sdO, sP, sdS, sRab, pipe_kv,
+                             pipe_q, tiled_mma_s, tiled_mma_dkv, tiled_mma_dq, zero_copy, alpha, inv_scale, q_start,
+                             k_start, head, batch, n_block, seq, m_lo, m_hi)
+
+    @cute.jit
+    def consume(self, tidx: Int32, mdK, mdV, mdQaccum, mdRab, sK, sV, sQ, sdO, sP, sdS, sRab, pipe_kv, pipe_q,
+                tiled_mma_s, tiled_mma_dkv, tiled_mma_dq, zero_copy, alpha: Float32, inv_scale: Float32,
+                q_start: Int32, k_start: Int32, head: Int32, batch: Int32, n_block: Int32, seq, m_lo: Int32,
+                m_hi: Int32):
+        D = self.head_dim
+        spec = self.mask
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        tid_in_wg = tidx % 128
+        thr_mma_s = tiled_mma_s.get_slice(tidx)
+        thr_mma_dkv = tiled_mma_dkv.get_slice(tidx)
+        thr_mma_dq = tiled_mma_dq.get_slice(tidx)
+        wg_mma_s = tiled_mma_s.get_slice(wg * 128)
+        wg_mma_dkv = tiled_mma_dkv.get_slice(wg * 128)
+        wg_mma_dq = tiled_mma_dq.get_slice(wg * 128)
+        tSrK = wg_mma_s.make_fragment_A(wg_mma_s.partition_A(sK))
+        tSrV = wg_mma_s.make_fragment_A(wg_mma_s.partition_A(sV))
+        tSrQ = wg_mma_s.make_fragment_B(wg_mma_s.partition_B(sQ))
+        tSrdO = wg_mma_s.make_fragment_B(wg_mma_s.partition_B(sdO))
+        # Q and dO are (queries, D) with D contiguous: as B of (keys, D) += (keys, queries) x (queries, D)
+        # they are (N = D, K = queries), MN-major.
+        qt = cute.make_ordered_layout((D, self.tile_m, self.num_stages), order=(1, 0, 2))
+        tDrP = wg_mma_dkv.make_fragment_A(wg_mma_dkv.partition_A(sP))
+        tDrdS = wg_mma_dkv.make_fragment_A(wg_mma_dkv.partition_A(sdS))
+        tDrQt = wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(cute.composition(sQ, qt)))
+        tDrdOt = wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(cute.composition(sdO, qt)))
+        # G as (queries, keys) and K as (D, keys): both contiguous along their first mode.
+        sdSt = cute.composition(sdS, cute.make_ordered_layout((self.tile_m, self.tile_n, self.pds_buffers),
+                                                              order=(1, 0, 2)))
+        sKt = cute.composition(sK, cute.make_ordered_layout((D, self.tile_n), order=(1, 0)))
+        tQrdS = wg_mma_dq.make_fragment_A(wg_mma_dq.partition_A(sdSt))
+        tQrKt = wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(sKt))
+
+        shape_S = wg_mma_s.partition_shape_C((self.tile_n, self.tile_m))
+        acc_dK = cute.make_rmem_tensor(wg_mma_dkv.partition_shape_C((self.tile_n, D)), Float32)
+        acc_dV = cute.make_rmem_tensor(wg_mma_dkv.partition_shape_C((self.tile_n, D)), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+        tScS = thr_mma_s.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
+        tSsP = thr_mma_s.partition_C(sP)
+        tSsdS = thr_mma_s.partition_C(sdS)
+        tSsRabT = None
+        if const_expr(self.has_rab):
+            # rab tiles are (queries, keys) in smem; the accumulator reads them transposed.
+            sRabT = cute.composition(sRab, cute.make_ordered_layout((self.tile_n, self.tile_m, self.num_stages),
+                                                                    order=(1, 0, 2)))
+            tSsRabT = thr_mma_s.partition_C(sRabT)
+        gdQ = cute.local_tile(cute.domain_offset((q_start, 0), mdQaccum[None, head, None]), (self.tile_m, D),
+                              (None, 0))
+        tQgdQ = thr_mma_dq.partition_C(gdQ)
+        tQcdQ = thr_mma_dq.partition_C(cute.make_identity_tensor((self.tile_m, D)))
+        tQcdQ_rc = cute.make_tensor(tQcdQ.iterator, wgmma_acc_rows_cols(tQcdQ.layout))
+        tSgdRab = None
+        drab_rows = drab_cols = Int32(0)
+        if const_expr(self.has_drab):
+            # drab tiles are (queries, keys) in global memory; seen transposed like rab.
+            if const_expr(self.rab_sum_heads):
+                mdRab_seq = mdRab[batch, None, None]
+            else:
+                mdRab_seq = mdRab[batch, cutlass.select_(mdRab.shape[1] > 1, head, Int32(0)), None, None]
+            gdRab = cute.local_tile(cute.domain_offset((seq.row_offset, 0), mdRab_seq), (self.tile_m, self.tile_n),
+                                    (None, n_block))
+            tSgdRab = thr_mma_s.partition_C(cute.make_tensor(gdRab.iterator, cute.select(gdRab.layout,
+                                                                                        mode=[1, 0, 2])))
+            drab_cols = cutlass.min(seq.seqlen_k, mdRab_seq.shape[1]) - n_block * self.tile_n
+            drab_rows = cutlass.min(seq.seqlen_q + seq.row_offset, mdRab_seq.shape[0]) - seq.row_offset
+        col0 = n_block * self.tile_n
+        k_rows = seq.seqlen_k - col0
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_kv.consumer_wait(kv_state)
+        if k_rows < self.tile_n:
+            zero_smem_rows_past(zero_copy, (sK,), (self.tile_n, D), tid_in_wg, wg, k_rows)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        blocks_done = Int32(0)
+        for m_block in cutlass.range(m_lo, m_hi, unroll=1):
+            if masks.tile_nonempty(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
+                pipe_q.consumer_wait(q_state)
+                stage = q_state.index
+                q_rows = seq.seqlen_q - m_block * self.tile_m
+                if q_rows < self.tile_m:
+                    zero_smem_rows_past(zero_copy, (sQ[None, None, stage], sdO[None, None, stage]),
+                                        (self.tile_m, D), tid_in_wg, wg, q_rows)
+                acc_S = cute.make_rmem_tensor(shape_S, Float32)
+                acc_dP = cute.make_rmem_tensor(shape_S, Float32)
+                wgmma(tiled_mma_s, acc_S, tSrK, tSrQ[None, None, None, stage], True, -1)
+                wgmma(tiled_mma_s, acc_dP, tSrV, tSrdO[None, None, None, stage], True, 1)
+                if const_expr(self.has_rab):
+                    rRab = cute.make_rmem_tensor(shape_S, self.dtype)
+                    cute.autovec_copy(tSsRabT[None, None, None, stage], rRab)
+                    acc_S.store(acc_S.load() + rRab.load().to(Float32))
+                warpgroup.wait_group(0)
+                silu_and_grad_inplace(acc_S, acc_dP, alpha, inv_scale, self.fast_silu)
+                row_first = seq.row_offset + m_block * self.tile_m
+                is_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n,
+                                             KERNEL_OPS) & (q_rows >= self.tile_m)
+                if not is_full:
+                    for i in cutlass.range(cute.size(acc_S), unroll_full=True):
+                        key, query = tScS[i]
+                        keep = masks.allowed(spec, seq, row_first + query, col0 + key, KERNEL_OPS) & (query < q_rows)
+                        acc_S[i] = cutlass.select_(keep, acc_S[i], Float32(0.0))
+                        acc_dP[i] = cutlass.select_(keep, acc_dP[i], Float32(0.0))
+                if const_expr(self.has_drab):
+                    self.write_drab(acc_dP, tSgdRab[None, None, None, m_block], tScS,
+                                    drab_rows - m_block * self.tile_m, drab_cols)
+                rP = cute.make_rmem_tensor(acc_S.layout, self.dtype)
+                rP.store(acc_S.load().to(self.dtype))
+                rG = cute.make_rmem_tensor(acc_dP.layout, self.dtype)
+                rG.store(acc_dP.load().to(self.dtype))
+                buf = 0
+                if const_expr(self.pds_buffers == 1):
+                    cute.arch.barrier(barrier_id=_BAR_PDS_FREE, number_of_threads=self.num_mma_threads)
+                else:
+                    buf = blocks_done % 2
+                cute.autovec_copy(rP, tSsP[None, None, None, buf])
+                cute.autovec_copy(rG, tSsdS[None, None, None, buf])
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=_BAR_PDS_WRITTEN, number_of_threads=self.num_mma_threads)
+                wgmma(tiled_mma_dkv, acc_dV, tDrP[None, None, None, buf], tDrdOt[None, None, None, stage], False, -1)
+                wgmma(tiled_mma_dkv, acc_dK, tDrdS[None, None, None, buf], tDrQt[None, None, None, stage], False, -1)
+                acc_dQ = cute.make_rmem_tensor(wg_mma_dq.partition_shape_C((self.tile_m, D)), Float32)
+                wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, buf], tQrKt, True, 0)
+                pipe_q.consumer_release(q_state)
+                # dQ rows past the sequence are exact zeros, but past T_q they have no address.
+                red_add_acc_rows_f32(acc_dQ, tQgdQ[None, None, None, m_block], tQcdQ_rc, q_rows)
+                q_state = _advanced(q_state)
+                blocks_done += 1
+
+        tKcK = thr_mma_dkv.partition_C(cute.make_identity_tensor((self.tile_n, D)))
+        tKcK_rc = cute.make_tensor(tKcK.iterator, wgmma_acc_rows_cols(tKcK.layout))
+        for acc, mOut in ((acc_dK, mdK), (acc_dV, mdV)):
+            rOut = cute.make_rmem_tensor(acc.layout, self.dtype)
+            rOut.store(acc.load().to(self.dtype))
+            gOut = cute.local_tile(cute.domain_offset((k_start, 0), mOut[None, head, None]), (self.tile_n, D),
+                                   (n_block, 0))
+            store_acc_rows(rOut, thr_mma_dkv.partition_C(gOut), tKcK_rc, k_rows)
+
+    @cute.jit
+    def write_drab(self, acc_G, tSgdRab, tScS, rows: Int32, cols: Int32):
+        """drab = G on this thread's (key, query) elements inside the rab tile's bounds."""
+        for i in cutlass.range(cute.size(acc_G), unroll_full=True):
+            key, query = tScS[i]
+            if (query < rows) & (key < cols):
+                if const_expr(self.rab_sum_heads):
+                    red_add_f32(tSgdRab.iterator + cute.crd2idx(i, tSgdRab.layout), acc_G[i])
+                else:
+                    tSgdRab[i] = acc_G[i].to(self.dtype)

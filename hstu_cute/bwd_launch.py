@@ -17,9 +17,9 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
     ``path`` 'hopper' (default on sm90): at head dim 128, without drab and unless ``deterministic``, one fused
     TMA + WGMMA kernel computes dK, dV and reduces dQ into an fp32 accumulator (the order of
     that sum varies run to run); otherwise a dK/dV kernel and a dQ kernel (the sm80 one when
-    drab is wanted), each summing in a fixed order. At head dim 256 one kernel computes dK, dV,
-    dQ and drab (atomic sums; ``deterministic`` is refused). 'ampere': the sm80 dK/dV and dQ
-    kernels, deterministic."""
+    drab is wanted), each summing in a fixed order. At head dim 256 the wide dK/dV/drab kernel
+    and the dQ kernel (deterministic, except the sum of drab over heads for one rab head unless
+    ``deterministic``). 'ampere': the sm80 dK/dV and dQ kernels, deterministic."""
     from . import api
     from .cache import default_cache
     from .compile import build
@@ -33,11 +33,6 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
             f"q.shape[2] (head dim): the {path} backward kernels support "
             f"{BWD_HEAD_DIMS + (HOPPER_WIDE_HEAD_DIMS if path == 'hopper' else ())}, got {p.head_dim} "
             "(the sm80 backward at head dim 256 is not built yet)"
-        )
-    if wide and deterministic:
-        raise NotImplementedError(
-            f"deterministic: the head dim {p.head_dim} backward sums dQ atomically; expected False, got True "
-            "(a bitwise reproducible head dim 256 backward is not built yet)"
         )
     zero_q, zero_k = seqused_q is not None, seqused_k is not None
     dq = (torch.zeros if zero_q else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
@@ -74,20 +69,27 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
                int(p.mask.is_delta_q))
     arch, dtype_name = api.device_arch(device), api._DTYPE_NAMES[p.dtype]
     if wide:
-        key = make_hopper_bwd_key("wide", arch, dtype_name, p.head_dim, p.mask.kind, context_target, rab is not None,
-                                  tiles_dkdv, has_drab=has_drab, rab_sum_heads=sum_heads)
-        fn = default_cache().get(key, lambda: build(key))
-        dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=device)
-        drab_out = None
-        if has_drab:
-            drab_out = (torch.zeros((rab.shape[0], rab.shape[2], rab.shape[3]), dtype=torch.float32, device=device)
-                        if sum_heads else drab)
+        common = (arch, dtype_name, p.head_dim, p.mask.kind, context_target, rab is not None)
+        # drab of one rab head over H heads: atomic fp32 sums, or (deterministic) per-head drab
+        # summed afterwards in a fixed order.
+        atomic_sum = sum_heads and not deterministic
+        key_kv = make_hopper_bwd_key("wide", *common, tiles_dkdv, has_drab=has_drab, rab_sum_heads=atomic_sum)
+        key_q = make_hopper_bwd_key("dq", *common, tiles_dq)
+        fn_kv = default_cache().get(key_kv, lambda: build(key_kv))
+        fn_q = default_cache().get(key_q, lambda: build(key_q))
+        drab_out = drab
+        if atomic_sum:
+            drab_out = torch.zeros((rab.shape[0], rab.shape[2], rab.shape[3]), dtype=torch.float32, device=device)
+        elif sum_heads:
+            drab_out = torch.zeros((rab.shape[0], p.heads, rab.shape[2], rab.shape[3]), dtype=q.dtype, device=device)
         with torch.cuda.device(device):
-            fn(q, k, v, dout, dk, dv, dq_accum, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
-               num_targets, rab, drab_out, *scalars, -(-max_seqlen_k // key.tile_n))
-        if sum_heads:
-            drab[:, 0].copy_(drab_out)
-        return dq_accum.to(q.dtype), dk, dv, (drab_view if drab_view is not None else drab)
+            fn_q(q, k, v, dout, dq, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts, num_targets,
+                 rab, *scalars, -(-max_seqlen_q // key_q.tile_m))
+            fn_kv(q, k, v, dout, dk, dv, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts, num_targets,
+                  rab, drab_out, *scalars, -(-max_seqlen_k // key_kv.tile_n))
+            if sum_heads:
+                drab[:, 0].copy_(drab_out if atomic_sum else drab_out.float().sum(1))
+        return dq, dk, dv, (drab_view if drab_view is not None else drab)
     key_dq, key_dkdv = make_bwd_keys(arch, dtype_name, p.head_dim, p.mask.kind, context_target, rab is not None,
                                      rab_vec, has_drab, sum_heads)
     if tiles_dq or tiles_dkdv:  # benchmark sweeps only

@@ -185,7 +185,7 @@ def build_hopper_bwd(key):
         cutlass.Float32, (t_q, heads, key.head_dim), (cute.sym_int64(divisibility=4), cute.sym_int(divisibility=4), 1),
         assumed_align=16,
     )
-    outs = {"dkdv": (dk, dv, None), "fused": (dk, dv, dq_accum), "dq": (dq,), "wide": (dk, dv, dq_accum)}[key.role]
+    outs = {"dkdv": (dk, dv, None), "fused": (dk, dv, dq_accum), "dq": (dq,), "wide": (dk, dv)}[key.role]
     args = (q, k, v, do, *outs, _int_vec(batch1), _int_vec(batch1), _int_vec(batch), _int_vec(batch),
             _int_vec(batch) if key.has_context else None, _int_vec(batch) if key.has_target else None, rab)
     if key.role == "wide":

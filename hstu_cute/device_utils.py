@@ -266,26 +266,6 @@ def red_add_f32(ptr: cute.Pointer, value: Float32):
                     "l,f", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
-@cute.jit
-def red_add_f32x2(ptr: cute.Pointer, a: Float32, b: Float32):
-    """ptr[0] += a, ptr[1] += b in global memory (one sm90 red.global.add.v2.f32; 8-byte aligned)."""
-    llvm.inline_asm(None, [ptr.toint().ir_value(), Float32(a).ir_value(), Float32(b).ir_value()],
-                    "red.global.add.v2.f32 [$0], {$1, $2};", "l,f,f", has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@cute.jit
-def red_add_acc_rows_f32(acc: cute.Tensor, tOg: cute.Tensor, tOc_rc: cute.Tensor, row_limit: Int32):
-    """Add a WGMMA-layout fp32 register tile into fp32 global memory, two adjacent columns per
-    atomic, skipping the thread's rows at and past ``row_limit`` (like :func:`store_acc_rows`)."""
-    rc = cute.make_tensor(acc.iterator, wgmma_acc_rows_cols(acc.layout))
-    g_rc = cute.make_tensor(tOg.iterator, wgmma_acc_rows_cols(tOg.layout))
-    for i in cutlass.range_constexpr(cute.size(rc.shape[0])):
-        if tOc_rc[i, 0][0] < row_limit:
-            dst = cute.logical_divide(g_rc[i, None], 2)
-            for j in cutlass.range_constexpr(cute.size(rc.shape[1]) // 2):
-                red_add_f32x2(dst[None, j].iterator, rc[i, 2 * j], rc[i, 2 * j + 1])
-
 # ---------------------------------------------------------------------------------------------
 # sm90 kernel scaffolding shared by the Hopper forward and backward kernels
 # ---------------------------------------------------------------------------------------------

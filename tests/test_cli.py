@@ -112,10 +112,11 @@ def test_warmup_select_keys_filters():
     assert len(select_keys("sm_86", head_dims=[32], rab="only", kernels="bwd")) == 2 * 4 * 4
     assert len(select_keys("sm_80", limit=5)) == 5
     # sm_90a: the Hopper forward and backward kernels too (hstu_cute.variants.shipped_keys): the
-    # fused D128 kernel (16) and the deterministic pair (96).
-    assert len(select_keys("sm_90a")) == 96 + 144 + 64 + 96 + 16
+    # fused D128 kernel (16), the deterministic pair (96) and at D256 the wide dK/dV/drab kernel
+    # (2 dtypes x 4 masks x 4 rab/drab modes) with its dQ kernel (16).
+    assert len(select_keys("sm_90a")) == 96 + 144 + 64 + 96 + 16 + 32 + 16
     assert len(select_keys("sm_90a", kernels="fwd")) == 96 + 64
-    assert len(select_keys("sm_90a", kernels="bwd")) == 144 + 96 + 16
+    assert len(select_keys("sm_90a", kernels="bwd")) == 144 + 96 + 16 + 32 + 16
     keys = select_keys("sm_90a", ["bfloat16"], [128], ["causal"], "none", kernels="fwd")
     assert [k.kernel_name for k in keys] == ["ampere_fwd", "hopper_fwd"]
     assert not any(k.kernel_name == "hopper_fwd" for k in select_keys("sm_89"))

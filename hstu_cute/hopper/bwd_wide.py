@@ -1,4 +1,5 @@
-"""HSTU attention backward for sm90a at head dim 256: one kernel computes dK, dV, dQ and drab."""
+"""HSTU attention backward for sm90a at head dim 256: the dK, dV (and drab) kernel. dQ comes from
+:class:`~hstu_cute.hopper.bwd.HstuBackwardDqSm90` (128 x 32 tiles there)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from .. import masks
 from ..ampere.bwd import silu_and_grad_inplace
 from ..device_utils import (
     KERNEL_OPS,
-    red_add_acc_rows_f32,
     red_add_f32,
     rows_zero_copy,
     sequence_bounds,
@@ -47,18 +47,16 @@ def wide_smem_bytes(elem_bytes: int, head_dim: int, tile_m: int, tile_n: int, nu
 
 
 class HstuBackwardWideSm90:
-    """dK, dV, dQ (and drab) at head dims where one warpgroup cannot hold dK and dV of 64 keys
-    (D = 256: 2 x 128 fp32 registers per thread). One CTA per (head, batch, n-block of
-    ``tile_n`` = 64 keys), n-block 0 first; it walks the m-blocks (``tile_m`` = 64 queries) that
-    attend to its keys, in the transposed orientation (accumulator rows are keys):
+    """dK, dV (and drab) at head dims where one warpgroup cannot hold dK and dV of 64 keys
+    (D = 256: 2 x 128 fp32 registers per thread). One CTA per (n-block of ``tile_n`` = 64 keys,
+    head, batch), the n-blocks of one sequence and head adjacent in launch order (they read the
+    same Q and dO through L2); it walks the m-blocks (``tile_m`` = 64 queries) that attend to its
+    keys, in the transposed orientation (accumulator rows are keys):
 
     * S^T = K Q^T (+ rab^T), dP^T = V dO^T: warpgroup w computes queries [32 w, 32 w + 32);
       P^T and G^T (spec section 2) go to smem (sP, sdS: keys x queries, queries contiguous).
     * dV[:, half w] += P^T dO[:, half w] and dK[:, half w] += G^T Q[:, half w]: each warpgroup
       owns half of D for all 64 keys (SS WGMMA, A = sP / sdS K-major, B = dO / Q MN-major).
-    * dQ[:, half w] = G K[:, half w] (SS WGMMA, A = sdS read MN-major, B = sK read MN-major),
-      added into an fp32 (T_q, H, D) accumulator with red.global.add.v2.f32 straight from the
-      registers: staging it in smem would cost the second Q/dO stage (64 KB).
     * drab = G: stored per head (H_rab = H; each element has exactly one writer) or added with
       red.global.add.f32 into an fp32 (B, L_q, L_k) slab (H_rab = 1 < H).
 
@@ -68,8 +66,12 @@ class HstuBackwardWideSm90:
     Barriers: named 4/5 after a warpgroup zeroes the rows of a tile past the sequence (TMA reads
     the next sequence there; P and G are 0 against them, but 0 * NaN would be NaN); 6 after both
     warpgroups wrote sP/sdS; 7 (with one sP/sdS buffer, when rab's ring takes the smem of the
-    second) before either overwrites them. The dQ and drab sums over n-blocks are atomic, so their
-    order varies run to run (``deterministic=True`` is not built for this kernel).
+    second) before either overwrites them.
+
+    Why no dQ here (docs/perf-log.md 2026-11-21, H100, B8 N4096 causal): adding dQ = G K into
+    fp32 with red.global from this kernel ran at 165-242 TF; its 64 KB of atomics per m-block
+    (64 keys per CTA: twice D128's per FLOP) saturate L2. The same kernel without them runs at
+    512, and beside the dQ kernel (which recomputes S and dP) the pair reaches 356.
     """
 
     produce = HstuBackwardDkDvSm90.produce
@@ -99,7 +101,7 @@ class HstuBackwardWideSm90:
         assert wide_smem_bytes(elem, head_dim, tile_m, tile_n, num_stages, has_rab, self.pds_buffers) <= SMEM_LIMIT
 
     @cute.jit
-    def __call__(self, mQ, mK, mV, mdO, mdK, mdV, mdQaccum, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK,
+    def __call__(self, mQ, mK, mV, mdO, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK,
                  mNumContexts, mNumTargets, mRab, mdRab, alpha: Float32, inv_scale: Float32, window_left: Int32,
                  window_right: Int32, group_size: Int32, is_delta_q: Int32, num_n_blocks: Int32, stream):
         D = self.head_dim
@@ -117,11 +119,6 @@ class HstuBackwardWideSm90:
         # dV / dK (keys, D) += P^T / G^T (smem, K-major) x dO / Q (smem, MN-major): split along D.
         tiled_mma_dkv = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(1, 2, 1), tiler_mn=(64, D // 2),
-        )
-        # dQ (queries, D) = G (sdS read MN-major) x K (MN-major as (D, keys)): split along D.
-        tiled_mma_dq = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN, Float32,
             atom_layout_mnk=(1, 2, 1), tiler_mn=(64, D // 2),
         )
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
@@ -155,12 +152,12 @@ class HstuBackwardWideSm90:
 
         self.kernel(
             tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab, tma_rab,
-            mQ, mK, mdK, mdV, mdQaccum, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
+            mQ, mK, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
             mdRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
-            sK_layout, sQ_layout, sP_layout, sRab_layout, tiled_mma_s, tiled_mma_dkv, tiled_mma_dq, zero_copy,
+            sK_layout, sQ_layout, sP_layout, sRab_layout, tiled_mma_s, tiled_mma_dkv, zero_copy,
             SharedStorage,
         ).launch(
-            grid=[mQ.shape[1], mOffsetsQ.shape[0] - 1, num_n_blocks],
+            grid=[num_n_blocks, mQ.shape[1], mOffsetsQ.shape[0] - 1],
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -169,13 +166,13 @@ class HstuBackwardWideSm90:
 
     @cute.kernel
     def kernel(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
-               tma_rab, mQ, mK, mdK, mdV, mdQaccum, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
+               tma_rab, mQ, mK, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
                mNumTargets, mRab, mdRab, alpha: Float32, inv_scale: Float32, window_left: Int32,
                window_right: Int32, group_size: Int32, is_delta_q: Int32, sK_layout, sQ_layout, sP_layout,
-               sRab_layout, tiled_mma_s, tiled_mma_dkv, tiled_mma_dq, zero_copy, SharedStorage: cutlass.Constexpr):
+               sRab_layout, tiled_mma_s, tiled_mma_dkv, zero_copy, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        head, batch, n_block = cute.arch.block_idx()
+        n_block, head, batch = cute.arch.block_idx()
         q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
             mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mQ.shape[0], mK.shape[0], batch)
         # Uniform over the CTA, before any barrier is initialized.
@@ -221,13 +218,13 @@ class HstuBackwardWideSm90:
                                  k_start, head, batch, n_block, seq, m_lo, m_hi)
             else:
                 cute.arch.setmaxregister_increase(self.mma_regs)
-                self.consume(tidx - 128, mdK, mdV, mdQaccum, mdRab, sK, sV, sQ, sdO, sP, sdS, sRab, pipe_kv,
-                             pipe_q, tiled_mma_s, tiled_mma_dkv, tiled_mma_dq, zero_copy, alpha, inv_scale, q_start,
+                self.consume(tidx - 128, mdK, mdV, mdRab, sK, sV, sQ, sdO, sP, sdS, sRab, pipe_kv,
+                             pipe_q, tiled_mma_s, tiled_mma_dkv, zero_copy, alpha, inv_scale, q_start,
                              k_start, head, batch, n_block, seq, m_lo, m_hi)
 
     @cute.jit
-    def consume(self, tidx: Int32, mdK, mdV, mdQaccum, mdRab, sK, sV, sQ, sdO, sP, sdS, sRab, pipe_kv, pipe_q,
-                tiled_mma_s, tiled_mma_dkv, tiled_mma_dq, zero_copy, alpha: Float32, inv_scale: Float32,
+    def consume(self, tidx: Int32, mdK, mdV, mdRab, sK, sV, sQ, sdO, sP, sdS, sRab, pipe_kv, pipe_q,
+                tiled_mma_s, tiled_mma_dkv, zero_copy, alpha: Float32, inv_scale: Float32,
                 q_start: Int32, k_start: Int32, head: Int32, batch: Int32, n_block: Int32, seq, m_lo: Int32,
                 m_hi: Int32):
         D = self.head_dim
@@ -236,10 +233,8 @@ class HstuBackwardWideSm90:
         tid_in_wg = tidx % 128
         thr_mma_s = tiled_mma_s.get_slice(tidx)
         thr_mma_dkv = tiled_mma_dkv.get_slice(tidx)
-        thr_mma_dq = tiled_mma_dq.get_slice(tidx)
         wg_mma_s = tiled_mma_s.get_slice(wg * 128)
         wg_mma_dkv = tiled_mma_dkv.get_slice(wg * 128)
-        wg_mma_dq = tiled_mma_dq.get_slice(wg * 128)
         tSrK = wg_mma_s.make_fragment_A(wg_mma_s.partition_A(sK))
         tSrV = wg_mma_s.make_fragment_A(wg_mma_s.partition_A(sV))
         tSrQ = wg_mma_s.make_fragment_B(wg_mma_s.partition_B(sQ))
@@ -251,13 +246,6 @@ class HstuBackwardWideSm90:
         tDrdS = wg_mma_dkv.make_fragment_A(wg_mma_dkv.partition_A(sdS))
         tDrQt = wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(cute.composition(sQ, qt)))
         tDrdOt = wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(cute.composition(sdO, qt)))
-        # G as (queries, keys) and K as (D, keys): both contiguous along their first mode.
-        sdSt = cute.composition(sdS, cute.make_ordered_layout((self.tile_m, self.tile_n, self.pds_buffers),
-                                                              order=(1, 0, 2)))
-        sKt = cute.composition(sK, cute.make_ordered_layout((D, self.tile_n), order=(1, 0)))
-        tQrdS = wg_mma_dq.make_fragment_A(wg_mma_dq.partition_A(sdSt))
-        tQrKt = wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(sKt))
-
         shape_S = wg_mma_s.partition_shape_C((self.tile_n, self.tile_m))
         acc_dK = cute.make_rmem_tensor(wg_mma_dkv.partition_shape_C((self.tile_n, D)), Float32)
         acc_dV = cute.make_rmem_tensor(wg_mma_dkv.partition_shape_C((self.tile_n, D)), Float32)
@@ -272,11 +260,6 @@ class HstuBackwardWideSm90:
             sRabT = cute.composition(sRab, cute.make_ordered_layout((self.tile_n, self.tile_m, self.num_stages),
                                                                     order=(1, 0, 2)))
             tSsRabT = thr_mma_s.partition_C(sRabT)
-        gdQ = cute.local_tile(cute.domain_offset((q_start, 0), mdQaccum[None, head, None]), (self.tile_m, D),
-                              (None, 0))
-        tQgdQ = thr_mma_dq.partition_C(gdQ)
-        tQcdQ = thr_mma_dq.partition_C(cute.make_identity_tensor((self.tile_m, D)))
-        tQcdQ_rc = cute.make_tensor(tQcdQ.iterator, wgmma_acc_rows_cols(tQcdQ.layout))
         tSgdRab = None
         drab_rows = drab_cols = Int32(0)
         if const_expr(self.has_drab):
@@ -296,8 +279,6 @@ class HstuBackwardWideSm90:
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
-        if k_rows < self.tile_n:
-            zero_smem_rows_past(zero_copy, (sK,), (self.tile_n, D), tid_in_wg, wg, k_rows)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         blocks_done = Int32(0)
         for m_block in cutlass.range(m_lo, m_hi, unroll=1):
@@ -344,12 +325,8 @@ class HstuBackwardWideSm90:
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier(barrier_id=_BAR_PDS_WRITTEN, number_of_threads=self.num_mma_threads)
                 wgmma(tiled_mma_dkv, acc_dV, tDrP[None, None, None, buf], tDrdOt[None, None, None, stage], False, -1)
-                wgmma(tiled_mma_dkv, acc_dK, tDrdS[None, None, None, buf], tDrQt[None, None, None, stage], False, -1)
-                acc_dQ = cute.make_rmem_tensor(wg_mma_dq.partition_shape_C((self.tile_m, D)), Float32)
-                wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, buf], tQrKt, True, 0)
+                wgmma(tiled_mma_dkv, acc_dK, tDrdS[None, None, None, buf], tDrQt[None, None, None, stage], False, 0)
                 pipe_q.consumer_release(q_state)
-                # dQ rows past the sequence are exact zeros, but past T_q they have no address.
-                red_add_acc_rows_f32(acc_dQ, tQgdQ[None, None, None, m_block], tQcdQ_rc, q_rows)
                 q_state = _advanced(q_state)
                 blocks_done += 1
 

@@ -92,9 +92,11 @@ class HopperBwdKey:
 HOPPER_BWD_HEAD_DIMS = (32, 64, 128, 256)
 _BWD_TILES = {"dkdv": dict(tile_m=64, tile_n=128), "fused": dict(tile_m=64, tile_n=128),
               "dq": dict(tile_m=128, tile_n=64), "wide": dict(tile_m=64, tile_n=64)}
-# dQ at D256: Q and dO (2 x 64 KB) stay resident, so K/V tiles of 32 keys keep two stages in smem
-# (H100 B8 N4096 causal, with the wide kernel: 356.6 TF vs 331.6 at 128 x 64 with one stage).
-_BWD_TILES_D256 = {"dq": dict(tile_m=128, tile_n=32, num_stages=2)}
+# dQ at D256: Q and dO (2 x 64 KB) stay resident, so K/V tiles of 48 keys (32 beside rab's ring)
+# keep two stages in smem (H100 B8 N4096 causal, with the wide kernel: 369.4 TF at 128 x 48,
+# 359.5-363.5 at 128 x 32, 331.6 at 128 x 64 with one stage).
+_BWD_TILES_D256 = {"dq": dict(tile_m=128, tile_n=48, num_stages=2)}
+_BWD_TILES_D256_RAB = {"dq": dict(tile_m=128, tile_n=32, num_stages=2)}
 HOPPER_BWD_ROLES = ("fused", "dkdv", "dq", "wide")
 # Head dims of the wide dK/dV/drab kernel; it pairs with the dQ kernel there.
 HOPPER_WIDE_HEAD_DIMS = (256,)
@@ -111,12 +113,12 @@ def make_hopper_bwd_key(role, arch, dtype, head_dim, kind, context_target, has_r
     return HopperBwdKey(role=role, arch=arch, dtype=dtype, head_dim=head_dim, mask_kind=int(kind),
                         has_context=context_target, has_target=context_target, has_rab=has_rab, has_drab=has_drab,
                         rab_sum_heads=rab_sum_heads, fast_silu=dtype == "bfloat16",
-                        **(tiles or hopper_bwd_tiles(role, head_dim)))
+                        **(tiles or hopper_bwd_tiles(role, head_dim, has_rab)))
 
 
-def hopper_bwd_tiles(role: str, head_dim: int) -> dict:
+def hopper_bwd_tiles(role: str, head_dim: int, has_rab: bool) -> dict:
     if head_dim in HOPPER_WIDE_HEAD_DIMS:
-        return _BWD_TILES_D256.get(role, _BWD_TILES[role])
+        return (_BWD_TILES_D256_RAB if has_rab else _BWD_TILES_D256).get(role, _BWD_TILES[role])
     return _BWD_TILES[role]
 
 

@@ -347,3 +347,25 @@ def zero_smem_rows_past(zero_copy, tiles, tile_shape: cutlass.Constexpr, tid_in_
                 cute.copy(zero_copy, zeros, tZs[None, m, None])
     cute.arch.fence_view_async_shared()
     cute.arch.barrier(barrier_id=BAR_ZERO_ROWS_WG0 + wg, number_of_threads=128)
+
+
+def sm90_bwd_pipelines(mbar_once, mbar_ring, once_bytes: int, ring_bytes: int, ring_stages: int,
+                       num_mma_threads: int):
+    """The two TMA pipelines of an sm90 backward kernel: one 1-stage pipeline for the tiles the CTA
+    owns (K+V, or Q+dO), one ring for the tiles it walks; one producer thread, consumer warps
+    release. Initialized, fenced and CTA-synced (call once, by every thread, before role split)."""
+    import cutlass.pipeline as pipeline
+
+    producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+    consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, num_mma_threads // 32)
+    pipe_once = pipeline.PipelineTmaAsync.create(
+        barrier_storage=mbar_once.data_ptr(), num_stages=1, producer_group=producer, consumer_group=consumers,
+        tx_count=once_bytes, defer_sync=True,
+    )
+    pipe_ring = pipeline.PipelineTmaAsync.create(
+        barrier_storage=mbar_ring.data_ptr(), num_stages=ring_stages, producer_group=producer,
+        consumer_group=consumers, tx_count=ring_bytes, defer_sync=True,
+    )
+    cute.arch.mbarrier_init_fence()
+    cute.arch.sync_threads()
+    return pipe_once, pipe_ring

@@ -19,6 +19,7 @@ from ..device_utils import (
     sequence_bounds,
     rows_zero_copy,
     sequence_mask,
+    sm90_bwd_pipelines,
     sm90_register_split,
     sm90_smem_layout,
     sm90_tma_atom_rab,
@@ -36,6 +37,21 @@ from .fwd import _advanced
 # Split dQ columns: 6 = sdS free, 7 = sdS written.
 _BAR_DS = 6
 _BAR_DQ_WG0 = 8  # 8, 9: a warpgroup's sdQ buffer
+
+
+@cute.jit
+def store_dk_dv(thr_mma, acc_dK, acc_dV, mdK, mdV, dtype: cutlass.Constexpr, tile_n: cutlass.Constexpr,
+                head_dim: cutlass.Constexpr, k_start: Int32, head: Int32, n_block: Int32, k_rows: Int32):
+    """dK and dV of one n-block from WGMMA accumulators (this thread's slice of ``thr_mma``) to
+    (T_k, H, D) global memory, key rows at and past ``k_rows`` skipped."""
+    tKcK = thr_mma.partition_C(cute.make_identity_tensor((tile_n, head_dim)))
+    tKcK_rc = cute.make_tensor(tKcK.iterator, wgmma_acc_rows_cols(tKcK.layout))
+    for acc, mOut in ((acc_dK, mdK), (acc_dV, mdV)):
+        rOut = cute.make_rmem_tensor(acc.layout, dtype)
+        rOut.store(acc.load().to(dtype))
+        gOut = cute.local_tile(cute.domain_offset((k_start, 0), mOut[None, head, None]), (tile_n, head_dim),
+                               (n_block, 0))
+        store_acc_rows(rOut, thr_mma.partition_C(gOut), tKcK_rc, k_rows)
 
 
 class HstuBackwardDkDvSm90:
@@ -191,18 +207,8 @@ class HstuBackwardDkDvSm90:
 
             smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(SharedStorage)
-            producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-            consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
-            pipe_kv = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=producer,
-                consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
-            )
-            pipe_q = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.num_stages, producer_group=producer,
-                consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True,
-            )
-            cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()
+            pipe_kv, pipe_q = sm90_bwd_pipelines(storage.mbar_kv, storage.mbar_q, self.kv_bytes,
+                                                  self.q_bytes, self.num_stages, self.num_mma_threads)
             sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
             sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
             sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -378,14 +384,7 @@ class HstuBackwardDkDvSm90:
         if const_expr(self.fuse_dq):
             if tid_in_wg < 32:
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
-        tKcK = thr_mma_d.partition_C(cute.make_identity_tensor((self.tile_n, D)))
-        tKcK_rc = cute.make_tensor(tKcK.iterator, wgmma_acc_rows_cols(tKcK.layout))
-        for acc, mOut in ((acc_dK, mdK), (acc_dV, mdV)):
-            rOut = cute.make_rmem_tensor(acc.layout, self.dtype)
-            rOut.store(acc.load().to(self.dtype))
-            gOut = cute.local_tile(cute.domain_offset((k_start, 0), mOut[None, head, None]), (self.tile_n, D),
-                                   (n_block, 0))
-            store_acc_rows(rOut, thr_mma_d.partition_C(gOut), tKcK_rc, k_rows)
+        store_dk_dv(thr_mma_d, acc_dK, acc_dV, mdK, mdV, self.dtype, self.tile_n, D, k_start, head, n_block, k_rows)
 
 
     def ds_buffer(self, blocks_done: Int32):
@@ -538,18 +537,8 @@ class HstuBackwardDqSm90:
 
             smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(SharedStorage)
-            producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-            consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
-            pipe_q = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
-                consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True,
-            )
-            pipe_kv = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_kv.data_ptr(), num_stages=self.num_stages, producer_group=producer,
-                consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
-            )
-            cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()
+            pipe_q, pipe_kv = sm90_bwd_pipelines(storage.mbar_q, storage.mbar_kv, self.q_bytes,
+                                                  self.kv_bytes, self.num_stages, self.num_mma_threads)
             sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
             sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
             sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)

@@ -18,16 +18,15 @@ from ..device_utils import (
     rows_zero_copy,
     sequence_bounds,
     sequence_mask,
+    sm90_bwd_pipelines,
     sm90_register_split,
     sm90_smem_layout,
     sm90_tma_atom_rab,
     sm90_tma_atom_tokens,
-    store_acc_rows,
     wgmma,
-    wgmma_acc_rows_cols,
     zero_smem_rows_past,
 )
-from .bwd import HstuBackwardDkDvSm90
+from .bwd import HstuBackwardDkDvSm90, store_dk_dv
 from .fwd import _advanced
 
 # Named barriers (0: syncthreads; 4/5: zero_smem_rows_past): sP/sdS written by both warpgroups,
@@ -188,18 +187,8 @@ class HstuBackwardWideSm90:
 
             smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(SharedStorage)
-            producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-            consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
-            pipe_kv = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=producer,
-                consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
-            )
-            pipe_q = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.num_stages, producer_group=producer,
-                consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True,
-            )
-            cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()
+            pipe_kv, pipe_q = sm90_bwd_pipelines(storage.mbar_kv, storage.mbar_q, self.kv_bytes, self.q_bytes,
+                                                 self.num_stages, self.num_mma_threads)
             sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
             sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
             sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -330,14 +319,8 @@ class HstuBackwardWideSm90:
                 q_state = _advanced(q_state)
                 blocks_done += 1
 
-        tKcK = thr_mma_dkv.partition_C(cute.make_identity_tensor((self.tile_n, D)))
-        tKcK_rc = cute.make_tensor(tKcK.iterator, wgmma_acc_rows_cols(tKcK.layout))
-        for acc, mOut in ((acc_dK, mdK), (acc_dV, mdV)):
-            rOut = cute.make_rmem_tensor(acc.layout, self.dtype)
-            rOut.store(acc.load().to(self.dtype))
-            gOut = cute.local_tile(cute.domain_offset((k_start, 0), mOut[None, head, None]), (self.tile_n, D),
-                                   (n_block, 0))
-            store_acc_rows(rOut, thr_mma_dkv.partition_C(gOut), tKcK_rc, k_rows)
+        store_dk_dv(thr_mma_dkv, acc_dK, acc_dV, mdK, mdV, self.dtype, self.tile_n, D, k_start, head, n_block,
+                    k_rows)
 
     @cute.jit
     def write_drab(self, acc_G, tSgdRab, tScS, rows: Int32, cols: Int32):

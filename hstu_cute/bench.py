@@ -141,21 +141,30 @@ def _band_pairs(spec, seq) -> int:
     return total
 
 
+# Each call's events are queued behind the previous call (no synchronization in between), so the
+# host time a call needs to launch its kernels overlaps the device work of the previous one, as in
+# a training loop; True restores the per-call synchronization used before 2026-11-21 (session 5),
+# which also counted ~40-60 us of host launch time into every backward sample.
+SYNC_EACH_CALL = False
+
+
 def time_cuda(fns, warmup: int = 5, reps: int = 30) -> tuple[float, float]:
-    """Median and IQR (ms) of single-launch times, rotating over ``fns`` (one per input set so
-    repeated runs do not just re-read L2)."""
+    """Median and IQR (ms) of single-call device times, rotating over ``fns`` (one per input set
+    so repeated runs do not just re-read L2)."""
     for i in range(warmup):
         fns[i % len(fns)]()
     torch.cuda.synchronize()
-    times = []
+    events = []
     for i in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fns[i % len(fns)]()
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
+        if SYNC_EACH_CALL:
+            end.synchronize()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(end) for start, end in events)
     q1, q3 = times[len(times) // 4], times[(3 * len(times)) // 4]
     return statistics.median(times), q3 - q1
 

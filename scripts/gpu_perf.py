@@ -90,6 +90,15 @@ if "bwd" in modes:
             emit(bench.run_workload_bwd(bench.replace(w, sdpa=False), deterministic=True))
             emit(bench.run_workload_bwd(bench.replace(w, sdpa=False), path="ampere"))
     emit(bench.run_workload_bwd(bench.replace(bench.headline(), sdpa=False)))
+if "timing" in modes:
+    # The two timing methods side by side (bench.SYNC_EACH_CALL): per-call synchronization adds the
+    # host launch time of every call to its sample.
+    for sync_each in (True, False, True, False):
+        bench.SYNC_EACH_CALL = sync_each
+        row = bench.run_workload_bwd(bench.headline())
+        row["tiles"] += " sync-each-call" if sync_each else " queued"
+        emit(row)
+    bench.SYNC_EACH_CALL = False
 if "bwd256" in modes:
     d256 = bench.replace(bench.headline(), name="full B8 N4096 D256", head_dim=256)
     for w in (d256, d256, bench.Workload("rab H_rab=1 B8 N2048 D256", 8, 2048, head_dim=256, rab_heads=1),

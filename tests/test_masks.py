@@ -14,10 +14,12 @@ from hstu_cute.masks import (
     TileClass,
     classify_tiles,
     dense_mask,
+    m_block_range,
     n_block_at,
     n_block_schedule,
     normalize_window,
     seq_mask_from_lengths,
+    tile_nonempty,
 )
 
 
@@ -311,6 +313,28 @@ def test_classify_tiles_agrees_with_dense_predicate(one_torch_thread):
     assert counts["none"][TileClass.FULL] > 0 and counts["none"][TileClass.PARTIAL] > 0
     assert counts["none"][TileClass.EMPTY] == 0
 
+
+def test_backward_m_block_walk_visits_each_scheduled_tile_once():
+    # The fused Hopper backward's dQ writer finishes an m-block when as many n-block CTAs have
+    # added to it as the m-block's schedule counts: the CTAs' walks (m_block_range, filtered by
+    # tile_nonempty) must visit exactly the scheduled tiles, or a dQ tile is never written.
+    rng = random.Random(77)
+    checked = 0
+    for _ in range(600):
+        spec, seq, cfg = _draw_config(rng, 700)
+        for tm, tn in ((64, 128), (64, 64), (128, 48), (128, 32), (16, 48)):
+            n_m, n_n = -(-cfg["Lq"] // tm), -(-cfg["Lk"] // tn)
+            visits = [0] * n_m
+            for n in range(n_n):
+                m_lo, m_hi = m_block_range(spec, seq, n, tm, tn)
+                assert 0 <= m_lo <= m_hi <= max(n_m, 0), (cfg, tm, tn, n, m_lo, m_hi)
+                for m in range(m_lo, m_hi):
+                    visits[m] += bool(tile_nonempty(spec, seq, m, n, tm, tn))
+            for m in range(n_m):
+                count = n_block_schedule(spec, seq, m, tm, tn)[3]
+                assert visits[m] == count, (cfg, tm, tn, m, visits[m], count)
+                checked += 1
+    assert checked > 10000
 
 def test_classify_tiles_fully_allowed_interior_causal_is_full():
     # A hand-picked case: causal, L=256, 64x64 tiles -> strictly-below-diagonal tiles FULL,

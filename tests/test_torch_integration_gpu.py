@@ -247,6 +247,31 @@ def test_backward_d128_deterministic_is_bitwise_and_close_to_default(path):
         torch.testing.assert_close(runs[3][n], runs[0][n], rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
+def test_backward_d128_long_jagged_many_contributors(dtype, path):
+    """Long sequences: up to 32 n-block CTAs add into one dQ tile (the fused kernel's claim / done
+    counters, first store, last read-back), seqused shorter than the storage, context + targets."""
+    lengths = [4096, 1111, 2500, 1, 700]
+    b = reference.random_jagged_batch(len(lengths), H, 128, 4096, device="cuda", dtype=dtype, lengths=lengths,
+                                      window_size=(-1, 0), num_contexts=[3, 0, 40, 0, 7],
+                                      num_targets=[100, 5, 0, 1, 33], target_group_size=4, seqused=True, seed=41)
+    _check_backward(b, has_drab=False, dtype=dtype)
+
+
+def test_backward_d128_default_repeats_agree(path):
+    """Five runs of the default backward (the fused kernel on Hopper sums dQ in a varying order)
+    agree with the deterministic pair to bf16 rounding: a race in the dQ hand-off between CTAs
+    would show up as a wrong tile in some run."""
+    b = reference.random_jagged_batch(6, H, 128, 2048, device="cuda", dtype=BF16, lengths=[2048, 1500, 64, 2048, 5, 999],
+                                      window_size=(-1, 0), seed=12)
+    torch.manual_seed(3)
+    want = _check_backward(b, has_drab=False, deterministic=True)
+    for _ in range(5):
+        torch.manual_seed(3)
+        got = _check_backward(b, has_drab=False)
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=2e-2, atol=2e-2)
+
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_backward_head_dims_fp16(head_dim, path):
     b = reference.random_jagged_batch(3, H, head_dim, 130, device="cuda", dtype=torch.float16, lengths=[130, 17, 1],

@@ -247,14 +247,17 @@ def test_backward_d128_deterministic_is_bitwise_and_close_to_default(path):
         torch.testing.assert_close(runs[3][n], runs[0][n], rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
-def test_backward_d128_long_jagged_many_contributors(dtype, path):
+@pytest.mark.parametrize("case", ["bf16 ctx+tgt", "fp16 seqused"])
+def test_backward_d128_long_jagged_many_contributors(case, path):
     """Long sequences: up to 32 n-block CTAs add into one dQ tile (the fused kernel's claim / done
-    counters, first store, last read-back), seqused shorter than the storage, context + targets."""
+    counters, first store, last read-back); context + targets; seqused shorter than the storage."""
     lengths = [4096, 1111, 2500, 1, 700]
+    if case == "bf16 ctx+tgt":
+        dtype, m = BF16, dict(num_contexts=[3, 0, 40, 0, 7], num_targets=[100, 5, 0, 1, 33], target_group_size=4)
+    else:
+        dtype, m = torch.float16, dict(seqused=True)
     b = reference.random_jagged_batch(len(lengths), H, 128, 4096, device="cuda", dtype=dtype, lengths=lengths,
-                                      window_size=(-1, 0), num_contexts=[3, 0, 40, 0, 7],
-                                      num_targets=[100, 5, 0, 1, 33], target_group_size=4, seqused=True, seed=41)
+                                      window_size=(-1, 0), seed=41, **m)
     _check_backward(b, has_drab=False, dtype=dtype)
 
 

@@ -471,45 +471,49 @@ class HstuBackwardDkDvSm90:
             cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + buf, number_of_threads=128 + 32)
         phase = Int32(0)
         blocks_done = Int32(0)
+        # The m-block whose done count this CTA raises once its bulk copy has completed: deferred
+        # by one block, so the writer waits for a copy's completion while the next one runs.
+        pending = Int32(-1)
         for m_block in cutlass.range(m_lo, m_hi, unroll=1):
             if masks.tile_nonempty(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
                 contributors = masks.n_block_schedule(spec, seq, m_block, self.tile_m, self.tile_n, KERNEL_OPS)[3]
-                claims = cute.domain_offset((0, batch, head, m_block), mDqSem).iterator
-                done = cute.domain_offset((1, batch, head, m_block), mDqSem).iterator
                 turn = Int32(0)
                 if contributors > 1:
-                    if lane == 0:
-                        turn = cute.arch.atomic_add(claims, Int32(1), sem="relaxed", scope="gpu")
-                    turn = cute.arch.shuffle_sync(turn, 0)
+                    if lane == 0:  # in flight while the warpgroup finishes the tile
+                        turn = cute.arch.atomic_add(cute.domain_offset((0, batch, head, m_block), mDqSem).iterator,
+                                                    Int32(1), sem="relaxed", scope="gpu")
                 first_buf = self.ds_buffer(blocks_done)
                 for part in cutlass.range_constexpr(parts):
                     cute.arch.barrier(barrier_id=_BAR_DQ_FULL + first_buf + part, number_of_threads=128 + 32)
+                turn = cute.arch.shuffle_sync(turn, 0)
                 last = turn == contributors - 1
-                if turn == 0 and contributors > 1:
-                    for part in cutlass.range_constexpr(parts):
-                        tS, tG = st_views[part]
-                        cute.copy(tma_atom_dq_st, tS[None, first_buf + part], tG[None, m_block])
-                    cute.arch.cp_async_bulk_commit_group()
-                elif turn > 0:
-                    if lane == 0:
-                        need = cutlass.select_(last, contributors - 1, Int32(1))
-                        while cute.arch.load(done, Int32, sem="acquire", scope="gpu") < need:
-                            nanosleep(64)
-                    cute.arch.sync_warp()
-                    cute.arch.fence_proxy("async.global")
-                    for part in cutlass.range_constexpr(parts):
-                        tS, tG = red_views[part]
-                        cute.copy(tma_atom_dq_red, tS[None, first_buf + part], tG[None, m_block])
+                if contributors > 1:
+                    if turn == 0:
+                        for part in cutlass.range_constexpr(parts):
+                            tS, tG = st_views[part]
+                            cute.copy(tma_atom_dq_st, tS[None, first_buf + part], tG[None, m_block])
+                    else:
+                        # Publish before waiting on other CTAs: two writers each holding back the
+                        # tile the other waits for would never finish.
+                        pending = self.publish_dq(mDqSem, batch, head, pending, lane, 0)
+                        if lane == 0:
+                            need = cutlass.select_(last, contributors - 1, Int32(1))
+                            done = cute.domain_offset((1, batch, head, m_block), mDqSem).iterator
+                            while cute.arch.load(done, Int32, sem="acquire", scope="gpu") < need:
+                                nanosleep(64)
+                        cute.arch.sync_warp()
+                        cute.arch.fence_proxy("async.global")
+                        for part in cutlass.range_constexpr(parts):
+                            tS, tG = red_views[part]
+                            cute.copy(tma_atom_dq_red, tS[None, first_buf + part], tG[None, m_block])
                     cute.arch.cp_async_bulk_commit_group()
                 if contributors > 1 and not last:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                     for part in cutlass.range_constexpr(parts):
                         cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + first_buf + part,
                                                  number_of_threads=128 + 32)
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)
-                    if lane == 0:
-                        cute.arch.fence_proxy("async.global")
-                        cute.arch.red(done, Int32(1), op="add", dtype="s32", sem="release", scope="gpu")
+                    pending = self.publish_dq(mDqSem, batch, head, pending, lane, 1)
+                    pending = m_block
                 else:
                     if contributors > 1:  # the last: read the finished sum back over this sdQ tile
                         cute.arch.cp_async_bulk_wait_group(0, read=False)
@@ -529,6 +533,20 @@ class HstuBackwardDkDvSm90:
                         cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + first_buf + part,
                                                  number_of_threads=128 + 32)
                 blocks_done += 1
+        self.publish_dq(mDqSem, batch, head, pending, lane, 0)
+
+    @cute.jit
+    def publish_dq(self, mDqSem, batch: Int32, head: Int32, pending: Int32, lane: Int32,
+                   in_flight: cutlass.Constexpr[int]) -> Int32:
+        """Once at most ``in_flight`` bulk copies are still running, raise the done count of the
+        ``pending`` m-block (none if negative); returns -1 (nothing pending)."""
+        if pending >= 0:
+            cute.arch.cp_async_bulk_wait_group(in_flight, read=False)
+            if lane == 0:
+                cute.arch.fence_proxy("async.global")
+                cute.arch.red(cute.domain_offset((1, batch, head, pending), mDqSem).iterator, Int32(1), op="add",
+                              dtype="s32", sem="release", scope="gpu")
+        return Int32(-1)
 
     @cute.jit
     def store_dq_rows(self, sdQ_tile, gOut, lane: Int32, q_rows: Int32):

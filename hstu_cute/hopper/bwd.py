@@ -179,6 +179,7 @@ class HstuBackwardDkDvSm90:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_dq: cute.struct.MemRange[cutlass.Int64, 1]  # the dQ writer's accumulator read-back
+            dq_zero: cute.struct.MemRange[Int32, 2]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
@@ -254,7 +255,8 @@ class HstuBackwardDkDvSm90:
                                  k_start, head, batch, n_block, seq, m_lo, m_hi)
                 if const_expr(self.fuse_dq):
                     if warp_idx == _DQ_WRITER_WARP:
-                        self.write_dq(mdQ, mDqSem, sdQ, storage.mbar_dq.data_ptr(), tma_atom_dq_red, tma_dq_red,
+                        self.write_dq(mdQ, mDqSem, sdQ, storage.dq_zero.get_tensor(cute.make_layout(1)),
+                                      storage.mbar_dq.data_ptr(), tma_atom_dq_red, tma_dq_red,
                                       tma_atom_dq_st, tma_dq_st, tma_atom_dq_ld, tma_dq_ld, q_start, head, batch,
                                       n_block, seq, m_lo, m_hi)
             else:
@@ -442,7 +444,7 @@ class HstuBackwardDkDvSm90:
             cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + wg, number_of_threads=128 + 32)
 
     @cute.jit
-    def write_dq(self, mdQ, mDqSem, sdQ, mbar_dq, tma_atom_dq_red, tma_dq_red, tma_atom_dq_st, tma_dq_st,
+    def write_dq(self, mdQ, mDqSem, sdQ, sZero, mbar_dq, tma_atom_dq_red, tma_dq_red, tma_atom_dq_st, tma_dq_st,
                  tma_atom_dq_ld, tma_dq_ld, q_start: Int32, head: Int32, batch: Int32, n_block: Int32, seq,
                  m_lo: Int32, m_hi: Int32):
         """The dQ writer warp (see the class docstring): walks the same m-blocks as the consumers,
@@ -467,6 +469,8 @@ class HstuBackwardDkDvSm90:
         st_views = tma_views(tma_atom_dq_st, tma_dq_st)
         ld_views = tma_views(tma_atom_dq_ld, tma_dq_ld)
         tile_bytes = self.tile_m * self.dq_cols * 4
+        if lane == 0:
+            sZero[0] = Int32(0)
         for buf in cutlass.range_constexpr(2):  # both buffers start free
             cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + buf, number_of_threads=128 + 32)
         phase = Int32(0)
@@ -477,15 +481,22 @@ class HstuBackwardDkDvSm90:
         for m_block in cutlass.range(m_lo, m_hi, unroll=1):
             if masks.tile_nonempty(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
                 contributors = masks.n_block_schedule(spec, seq, m_block, self.tile_m, self.tile_n, KERNEL_OPS)[3]
+                done = cute.domain_offset((1, batch, head, m_block), mDqSem).iterator
                 turn = Int32(0)
+                seen = Int32(0)
                 if contributors > 1:
-                    if lane == 0:  # in flight while the warpgroup finishes the tile
+                    if lane == 0:  # both in flight while the warpgroup finishes the tile
                         turn = cute.arch.atomic_add(cute.domain_offset((0, batch, head, m_block), mDqSem).iterator,
                                                     Int32(1), sem="relaxed", scope="gpu")
+                        seen = cute.arch.load(done, Int32, sem="acquire", scope="gpu")
                 first_buf = self.ds_buffer(blocks_done)
                 for part in cutlass.range_constexpr(parts):
                     cute.arch.barrier(barrier_id=_BAR_DQ_FULL + first_buf + part, number_of_threads=128 + 32)
-                turn = cute.arch.shuffle_sync(turn, 0)
+                # A zero read from smem after the barrier: the shuffles (which wait for the atomic)
+                # cannot be hoisted above it (ptxas moved them before the bar.sync otherwise).
+                after_barrier = sZero[0]
+                turn = cute.arch.shuffle_sync(turn + after_barrier, 0)
+                seen = cute.arch.shuffle_sync(seen + after_barrier, 0)
                 last = turn == contributors - 1
                 if contributors > 1:
                     if turn == 0:
@@ -493,15 +504,15 @@ class HstuBackwardDkDvSm90:
                             tS, tG = st_views[part]
                             cute.copy(tma_atom_dq_st, tS[None, first_buf + part], tG[None, m_block])
                     else:
-                        # Publish before waiting on other CTAs: two writers each holding back the
-                        # tile the other waits for would never finish.
-                        pending = self.publish_dq(mDqSem, batch, head, pending, lane, 0)
-                        if lane == 0:
-                            need = cutlass.select_(last, contributors - 1, Int32(1))
-                            done = cute.domain_offset((1, batch, head, m_block), mDqSem).iterator
-                            while cute.arch.load(done, Int32, sem="acquire", scope="gpu") < need:
-                                nanosleep(64)
-                        cute.arch.sync_warp()
+                        need = cutlass.select_(last, contributors - 1, Int32(1))
+                        if seen < need:
+                            # Publish before waiting on other CTAs: two writers each holding back
+                            # the tile the other waits for would never finish.
+                            pending = self.publish_dq(mDqSem, batch, head, pending, lane, 0)
+                            if lane == 0:
+                                while cute.arch.load(done, Int32, sem="acquire", scope="gpu") < need:
+                                    nanosleep(64)
+                            cute.arch.sync_warp()
                         cute.arch.fence_proxy("async.global")
                         for part in cutlass.range_constexpr(parts):
                             tS, tG = red_views[part]

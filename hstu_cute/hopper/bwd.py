@@ -42,6 +42,11 @@ _BAR_DS = 6
 _BAR_DQ_FULL = 8
 _BAR_DQ_EMPTY = 10
 _DQ_WRITER_WARP = 1
+# The publisher warp raises done counters for the writer (the release fence stalls a warp ~1 us);
+# 12: a request is in sPub (writer arrives, publisher syncs), 13: sPub free (the reverse).
+_DQ_PUBLISHER_WARP = 2
+_BAR_PUB_FULL = 12
+_BAR_PUB_EMPTY = 13
 
 
 @cute.jit
@@ -77,7 +82,7 @@ class HstuBackwardDkDvSm90:
     ``fuse_dq`` (the default backward; the 5-GEMM schedule): the warpgroups also write G^T to
     smem (sdS, queries contiguous), and dQ_i = G K_j (SS WGMMA, A = sdS read MN-major, B = sK
     read MN-major) goes through an fp32 smem tile (sdQ, one per warpgroup) to the dQ writer warp
-    (warp 1), which sums the n-blocks' partials of an m-block in an fp32 accumulator with no
+    (warp 1; warp 2 publishes its done counts), which sums the n-blocks' partials of an m-block in an fp32 accumulator with no
     zero-fill and no cast kernel around it. The accumulator holds each sequence from a
     tile_m-aligned row (``(q_start + batch * tile_m) // tile_m * tile_m``), so a tile never
     overlaps another sequence's. Per (batch, head, m-block) two int32 counters (claims, done):
@@ -180,6 +185,7 @@ class HstuBackwardDkDvSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_dq: cute.struct.MemRange[cutlass.Int64, 1]  # the dQ writer's accumulator read-back
             dq_zero: cute.struct.MemRange[Int32, 2]
+            dq_pub: cute.struct.MemRange[Int32, 2]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
@@ -254,11 +260,14 @@ class HstuBackwardDkDvSm90:
                                  tma_atom_rab, tma_rab, sK, sV, sQ, sdO, sRab, pipe_kv, pipe_q, mRab, q_start,
                                  k_start, head, batch, n_block, seq, m_lo, m_hi)
                 if const_expr(self.fuse_dq):
+                    sPub = storage.dq_pub.get_tensor(cute.make_layout(1))
                     if warp_idx == _DQ_WRITER_WARP:
-                        self.write_dq(mdQ, mDqSem, sdQ, storage.dq_zero.get_tensor(cute.make_layout(1)),
-                                      storage.mbar_dq.data_ptr(), tma_atom_dq_red, tma_dq_red,
-                                      tma_atom_dq_st, tma_dq_st, tma_atom_dq_ld, tma_dq_ld, q_start, head, batch,
-                                      n_block, seq, m_lo, m_hi)
+                        self.write_dq(mdQ, mDqSem, sdQ, storage.dq_zero.get_tensor(cute.make_layout(1)), sPub,
+                                      storage.mbar_dq.data_ptr(), tma_atom_dq_red, tma_dq_red, tma_atom_dq_st,
+                                      tma_dq_st, tma_atom_dq_ld, tma_dq_ld, q_start, head, batch, n_block, seq,
+                                      m_lo, m_hi)
+                    if warp_idx == _DQ_PUBLISHER_WARP:
+                        self.publish_done(mDqSem, sPub, batch, head)
             else:
                 cute.arch.setmaxregister_increase(self.mma_regs)
                 self.consume(tidx - 128, mdK, mdV, sK, sV, sQ, sdO, sRab, sdS, sdQ, pipe_kv,
@@ -444,7 +453,7 @@ class HstuBackwardDkDvSm90:
             cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + wg, number_of_threads=128 + 32)
 
     @cute.jit
-    def write_dq(self, mdQ, mDqSem, sdQ, sZero, mbar_dq, tma_atom_dq_red, tma_dq_red, tma_atom_dq_st, tma_dq_st,
+    def write_dq(self, mdQ, mDqSem, sdQ, sZero, sPub, mbar_dq, tma_atom_dq_red, tma_dq_red, tma_atom_dq_st, tma_dq_st,
                  tma_atom_dq_ld, tma_dq_ld, q_start: Int32, head: Int32, batch: Int32, n_block: Int32, seq,
                  m_lo: Int32, m_hi: Int32):
         """The dQ writer warp (see the class docstring): walks the same m-blocks as the consumers,
@@ -508,7 +517,7 @@ class HstuBackwardDkDvSm90:
                         if seen < need:
                             # Publish before waiting on other CTAs: two writers each holding back
                             # the tile the other waits for would never finish.
-                            pending = self.publish_dq(mDqSem, batch, head, pending, lane, 0)
+                            pending = self.publish_dq(sPub, pending, lane, 0)
                             if lane == 0:
                                 while cute.arch.load(done, Int32, sem="acquire", scope="gpu") < need:
                                     nanosleep(64)
@@ -523,7 +532,7 @@ class HstuBackwardDkDvSm90:
                     for part in cutlass.range_constexpr(parts):
                         cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + first_buf + part,
                                                  number_of_threads=128 + 32)
-                    pending = self.publish_dq(mDqSem, batch, head, pending, lane, 1)
+                    pending = self.publish_dq(sPub, pending, lane, 1)
                     pending = m_block
                 else:
                     if contributors > 1:  # the last: read the finished sum back over this sdQ tile
@@ -544,20 +553,44 @@ class HstuBackwardDkDvSm90:
                         cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + first_buf + part,
                                                  number_of_threads=128 + 32)
                 blocks_done += 1
-        self.publish_dq(mDqSem, batch, head, pending, lane, 0)
+        self.publish_dq(sPub, pending, lane, 0)
+        self.send_to_publisher(sPub, Int32(-1), lane)
 
     @cute.jit
-    def publish_dq(self, mDqSem, batch: Int32, head: Int32, pending: Int32, lane: Int32,
-                   in_flight: cutlass.Constexpr[int]) -> Int32:
-        """Once at most ``in_flight`` bulk copies are still running, raise the done count of the
-        ``pending`` m-block (none if negative); returns -1 (nothing pending)."""
+    def publish_dq(self, sPub, pending: Int32, lane: Int32, in_flight: cutlass.Constexpr[int]) -> Int32:
+        """Once at most ``in_flight`` bulk copies are still running, hand the ``pending`` m-block
+        (none if negative) to the publisher warp; returns -1 (nothing pending)."""
         if pending >= 0:
             cute.arch.cp_async_bulk_wait_group(in_flight, read=False)
-            if lane == 0:
-                cute.arch.fence_proxy("async.global")
-                cute.arch.red(cute.domain_offset((1, batch, head, pending), mDqSem).iterator, Int32(1), op="add",
-                              dtype="s32", sem="release", scope="gpu")
+            cute.arch.fence_proxy("async.global")
+            self.send_to_publisher(sPub, pending, lane)
         return Int32(-1)
+
+    @cute.jit
+    def send_to_publisher(self, sPub, m_block: Int32, lane: Int32):
+        cute.arch.barrier(barrier_id=_BAR_PUB_EMPTY, number_of_threads=64)
+        if lane == 0:
+            sPub[0] = m_block
+        cute.arch.barrier_arrive(barrier_id=_BAR_PUB_FULL, number_of_threads=64)
+
+    @cute.jit
+    def publish_done(self, mDqSem, sPub, batch: Int32, head: Int32):
+        """The publisher warp: raise (red.release) the done counter of each m-block the writer
+        hands over, after the writer saw its bulk copy complete (the CTA barrier between them
+        carries that into the release); a negative m-block ends the loop."""
+        lane = cute.arch.lane_idx()
+        cute.arch.barrier_arrive(barrier_id=_BAR_PUB_EMPTY, number_of_threads=64)
+        running = Int32(1)
+        while running > 0:
+            cute.arch.barrier(barrier_id=_BAR_PUB_FULL, number_of_threads=64)
+            m_block = sPub[0]
+            running = Int32(0)
+            if m_block >= 0:
+                running = Int32(1)
+                cute.arch.barrier_arrive(barrier_id=_BAR_PUB_EMPTY, number_of_threads=64)
+                if lane == 0:
+                    cute.arch.red(cute.domain_offset((1, batch, head, m_block), mDqSem).iterator, Int32(1),
+                                  op="add", dtype="s32", sem="release", scope="gpu")
 
     @cute.jit
     def store_dq_rows(self, sdQ_tile, gOut, lane: Int32, q_rows: Int32):

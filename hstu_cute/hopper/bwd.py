@@ -47,6 +47,11 @@ _DQ_WRITER_WARP = 1
 _DQ_PUBLISHER_WARP = 2
 _BAR_PUB_FULL = 12
 _BAR_PUB_EMPTY = 13
+# The claimer warp takes this CTA's turn per m-block ahead of the writer; 14: a turn is in
+# sClaim (claimer arrives, writer syncs), 15: sClaim free (the reverse).
+_DQ_CLAIMER_WARP = 3
+_BAR_CLAIM_FULL = 14
+_BAR_CLAIM_EMPTY = 15
 
 
 @cute.jit
@@ -82,7 +87,7 @@ class HstuBackwardDkDvSm90:
     ``fuse_dq`` (the default backward; the 5-GEMM schedule): the warpgroups also write G^T to
     smem (sdS, queries contiguous), and dQ_i = G K_j (SS WGMMA, A = sdS read MN-major, B = sK
     read MN-major) goes through an fp32 smem tile (sdQ, one per warpgroup) to the dQ writer warp
-    (warp 1; warp 2 publishes its done counts), which sums the n-blocks' partials of an m-block in an fp32 accumulator with no
+    (warp 1; warp 3 claims turns ahead of it, warp 2 publishes its done counts), which sums the n-blocks' partials of an m-block in an fp32 accumulator with no
     zero-fill and no cast kernel around it. The accumulator holds each sequence from a
     tile_m-aligned row (``(q_start + batch * tile_m) // tile_m * tile_m``), so a tile never
     overlaps another sequence's. Per (batch, head, m-block) two int32 counters (claims, done):
@@ -184,7 +189,7 @@ class HstuBackwardDkDvSm90:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_dq: cute.struct.MemRange[cutlass.Int64, 1]  # the dQ writer's accumulator read-back
-            dq_zero: cute.struct.MemRange[Int32, 2]
+            dq_claim: cute.struct.MemRange[Int32, 2]
             dq_pub: cute.struct.MemRange[Int32, 2]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
@@ -261,13 +266,16 @@ class HstuBackwardDkDvSm90:
                                  k_start, head, batch, n_block, seq, m_lo, m_hi)
                 if const_expr(self.fuse_dq):
                     sPub = storage.dq_pub.get_tensor(cute.make_layout(1))
+                    sClaim = storage.dq_claim.get_tensor(cute.make_layout(2))
                     if warp_idx == _DQ_WRITER_WARP:
-                        self.write_dq(mdQ, mDqSem, sdQ, storage.dq_zero.get_tensor(cute.make_layout(1)), sPub,
+                        self.write_dq(mdQ, mDqSem, sdQ, sClaim, sPub,
                                       storage.mbar_dq.data_ptr(), tma_atom_dq_red, tma_dq_red, tma_atom_dq_st,
                                       tma_dq_st, tma_atom_dq_ld, tma_dq_ld, q_start, head, batch, n_block, seq,
                                       m_lo, m_hi)
                     if warp_idx == _DQ_PUBLISHER_WARP:
                         self.publish_done(mDqSem, sPub, batch, head)
+                    if warp_idx == _DQ_CLAIMER_WARP:
+                        self.claim_turns(mDqSem, sClaim, batch, head, n_block, seq, m_lo, m_hi)
             else:
                 cute.arch.setmaxregister_increase(self.mma_regs)
                 self.consume(tidx - 128, mdK, mdV, sK, sV, sQ, sdO, sRab, sdS, sdQ, pipe_kv,
@@ -453,7 +461,7 @@ class HstuBackwardDkDvSm90:
             cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + wg, number_of_threads=128 + 32)
 
     @cute.jit
-    def write_dq(self, mdQ, mDqSem, sdQ, sZero, sPub, mbar_dq, tma_atom_dq_red, tma_dq_red, tma_atom_dq_st, tma_dq_st,
+    def write_dq(self, mdQ, mDqSem, sdQ, sClaim, sPub, mbar_dq, tma_atom_dq_red, tma_dq_red, tma_atom_dq_st, tma_dq_st,
                  tma_atom_dq_ld, tma_dq_ld, q_start: Int32, head: Int32, batch: Int32, n_block: Int32, seq,
                  m_lo: Int32, m_hi: Int32):
         """The dQ writer warp (see the class docstring): walks the same m-blocks as the consumers,
@@ -478,34 +486,26 @@ class HstuBackwardDkDvSm90:
         st_views = tma_views(tma_atom_dq_st, tma_dq_st)
         ld_views = tma_views(tma_atom_dq_ld, tma_dq_ld)
         tile_bytes = self.tile_m * self.dq_cols * 4
-        if lane == 0:
-            sZero[0] = Int32(0)
         for buf in cutlass.range_constexpr(2):  # both buffers start free
             cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + buf, number_of_threads=128 + 32)
+        cute.arch.barrier_arrive(barrier_id=_BAR_CLAIM_EMPTY, number_of_threads=64)
         phase = Int32(0)
         blocks_done = Int32(0)
-        # The m-block whose done count this CTA raises once its bulk copy has completed: deferred
-        # by one block, so the writer waits for a copy's completion while the next one runs.
+        # Deferred by one block, so that the writer does not wait for a copy while the next tile is
+        # ready: the m-block whose done count is raised once its copy has completed, and the sdQ
+        # buffer released once the copy has read it (-1: none).
         pending = Int32(-1)
+        pending_buf = Int32(-1)
         for m_block in cutlass.range(m_lo, m_hi, unroll=1):
             if masks.tile_nonempty(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
                 contributors = masks.n_block_schedule(spec, seq, m_block, self.tile_m, self.tile_n, KERNEL_OPS)[3]
-                done = cute.domain_offset((1, batch, head, m_block), mDqSem).iterator
-                turn = Int32(0)
-                seen = Int32(0)
-                if contributors > 1:
-                    if lane == 0:  # both in flight while the warpgroup finishes the tile
-                        turn = cute.arch.atomic_add(cute.domain_offset((0, batch, head, m_block), mDqSem).iterator,
-                                                    Int32(1), sem="relaxed", scope="gpu")
-                        seen = cute.arch.load(done, Int32, sem="acquire", scope="gpu")
                 first_buf = self.ds_buffer(blocks_done)
+                cute.arch.barrier(barrier_id=_BAR_CLAIM_FULL, number_of_threads=64)
+                turn = sClaim[0]
+                seen = sClaim[1]
+                cute.arch.barrier_arrive(barrier_id=_BAR_CLAIM_EMPTY, number_of_threads=64)
                 for part in cutlass.range_constexpr(parts):
                     cute.arch.barrier(barrier_id=_BAR_DQ_FULL + first_buf + part, number_of_threads=128 + 32)
-                # A zero read from smem after the barrier: the shuffles (which wait for the atomic)
-                # cannot be hoisted above it (ptxas moved them before the bar.sync otherwise).
-                after_barrier = sZero[0]
-                turn = cute.arch.shuffle_sync(turn + after_barrier, 0)
-                seen = cute.arch.shuffle_sync(seen + after_barrier, 0)
                 last = turn == contributors - 1
                 if contributors > 1:
                     if turn == 0:
@@ -517,8 +517,10 @@ class HstuBackwardDkDvSm90:
                         if seen < need:
                             # Publish before waiting on other CTAs: two writers each holding back
                             # the tile the other waits for would never finish.
+                            pending_buf = self.release_sdq(pending_buf, 0)
                             pending = self.publish_dq(sPub, pending, lane, 0)
                             if lane == 0:
+                                done = cute.domain_offset((1, batch, head, m_block), mDqSem).iterator
                                 while cute.arch.load(done, Int32, sem="acquire", scope="gpu") < need:
                                     nanosleep(64)
                             cute.arch.sync_warp()
@@ -528,16 +530,16 @@ class HstuBackwardDkDvSm90:
                             cute.copy(tma_atom_dq_red, tS[None, first_buf + part], tG[None, m_block])
                     cute.arch.cp_async_bulk_commit_group()
                 if contributors > 1 and not last:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-                    for part in cutlass.range_constexpr(parts):
-                        cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + first_buf + part,
-                                                 number_of_threads=128 + 32)
+                    pending_buf = self.release_sdq(pending_buf, 1)
+                    pending_buf = first_buf
                     pending = self.publish_dq(sPub, pending, lane, 1)
                     pending = m_block
                 else:
                     if contributors > 1:  # the last: read the finished sum back over this sdQ tile
                         cute.arch.cp_async_bulk_wait_group(0, read=False)
                         cute.arch.fence_proxy("async.global")
+                        pending_buf = self.release_sdq(pending_buf, 0)
+                        pending = self.publish_dq(sPub, pending, lane, 0)
                         if lane == 0:
                             cute.arch.mbarrier_arrive_and_expect_tx(mbar_dq, parts * tile_bytes)
                         for part in cutlass.range_constexpr(parts):
@@ -553,8 +555,44 @@ class HstuBackwardDkDvSm90:
                         cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + first_buf + part,
                                                  number_of_threads=128 + 32)
                 blocks_done += 1
+        self.release_sdq(pending_buf, 0)
         self.publish_dq(sPub, pending, lane, 0)
         self.send_to_publisher(sPub, Int32(-1), lane)
+
+    @cute.jit
+    def release_sdq(self, pending_buf: Int32, in_flight: cutlass.Constexpr[int]) -> Int32:
+        """Once at most ``in_flight`` bulk copies still read smem, release the sdQ buffer(s) of the
+        ``pending_buf`` block (none if negative) to its warpgroup; returns -1."""
+        if pending_buf >= 0:
+            cute.arch.cp_async_bulk_wait_group(in_flight, read=True)
+            for part in cutlass.range_constexpr(2 if const_expr(self.dq_split) else 1):
+                cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + pending_buf + part, number_of_threads=128 + 32)
+        return Int32(-1)
+
+    @cute.jit
+    def claim_turns(self, mDqSem, sClaim, batch: Int32, head: Int32, n_block: Int32, seq, m_lo: Int32,
+                    m_hi: Int32):
+        """The claimer warp, one m-block ahead of the writer: this CTA's turn among the m-block's
+        contributors (atom.add on its claim counter) and the done count seen then (ld.acquire;
+        the writer waits itself when it is short). Never waits on another CTA."""
+        spec = self.mask
+        lane = cute.arch.lane_idx()
+        for m_block in cutlass.range(m_lo, m_hi, unroll=1):
+            if masks.tile_nonempty(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
+                contributors = masks.n_block_schedule(spec, seq, m_block, self.tile_m, self.tile_n, KERNEL_OPS)[3]
+                cute.arch.barrier(barrier_id=_BAR_CLAIM_EMPTY, number_of_threads=64)
+                if lane == 0:
+                    turn = Int32(0)
+                    seen = Int32(0)
+                    if contributors > 1:
+                        turn = cute.arch.atomic_add(cute.domain_offset((0, batch, head, m_block), mDqSem).iterator,
+                                                    Int32(1), sem="relaxed", scope="gpu")
+                        seen = cute.arch.load(cute.domain_offset((1, batch, head, m_block), mDqSem).iterator, Int32,
+                                              sem="acquire", scope="gpu")
+                    sClaim[0] = turn
+                    sClaim[1] = seen
+                cute.arch.barrier_arrive(barrier_id=_BAR_CLAIM_FULL, number_of_threads=64)
+        cute.arch.barrier(barrier_id=_BAR_CLAIM_EMPTY, number_of_threads=64)
 
     @cute.jit
     def publish_dq(self, sPub, pending: Int32, lane: Int32, in_flight: cutlass.Constexpr[int]) -> Int32:

@@ -45,6 +45,8 @@ _DQ_WRITER_WARP = 1
 # The publisher warp raises done counters for the writer (the release fence stalls a warp ~1 us);
 # 12: a request is in sPub (writer arrives, publisher syncs), 13: sPub free (the reverse).
 _DQ_PUBLISHER_WARP = 2
+import os as _os
+_PUBLISH_SEM = _os.environ.get("HSTU_CUTE_PUBLISH_SEM", "release")  # experiment switch
 _BAR_PUB_FULL = 12
 _BAR_PUB_EMPTY = 13
 # The claimer warp takes this CTA's turn per m-block ahead of the writer; 14: a turn is in
@@ -532,6 +534,8 @@ class HstuBackwardDkDvSm90:
                 if contributors > 1 and not last:
                     pending_buf = self.release_sdq(pending_buf, 1)
                     pending_buf = first_buf
+                    if const_expr(self.dq_split):  # both buffers are this block's: release now
+                        pending_buf = self.release_sdq(pending_buf, 0)
                     pending = self.publish_dq(sPub, pending, lane, 1)
                     pending = m_block
                 else:
@@ -628,7 +632,7 @@ class HstuBackwardDkDvSm90:
                 cute.arch.barrier_arrive(barrier_id=_BAR_PUB_EMPTY, number_of_threads=64)
                 if lane == 0:
                     cute.arch.red(cute.domain_offset((1, batch, head, m_block), mDqSem).iterator, Int32(1),
-                                  op="add", dtype="s32", sem="release", scope="gpu")
+                                  op="add", dtype="s32", sem=_PUBLISH_SEM, scope="gpu")
 
     @cute.jit
     def store_dq_rows(self, sdQ_tile, gOut, lane: Int32, q_rows: Int32):

@@ -114,24 +114,17 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
     num_n_blocks = -(-max_seqlen_k // key_dkdv.tile_n)
     with torch.cuda.device(device):
         if fused:
-            # The kernel writes dQ itself; the accumulator needs no zero-fill (see the kernel's
-            # docstring) and holds each sequence from a tile-aligned row. Rows no key reaches stay 0.
-            tile_m = key_dkdv.tile_m
-            if not zero_q:
-                dq.zero_()
-            dq_accum = torch.empty((q.shape[0] + batch * tile_m,) + tuple(q.shape[1:]), dtype=torch.float32,
-                                   device=device)
-            dq_sem = torch.zeros((2, batch, p.heads, -(-max_seqlen_q // tile_m)), dtype=torch.int32, device=device)
-            fn_dkdv(q, k, v, dout, dk, dv, dq, dq_accum, dq_sem, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k,
+            dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=device)
+            fn_dkdv(q, k, v, dout, dk, dv, dq_accum, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k,
                     num_contexts, num_targets, rab, *scalars, num_n_blocks)
-            return dq, dk, dv, None
+            return dq_accum.to(q.dtype), dk, dv, None
         if key_dq.kernel_name == "hopper_bwd_dq":
             fn_dq(q, k, v, dout, dq, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts, num_targets,
                   rab, *scalars, num_m_blocks)
         else:
             fn_dq(q, k, v, dout, dq, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts, num_targets,
                   rab, drab, drab_accum, *scalars, num_m_blocks)
-        dkdv_extra = (None,) * 3 if path == "hopper" else ()  # the unfused dK/dV kernel writes no dQ
+        dkdv_extra = (None,) if path == "hopper" else ()  # the unfused dK/dV kernel takes no dQ accumulator
         fn_dkdv(q, k, v, dout, dk, dv, *dkdv_extra, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k,
                 num_contexts, num_targets, rab, *scalars, num_n_blocks)
     return dq, dk, dv, (drab_view if drab_view is not None else drab)

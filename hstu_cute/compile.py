@@ -180,18 +180,12 @@ def build_hopper_bwd(key):
     q, do, dq = (_fake_tokens_heads_dim(dtype, t_q, heads, key.head_dim) for _ in range(3))
     k, v, dk, dv = (_fake_tokens_heads_dim(dtype, t_k, heads, key.head_dim) for _ in range(4))
     rab = _fake_rab_rows_aligned(dtype) if key.has_rab else None
-    # The fused kernel sums dQ in an fp32 (T_q + B * tile_m, H, D) accumulator through TMA (16-byte
-    # strides), with int32 (2, B, H, m-blocks) claim / done counters.
+    # The fused kernel reduces dQ into an fp32 (T_q, H, D) accumulator through TMA (16-byte strides).
     dq_accum = cute.runtime.make_fake_tensor(
-        cutlass.Float32, (cute.sym_int(), heads, key.head_dim),
-        (cute.sym_int64(divisibility=4), cute.sym_int(divisibility=4), 1), assumed_align=16,
+        cutlass.Float32, (t_q, heads, key.head_dim), (cute.sym_int64(divisibility=4), cute.sym_int(divisibility=4), 1),
+        assumed_align=16,
     )
-    dq_sem = cute.runtime.make_fake_tensor(
-        cutlass.Int32, (2, batch, heads, cute.sym_int()), (cute.sym_int64(), cute.sym_int(), cute.sym_int(), 1),
-        assumed_align=4,
-    )
-    outs = {"dkdv": (dk, dv, None, None, None), "fused": (dk, dv, dq, dq_accum, dq_sem), "dq": (dq,),
-            "wide": (dk, dv)}[key.role]
+    outs = {"dkdv": (dk, dv, None), "fused": (dk, dv, dq_accum), "dq": (dq,), "wide": (dk, dv)}[key.role]
     args = (q, k, v, do, *outs, _int_vec(batch1), _int_vec(batch1), _int_vec(batch), _int_vec(batch),
             _int_vec(batch) if key.has_context else None, _int_vec(batch) if key.has_target else None, rab)
     if key.role == "wide":

@@ -266,13 +266,6 @@ def red_add_f32(ptr: cute.Pointer, value: Float32):
                     "l,f", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
-@cute.jit
-def nanosleep(ns: cutlass.Constexpr[int]):
-    """Back off in a spin loop on global memory (fewer L2 polls while another CTA finishes)."""
-    llvm.inline_asm(None, [], f"nanosleep.u32 {ns};", "", has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
 # ---------------------------------------------------------------------------------------------
 # sm90 kernel scaffolding shared by the Hopper forward and backward kernels
 # ---------------------------------------------------------------------------------------------

@@ -315,9 +315,9 @@ def test_classify_tiles_agrees_with_dense_predicate(one_torch_thread):
 
 
 def test_backward_m_block_walk_visits_each_scheduled_tile_once():
-    # The fused Hopper backward's dQ writer finishes an m-block when as many n-block CTAs have
-    # added to it as the m-block's schedule counts: the CTAs' walks (m_block_range, filtered by
-    # tile_nonempty) must visit exactly the scheduled tiles, or a dQ tile is never written.
+    # The backward walks each n-block's m-blocks (m_block_range, filtered by tile_nonempty) while
+    # the forward and the dQ kernels walk each m-block's n-block schedule: both must cover exactly
+    # the same tiles, once each (a tile missed by one side drops its share of dK/dV or of dQ).
     rng = random.Random(77)
     checked = 0
     for _ in range(600):

@@ -249,8 +249,8 @@ def test_backward_d128_deterministic_is_bitwise_and_close_to_default(path):
 
 @pytest.mark.parametrize("case", ["bf16 ctx+tgt", "fp16 seqused"])
 def test_backward_d128_long_jagged_many_contributors(case, path):
-    """Long sequences: up to 32 n-block CTAs add into one dQ tile (the fused kernel's claim / done
-    counters, first store, last read-back); context + targets; seqused shorter than the storage."""
+    """Long sequences: up to 32 n-block CTAs reduce-add into one dQ tile (the fused kernel), context
+    + targets, seqused shorter than the storage."""
     lengths = [4096, 1111, 2500, 1, 700]
     if case == "bf16 ctx+tgt":
         dtype, m = BF16, dict(num_contexts=[3, 0, 40, 0, 7], num_targets=[100, 5, 0, 1, 33], target_group_size=4)
@@ -263,8 +263,8 @@ def test_backward_d128_long_jagged_many_contributors(case, path):
 
 def test_backward_d128_default_repeats_agree(path):
     """Five runs of the default backward (the fused kernel on Hopper sums dQ in a varying order)
-    agree with the deterministic pair to bf16 rounding: a race in the dQ hand-off between CTAs
-    would show up as a wrong tile in some run."""
+    agree with the deterministic pair to bf16 rounding: a race between the CTAs adding into one
+    dQ tile would show up as a wrong tile in some run."""
     b = reference.random_jagged_batch(6, H, 128, 2048, device="cuda", dtype=BF16, lengths=[2048, 1500, 64, 2048, 5, 999],
                                       window_size=(-1, 0), seed=12)
     torch.manual_seed(3)

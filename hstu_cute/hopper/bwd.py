@@ -16,7 +16,6 @@ from ..ampere.bwd import silu_and_grad_inplace
 from ..device_utils import (
     KERNEL_OPS,
     apply_mask_rows_cols,
-    nanosleep,
     sequence_bounds,
     rows_zero_copy,
     sequence_mask,
@@ -37,23 +36,7 @@ from .fwd import _advanced
 # Alternating dQ owner: 6 + (m-block parity) = sdS buffer written by both warpgroups.
 # Split dQ columns: 6 = sdS free, 7 = sdS written.
 _BAR_DS = 6
-# sdQ buffer b (b = the owner warpgroup): 8 + b written by its warpgroup (which arrives) for the
-# dQ writer warp (which syncs); 10 + b released by the writer (arrives) for the warpgroup (syncs).
-_BAR_DQ_FULL = 8
-_BAR_DQ_EMPTY = 10
-_DQ_WRITER_WARP = 1
-# The publisher warp raises done counters for the writer (the release fence stalls a warp ~1 us);
-# 12: a request is in sPub (writer arrives, publisher syncs), 13: sPub free (the reverse).
-_DQ_PUBLISHER_WARP = 2
-import os as _os
-_PUBLISH_SEM = _os.environ.get("HSTU_CUTE_PUBLISH_SEM", "release")  # experiment switch
-_BAR_PUB_FULL = 12
-_BAR_PUB_EMPTY = 13
-# The claimer warp takes this CTA's turn per m-block ahead of the writer; 14: a turn is in
-# sClaim (claimer arrives, writer syncs), 15: sClaim free (the reverse).
-_DQ_CLAIMER_WARP = 3
-_BAR_CLAIM_FULL = 14
-_BAR_CLAIM_EMPTY = 15
+_BAR_DQ_WG0 = 8  # 8, 9: a warpgroup's sdQ buffer
 
 
 @cute.jit
@@ -88,29 +71,18 @@ class HstuBackwardDkDvSm90:
 
     ``fuse_dq`` (the default backward; the 5-GEMM schedule): the warpgroups also write G^T to
     smem (sdS, queries contiguous), and dQ_i = G K_j (SS WGMMA, A = sdS read MN-major, B = sK
-    read MN-major) goes through an fp32 smem tile (sdQ, one per warpgroup) to the dQ writer warp
-    (warp 1; warp 3 claims turns ahead of it, warp 2 publishes its done counts), which sums the n-blocks' partials of an m-block in an fp32 accumulator with no
-    zero-fill and no cast kernel around it. The accumulator holds each sequence from a
-    tile_m-aligned row (``(q_start + batch * tile_m) // tile_m * tile_m``), so a tile never
-    overlaps another sequence's. Per (batch, head, m-block) two int32 counters (claims, done):
-    the writer claims its turn (atom.add); the n-block schedule of the m-block says how many CTAs
-    contribute. A sole contributor writes dQ in the output dtype from sdQ; the first claimer
-    TMA-stores its tile, later ones wait for that store (ld.acquire of done >= 1) and TMA
-    reduce-add (atomic per element in L2: the summation order varies, so ``deterministic=True``
-    keeps the two-kernel path); the last claimer waits for every other (done = count - 1), adds,
-    reads the sum back by TMA and writes dQ. Each publishes with red.release after its bulk
-    copy completed. No waiter waits on a CTA that has not claimed, so every wait ends. Query rows
-    no n-block reaches keep the zeros the launcher wrote. By default the warpgroups take turns by
+    read MN-major) is reduced into an fp32 (T_q, H, D) accumulator with a TMA reduce-add
+    (atomic per element in L2: the summation order over n-blocks is not fixed, so
+    ``deterministic=True`` keeps the two-kernel path). By default the warpgroups take turns by
     m-block parity: the owner computes all of dQ_i (N = D: fewer smem operand bytes per FLOP than
     two N = D/2 halves) while the other runs ahead into the next m-block, so one warpgroup's
     SiLU overlaps the other's GEMMs. sdS has two buffers; barrier 6 + parity is bar.sync for the
     owner and bar.arrive for the other (alternating ids keep a warpgroup that runs ahead from
     completing a barrier generation alone). With rab at D >= 128 that smem does not fit: both
     warpgroups then compute half of dQ's columns each, in lockstep (barriers 6: sdS free,
-    7: sdS written), and the writer takes both halves of each m-block. Barriers 8/9: sdQ buffer
-    written (warpgroup arrives, writer syncs), 10/11: released (writer arrives after its bulk
-    copy read smem, warpgroup syncs before writing it, and once more before exiting).
-    Rows of sK past seqlen_k are zeroed (0 * NaN).
+    7: sdS written). Barriers 8/9: a warpgroup's sdQ buffer free, then written and fenced.
+    Rows of sK past seqlen_k are zeroed (0 * NaN); dQ rows past seqlen_q are exact zeros, so
+    adding them into the next sequence's rows is harmless, and the TMA clips rows past T_q.
     """
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
@@ -134,7 +106,7 @@ class HstuBackwardDkDvSm90:
         assert tile_n % 64 == 0 and tile_m % 16 == 0
 
     @cute.jit
-    def __call__(self, mQ, mK, mV, mdO, mdK, mdV, mdQ, mdQaccum, mDqSem, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK,
+    def __call__(self, mQ, mK, mV, mdO, mdK, mdV, mdQaccum, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK,
                  mNumContexts, mNumTargets, mRab, alpha: Float32, inv_scale: Float32, window_left: Int32,
                  window_right: Int32, group_size: Int32, is_delta_q: Int32, num_n_blocks: Int32, stream):
         D = self.head_dim
@@ -162,8 +134,7 @@ class HstuBackwardDkDvSm90:
         tma_atom_rab, tma_rab = None, None
         if const_expr(self.has_rab):
             tma_atom_rab, tma_rab = sm90_tma_atom_rab(mRab, sRab_layout, self.tile_m, self.tile_n)
-        sdS_layout = sdQ_layout = tiled_mma_dq = None
-        tma_dq = (None,) * 6  # (atom, tensor) for the accumulator's reduce-add, store and load
+        sdS_layout = sdQ_layout = tiled_mma_dq = tma_atom_dq = tma_dq = None
         ds_elems = dq_elems = 8
         if const_expr(self.fuse_dq):
             # G^T as (keys, queries), queries contiguous: the dQ GEMM reads it as an MN-major A.
@@ -174,11 +145,9 @@ class HstuBackwardDkDvSm90:
                 self.dtype, self.dtype, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN, Float32,
                 atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.dq_cols),
             )
-            sdQ_one = cute.slice_(sdQ_layout, (None, None, 0))
-            tma_dq = ()
-            for op in (cpasync.CopyReduceBulkTensorTileS2GOp(), cpasync.CopyBulkTensorTileS2GOp(),
-                       cpasync.CopyBulkTensorTileG2SOp()):
-                tma_dq += tuple(sm90_tma_atom_tokens(op, mdQaccum, sdQ_one, self.tile_m, self.dq_cols))
+            tma_atom_dq, tma_dq = sm90_tma_atom_tokens(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum,
+                                                       cute.slice_(sdQ_layout, (None, None, 0)), self.tile_m,
+                                                       self.dq_cols)
         elem = self.dtype.width // 8
         self.kv_bytes = 2 * self.tile_n * D * elem
         self.q_bytes = 2 * self.tile_m * D * elem + (self.tile_m * self.tile_n * elem if const_expr(self.has_rab) else 0)
@@ -190,9 +159,6 @@ class HstuBackwardDkDvSm90:
         class SharedStorage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            mbar_dq: cute.struct.MemRange[cutlass.Int64, 1]  # the dQ writer's accumulator read-back
-            dq_claim: cute.struct.MemRange[Int32, 2]
-            dq_pub: cute.struct.MemRange[Int32, 2]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
@@ -204,7 +170,7 @@ class HstuBackwardDkDvSm90:
         num_batch = mOffsetsQ.shape[0] - 1
         self.kernel(
             tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab, tma_rab,
-            *tma_dq, mQ, mK, mdK, mdV, mdQ, mDqSem, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
+            tma_atom_dq, tma_dq, mQ, mK, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
             mNumTargets, mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
             sK_layout, sQ_layout, sRab_layout, sdS_layout, sdQ_layout, tiled_mma_s, tiled_mma_d, tiled_mma_dq,
             zero_copy, SharedStorage,
@@ -218,8 +184,7 @@ class HstuBackwardDkDvSm90:
 
     @cute.kernel
     def kernel(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
-               tma_rab, tma_atom_dq_red, tma_dq_red, tma_atom_dq_st, tma_dq_st, tma_atom_dq_ld, tma_dq_ld, mQ, mK,
-               mdK, mdV, mdQ, mDqSem, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK,
+               tma_rab, tma_atom_dq, tma_dq, mQ, mK, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK,
                mNumContexts, mNumTargets, mRab, alpha: Float32, inv_scale: Float32, window_left: Int32,
                window_right: Int32, group_size: Int32, is_delta_q: Int32, sK_layout, sQ_layout, sRab_layout,
                sdS_layout, sdQ_layout, tiled_mma_s, tiled_mma_d, tiled_mma_dq, zero_copy,
@@ -232,8 +197,7 @@ class HstuBackwardDkDvSm90:
         # Uniform over the CTA, before any barrier is initialized.
         if n_block * self.tile_n < seqlen_k:
             if warp_idx == 0:
-                for atom in (tma_atom_k, tma_atom_v, tma_atom_q, tma_atom_do, tma_atom_rab, tma_atom_dq_red,
-                             tma_atom_dq_st, tma_atom_dq_ld):
+                for atom in (tma_atom_k, tma_atom_v, tma_atom_q, tma_atom_do, tma_atom_rab, tma_atom_dq):
                     if const_expr(atom is not None):
                         cpasync.prefetch_descriptor(atom)
             spec = self.mask
@@ -243,10 +207,6 @@ class HstuBackwardDkDvSm90:
 
             smem = cutlass.memory.SmemAllocator()
             storage = smem.allocate(SharedStorage)
-            if const_expr(self.fuse_dq):
-                if warp_idx == _DQ_WRITER_WARP:
-                    if cute.arch.lane_idx() == 0:
-                        cute.arch.mbarrier_init(storage.mbar_dq.data_ptr(), 1)
             pipe_kv, pipe_q = sm90_bwd_pipelines(storage.mbar_kv, storage.mbar_q, self.kv_bytes,
                                                   self.q_bytes, self.num_stages, self.num_mma_threads)
             sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
@@ -266,21 +226,9 @@ class HstuBackwardDkDvSm90:
                     self.produce(tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do,
                                  tma_atom_rab, tma_rab, sK, sV, sQ, sdO, sRab, pipe_kv, pipe_q, mRab, q_start,
                                  k_start, head, batch, n_block, seq, m_lo, m_hi)
-                if const_expr(self.fuse_dq):
-                    sPub = storage.dq_pub.get_tensor(cute.make_layout(1))
-                    sClaim = storage.dq_claim.get_tensor(cute.make_layout(2))
-                    if warp_idx == _DQ_WRITER_WARP:
-                        self.write_dq(mdQ, mDqSem, sdQ, sClaim, sPub,
-                                      storage.mbar_dq.data_ptr(), tma_atom_dq_red, tma_dq_red, tma_atom_dq_st,
-                                      tma_dq_st, tma_atom_dq_ld, tma_dq_ld, q_start, head, batch, n_block, seq,
-                                      m_lo, m_hi)
-                    if warp_idx == _DQ_PUBLISHER_WARP:
-                        self.publish_done(mDqSem, sPub, batch, head)
-                    if warp_idx == _DQ_CLAIMER_WARP:
-                        self.claim_turns(mDqSem, sClaim, batch, head, n_block, seq, m_lo, m_hi)
             else:
                 cute.arch.setmaxregister_increase(self.mma_regs)
-                self.consume(tidx - 128, mdK, mdV, sK, sV, sQ, sdO, sRab, sdS, sdQ, pipe_kv,
+                self.consume(tidx - 128, mdK, mdV, sK, sV, sQ, sdO, sRab, sdS, sdQ, tma_atom_dq, tma_dq, pipe_kv,
                              pipe_q, tiled_mma_s, tiled_mma_d, tiled_mma_dq, zero_copy, alpha, inv_scale, q_start,
                              k_start, head, n_block, seq, m_lo, m_hi)
 
@@ -322,7 +270,7 @@ class HstuBackwardDkDvSm90:
                 q_state = _advanced(q_state)
 
     @cute.jit
-    def consume(self, tidx: Int32, mdK, mdV, sK, sV, sQ, sdO, sRab, sdS, sdQ, pipe_kv,
+    def consume(self, tidx: Int32, mdK, mdV, sK, sV, sQ, sdO, sRab, sdS, sdQ, tma_atom_dq, tma_dq, pipe_kv,
                 pipe_q, tiled_mma_s, tiled_mma_d, tiled_mma_dq, zero_copy, alpha: Float32, inv_scale: Float32,
                 q_start: Int32, k_start: Int32, head: Int32, n_block: Int32, seq, m_lo: Int32, m_hi: Int32):
         D = self.head_dim
@@ -356,7 +304,7 @@ class HstuBackwardDkDvSm90:
         col0 = n_block * self.tile_n
         k_rows = seq.seqlen_k - n_block * self.tile_n
         tid_in_wg = tidx % 128
-        tSsdS = tdQrdS = tdQrKt = tdQsdQ = None
+        tSsdS = tdQrdS = tdQrKt = tdQsdQ = tdQsdQ_tma = tdQgdQ = None
         if const_expr(self.fuse_dq):
             tSsdS = thr_mma_s.partition_C(sdS)
             thr_mma_dq = tiled_mma_dq.get_slice(tid_in_wg)
@@ -368,7 +316,12 @@ class HstuBackwardDkDvSm90:
             dq_col_block = wg if const_expr(self.dq_split) else 0
             sKt_cols = cute.local_tile(sKt, (self.dq_cols, self.tile_n), (dq_col_block, 0))
             tdQrKt = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(sKt_cols))
-            tdQsdQ = thr_mma_dq.partition_C(sdQ[None, None, wg])
+            sdQ_wg = sdQ[None, None, wg]
+            tdQsdQ = thr_mma_dq.partition_C(sdQ_wg)
+            gdQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_dq[None, None, head]),
+                                  (self.tile_m, self.dq_cols), (None, dq_col_block))
+            tdQsdQ_tma, tdQgdQ = cpasync.tma_partition(tma_atom_dq, 0, cute.make_layout(1),
+                                                       cute.group_modes(sdQ_wg, 0, 2), cute.group_modes(gdQ, 0, 2))
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
@@ -422,14 +375,15 @@ class HstuBackwardDkDvSm90:
                 else:
                     wgmma(tiled_mma_d, acc_dK, rG, tDrQt[None, None, None, q_state.index], False, -1)
                     cute.arch.fence_view_async_shared()
-                    self.compute_dq(tiled_mma_dq, tdQrdS, tdQrKt, tdQsdQ, wg, blocks_done)
+                    self.reduce_dq(tiled_mma_dq, tdQrdS, tdQrKt, tdQsdQ, tdQsdQ_tma, tdQgdQ, tma_atom_dq, tid_in_wg, wg,
+                                   m_block, blocks_done)
                 pipe_q.consumer_release(q_state)
                 q_state = _advanced(q_state)
                 blocks_done += 1
 
         if const_expr(self.fuse_dq):
-            # Balances the writer's first release of this sdQ buffer (and waits for it to be done).
-            cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + wg, number_of_threads=128 + 32)
+            if tid_in_wg < 32:
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
         store_dk_dv(thr_mma_d, acc_dK, acc_dV, mdK, mdV, self.dtype, self.tile_n, D, k_start, head, n_block, k_rows)
 
 
@@ -437,9 +391,10 @@ class HstuBackwardDkDvSm90:
         return 0 if const_expr(self.dq_split) else blocks_done % 2
 
     @cute.jit
-    def compute_dq(self, tiled_mma_dq, tdQrdS, tdQrKt, tdQsdQ, wg: Int32, blocks_done: Int32):
-        """dQ_i (all columns, or this warpgroup's half) = dS K_j into this warpgroup's sdQ buffer
-        for the writer warp. Waits for every WGMMA this warpgroup has in flight (dV and dK too)."""
+    def reduce_dq(self, tiled_mma_dq, tdQrdS, tdQrKt, tdQsdQ, tdQsdQ_tma, tdQgdQ, tma_atom_dq, tid_in_wg: Int32,
+                  wg: Int32, m_block: Int32, blocks_done: Int32):
+        """dQ_i (all columns, or this warpgroup's half) = dS K_j, then a TMA reduce-add into the
+        fp32 accumulator. Waits for every WGMMA this warpgroup has in flight (dV and dK too)."""
         buf = self.ds_buffer(blocks_done)
         mine = True
         if const_expr(self.dq_split):
@@ -457,203 +412,17 @@ class HstuBackwardDkDvSm90:
                 cute.arch.barrier(barrier_id=_BAR_DS + buf, number_of_threads=self.num_mma_threads)
             acc_dQ = cute.make_rmem_tensor(tdQsdQ.shape, Float32)
             wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, True, 0)
-            cute.arch.barrier(barrier_id=_BAR_DQ_EMPTY + wg, number_of_threads=128 + 32)
+            # The TMA copy elects its issuing lane (elect.sync): a whole warp must reach it. Its
+            # previous reduce from this buffer must have finished reading smem.
+            if tid_in_wg < 32:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=_BAR_DQ_WG0 + wg, number_of_threads=128)
             cute.autovec_copy(acc_dQ, tdQsdQ)
-            cute.arch.fence_view_async_shared()  # the writer's TMA reads it (async proxy)
-            cute.arch.barrier_arrive(barrier_id=_BAR_DQ_FULL + wg, number_of_threads=128 + 32)
-
-    @cute.jit
-    def write_dq(self, mdQ, mDqSem, sdQ, sClaim, sPub, mbar_dq, tma_atom_dq_red, tma_dq_red, tma_atom_dq_st, tma_dq_st,
-                 tma_atom_dq_ld, tma_dq_ld, q_start: Int32, head: Int32, batch: Int32, n_block: Int32, seq,
-                 m_lo: Int32, m_hi: Int32):
-        """The dQ writer warp (see the class docstring): walks the same m-blocks as the consumers,
-        takes each finished sdQ tile (both halves with ``dq_split``) and stores, adds or finishes
-        it. Every TMA copy is issued by the whole warp (it elects its lane)."""
-        spec = self.mask
-        lane = cute.arch.lane_idx()
-        parts = 2 if const_expr(self.dq_split) else 1
-        pad_start = (q_start + batch * self.tile_m) // self.tile_m * self.tile_m
-        one = cute.make_layout(1)
-        sdQ_tiles = cute.group_modes(sdQ, 0, 2)
-
-        def tma_view(atom, tma_tensor, part):
-            gAcc = cute.local_tile(cute.domain_offset((pad_start, 0), tma_tensor[None, None, head]),
-                                   (self.tile_m, self.dq_cols), (None, part))
-            return cpasync.tma_partition(atom, 0, one, sdQ_tiles, cute.group_modes(gAcc, 0, 2))
-
-        def tma_views(atom, tma_tensor):
-            return [tma_view(atom, tma_tensor, part) for part in range(parts)]
-
-        red_views = tma_views(tma_atom_dq_red, tma_dq_red)
-        st_views = tma_views(tma_atom_dq_st, tma_dq_st)
-        ld_views = tma_views(tma_atom_dq_ld, tma_dq_ld)
-        tile_bytes = self.tile_m * self.dq_cols * 4
-        for buf in cutlass.range_constexpr(2):  # both buffers start free
-            cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + buf, number_of_threads=128 + 32)
-        cute.arch.barrier_arrive(barrier_id=_BAR_CLAIM_EMPTY, number_of_threads=64)
-        phase = Int32(0)
-        blocks_done = Int32(0)
-        # Deferred by one block, so that the writer does not wait for a copy while the next tile is
-        # ready: the m-block whose done count is raised once its copy has completed, and the sdQ
-        # buffer released once the copy has read it (-1: none).
-        pending = Int32(-1)
-        pending_buf = Int32(-1)
-        for m_block in cutlass.range(m_lo, m_hi, unroll=1):
-            if masks.tile_nonempty(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
-                contributors = masks.n_block_schedule(spec, seq, m_block, self.tile_m, self.tile_n, KERNEL_OPS)[3]
-                first_buf = self.ds_buffer(blocks_done)
-                cute.arch.barrier(barrier_id=_BAR_CLAIM_FULL, number_of_threads=64)
-                turn = sClaim[0]
-                seen = sClaim[1]
-                cute.arch.barrier_arrive(barrier_id=_BAR_CLAIM_EMPTY, number_of_threads=64)
-                for part in cutlass.range_constexpr(parts):
-                    cute.arch.barrier(barrier_id=_BAR_DQ_FULL + first_buf + part, number_of_threads=128 + 32)
-                last = turn == contributors - 1
-                if contributors > 1:
-                    if turn == 0:
-                        for part in cutlass.range_constexpr(parts):
-                            tS, tG = st_views[part]
-                            cute.copy(tma_atom_dq_st, tS[None, first_buf + part], tG[None, m_block])
-                    else:
-                        need = cutlass.select_(last, contributors - 1, Int32(1))
-                        if seen < need:
-                            # Publish before waiting on other CTAs: two writers each holding back
-                            # the tile the other waits for would never finish.
-                            pending_buf = self.release_sdq(pending_buf, 0)
-                            pending = self.publish_dq(sPub, pending, lane, 0)
-                            if lane == 0:
-                                done = cute.domain_offset((1, batch, head, m_block), mDqSem).iterator
-                                while cute.arch.load(done, Int32, sem="acquire", scope="gpu") < need:
-                                    nanosleep(64)
-                            cute.arch.sync_warp()
-                        cute.arch.fence_proxy("async.global")
-                        for part in cutlass.range_constexpr(parts):
-                            tS, tG = red_views[part]
-                            cute.copy(tma_atom_dq_red, tS[None, first_buf + part], tG[None, m_block])
-                    cute.arch.cp_async_bulk_commit_group()
-                if contributors > 1 and not last:
-                    pending_buf = self.release_sdq(pending_buf, 1)
-                    pending_buf = first_buf
-                    if const_expr(self.dq_split):  # both buffers are this block's: release now
-                        pending_buf = self.release_sdq(pending_buf, 0)
-                    pending = self.publish_dq(sPub, pending, lane, 1)
-                    pending = m_block
-                else:
-                    if contributors > 1:  # the last: read the finished sum back over this sdQ tile
-                        cute.arch.cp_async_bulk_wait_group(0, read=False)
-                        cute.arch.fence_proxy("async.global")
-                        pending_buf = self.release_sdq(pending_buf, 0)
-                        pending = self.publish_dq(sPub, pending, lane, 0)
-                        if lane == 0:
-                            cute.arch.mbarrier_arrive_and_expect_tx(mbar_dq, parts * tile_bytes)
-                        for part in cutlass.range_constexpr(parts):
-                            tS, tG = ld_views[part]
-                            cute.copy(tma_atom_dq_ld, tG[None, m_block], tS[None, first_buf + part], tma_bar_ptr=mbar_dq)
-                        cute.arch.mbarrier_wait(mbar_dq, phase)
-                        phase ^= 1
-                    q_rows = seq.seqlen_q - m_block * self.tile_m
-                    for part in cutlass.range_constexpr(parts):
-                        gOut = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]),
-                                               (self.tile_m, self.dq_cols), (m_block, part))
-                        self.store_dq_rows(sdQ[None, None, first_buf + part], gOut, lane, q_rows)
-                        cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + first_buf + part,
-                                                 number_of_threads=128 + 32)
-                blocks_done += 1
-        self.release_sdq(pending_buf, 0)
-        self.publish_dq(sPub, pending, lane, 0)
-        self.send_to_publisher(sPub, Int32(-1), lane)
-
-    @cute.jit
-    def release_sdq(self, pending_buf: Int32, in_flight: cutlass.Constexpr[int]) -> Int32:
-        """Once at most ``in_flight`` bulk copies still read smem, release the sdQ buffer(s) of the
-        ``pending_buf`` block (none if negative) to its warpgroup; returns -1."""
-        if pending_buf >= 0:
-            cute.arch.cp_async_bulk_wait_group(in_flight, read=True)
-            for part in cutlass.range_constexpr(2 if const_expr(self.dq_split) else 1):
-                cute.arch.barrier_arrive(barrier_id=_BAR_DQ_EMPTY + pending_buf + part, number_of_threads=128 + 32)
-        return Int32(-1)
-
-    @cute.jit
-    def claim_turns(self, mDqSem, sClaim, batch: Int32, head: Int32, n_block: Int32, seq, m_lo: Int32,
-                    m_hi: Int32):
-        """The claimer warp, one m-block ahead of the writer: this CTA's turn among the m-block's
-        contributors (atom.add on its claim counter) and the done count seen then (ld.acquire;
-        the writer waits itself when it is short). Never waits on another CTA."""
-        spec = self.mask
-        lane = cute.arch.lane_idx()
-        for m_block in cutlass.range(m_lo, m_hi, unroll=1):
-            if masks.tile_nonempty(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
-                contributors = masks.n_block_schedule(spec, seq, m_block, self.tile_m, self.tile_n, KERNEL_OPS)[3]
-                cute.arch.barrier(barrier_id=_BAR_CLAIM_EMPTY, number_of_threads=64)
-                if lane == 0:
-                    turn = Int32(0)
-                    seen = Int32(0)
-                    if contributors > 1:
-                        turn = cute.arch.atomic_add(cute.domain_offset((0, batch, head, m_block), mDqSem).iterator,
-                                                    Int32(1), sem="relaxed", scope="gpu")
-                        seen = cute.arch.load(cute.domain_offset((1, batch, head, m_block), mDqSem).iterator, Int32,
-                                              sem="acquire", scope="gpu")
-                    sClaim[0] = turn
-                    sClaim[1] = seen
-                cute.arch.barrier_arrive(barrier_id=_BAR_CLAIM_FULL, number_of_threads=64)
-        cute.arch.barrier(barrier_id=_BAR_CLAIM_EMPTY, number_of_threads=64)
-
-    @cute.jit
-    def publish_dq(self, sPub, pending: Int32, lane: Int32, in_flight: cutlass.Constexpr[int]) -> Int32:
-        """Once at most ``in_flight`` bulk copies are still running, hand the ``pending`` m-block
-        (none if negative) to the publisher warp; returns -1 (nothing pending)."""
-        if pending >= 0:
-            cute.arch.cp_async_bulk_wait_group(in_flight, read=False)
-            cute.arch.fence_proxy("async.global")
-            self.send_to_publisher(sPub, pending, lane)
-        return Int32(-1)
-
-    @cute.jit
-    def send_to_publisher(self, sPub, m_block: Int32, lane: Int32):
-        cute.arch.barrier(barrier_id=_BAR_PUB_EMPTY, number_of_threads=64)
-        if lane == 0:
-            sPub[0] = m_block
-        cute.arch.barrier_arrive(barrier_id=_BAR_PUB_FULL, number_of_threads=64)
-
-    @cute.jit
-    def publish_done(self, mDqSem, sPub, batch: Int32, head: Int32):
-        """The publisher warp: raise (red.release) the done counter of each m-block the writer
-        hands over, after the writer saw its bulk copy complete (the CTA barrier between them
-        carries that into the release); a negative m-block ends the loop."""
-        lane = cute.arch.lane_idx()
-        cute.arch.barrier_arrive(barrier_id=_BAR_PUB_EMPTY, number_of_threads=64)
-        running = Int32(1)
-        while running > 0:
-            cute.arch.barrier(barrier_id=_BAR_PUB_FULL, number_of_threads=64)
-            m_block = sPub[0]
-            running = Int32(0)
-            if m_block >= 0:
-                running = Int32(1)
-                cute.arch.barrier_arrive(barrier_id=_BAR_PUB_EMPTY, number_of_threads=64)
-                if lane == 0:
-                    cute.arch.red(cute.domain_offset((1, batch, head, m_block), mDqSem).iterator, Int32(1),
-                                  op="add", dtype="s32", sem=_PUBLISH_SEM, scope="gpu")
-
-    @cute.jit
-    def store_dq_rows(self, sdQ_tile, gOut, lane: Int32, q_rows: Int32):
-        """One warp: an fp32 (tile_m, dq_cols) smem tile to dQ rows below ``q_rows`` in the output
-        dtype (16-byte smem reads; 24 registers: one row slice in flight per lane)."""
-        lanes_per_row = self.dq_cols // 4
-        copy = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128),
-            cute.make_ordered_layout((32 // lanes_per_row, lanes_per_row), order=(1, 0)), cute.make_layout((1, 4)),
-        )
-        thr = copy.get_slice(lane)
-        tS = thr.partition_S(sdQ_tile)
-        tG = thr.partition_D(gOut)
-        tC = thr.partition_S(cute.make_identity_tensor((self.tile_m, self.dq_cols)))
-        for step in cutlass.range(cute.size(tS, mode=[1]), unroll=1):
-            if tC[0, step, 0][0] < q_rows:
-                rAcc = cute.make_fragment_like(tS[None, step, 0], Float32)
-                cute.autovec_copy(tS[None, step, 0], rAcc)
-                rOut = cute.make_fragment_like(rAcc, self.dtype)
-                rOut.store(rAcc.load().to(self.dtype))
-                cute.autovec_copy(rOut, tG[None, step, 0])
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=_BAR_DQ_WG0 + wg, number_of_threads=128)
+            if tid_in_wg < 32:
+                cute.copy(tma_atom_dq, tdQsdQ_tma, tdQgdQ[None, m_block])
+                cute.arch.cp_async_bulk_commit_group()
 
 
 class HstuBackwardDqSm90:

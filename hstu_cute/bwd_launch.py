@@ -19,7 +19,7 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
     that sum varies run to run); otherwise a dK/dV kernel and a dQ kernel (the sm80 one when
     drab is wanted), each summing in a fixed order. At head dim 256 the wide dK/dV/drab kernel
     and the dQ kernel (deterministic, except the sum of drab over heads for one rab head unless
-    ``deterministic``). 'ampere': the sm80 dK/dV and dQ kernels, deterministic."""
+    ``deterministic``). 'ampere': the sm80 dK/dV and dQ kernels at every head dim, deterministic."""
     from . import api
     from .cache import default_cache
     from .compile import build
@@ -28,12 +28,8 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
     if path is None:
         path = api.kernel_path(q.device)
     wide = path == "hopper" and p.head_dim in HOPPER_WIDE_HEAD_DIMS
-    if p.head_dim not in BWD_HEAD_DIMS and not wide:
-        raise NotImplementedError(
-            f"q.shape[2] (head dim): the {path} backward kernels support "
-            f"{BWD_HEAD_DIMS + (HOPPER_WIDE_HEAD_DIMS if path == 'hopper' else ())}, got {p.head_dim} "
-            "(the sm80 backward at head dim 256 is not built yet)"
-        )
+    if p.head_dim not in BWD_HEAD_DIMS:
+        raise NotImplementedError(f"q.shape[2] (head dim): the backward kernels support {BWD_HEAD_DIMS}, got {p.head_dim}")
     zero_q, zero_k = seqused_q is not None, seqused_k is not None
     dq = (torch.zeros if zero_q else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
     dk = (torch.zeros if zero_k else torch.empty)(k.shape, dtype=k.dtype, device=k.device)

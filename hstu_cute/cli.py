@@ -492,9 +492,7 @@ def _bench_gpu(args, console, dev, name: str) -> int:
     from rich.progress import Progress
 
     from . import __version__, bench
-    from .ampere import BWD_HEAD_DIMS
     from .api import device_arch, kernel_path
-    from .hopper import HOPPER_WIDE_HEAD_DIMS
 
     try:
         path = kernel_path(dev)
@@ -514,21 +512,19 @@ def _bench_gpu(args, console, dev, name: str) -> int:
 
     both = path == "hopper"  # the sm80 kernels on the same inputs, side by side
     directions = ("fwd", "bwd") if args.direction == "both" else (args.direction,)
-    bwd_dims = BWD_HEAD_DIMS + (HOPPER_WIDE_HEAD_DIMS if path == "hopper" else ())
-    bwd_workloads = [w for w in workloads if w.head_dim in bwd_dims]
     rows: dict[str, list[dict]] = {"fwd": [], "bwd": []}
     with torch.cuda.device(dev):
         gemm = bench.gemm_tflops()
         with Progress(console=console, transient=True) as bar:
             for direction in directions:
-                todo = workloads if direction == "fwd" else bwd_workloads
+                todo = workloads
                 run = bench.run_workload if direction == "fwd" else bench.run_workload_bwd
                 task = bar.add_task(direction, total=len(todo))
                 for w in todo:
                     bar.update(task, description=f"{direction} {w.name}")
                     try:
                         row = run(w)
-                        if both and (direction == "fwd" or w.head_dim in BWD_HEAD_DIMS):
+                        if both:
                             row["sm80_tflops"] = run(dataclasses.replace(w, sdpa=False), path="ampere")["tflops"]
                     except Exception as exc:  # one bad workload (e.g. out of memory) must not end the run
                         row = dict(workload=w.name, error=f"{type(exc).__name__}: {exc}")
@@ -546,12 +542,6 @@ def _bench_gpu(args, console, dev, name: str) -> int:
         title = {"fwd": "forward", "bwd": "backward (dq, dk, dv)"}[direction]
         console.print(_bench_table(f"hstu_cute {title} on {name} ({arch}, {path} kernels)", rows[direction], gemm,
                                    both))
-    skipped_bwd = [w.name for w in workloads if w not in bwd_workloads]
-    if "bwd" in directions and skipped_bwd:
-        console.print(f"Backward not timed for head dim 256 on the sm80 kernels (not built yet): "
-                      f"{', '.join(skipped_bwd)}")
-    elif "bwd" in directions and both and any(w.head_dim not in BWD_HEAD_DIMS for w in bwd_workloads):
-        console.print("sm80 kernel column: '-' at head dim 256 backward (the sm80 backward is not built there).")
     if "api_us" in overhead:
         parts = ", ".join(f"{k[:-3]} {v:.1f} us" for k, v in overhead.items() if k != "api_us" and k.endswith("_us"))
         console.print(f"Host overhead of one hstu_attn_varlen_func call (tiny problem): {overhead['api_us']:.1f} us"
@@ -650,7 +640,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grid", choices=("headline", "full"), default="headline",
                    help="headline: B8 N4096 D128 causal; full: the grid of shared/perf/README.md")
     p.add_argument("--direction", choices=("fwd", "bwd", "both"), default="both",
-                   help="time the forward, the backward (head dims 32-128) or both (default)")
+                   help="time the forward, the backward or both (default)")
     p.add_argument("--out", default=None, help="append one JSON line per workload to this file")
     p.add_argument("--limit", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bench)

@@ -111,7 +111,7 @@ def build_ampere_bwd(key):
     dtype = _dsl_dtype(key.dtype)
     cls = HstuBackwardDqSm80 if key.role == "dq" else HstuBackwardDkDvSm80
     kernel = cls(dtype, key.head_dim, key.mask, key.has_rab, key.rab_vec, key.has_drab, key.rab_sum_heads,
-                 key.tile_m, key.tile_n, key.num_warps, key.fast_silu)
+                 key.tile_m, key.tile_n, key.num_warps, key.fast_silu, key.warps_d)
     t_q, t_k, heads = cute.sym_int(), cute.sym_int(), cute.sym_int()
     batch, batch1 = cute.sym_int(), cute.sym_int()
     q, do, dq = (_fake_tokens_heads_dim(dtype, t_q, heads, key.head_dim) for _ in range(3))

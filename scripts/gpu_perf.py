@@ -107,6 +107,17 @@ if "bwd256" in modes:
             emit(bench.run_workload_bwd(w))
         except Exception as e:
             emit({"workload": w.name + " bwd", "tiles": "-", "error": repr(e)[:300]})
+if "bwd256sm80" in modes:
+    # The sm80 D256 backward: defaults, then the 4-warp register-resident dQ kernel (spills only
+    # for fp16 with drab summed over heads) for comparison.
+    d256 = bench.replace(bench.headline(), name="full B8 N4096 D256", head_dim=256, sdpa=False)
+    rab1 = bench.Workload("rab H_rab=1 B8 N2048 D256", 8, 2048, head_dim=256, rab_heads=1)
+    for tiles_dq in (None, dict(tile_m=64, tile_n=32, num_warps=4, warps_d=1, ptxas_opt=2)):
+        for w in (d256, rab1):
+            try:
+                emit(bench.run_workload_bwd(w, tiles_dq=tiles_dq, path="ampere"))
+            except Exception as e:
+                emit({"workload": w.name + " bwd", "tiles": str(tiles_dq), "error": repr(e)[:300]})
 emit({"host_overhead": bench.host_overhead_us()})
 
 print("\n=== summary ===")

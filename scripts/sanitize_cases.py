@@ -32,16 +32,15 @@ for path in PATHS:
             b = reference.random_jagged_batch(5, 2, head_dim, 99 if kw.get("is_delta_q") else 131,
                                               device="cuda", seed=7, **kw)
             hstu_attn_varlen_func(**b)
-            if head_dim <= 128 or path == "hopper":  # backward kernels: 32-128, and 256 on Hopper
-                for t in ("q", "k", "v"):
-                    b[t].requires_grad_(True)
-                modes = [dict()] + ([dict(deterministic=True)] if head_dim <= 128 else [])
+            for t in ("q", "k", "v"):
+                b[t].requires_grad_(True)
+            modes = [dict()] + ([dict(deterministic=True)] if head_dim <= 128 else [])
+            if b["rab"] is not None:
+                modes.append(dict(has_drab=True))
+            for mode in modes:
                 if b["rab"] is not None:
-                    modes.append(dict(has_drab=True))
-                for mode in modes:
-                    if b["rab"] is not None:
-                        b["rab"].requires_grad_(mode.get("has_drab", False))
-                    out = hstu_attn_varlen_func(**b, **mode)
-                    out.backward(torch.randn_like(out))
+                    b["rab"].requires_grad_(mode.get("has_drab", False))
+                out = hstu_attn_varlen_func(**b, **mode)
+                out.backward(torch.randn_like(out))
         torch.cuda.synchronize()
         print("ran", path, name, flush=True)

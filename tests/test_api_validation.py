@@ -300,17 +300,6 @@ def test_all_on_meta_is_shapes_only(no_launch):
     assert out.device.type == "meta" and out.shape == args["q"].shape and out.dtype == args["q"].dtype
 
 
-def test_backward_head_dim_256_not_built_on_sm80():
-    """Head dim 256 backward exists on the Hopper kernels only: on the sm80 path a clear error,
-    nothing launched (no GPU needed)."""
-    from hstu_cute.bwd_launch import run_backward
-
-    p = api.Problem(batch=1, heads=1, head_dim=256, dtype=torch.bfloat16, mask=masks.MaskSpec(),
-                    window_left=0, window_right=0, scale_seqlen=1, rab_heads=0)
-    with pytest.raises(NotImplementedError, match=r"head dim.*\(32, 64, 128\), got 256"):
-        run_backward(*([None] * 16), p, False, path="ampere")
-
-
 # ---------------------------------------------------------------------------------------------
 # Kernel path selection (HSTU_CUTE_ARCH) and the cubin arch
 # ---------------------------------------------------------------------------------------------

@@ -102,9 +102,11 @@ def test_warmup_compiles_then_hits_disk(tmp_path):
 def test_warmup_select_keys_filters():
     from hstu_cute.cli import select_keys
 
-    assert len(select_keys("sm_80")) == 96 + 144
+    # Backward: 2 dtypes x 4 head dims x 4 masks x (4 dQ + 2 dK/dV variants).
+    assert len(select_keys("sm_80")) == 96 + 192
     assert len(select_keys("sm_80", kernels="fwd")) == 96
-    assert len(select_keys("sm_80", kernels="bwd")) == 144
+    assert len(select_keys("sm_80", kernels="bwd")) == 192
+    assert len(select_keys("sm_80", head_dims=[256], kernels="bwd")) == 2 * 4 * 6
     keys = select_keys("sm_80", ["bfloat16"], [64], ["causal", "target"], "none", kernels="fwd")
     assert [k.describe().split()[-1] for k in keys] == ["causal", "causal+context+target"]
     assert all(k.arch == "sm_80" and k.head_dim == 64 and not k.has_rab for k in keys)
@@ -114,9 +116,9 @@ def test_warmup_select_keys_filters():
     # sm_90a: the Hopper forward and backward kernels too (hstu_cute.variants.shipped_keys): the
     # fused D128 kernel (16), the deterministic pair (96) and at D256 the wide dK/dV/drab kernel
     # (2 dtypes x 4 masks x 4 rab/drab modes) with its dQ kernel (16).
-    assert len(select_keys("sm_90a")) == 96 + 144 + 64 + 96 + 16 + 32 + 16
+    assert len(select_keys("sm_90a")) == 96 + 192 + 64 + 96 + 16 + 32 + 16
     assert len(select_keys("sm_90a", kernels="fwd")) == 96 + 64
-    assert len(select_keys("sm_90a", kernels="bwd")) == 144 + 96 + 16 + 32 + 16
+    assert len(select_keys("sm_90a", kernels="bwd")) == 192 + 96 + 16 + 32 + 16
     keys = select_keys("sm_90a", ["bfloat16"], [128], ["causal"], "none", kernels="fwd")
     assert [k.kernel_name for k in keys] == ["ampere_fwd", "hopper_fwd"]
     assert not any(k.kernel_name == "hopper_fwd" for k in select_keys("sm_89"))

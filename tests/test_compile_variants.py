@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from hstu_cute import warmup
-from hstu_cute.ampere import shipped_fwd_keys, shipped_keys
+from hstu_cute.ampere import SHIPPED_DTYPES, SHIPPED_MASKS, make_bwd_keys, shipped_fwd_keys, shipped_keys
 from hstu_cute.cache import ModuleCache, reset_default_cache
 from hstu_cute.hopper import shipped_hopper_bwd_keys, shipped_hopper_fwd_keys
 
@@ -46,7 +46,7 @@ def _assert_all_built(results, keys, cache_dir, arch):
 @pytest.mark.slow
 def test_every_shipped_sm80_variant_compiles(tmp_cache):
     keys = shipped_keys("sm_80")
-    assert len(keys) == len(set(keys)) >= 96 + 144
+    assert len(keys) == len(set(keys)) == 96 + 192
     results = warmup(arch="sm_80", workers=2, raise_errors=False)
     _assert_all_built(results, keys, tmp_cache, "sm_80")
     # Each exported object holds an sm_80 cubin.
@@ -82,3 +82,29 @@ def test_one_sm90a_variant_compiles(tmp_cache):
     assert r["source"] == "compile" and r["path"]
     archs = set(re.findall(rb"sm_[0-9]+a?", Path(r["path"]).read_bytes()))
     assert archs == {b"sm_90a"}, archs
+
+
+def test_sm80_d256_backward_keys_shipped():
+    """The sm80 backward at head dim 256: the dQ (+drab) and dK/dV keys that the launcher picks,
+    for both dtypes and every shipped mask and rab/drab mode, are in the shipped list (what
+    warmup and CI compile)."""
+    shipped = [k for k in shipped_keys("sm_80") if k.kernel_name.startswith("ampere_bwd") and k.head_dim == 256]
+    assert len(shipped) == len(set(shipped)) == 2 * 4 * 6
+    for dtype in SHIPPED_DTYPES:
+        for kind, context_target in SHIPPED_MASKS:
+            for has_rab, has_drab, sum_heads in ((False, False, False), (True, False, False), (True, True, False),
+                                                 (True, True, True)):
+                dq, dkdv = make_bwd_keys("sm_80", dtype, 256, kind, context_target, has_rab, 8, has_drab, sum_heads)
+                assert dq in shipped and dkdv in shipped, (dq, dkdv)
+                # Split along the head dim: no warp holds 16 x 256 fp32 accumulators.
+                assert dq.warps_d > 1 and dkdv.warps_d > 1
+
+
+def test_sm80_d256_backward_compiles(tmp_cache):
+    """Both D256 backward kernels build for sm_80 without a GPU: the largest variants (fp16,
+    contexts and targets, rab; the dQ kernel with drab summed over heads)."""
+    from hstu_cute.masks import MaskKind
+
+    keys = list(make_bwd_keys("sm_80", "float16", 256, MaskKind.CAUSAL, True, True, 8, True, True))
+    results = warmup(arch="sm_80", keys=keys, workers=1)
+    _assert_all_built(results, keys, tmp_cache, "sm_80")

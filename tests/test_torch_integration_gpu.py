@@ -275,29 +275,20 @@ def test_backward_d128_default_repeats_agree(path):
         for n in want:
             torch.testing.assert_close(got[n], want[n], rtol=2e-2, atol=2e-2)
 
-@pytest.mark.parametrize("head_dim", [32, 64, 128])
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 def test_backward_head_dims_fp16(head_dim, path):
     b = reference.random_jagged_batch(3, H, head_dim, 130, device="cuda", dtype=torch.float16, lengths=[130, 17, 1],
                                       window_size=(-1, 0), num_targets=9, target_group_size=2, rab_heads=1, seed=7)
     _check_backward(b, has_drab=True, dtype=torch.float16)
 
 
-@pytest.fixture
-def hopper_path(monkeypatch):
-    """The Hopper kernels only (the head dim 256 backward exists there alone)."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Hopper kernels need a compute capability 9.x GPU")
-    monkeypatch.setenv("HSTU_CUTE_ARCH", "sm90")
-    api._kernel_path.cache_clear()
-    yield "hopper"
-    api._kernel_path.cache_clear()
-
-
 @pytest.mark.parametrize("rab", [None, "1", "H", "1 no-drab"], ids=["no-rab", "H_rab=1", "H_rab=H", "H_rab=1-no-drab"])
 @pytest.mark.parametrize("mask", list(MASKS) + ["all-target g5"])
-def test_backward_d256_matches_oracle(mask, rab, hopper_path):
-    """The head dim 256 kernel (dK, dV, dQ by red.global, drab stored per head or summed over
-    heads): edge lengths, all-target sequences, delta_q, rab with 1 and H heads."""
+def test_backward_d256_matches_oracle(mask, rab, path):
+    """Head dim 256 (hopper: the wide dK/dV/drab kernel and the dQ kernel; ampere: the sm80 dQ
+    kernel with drab and the dK/dV kernel with its GEMMs split along the head dim): edge
+    lengths, all-target sequences, delta_q, rab with 1 and H heads."""
     m = dict(MASKS.get(mask, dict(window_size=(-1, 0), target_group_size=5)))
     lengths = [0, 1, 17, 200, 129, 64]
     if mask == "all-target g5":
@@ -313,16 +304,16 @@ def test_backward_d256_matches_oracle(mask, rab, hopper_path):
     _check_backward(b, has_drab=rab in ("1", "H"))
 
 
-def test_backward_d256_fp16_seqused_long(hopper_path):
+def test_backward_d256_fp16_seqused_long(path):
     b = reference.random_jagged_batch(3, H, 256, 1111, device="cuda", dtype=torch.float16, lengths=[1111, 17, 300],
                                       window_size=(-1, 0), seqused=True, num_targets=9, target_group_size=2,
                                       rab_heads=1, seed=8)
     _check_backward(b, has_drab=True, dtype=torch.float16)
 
 
-def test_backward_d256_deterministic_is_bitwise(hopper_path):
-    """deterministic=True at D256: dQ, dK, dV and drab summed over heads (one rab head) are
-    bitwise equal across runs; the default (atomic drab sum) is close to them."""
+def test_backward_d256_deterministic_is_bitwise(path):
+    """deterministic=True at D256: dQ, dK, dV and drab summed over heads (one rab head, 3 heads)
+    are bitwise equal across runs; the default (on hopper an atomic drab sum) is close to them."""
     b = reference.random_jagged_batch(3, 3, 256, 300, device="cuda", dtype=BF16, lengths=[300, 17, 129],
                                       window_size=(-1, 0), num_targets=9, rab_heads=1, seed=21)
     runs = []
@@ -334,17 +325,29 @@ def test_backward_d256_deterministic_is_bitwise(hopper_path):
         torch.testing.assert_close(runs[2][n], runs[0][n], rtol=2e-2, atol=2e-2)
 
 
-def test_backward_head_dim_256_sm80_raises_before_launch(monkeypatch):
+def test_backward_d256_sm80_kernels_run(monkeypatch):
+    """HSTU_CUTE_ARCH=sm80 at head dim 256: the backward launches the sm80 dQ and dK/dV kernels
+    (on every GPU, Hopper included), and their gradients pass the 5x rule."""
+    from hstu_cute import bwd_launch
+
+    keys = []
+    real_make = bwd_launch.make_bwd_keys
+
+    def recording_make(*args):
+        pair = real_make(*args)
+        keys.extend(pair)
+        return pair
+
+    monkeypatch.setattr(bwd_launch, "make_bwd_keys", recording_make)
     monkeypatch.setenv("HSTU_CUTE_ARCH", "sm80")
     api._kernel_path.cache_clear()
     try:
-        b = reference.random_jagged_batch(2, H, 256, 64, device="cuda", dtype=BF16, window_size=(-1, 0), seed=2,
-                                          requires_grad=True)
-        out = hstu_attn_varlen_func(**b)
-        with pytest.raises(NotImplementedError, match="sm80 backward at head dim 256"):
-            out.backward(torch.randn_like(out))
+        b = reference.random_jagged_batch(3, H, 256, 1111, device="cuda", dtype=BF16, lengths=[1111, 17, 1],
+                                          window_size=(-1, 0), num_targets=9, rab_heads=H, seed=31)
+        _check_backward(b, has_drab=True)
     finally:
         api._kernel_path.cache_clear()
+    assert [(k.kernel_name, k.head_dim) for k in keys] == [("ampere_bwd_dq", 256), ("ampere_bwd_dkdv", 256)], keys
 
 
 def test_backward_rab_without_drab(path):

@@ -113,6 +113,10 @@ class AmpereBwdKey:
     tile_m: int = 64
     tile_n: int = 64
     num_warps: int = 4
+    # Warps along the head dim in the GEMMs into dQ (dq) or dK and dV (dkdv). 1 keeps P and G in
+    # registers (each warp owns whole rows: 16 x head_dim fp32 per accumulator and warp); > 1
+    # splits the accumulators over more warps, G (and P) then pass through smem.
+    warps_d: int = 1
     fast_silu: bool = True
     ptxas_opt: int = 2
 
@@ -128,11 +132,29 @@ class AmpereBwdKey:
         extras = [self.mask.name]
         if self.has_rab:
             extras.append(f"rab/{self.rab_vec}" + ("+drab" if self.has_drab else "") + ("(sum)" if self.rab_sum_heads else ""))
+        split = f"d{self.warps_d}" if self.warps_d > 1 else ""
         return (f"{self.kernel_name} {self.arch} {self.dtype} d{self.head_dim} {self.tile_m}x{self.tile_n}"
-                f"w{self.num_warps} " + ",".join(extras))
+                f"w{self.num_warps}{split} " + ",".join(extras))
 
 
-BWD_HEAD_DIMS = (32, 64, 128)
+BWD_HEAD_DIMS = (32, 64, 128, 256)
+
+
+def default_bwd_tiles(role: str, head_dim: int) -> dict:
+    """Tiles of the backward kernels per head dim: no register spills on sm_80 (ptxas -v) and
+    dynamic smem within the A100's 163 KB."""
+    if head_dim <= 128:
+        return dict(tile_m=64, tile_n=64, num_warps=4)
+    # ptxas -O3: at -O2 two dQ variants (bf16, rab, no drab) capped themselves at 128 registers
+    # and spilled 4 bytes.
+    if role == "dq":
+        # dQ (64 x 256 fp32) over 8 warps, 4 of them along the head dim: 64 accumulator registers
+        # per thread (in 4 warps, 128: fp16 with drab summed over heads spilled). K/V stay
+        # double-buffered in 32-key tiles: 140 KB with rab (64-key tiles would need 212 KB).
+        return dict(tile_m=64, tile_n=32, num_warps=8, warps_d=4, ptxas_opt=3)
+    # dK + dV (2 x 64 x 256 fp32) over 8 warps, 4 of them along the head dim: 128 accumulator
+    # registers per thread. 32-query tiles keep Q/dO double-buffered: 144 KB with rab.
+    return dict(tile_m=32, tile_n=64, num_warps=8, warps_d=4, ptxas_opt=3)
 
 
 def make_bwd_keys(arch, dtype, head_dim, kind, context_target, has_rab, rab_vec, has_drab, rab_sum_heads):
@@ -140,8 +162,9 @@ def make_bwd_keys(arch, dtype, head_dim, kind, context_target, has_rab, rab_vec,
     common = dict(arch=arch, dtype=dtype, head_dim=head_dim, mask_kind=int(kind), has_context=context_target,
                   has_target=context_target, has_rab=has_rab, rab_vec=rab_vec if has_rab else 8,
                   fast_silu=dtype == "bfloat16")
-    dq = AmpereBwdKey(role="dq", has_drab=has_drab, rab_sum_heads=has_drab and rab_sum_heads, **common)
-    dkdv = AmpereBwdKey(role="dkdv", **common)
+    dq = AmpereBwdKey(role="dq", has_drab=has_drab, rab_sum_heads=has_drab and rab_sum_heads, **common,
+                      **default_bwd_tiles("dq", head_dim))
+    dkdv = AmpereBwdKey(role="dkdv", **common, **default_bwd_tiles("dkdv", head_dim))
     return dq, dkdv
 
 

@@ -56,7 +56,7 @@ def silu_and_grad_inplace(acc_s: cute.Tensor, acc_dp: cute.Tensor, alpha: Float3
 class _BackwardBase:
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, rab_vec: int,
                  has_drab: bool, rab_sum_heads: bool, tile_m: int, tile_n: int, num_warps: int,
-                 fast_silu: bool):
+                 fast_silu: bool, warps_d: int = 1):
         self.dtype = dtype
         self.head_dim = head_dim
         self.mask = mask
@@ -69,6 +69,15 @@ class _BackwardBase:
         self.num_warps = num_warps
         self.num_threads = num_warps * 32
         self.fast_silu = fast_silu
+        self.warps_d = warps_d
+
+    def _mma(self, warps_m: int, warps_n: int):
+        # Each warp covers 16 x 16 of the tile per step (two n8 atoms), so ldmatrix x4 feeds it.
+        return cute.make_tiled_mma(
+            warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)),
+            (warps_m, warps_n, 1),
+            permutation_mnk=(warps_m * 16, warps_n * 16, 16),
+        )
 
     def _atoms(self):
         D = self.head_dim
@@ -96,16 +105,25 @@ class _BackwardBase:
                 cute.make_ordered_layout((self.num_threads // rab_threads_per_row, rab_threads_per_row), order=(1, 0)),
                 cute.make_layout((1, self.rab_vec)),
             )
-        tiled_mma = cute.make_tiled_mma(
-            warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)),
-            (self.num_warps, 1, 1),
-            permutation_mnk=(self.num_warps * 16, 16, 16),
-        )
+        tiled_mma = self._mma(self.num_warps, 1)
         return atom, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma
 
-    def _smem_plan(self, atom, q_stages: int, kv_stages: int):
+    def _split_mmas(self, tiled_mma, score_rows: int, score_cols: int):
+        """(tiled MMA of the score tiles S/dP, tiled MMA of the head-dim-wide outputs, smem layout
+        of a 16-bit score tile or None). With ``warps_d`` > 1 the outputs are split over warps
+        along the head dim, so no warp holds whole rows of the scores that feed them: those go
+        through smem. The score GEMMs put warps along their rows first (16 each)."""
+        if self.warps_d == 1:
+            return tiled_mma, tiled_mma, None
+        warps_m = min(self.num_warps, score_rows // 16)
+        score_layout = cute.tile_to_shape(smem_layout_atom(self.dtype, score_cols), (score_rows, score_cols), (0, 1))
+        return (self._mma(warps_m, self.num_warps // warps_m),
+                self._mma(self.num_warps // self.warps_d, self.warps_d), score_layout)
+
+    def _smem_plan(self, atom, q_stages: int, kv_stages: int, score_layout=None, score_tiles: int = 1):
         """Layouts of the Q/dO tiles (tile_m rows), K/V tiles (tile_n rows) and the rab tile
-        (always two stages), and the SharedStorage struct that holds them."""
+        (always two stages), and the SharedStorage struct that holds them (with G, and P when
+        ``score_tiles`` is 2, in ``score_layout`` tiles when given)."""
 
         def tiles(rows, stages):
             if stages == 1:
@@ -127,6 +145,10 @@ class _BackwardBase:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sRab: cute.struct.Align[cute.struct.MemRange[self.dtype, rab_elems], 1024]
+            if score_layout is not None:
+                sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(score_layout)], 1024]
+                if score_tiles == 2:
+                    sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(score_layout)], 1024]
 
         return sQ_layout, sK_layout, sRab_layout, SharedStorage
 
@@ -182,6 +204,9 @@ class HstuBackwardDqSm80(_BackwardBase):
     Warp roles: none (all warps load with cp.async and compute with mma.sync).
     Pipeline: per n-block one cp.async group (K, V, rab), wait_group(0) + CTA barrier, compute,
     barrier before the next group overwrites smem. Barriers: bar 0 only.
+
+    With ``warps_d`` > 1 (head dim 256) the dQ accumulator is split over warps along the head
+    dim: G goes through smem (sdS) as the A operand of dQ += G K, one more CTA barrier per n-block.
     """
 
     @cute.jit
@@ -190,14 +215,17 @@ class HstuBackwardDqSm80(_BackwardBase):
                  window_left: Int32, window_right: Int32, group_size: Int32, is_delta_q: Int32,
                  num_m_blocks: Int32, stream):
         atom, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma = self._atoms()
+        tiled_mma, tiled_mma_dq, sdS_layout = self._split_mmas(tiled_mma, self.tile_m, self.tile_n)
         # K, V (and rab) are double-buffered: the next n-block loads while this one computes.
-        sQ_layout, sK_layout, sRab_layout, SharedStorage = self._smem_plan(atom, q_stages=1, kv_stages=2)
+        sQ_layout, sK_layout, sRab_layout, SharedStorage = self._smem_plan(atom, q_stages=1, kv_stages=2,
+                                                                           score_layout=sdS_layout)
 
         heads_in_grid = 1 if const_expr(self.rab_sum_heads) else mQ.shape[1]
         self.kernel(
             mQ, mK, mV, mdO, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
             mdRab, mdRabAccum, alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
-            sQ_layout, sK_layout, sRab_layout, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma, SharedStorage,
+            sQ_layout, sK_layout, sRab_layout, sdS_layout, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma,
+            tiled_mma_dq, SharedStorage,
         ).launch(
             grid=[heads_in_grid, mOffsetsQ.shape[0] - 1, num_m_blocks],
             block=[self.num_threads, 1, 1],
@@ -221,7 +249,8 @@ class HstuBackwardDqSm80(_BackwardBase):
     def kernel(self, mQ, mK, mV, mdO, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets,
                mRab, mdRab, mdRabAccum, alpha: Float32, inv_scale: Float32, window_left: Int32,
                window_right: Int32, group_size: Int32, is_delta_q: Int32, sQ_layout, sK_layout, sRab_layout,
-               gmem_copy, gmem_store, gmem_copy_rab, tiled_mma, SharedStorage: cutlass.Constexpr):
+               sdS_layout, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma, tiled_mma_dq,
+               SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         head_idx, batch, m_block_rev = cute.arch.block_idx()
         _, _, num_m_blocks = cute.arch.grid_dim()
@@ -247,15 +276,27 @@ class HstuBackwardDqSm80(_BackwardBase):
                                                         stride=(self.tile_n, 1, self.tile_n * self.head_dim)))
 
             thr_mma = tiled_mma.get_slice(tidx)
-            copy_a, copy_b, copy_bt, copy_c = ldmatrix_copies(self.dtype, tiled_mma, tidx)
+            copy_a, copy_b, _, copy_c = ldmatrix_copies(self.dtype, tiled_mma, tidx)
             tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
             tSrdO = thr_mma.make_fragment_A(thr_mma.partition_A(sdO))
             tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
             tSrV = thr_mma.make_fragment_B(thr_mma.partition_B(sV[None, None, 0]))
-            tQrKt = thr_mma.make_fragment_B(thr_mma.partition_B(sKt[None, None, 0]))
             tSsQ, tSsdO = copy_a.partition_S(sQ), copy_a.partition_S(sdO)
             tSsK, tSsV = copy_b.partition_S(sK), copy_b.partition_S(sV)
-            tQsKt = copy_bt.partition_S(sKt)
+            # dQ += G K (the same tiled MMA as S unless split).
+            thr_mma_dq = tiled_mma_dq.get_slice(tidx)
+            copy_dq_a, _, copy_dq_bt, _ = ldmatrix_copies(self.dtype, tiled_mma_dq, tidx)
+            tQrKt = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(sKt[None, None, 0]))
+            tQsKt = copy_dq_bt.partition_S(sKt)
+            if const_expr(self.warps_d > 1):
+                sdS = storage.sdS.get_tensor(sdS_layout)
+                tQrdS = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sdS))
+                tQsdS = copy_dq_a.partition_S(sdS)
+                # Two adjacent accumulator columns per 32-bit store.
+                g_store = cute.make_tiled_copy_C(
+                    cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma
+                ).get_slice(tidx)
+                tGsdS = g_store.partition_D(sdS)
             cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
             tScS = thr_mma.partition_C(cS)
             thr_copy = gmem_copy.get_slice(tidx)
@@ -308,7 +349,7 @@ class HstuBackwardDqSm80(_BackwardBase):
                         gdRabAcc = cute.local_tile(
                             cute.domain_offset((seq.row_offset, 0), mdRabAccum[batch, None, None]),
                             (self.tile_m, self.tile_n), (m_block, None))
-                acc_dQ = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+                acc_dQ = cute.make_rmem_tensor(thr_mma_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
                 acc_dQ.fill(0.0)
                 if n_count > 0:
                     self.load_k_v(gmem_copy, gmem_copy_rab, tKgK, tKsK, tVgV, tVsV, tKVcKV, tRgR, tRsR, tRcR,
@@ -357,11 +398,20 @@ class HstuBackwardDqSm80(_BackwardBase):
                                     tCgdR[i] = acc_dP[i].to(self.dtype)
                     rG = cute.make_fragment_like(acc_dP, self.dtype)
                     rG.store(acc_dP.load().to(self.dtype))
-                    gemm_rs(tiled_mma, acc_dQ, acc_to_operand_a(rG), tQrKt, tQsKt[None, None, None, stage], copy_bt)
+                    if const_expr(self.warps_d > 1):
+                        cute.copy(g_store, g_store.retile(rG), tGsdS)
+                        # Every warp's rows of G are in smem before any warp reads them; the next
+                        # overwrite waits for the barrier at the top of the next n-block.
+                        cute.arch.barrier()
+                        gemm_ss(tiled_mma_dq, acc_dQ, tQrdS, tQrKt, tQsdS, tQsKt[None, None, None, stage], copy_dq_a,
+                                copy_dq_bt)
+                    else:
+                        gemm_rs(tiled_mma, acc_dQ, acc_to_operand_a(rG), tQrKt, tQsKt[None, None, None, stage],
+                                copy_dq_bt)
                 # Drain every group (with no n-block, the Q/dO loads too) before staging in sQ.
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.barrier()
-                self.store_rows(gmem_store, tiled_mma, acc_dQ, sQ, gdQ, tidx, q_rows)
+                self.store_rows(gmem_store, tiled_mma_dq, acc_dQ, sQ, gdQ, tidx, q_rows)
                 cute.arch.barrier()
 
 
@@ -371,6 +421,10 @@ class HstuBackwardDkDvSm80(_BackwardBase):
 
     Warp roles: none. Pipeline: per m-block one cp.async group (Q, dO, rab), wait_group(0) + CTA
     barrier, compute, barrier. Barriers: bar 0 only.
+
+    With ``warps_d`` > 1 (head dim 256) the dK/dV accumulators are split over warps along the
+    head dim: no warp then holds whole rows of P^T and G^T, so they are written to smem (sPt,
+    sdSt) and read back as the A operand, one more CTA barrier per m-block.
     """
 
     @cute.jit
@@ -378,13 +432,16 @@ class HstuBackwardDkDvSm80(_BackwardBase):
                  mNumTargets, mRab, alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32,
                  group_size: Int32, is_delta_q: Int32, num_n_blocks: Int32, stream):
         atom, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma = self._atoms()
+        tiled_mma, tiled_mma_dkv, sP_layout = self._split_mmas(tiled_mma, self.tile_n, self.tile_m)
         # Q, dO (and rab) are double-buffered: the next m-block loads while this one computes.
-        sQ_layout, sK_layout, sRab_layout, SharedStorage = self._smem_plan(atom, q_stages=2, kv_stages=1)
+        sQ_layout, sK_layout, sRab_layout, SharedStorage = self._smem_plan(atom, q_stages=2, kv_stages=1,
+                                                                           score_layout=sP_layout, score_tiles=2)
 
         self.kernel(
             mQ, mK, mV, mdO, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
             alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
-            sQ_layout, sK_layout, sRab_layout, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma, SharedStorage,
+            sQ_layout, sK_layout, sRab_layout, sP_layout, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma,
+            tiled_mma_dkv, SharedStorage,
         ).launch(
             grid=[mQ.shape[1], mOffsetsQ.shape[0] - 1, num_n_blocks],
             block=[self.num_threads, 1, 1],
@@ -409,8 +466,8 @@ class HstuBackwardDkDvSm80(_BackwardBase):
     @cute.kernel
     def kernel(self, mQ, mK, mV, mdO, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
                mNumTargets, mRab, alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32,
-               group_size: Int32, is_delta_q: Int32, sQ_layout, sK_layout, sRab_layout, gmem_copy, gmem_store,
-               gmem_copy_rab, tiled_mma, SharedStorage: cutlass.Constexpr):
+               group_size: Int32, is_delta_q: Int32, sQ_layout, sK_layout, sRab_layout, sP_layout, gmem_copy,
+               gmem_store, gmem_copy_rab, tiled_mma, tiled_mma_dkv, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         head, batch, n_block = cute.arch.block_idx()
         q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
@@ -453,16 +510,30 @@ class HstuBackwardDkDvSm80(_BackwardBase):
             cute.arch.cp_async_commit_group()
 
             thr_mma = tiled_mma.get_slice(tidx)
-            copy_a, copy_b, copy_bt, _ = ldmatrix_copies(self.dtype, tiled_mma, tidx)
+            copy_a, copy_b, _, _ = ldmatrix_copies(self.dtype, tiled_mma, tidx)
             tSrK = thr_mma.make_fragment_A(thr_mma.partition_A(sK))
             tSrV = thr_mma.make_fragment_A(thr_mma.partition_A(sV))
             tSrQ = thr_mma.make_fragment_B(thr_mma.partition_B(sQ[None, None, 0]))
             tSrdO = thr_mma.make_fragment_B(thr_mma.partition_B(sdO[None, None, 0]))
-            tDrQt = thr_mma.make_fragment_B(thr_mma.partition_B(sQt[None, None, 0]))
-            tDrdOt = thr_mma.make_fragment_B(thr_mma.partition_B(sdOt[None, None, 0]))
             tSsK, tSsV = copy_a.partition_S(sK), copy_a.partition_S(sV)
             tSsQ, tSsdO = copy_b.partition_S(sQ), copy_b.partition_S(sdO)
-            tDsQt, tDsdOt = copy_bt.partition_S(sQt), copy_bt.partition_S(sdOt)
+            # dV += P^T dO and dK += G^T Q (the same tiled MMA as S^T unless split).
+            thr_mma_dkv = tiled_mma_dkv.get_slice(tidx)
+            copy_dkv_a, _, copy_dkv_bt, _ = ldmatrix_copies(self.dtype, tiled_mma_dkv, tidx)
+            tDrQt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(sQt[None, None, 0]))
+            tDrdOt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(sdOt[None, None, 0]))
+            tDsQt, tDsdOt = copy_dkv_bt.partition_S(sQt), copy_dkv_bt.partition_S(sdOt)
+            if const_expr(self.warps_d > 1):
+                sPt = storage.sP.get_tensor(sP_layout)
+                sdSt = storage.sdS.get_tensor(sP_layout)
+                tDrPt = thr_mma_dkv.make_fragment_A(thr_mma_dkv.partition_A(sPt))
+                tDrdSt = thr_mma_dkv.make_fragment_A(thr_mma_dkv.partition_A(sdSt))
+                tDsPt, tDsdSt = copy_dkv_a.partition_S(sPt), copy_dkv_a.partition_S(sdSt)
+                # Two adjacent accumulator columns per 32-bit store.
+                p_store = cute.make_tiled_copy_C(
+                    cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma
+                ).get_slice(tidx)
+                tPsPt, tPsdSt = p_store.partition_D(sPt), p_store.partition_D(sdSt)
             # Transposed orientation: accumulator rows are keys, columns are queries.
             cST = cute.make_identity_tensor((self.tile_n, self.tile_m))
             tScST = thr_mma.partition_C(cST)
@@ -482,8 +553,8 @@ class HstuBackwardDkDvSm80(_BackwardBase):
                 tRgR = tRsR = tRcR = None
                 rab_cols = Int32(0)
 
-            acc_dK = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_n, self.head_dim)), Float32)
-            acc_dV = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_n, self.head_dim)), Float32)
+            acc_dK = cute.make_rmem_tensor(thr_mma_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
+            acc_dV = cute.make_rmem_tensor(thr_mma_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
             acc_dK.fill(0.0)
             acc_dV.fill(0.0)
             rab_row_end = Int32(0)
@@ -525,12 +596,27 @@ class HstuBackwardDkDvSm80(_BackwardBase):
                             acc_dP[i] = cutlass.select_(keep, acc_dP[i], Float32(0.0))
                     rP = cute.make_fragment_like(acc_S, self.dtype)
                     rP.store(acc_S.load().to(self.dtype))
-                    gemm_rs(tiled_mma, acc_dV, acc_to_operand_a(rP), tDrdOt, tDsdOt[None, None, None, stage], copy_bt)
-                    rG = cute.make_fragment_like(acc_dP, self.dtype)
-                    rG.store(acc_dP.load().to(self.dtype))
-                    gemm_rs(tiled_mma, acc_dK, acc_to_operand_a(rG), tDrQt, tDsQt[None, None, None, stage], copy_bt)
+                    if const_expr(self.warps_d > 1):
+                        rG = cute.make_fragment_like(acc_dP, self.dtype)
+                        rG.store(acc_dP.load().to(self.dtype))
+                        cute.copy(p_store, p_store.retile(rP), tPsPt)
+                        cute.copy(p_store, p_store.retile(rG), tPsdSt)
+                        # Every warp's rows of P^T and G^T are in smem before any warp reads them;
+                        # the next overwrite waits for the barrier at the top of the next m-block.
+                        cute.arch.barrier()
+                        gemm_ss(tiled_mma_dkv, acc_dV, tDrPt, tDrdOt, tDsPt, tDsdOt[None, None, None, stage],
+                                copy_dkv_a, copy_dkv_bt)
+                        gemm_ss(tiled_mma_dkv, acc_dK, tDrdSt, tDrQt, tDsdSt, tDsQt[None, None, None, stage],
+                                copy_dkv_a, copy_dkv_bt)
+                    else:
+                        gemm_rs(tiled_mma, acc_dV, acc_to_operand_a(rP), tDrdOt, tDsdOt[None, None, None, stage],
+                                copy_dkv_bt)
+                        rG = cute.make_fragment_like(acc_dP, self.dtype)
+                        rG.store(acc_dP.load().to(self.dtype))
+                        gemm_rs(tiled_mma, acc_dK, acc_to_operand_a(rG), tDrQt, tDsQt[None, None, None, stage],
+                                copy_dkv_bt)
             # No m-block may have run: drain the K/V group before sK/sV become staging buffers.
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
-            self.store_rows(gmem_store, tiled_mma, acc_dK, sK, gdK, tidx, k_rows)
-            self.store_rows(gmem_store, tiled_mma, acc_dV, sV, gdV, tidx, k_rows)
+            self.store_rows(gmem_store, tiled_mma_dkv, acc_dK, sK, gdK, tidx, k_rows)
+            self.store_rows(gmem_store, tiled_mma_dkv, acc_dV, sV, gdV, tidx, k_rows)

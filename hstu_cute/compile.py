@@ -25,15 +25,18 @@ def _int_vec(n):
 
 def _compile(key, kernel, *args):
     """``cute.compile`` with the trailing stream argument (the caller's torch stream at run time),
-    the key's arch and ptxas level; one compile at a time."""
+    the key's arch and ptxas level; one compile at a time. Without a JIT engine when the cache
+    exports the module and loads the exported object (:func:`hstu_cute.cache.building_for_export`)."""
     import cutlass.cute as cute
+
+    from .cache import building_for_export
 
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     options = f"--enable-tvm-ffi --gpu-arch {key.arch}"
     if key.ptxas_opt != 3:
         options += f" --ptxas-options=-O{key.ptxas_opt}"
     with _COMPILE_LOCK:
-        return cute.compile(kernel, *args, stream, options=options)
+        return cute.compile(kernel, *args, stream, options=options, no_jit_engine=building_for_export())
 
 
 def _fake_tokens_heads_dim(dtype, tokens, heads, head_dim):

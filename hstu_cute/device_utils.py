@@ -147,7 +147,7 @@ def apply_mask_inplace(acc: cute.Tensor, tScS: cute.Tensor, spec: cutlass.Conste
             for n in cutlass.range_constexpr(cute.size(acc.shape[2])):
                 for col_pair in cutlass.range_constexpr(2):
                     v = col_pair + 2 * half
-                    keep = masks.in_intervals(tScS[v, m, n][1], lo_end, hi_start, hi_end, col_limit)
+                    keep = masks.in_row_intervals(spec, tScS[v, m, n][1], lo_end, hi_start, hi_end, col_limit)
                     acc[v, m, n] = cutlass.select_(keep, acc[v, m, n], Float32(0.0))
 
 
@@ -239,7 +239,7 @@ def apply_mask_rows_cols(acc_rc: cute.Tensor, coord_rc: cute.Tensor, spec: cutla
         lo_end, hi_start, hi_end = masks.row_intervals(spec, seq, row0 + coord_rc[i, 0][0], KERNEL_OPS)
         lo_end, hi_start, hi_end = lo_end - col0, hi_start - col0, hi_end - col0
         for j in cutlass.range_constexpr(cute.size(acc_rc.shape[1])):
-            keep = masks.in_intervals(coord_rc[i, j][1], lo_end, hi_start, hi_end, col_limit)
+            keep = masks.in_row_intervals(spec, coord_rc[i, j][1], lo_end, hi_start, hi_end, col_limit)
             acc_rc[i, j] = cutlass.select_(keep, acc_rc[i, j], Float32(0.0))
 
 

@@ -31,7 +31,7 @@ class VecAddKey:
         return "test_vec_add"
 
 
-def build_vec_add(key: VecAddKey):
+def build_vec_add(key: VecAddKey, jit_engine: bool = True):
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
@@ -57,7 +57,8 @@ def build_vec_add(key: VecAddKey):
     b = make_fake_compact_tensor(dtype, (n,), assumed_align=16)
     c = make_fake_compact_tensor(dtype, (n,), assumed_align=16)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(vec_add, a, b, c, stream, options=f"--enable-tvm-ffi --gpu-arch {key.arch}")
+    return cute.compile(vec_add, a, b, c, stream, options=f"--enable-tvm-ffi --gpu-arch {key.arch}",
+                        no_jit_engine=not jit_engine)
 
 
 def _parse(argv):

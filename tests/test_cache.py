@@ -28,6 +28,7 @@ import hstu_cute.cache as cache_mod  # noqa: E402
 from hstu_cute.cache import (  # noqa: E402
     EXPORT_FUNCTION_NAME,
     ModuleCache,
+    building_for_export,
     default_cache,
     key_digest,
     key_payload,
@@ -607,6 +608,54 @@ def test_unexportable_executor_stays_in_memory(tmp_path):
         assert c.get(K(), lambda: obj) is obj
     assert len(rec) == 1 and "--enable-tvm-ffi" in str(rec[0].message)
     assert c.writable and c.entries() == []
+
+
+class ExportOnlyBuilder:
+    """Builds like hstu_cute.compile: without a JIT engine while the cache builds for export."""
+
+    def __init__(self, key):
+        self.key, self.seen = key, []
+
+    def __call__(self):
+        self.seen.append(building_for_export())
+        return build_vec_add(self.key, jit_engine=not building_for_export())
+
+
+def test_export_only_build_is_loaded_from_its_export(tmp_path):
+    key = VecAddKey(scale=6)
+    c = new_cache(tmp_path)
+    b = ExportOnlyBuilder(key)
+    fn = c.get(key, b)
+    assert b.seen == [True] and not building_for_export()
+    assert type(fn).__name__ == "Function" and callable(fn)  # loaded from the exported object
+    assert c.stats.compiles == 1 and c.stats.disk_writes == 1 and c.stats.disk_hits == 0
+    t = c.timing(key)
+    assert t.source == "compile" and t.path == str(c.entry_paths(key)["obj"])
+    assert [e["valid"] for e in c.entries()] == [True]
+    assert c.get(key, b) is fn and b.seen == [True]
+    c2 = new_cache(tmp_path)
+    assert callable(c2.get(key, Builder(key))) and c2.stats.disk_hits == 1
+
+
+def test_export_only_build_without_disk_gets_an_engine(tmp_path):
+    key = VecAddKey(scale=7)
+    c = new_cache(tmp_path, enabled=False)
+    b = ExportOnlyBuilder(key)
+    fn = c.get(key, b)
+    assert b.seen == [False] and fn.engine is not None and c.entries() == []
+
+
+def test_export_only_build_that_does_not_load_is_rebuilt_with_an_engine(tmp_path, monkeypatch):
+    def broken_load(obj):
+        raise RuntimeError("load_module failed")
+
+    monkeypatch.setattr(cache_mod, "_load_function", broken_load)
+    key = VecAddKey(scale=8)
+    c = new_cache(tmp_path)
+    b = ExportOnlyBuilder(key)
+    fn = c.get(key, b)
+    assert b.seen == [True, False] and fn.engine is not None
+    assert c.get(key, b) is fn and c.stats.compiles == 1
 
 
 def test_build_errors_propagate_and_leave_no_entry(tmp_path):

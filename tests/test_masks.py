@@ -14,10 +14,13 @@ from hstu_cute.masks import (
     TileClass,
     classify_tiles,
     dense_mask,
+    in_intervals,
+    in_row_intervals,
     m_block_range,
     n_block_at,
     n_block_schedule,
     normalize_window,
+    row_intervals,
     seq_mask_from_lengths,
     tile_nonempty,
 )
@@ -359,3 +362,19 @@ def test_classify_tiles_target_hole_is_skipped():
     assert grid[7][:4] == [TileClass.FULL] * 4
     assert grid[7][4:7] == [TileClass.EMPTY] * 3
     assert grid[7][7] == TileClass.PARTIAL
+
+
+def test_in_row_intervals_matches_in_intervals_in_tile_coordinates():
+    # Kernels shift a row's intervals and seqlen_k by the tile's first column col0 and compare
+    # tile columns j in [0, tile_n); in_row_intervals drops the compares the spec makes constant.
+    rng = random.Random(7)
+    for _ in range(300):
+        spec, seq, cfg = _draw_config(rng, 40)
+        off = cfg["Lk"] - cfg["Lq"] if cfg["delta"] else 0
+        for i in range(cfg["Lq"]):
+            lo_end, hi_start, hi_end = row_intervals(spec, seq, i + off)
+            for col0 in (0, 8, 16, 32):
+                shifted = (lo_end - col0, hi_start - col0, hi_end - col0, seq.seqlen_k - col0)
+                for j in range(16):
+                    want = in_intervals(j, *shifted)
+                    assert in_row_intervals(spec, j, *shifted) == want, (cfg, i, col0, j)

@@ -405,27 +405,13 @@ class HstuBackwardDkDvSm90:
                 cute.arch.barrier_arrive(barrier_id=_BAR_DS + buf, number_of_threads=self.num_mma_threads)
                 warpgroup.wait_group(0)
         if mine:
-            acc_dQ = cute.make_rmem_tensor(tdQsdQ.shape, Float32)
             if const_expr(not self.dq_split):
                 # dV and dK retire first: their register A operands (P^T, G^T) and a 64 x D dQ
                 # accumulator do not fit together (ptxas serialized every WGMMA, C7512).
                 warpgroup.wait_group(0)
-                # The keys of this warpgroup's own G^T rows first, while the other warpgroup
-                # finishes its half (the owner's wait for it was 13% of stall samples).
-                cute.arch.barrier(barrier_id=_BAR_DQ_WG0 + wg, number_of_threads=128)
-                half = cute.size(tdQrdS.shape[2]) // 2
-                tdQrdS_buf = tdQrdS[None, None, None, buf]
-                if wg == 0:
-                    wgmma(tiled_mma_dq, acc_dQ, tdQrdS_buf, tdQrKt, True, -1, range(0, half))
-                else:
-                    wgmma(tiled_mma_dq, acc_dQ, tdQrdS_buf, tdQrKt, True, -1, range(half, 2 * half))
                 cute.arch.barrier(barrier_id=_BAR_DS + buf, number_of_threads=self.num_mma_threads)
-                if wg == 0:
-                    wgmma(tiled_mma_dq, acc_dQ, tdQrdS_buf, tdQrKt, False, 0, range(half, 2 * half))
-                else:
-                    wgmma(tiled_mma_dq, acc_dQ, tdQrdS_buf, tdQrKt, False, 0, range(0, half))
-            else:
-                wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, True, 0)
+            acc_dQ = cute.make_rmem_tensor(tdQsdQ.shape, Float32)
+            wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, True, 0)
             # The TMA copy elects its issuing lane (elect.sync): a whole warp must reach it. Its
             # previous reduce from this buffer must have finished reading smem.
             if tid_in_wg < 32:

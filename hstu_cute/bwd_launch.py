@@ -3,9 +3,29 @@ stream. Called by :func:`hstu_cute.api.backward` after validation (done in the f
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .ampere import BWD_HEAD_DIMS, make_bwd_keys
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+@contextlib.contextmanager
+def _beside(device):
+    """Launches in the body go to a side stream forked from, and joined back into, the current
+    stream (CUDA-graph capture included): the dK/dV and dQ kernels are independent, so the second
+    fills the SMs the first leaves idle in its last wave."""
+    main = torch.cuda.current_stream(device)
+    side = _SIDE_STREAMS.get(device.index)
+    if side is None:
+        side = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        yield
+    main.wait_stream(side)
 
 
 def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
@@ -79,10 +99,11 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
         elif sum_heads:
             drab_out = torch.zeros((rab.shape[0], p.heads, rab.shape[2], rab.shape[3]), dtype=q.dtype, device=device)
         with torch.cuda.device(device):
-            fn_q(q, k, v, dout, dq, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts, num_targets,
-                 rab, *scalars, -(-max_seqlen_q // key_q.tile_m))
             fn_kv(q, k, v, dout, dk, dv, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts, num_targets,
                   rab, drab_out, *scalars, -(-max_seqlen_k // key_kv.tile_n))
+            with _beside(device):
+                fn_q(q, k, v, dout, dq, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
+                     num_targets, rab, *scalars, -(-max_seqlen_q // key_q.tile_m))
             if sum_heads:
                 drab[:, 0].copy_(drab_out if atomic_sum else drab_out.float().sum(1))
         return dq, dk, dv, (drab_view if drab_view is not None else drab)
@@ -114,13 +135,14 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
             fn_dkdv(q, k, v, dout, dk, dv, dq_accum, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k,
                     num_contexts, num_targets, rab, *scalars, num_n_blocks)
             return dq_accum.to(q.dtype), dk, dv, None
-        if key_dq.kernel_name == "hopper_bwd_dq":
-            fn_dq(q, k, v, dout, dq, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts, num_targets,
-                  rab, *scalars, num_m_blocks)
-        else:
-            fn_dq(q, k, v, dout, dq, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts, num_targets,
-                  rab, drab, drab_accum, *scalars, num_m_blocks)
         dkdv_extra = (None,) if path == "hopper" else ()  # the unfused dK/dV kernel takes no dQ accumulator
         fn_dkdv(q, k, v, dout, dk, dv, *dkdv_extra, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k,
                 num_contexts, num_targets, rab, *scalars, num_n_blocks)
+        with _beside(device):
+            if key_dq.kernel_name == "hopper_bwd_dq":
+                fn_dq(q, k, v, dout, dq, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
+                      num_targets, rab, *scalars, num_m_blocks)
+            else:
+                fn_dq(q, k, v, dout, dq, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
+                      num_targets, rab, drab, drab_accum, *scalars, num_m_blocks)
     return dq, dk, dv, (drab_view if drab_view is not None else drab)

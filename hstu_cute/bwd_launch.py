@@ -21,6 +21,10 @@ def _beside(device):
     main = torch.cuda.current_stream(device)
     side = _SIDE_STREAMS.get(device.index)
     if side is None:
+        if torch.cuda.is_current_stream_capturing():
+            # No stream creation inside a CUDA-graph capture: this call runs in line.
+            yield
+            return
         side = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
     side.wait_stream(main)
     with torch.cuda.stream(side):

@@ -161,6 +161,42 @@ def test_cuda_graph_capture_replay_forward(path):
         torch.testing.assert_close(static_out, attn(*fresh), rtol=0, atol=0)
 
 
+def test_cuda_graph_capture_replay_backward(path):
+    """The backward's two kernels (dK/dV, and dQ on a side stream forked from and joined into the
+    capturing stream) replay to the eager gradients, bitwise (deterministic=True)."""
+
+    def grads(q, k, v, offsets, targets, dout):
+        out = hstu_attn_varlen_func(q, k, v, offsets, offsets, 128, 128, num_targets=targets, window_size=(-1, 0),
+                                    alpha=0.25, deterministic=True)
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    def inputs(seed):
+        q, k, v, offsets, targets = _attn_inputs(seed)
+        q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        dout = torch.rand(q.shape, device="cuda", generator=g).to(q.dtype) - 0.5
+        return q, k, v, offsets, targets, dout
+
+    static = inputs(0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compile/load, the side stream) off the capture
+        for _ in range(2):
+            grads(*static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_grads = grads(*static)
+    for seed in (1, 2):
+        fresh = inputs(seed)
+        with torch.no_grad():
+            for s, f in zip(static, fresh):
+                s.copy_(f)
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(static_grads, grads(*fresh)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
 # ---------------------------------------------------------------------------------------------
 # Backward against the oracle (spec section 5: 5x rule for dq, dk, dv, drab)
 # ---------------------------------------------------------------------------------------------

@@ -125,15 +125,8 @@ class HstuBackwardDkDvSm90:
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
             atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, D), a_source=warpgroup.OperandSource.RMEM,
         )
-        tma_load = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_k, tma_k = sm90_tma_atom_tokens(tma_load, mK, sK_layout, self.tile_n)
-        tma_atom_v, tma_v = sm90_tma_atom_tokens(tma_load, mV, sK_layout, self.tile_n)
-        sQ_one = cute.slice_(sQ_layout, (None, None, 0))
-        tma_atom_q, tma_q = sm90_tma_atom_tokens(tma_load, mQ, sQ_one, self.tile_m)
-        tma_atom_do, tma_do = sm90_tma_atom_tokens(tma_load, mdO, sQ_one, self.tile_m)
-        tma_atom_rab, tma_rab = None, None
-        if const_expr(self.has_rab):
-            tma_atom_rab, tma_rab = sm90_tma_atom_rab(mRab, sRab_layout, self.tile_m, self.tile_n)
+        (tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
+         tma_rab) = self.load_atoms(mQ, mK, mV, mdO, mRab, sK_layout, sQ_layout, sRab_layout)
         sdS_layout = sdQ_layout = tiled_mma_dq = tma_atom_dq = tma_dq = None
         ds_elems = dq_elems = 8
         if const_expr(self.fuse_dq):
@@ -148,9 +141,6 @@ class HstuBackwardDkDvSm90:
             tma_atom_dq, tma_dq = sm90_tma_atom_tokens(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum,
                                                        cute.slice_(sdQ_layout, (None, None, 0)), self.tile_m,
                                                        self.dq_cols)
-        elem = self.dtype.width // 8
-        self.kv_bytes = 2 * self.tile_n * D * elem
-        self.q_bytes = 2 * self.tile_m * D * elem + (self.tile_m * self.tile_n * elem if const_expr(self.has_rab) else 0)
         zero_copy = rows_zero_copy(self.dtype, D)
         stages = self.num_stages
         rab_elems = cute.cosize(sRab_layout) if const_expr(self.has_rab) else 8
@@ -231,6 +221,25 @@ class HstuBackwardDkDvSm90:
                 self.consume(tidx - 128, mdK, mdV, sK, sV, sQ, sdO, sRab, sdS, sdQ, tma_atom_dq, tma_dq, pipe_kv,
                              pipe_q, tiled_mma_s, tiled_mma_d, tiled_mma_dq, zero_copy, alpha, inv_scale, q_start,
                              k_start, head, n_block, seq, m_lo, m_hi)
+
+    def load_atoms(self, mQ, mK, mV, mdO, mRab, sK_layout, sQ_layout, sRab_layout):
+        """TMA load atoms of :meth:`produce` (K and V once; Q, dO and rab tiles into the
+        ``num_stages`` ring), and the transaction bytes of its two pipelines (``kv_bytes``,
+        ``q_bytes``). Called from ``__call__`` while tracing."""
+        D = self.head_dim
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_k, tma_k = sm90_tma_atom_tokens(tma_load, mK, sK_layout, self.tile_n)
+        tma_atom_v, tma_v = sm90_tma_atom_tokens(tma_load, mV, sK_layout, self.tile_n)
+        sQ_one = cute.slice_(sQ_layout, (None, None, 0))
+        tma_atom_q, tma_q = sm90_tma_atom_tokens(tma_load, mQ, sQ_one, self.tile_m)
+        tma_atom_do, tma_do = sm90_tma_atom_tokens(tma_load, mdO, sQ_one, self.tile_m)
+        tma_atom_rab, tma_rab = None, None
+        if const_expr(self.has_rab):
+            tma_atom_rab, tma_rab = sm90_tma_atom_rab(mRab, sRab_layout, self.tile_m, self.tile_n)
+        elem = self.dtype.width // 8
+        self.kv_bytes = 2 * self.tile_n * D * elem
+        self.q_bytes = 2 * self.tile_m * D * elem + (self.tile_m * self.tile_n * elem if const_expr(self.has_rab) else 0)
+        return tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab, tma_rab
 
     @cute.jit
     def produce(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,

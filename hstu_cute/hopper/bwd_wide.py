@@ -21,8 +21,6 @@ from ..device_utils import (
     sm90_bwd_pipelines,
     sm90_register_split,
     sm90_smem_layout,
-    sm90_tma_atom_rab,
-    sm90_tma_atom_tokens,
     wgmma,
     zero_smem_rows_past,
 )
@@ -73,6 +71,7 @@ class HstuBackwardWideSm90:
     512, and beside the dQ kernel (which recomputes S and dP) the pair reaches 356.
     """
 
+    load_atoms = HstuBackwardDkDvSm90.load_atoms
     produce = HstuBackwardDkDvSm90.produce
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, has_drab: bool,
@@ -120,19 +119,8 @@ class HstuBackwardWideSm90:
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
             atom_layout_mnk=(1, 2, 1), tiler_mn=(64, D // 2),
         )
-        tma_load = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_k, tma_k = sm90_tma_atom_tokens(tma_load, mK, sK_layout, self.tile_n)
-        tma_atom_v, tma_v = sm90_tma_atom_tokens(tma_load, mV, sK_layout, self.tile_n)
-        sQ_one = cute.slice_(sQ_layout, (None, None, 0))
-        tma_atom_q, tma_q = sm90_tma_atom_tokens(tma_load, mQ, sQ_one, self.tile_m)
-        tma_atom_do, tma_do = sm90_tma_atom_tokens(tma_load, mdO, sQ_one, self.tile_m)
-        tma_atom_rab, tma_rab = None, None
-        if const_expr(self.has_rab):
-            tma_atom_rab, tma_rab = sm90_tma_atom_rab(mRab, sRab_layout, self.tile_m, self.tile_n)
-        elem = self.dtype.width // 8
-        # Read by the inherited producer.
-        self.kv_bytes = 2 * self.tile_n * D * elem
-        self.q_bytes = 2 * self.tile_m * D * elem + (self.tile_m * self.tile_n * elem if const_expr(self.has_rab) else 0)
+        (tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
+         tma_rab) = self.load_atoms(mQ, mK, mV, mdO, mRab, sK_layout, sQ_layout, sRab_layout)
         zero_copy = rows_zero_copy(self.dtype, D)
         stages = self.num_stages
         rab_elems = cute.cosize(sRab_layout) if const_expr(self.has_rab) else 8

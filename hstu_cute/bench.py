@@ -234,29 +234,42 @@ def run_workload(w: Workload, tiles: dict | None = None, sets: int = 3, path: st
     return row
 
 
+def backward_call(w: Workload, seed: int = 0, tiles_dq: dict | None = None, tiles_dkdv: dict | None = None,
+                  path: str | None = None, deterministic: bool = False):
+    """(call, lens_q, lens_k): ``call()`` runs the backward kernels alone (dq, dk, dv[, drab]) on
+    one random input set of ``w``."""
+    from . import api
+    from .bwd_launch import run_backward
+
+    full = make_inputs(w, seed=seed)
+    kw = {k: v for k, v in full.items() if not k.startswith("_")}
+    p = api.validate(
+        kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
+        kw["max_seqlen_k"], kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1),
+        kw["window_size"], 1.0, kw.get("rab"), kw.get("rab") is not None, kw["is_delta_q"], None, None, None,
+        None, -1, -1, None, None,
+    )
+    dout = torch.rand_like(kw["q"])
+
+    def call():
+        return run_backward(
+            dout, kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
+            kw["max_seqlen_k"], kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1), 1.0,
+            kw.get("rab"), kw.get("rab") is not None, None, None, p, deterministic, tiles_dq, tiles_dkdv, path)
+
+    return call, full["_lens_q"], full["_lens_k"]
+
+
 def run_workload_bwd(w: Workload, sets: int = 3, tiles_dq: dict | None = None, tiles_dkdv: dict | None = None,
                      path: str | None = None, deterministic: bool = False) -> dict:
     """Backward kernels alone (dq, dk, dv[, drab]) on the workload; FLOPs = 2.5 x forward. With
     ``w.sdpa`` the torch SDPA (flash, cuDNN) backward lines of the same shape are added."""
     from . import api
-    from .bwd_launch import run_backward
 
     calls = []
     for s in range(sets):
-        full = make_inputs(w, seed=s)
-        lens_q, lens_k = full["_lens_q"], full["_lens_k"]
-        kw = {k: v for k, v in full.items() if not k.startswith("_")}
-        p = api.validate(
-            kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
-            kw["max_seqlen_k"], kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1),
-            kw["window_size"], 1.0, kw.get("rab"), kw.get("rab") is not None, kw["is_delta_q"], None, None, None,
-            None, -1, -1, None, None,
-        )
-        dout = torch.rand_like(kw["q"])
-        calls.append(lambda kw=kw, p=p, dout=dout: run_backward(
-            dout, kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
-            kw["max_seqlen_k"], kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1), 1.0,
-            kw.get("rab"), kw.get("rab") is not None, None, None, p, deterministic, tiles_dq, tiles_dkdv, path))
+        call, lens_q, lens_k = backward_call(w, s, tiles_dq, tiles_dkdv, path, deterministic)
+        calls.append(call)
     calls[0]()
     ms, iqr = time_cuda(calls)
     f, convention = flops(w, lens_q, lens_k)

@@ -6,26 +6,10 @@ import sys
 
 import torch
 
-from hstu_cute import api, bench
-from hstu_cute.bwd_launch import run_backward
-
-
-def backward_call(w, seed=0):
-    full = bench.make_inputs(w, seed=seed)
-    kw = {k: v for k, v in full.items() if not k.startswith("_")}
-    p = api.validate(
-        kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
-        kw["max_seqlen_k"], None, None, 1, kw["window_size"], 1.0, None, False, kw["is_delta_q"], None, None,
-        None, None, -1, -1, None, None,
-    )
-    dout = torch.rand_like(kw["q"])
-    return lambda: run_backward(dout, kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"],
-                                kw["max_seqlen_q"], kw["max_seqlen_k"], None, None, 1, 1.0, None, False, None,
-                                None, p)
-
+from hstu_cute import bench
 
 head_dims = [int(d) for d in (sys.argv[2] if len(sys.argv) > 2 else "128,256").split(",")]
-calls = {d: backward_call(bench.replace(bench.headline(), head_dim=d)) for d in head_dims}
+calls = {d: bench.backward_call(bench.replace(bench.headline(), head_dim=d))[0] for d in head_dims}
 for fn in calls.values():
     fn()
 torch.cuda.synchronize()

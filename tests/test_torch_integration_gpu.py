@@ -139,26 +139,32 @@ def test_export_and_run(strict):
         torch.testing.assert_close(ep.module()(*x), Attn()(*x), rtol=0, atol=0)
 
 
-def test_cuda_graph_capture_replay_forward(path):
-    """Kernels launch on the current stream: a captured forward replays to the eager result."""
-    attn = Attn()
-    static = [t.clone() for t in _attn_inputs(0)]
+def _graph_replays_like_eager(fn, inputs):
+    """Warm ``fn`` up off the capture (compile/load, cached fillers, the backward's side stream),
+    capture it on ``inputs(0)``, then copy fresh inputs in and replay: bitwise equal to eager."""
+    static = inputs(0)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up (compile/load, cached fillers) off the capture
+    with torch.cuda.stream(stream):
         for _ in range(2):
-            attn(*static)
+            fn(*static)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = attn(*static)
+        static_out = fn(*static)
     for seed in (1, 2):
-        fresh = _attn_inputs(seed)
-        for s, f in zip(static, fresh):
-            s.copy_(f)
+        fresh = inputs(seed)
+        with torch.no_grad():
+            for s, f in zip(static, fresh):
+                s.copy_(f)
         graph.replay()
         torch.cuda.synchronize()
-        torch.testing.assert_close(static_out, attn(*fresh), rtol=0, atol=0)
+        torch.testing.assert_close(static_out, fn(*fresh), rtol=0, atol=0)
+
+
+def test_cuda_graph_capture_replay_forward(path):
+    """Kernels launch on the current stream: a captured forward replays to the eager result."""
+    _graph_replays_like_eager(Attn(), _attn_inputs)
 
 
 def test_cuda_graph_capture_replay_backward(path):
@@ -177,25 +183,7 @@ def test_cuda_graph_capture_replay_backward(path):
         dout = torch.rand(q.shape, device="cuda", generator=g).to(q.dtype) - 0.5
         return q, k, v, offsets, targets, dout
 
-    static = inputs(0)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up (compile/load, the side stream) off the capture
-        for _ in range(2):
-            grads(*static)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_grads = grads(*static)
-    for seed in (1, 2):
-        fresh = inputs(seed)
-        with torch.no_grad():
-            for s, f in zip(static, fresh):
-                s.copy_(f)
-        graph.replay()
-        torch.cuda.synchronize()
-        for got, want in zip(static_grads, grads(*fresh)):
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    _graph_replays_like_eager(grads, inputs)
 
 # ---------------------------------------------------------------------------------------------
 # Backward against the oracle (spec section 5: 5x rule for dq, dk, dv, drab)

@@ -181,9 +181,9 @@ def in_row_intervals(spec: MaskSpec, j, lo_end, hi_start, hi_end, seqlen_k):
     instructions per element (LLVM cannot prove ``1 - col0 > -col0`` empty)."""
     keep_lo = spec.kind == MaskKind.CAUSAL
     keep_hi = spec.kind == MaskKind.LOCAL or spec.has_target
-    in_col_range = j < seqlen_k
     if keep_lo and keep_hi:
-        return ((j < lo_end) | ((j >= hi_start) & (j <= hi_end))) & in_col_range
+        return in_intervals(j, lo_end, hi_start, hi_end, seqlen_k)
+    in_col_range = j < seqlen_k
     if keep_lo:
         return (j < lo_end) & in_col_range
     if keep_hi:

@@ -137,11 +137,13 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
         if fused:
             dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=device)
             fn_dkdv(q, k, v, dout, dk, dv, dq_accum, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k,
-                    num_contexts, num_targets, rab, *scalars, num_n_blocks)
+                    num_contexts, num_targets, rab, *scalars, num_n_blocks, api._num_sms(device))
             return dq_accum.to(q.dtype), dk, dv, None
-        dkdv_extra = (None,) if path == "hopper" else ()  # the unfused dK/dV kernel takes no dQ accumulator
-        fn_dkdv(q, k, v, dout, dk, dv, *dkdv_extra, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k,
-                num_contexts, num_targets, rab, *scalars, num_n_blocks)
+        # The Hopper dK/dV kernel takes no dQ accumulator here, and the SM count (persistent grid).
+        hopper = path == "hopper"
+        fn_dkdv(q, k, v, dout, dk, dv, *((None,) if hopper else ()), seq_offsets_q, seq_offsets_k, seqused_q,
+                seqused_k, num_contexts, num_targets, rab, *scalars, num_n_blocks,
+                *((api._num_sms(device),) if hopper else ()))
         with _beside(device):
             if key_dq.kernel_name == "hopper_bwd_dq":
                 fn_dq(q, k, v, dout, dq, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,

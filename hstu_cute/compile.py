@@ -177,7 +177,8 @@ def build_hopper_bwd(key):
                                     key.num_stages, key.fast_silu)
     else:
         kernel = HstuBackwardDkDvSm90(dtype, key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n,
-                                      key.num_stages, key.fast_silu, fuse_dq=key.role == "fused")
+                                      key.num_stages, key.fast_silu, fuse_dq=key.role == "fused",
+                                      persistent=key.persistent)
     t_q, t_k, heads = cute.sym_int(), cute.sym_int(), cute.sym_int()
     batch, batch1 = cute.sym_int(), cute.sym_int()
     q, do, dq = (_fake_tokens_heads_dim(dtype, t_q, heads, key.head_dim) for _ in range(3))
@@ -200,7 +201,9 @@ def build_hopper_bwd(key):
                 elem, tuple(cute.sym_int() for _ in range(rank)),
                 tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,), assumed_align=4)
         args += (drab,)
-    return _compile(key, kernel, *args, Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(0), Int32(1))
+    grid_args = (Int32(1), Int32(1)) if key.role in ("dkdv", "fused") else (Int32(1),)  # blocks[, SMs]
+    return _compile(key, kernel, *args, Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(0),
+                    *grid_args)
 
 
 BUILDERS = {"hopper_fwd": build_hopper_fwd, "hopper_bwd_dkdv": build_hopper_bwd, "hopper_bwd_dq": build_hopper_bwd,

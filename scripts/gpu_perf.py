@@ -82,6 +82,16 @@ if "bwdsweep" in modes:
     q = torch.randn(8 * 4096, 4, 128, device="cuda", dtype=torch.bfloat16)
     ms, _ = bench.time_cuda([lambda: torch.zeros(q.shape, dtype=torch.float32, device="cuda").to(q.dtype)])
     print(f"fp32 dQ accumulator zero + cast, B8 N4096 H4 D128: {ms * 1e3:.1f} us", flush=True)
+if "bwdpersist" in modes:
+    # The dK/dV kernel of the pair, persistent (the default: one CTA per SM walking the n-blocks)
+    # against one CTA per n-block; the fused D128 default beside them.
+    t = dict(tile_m=64, tile_n=128)
+    emit(bench.run_workload_bwd(bench.headline()))
+    for d in (128, 64, 32):
+        w = bench.replace(bench.headline(), name=f"full B8 N4096 D{d}", head_dim=d, sdpa=False)
+        for tkv in (None, dict(t, persistent=False)):
+            emit(bench.run_workload_bwd(w, tiles_dkdv=tkv, deterministic=d == 128))
+    emit(bench.run_workload_bwd(bench.headline()))
 if "bwd" in modes:
     for w in (bench.headline(), bench.replace(bench.headline(), name="full B8 N4096 D64", head_dim=64),
               bench.Workload("rab H_rab=1 B8 N2048", 8, 2048, rab_heads=1)):

@@ -73,6 +73,7 @@ class HopperBwdKey:
     num_stages: int = 2
     fast_silu: bool = True
     ptxas_opt: int = 3
+    persistent: bool = False  # roles "dkdv" / "fused": one CTA per SM walking the n-blocks
 
     @property
     def kernel_name(self) -> str:
@@ -86,11 +87,12 @@ class HopperBwdKey:
         extras = ([self.mask.name] + (["rab"] if self.has_rab else []) + (["drab"] if self.has_drab else [])
                   + (["sum_heads"] if self.rab_sum_heads else []))
         return (f"{self.kernel_name} {self.arch} {self.dtype} d{self.head_dim} {self.tile_m}x{self.tile_n}"
-                f"s{self.num_stages} " + ",".join(extras))
+                f"s{self.num_stages}{'P' if self.persistent else ''} " + ",".join(extras))
 
 
 HOPPER_BWD_HEAD_DIMS = (32, 64, 128, 256)
-_BWD_TILES = {"dkdv": dict(tile_m=64, tile_n=128), "fused": dict(tile_m=64, tile_n=128),
+_BWD_TILES = {"dkdv": dict(tile_m=64, tile_n=128, persistent=True),
+              "fused": dict(tile_m=64, tile_n=128),
               "dq": dict(tile_m=128, tile_n=64), "wide": dict(tile_m=64, tile_n=64)}
 # dQ at D256: Q and dO (2 x 64 KB) stay resident, so K/V tiles of 48 keys (32 beside rab's ring)
 # keep two stages in smem (H100 B8 N4096 causal, with the wide kernel: 369.4 TF at 128 x 48,

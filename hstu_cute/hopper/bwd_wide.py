@@ -72,7 +72,8 @@ class HstuBackwardWideSm90:
     """
 
     load_atoms = HstuBackwardDkDvSm90.load_atoms
-    produce = HstuBackwardDkDvSm90.produce
+    produce = HstuBackwardDkDvSm90.produce_key_block
+    load_kv = HstuBackwardDkDvSm90.load_kv
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, has_drab: bool,
                  rab_sum_heads: bool, tile_m: int, tile_n: int, num_stages: int, fast_silu: bool):

@@ -244,6 +244,53 @@ def apply_mask_rows_cols(acc_rc: cute.Tensor, coord_rc: cute.Tensor, spec: cutla
 
 
 @cute.jit
+def store_acc_fp32_sw128(acc: cute.Tensor, sX: cute.Tensor, tid_in_wg: Int32, rows: cutlass.Constexpr,
+                         cols: cutlass.Constexpr):
+    """A warpgroup's (64, ``cols``) fp32 WGMMA accumulator into ``sX``: (``rows`` >= 64, ``cols``)
+    fp32 in the 128-byte swizzled TMA layout of :func:`sm90_smem_layout` (8-row x 32-column
+    atoms, rows first), at its row 0, 1024-byte aligned.
+
+    Addresses are formed by hand: a thread's 16-byte chunk index within a 128-byte row is
+    (column chunk) xor (row % 8), so its stores need only 4 base registers plus immediates
+    (one per column chunk pair mod 4). The generic swizzled-tensor copy gave ptxas one hoisted
+    address per store (32 at D128), which it spilled inside the m-block loop of the persistent
+    fused backward kernel."""
+    assert rows % 8 == 0 and cols % 32 == 0
+    warp_in_wg = tid_in_wg // 32
+    lane = tid_in_wg % 32
+    row8 = lane // 4
+    half = (lane % 4) // 2
+    base = sX.iterator.toint() + row8 * 128 + warp_in_wg * 2048 + (lane % 2) * 8
+    # acc ((2, 2, cols / 8)): (column pair, row + 8, column block of 8), compact in registers.
+    num_col_atoms = cols // 32
+    for jj in cutlass.range_constexpr(4):
+        ptr = cute.make_ptr(Float32, base + (((half + 2 * jj) ^ row8) * 16), cute.AddressSpace.smem,
+                            assumed_align=8)
+        dst = cute.make_tensor(ptr, cute.make_layout((2, 2, num_col_atoms), stride=(1, 256, 32 * rows)))
+        src = cute.make_tensor(acc.iterator + 4 * jj, cute.make_layout((2, 2, num_col_atoms), stride=(1, 2, 16)))
+        cute.autovec_copy(src, dst)
+
+
+@cute.jit
+def store_acc_16bit_sw128_64cols(acc: cute.Tensor, sX: cute.Tensor, tid_in_wg: Int32, row0: Int32):
+    """A warpgroup's (64, 64) WGMMA accumulator, already converted to a 16-bit type, into rows
+    ``row0``.. of ``sX``: (rows, 64) 16-bit in the 128-byte swizzled layout of
+    :func:`sm90_smem_layout` (one 128-byte row per row), 1024-byte aligned. As in
+    :func:`store_acc_fp32_sw128`, the chunk index is (column block) xor (row % 8): 8 per-thread
+    offsets plus immediates instead of one hoisted address per store."""
+    warp_in_wg = tid_in_wg // 32
+    lane = tid_in_wg % 32
+    row8 = lane // 4
+    base = sX.iterator.toint() + (row0 + warp_in_wg * 16 + row8) * 128 + (lane % 4) * 4
+    # acc ((2, 2, 8)): (column pair, row + 8, column block of 8), compact in registers.
+    for block in cutlass.range_constexpr(8):
+        ptr = cute.make_ptr(acc.element_type, base + ((block ^ row8) * 16), cute.AddressSpace.smem, assumed_align=4)
+        dst = cute.make_tensor(ptr, cute.make_layout((2, 2), stride=(1, 512)))
+        src = cute.make_tensor(acc.iterator + 4 * block, cute.make_layout((2, 2), stride=(1, 2)))
+        cute.autovec_copy(src, dst)
+
+
+@cute.jit
 def store_acc_rows(rOut: cute.Tensor, tOg: cute.Tensor, tOc_rc: cute.Tensor, row_limit: Int32):
     """Store a WGMMA-layout register tile to global memory, two adjacent columns per store,
     skipping the thread's rows at and past ``row_limit`` (``tOc_rc``: tile coordinates seen as

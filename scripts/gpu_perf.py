@@ -92,6 +92,19 @@ if "bwdpersist" in modes:
         for tkv in (None, dict(t, persistent=False)):
             emit(bench.run_workload_bwd(w, tiles_dkdv=tkv, deterministic=d == 128))
     emit(bench.run_workload_bwd(bench.headline()))
+if "fusedpersist" in modes:
+    # Persistent fused / pair dK/dV kernels at ptxas -O2 and -O3 (the persistent forward needed -O2).
+    t = dict(tile_m=64, tile_n=128)
+    w = bench.replace(bench.headline(), sdpa=False)
+    d64 = bench.replace(w, name="full B8 N4096 D64", head_dim=64)
+    for rep in range(2):
+        emit(bench.run_workload_bwd(bench.headline()))
+        for opt in (2, 3):
+            emit(bench.run_workload_bwd(w, tiles_dkdv=dict(t, persistent=True, ptxas_opt=opt)))
+        emit(bench.run_workload_bwd(w, tiles_dkdv=dict(t, persistent=True, ptxas_opt=2), deterministic=True))
+        emit(bench.run_workload_bwd(w, deterministic=True))
+        emit(bench.run_workload_bwd(d64, tiles_dkdv=dict(t, persistent=True, ptxas_opt=2)))
+        emit(bench.run_workload_bwd(d64))
 if "bwd" in modes:
     for w in (bench.headline(), bench.replace(bench.headline(), name="full B8 N4096 D64", head_dim=64),
               bench.Workload("rab H_rab=1 B8 N2048", 8, 2048, rab_heads=1)):

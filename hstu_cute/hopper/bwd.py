@@ -24,6 +24,8 @@ from ..device_utils import (
     sm90_smem_layout,
     sm90_tma_atom_rab,
     sm90_tma_atom_tokens,
+    store_acc_16bit_sw128_64cols,
+    store_acc_fp32_sw128,
     store_acc_rows,
     wgmma,
     wgmma_acc_as_operand_a,
@@ -109,6 +111,8 @@ class HstuBackwardDkDvSm90:
         # Column halves only where smem is short (rab ring) and a half is whole 128-byte swizzle atoms.
         self.dq_split = fuse_dq and has_rab and head_dim >= 128
         self.dq_cols = head_dim // 2 if self.dq_split else head_dim
+        # sdS rows are one 128-byte swizzle atom wide (store_acc_16bit_sw128_64cols).
+        assert not fuse_dq or tile_m == 64, tile_m
         self.dtype = dtype
         self.head_dim = head_dim
         self.mask = mask
@@ -380,10 +384,9 @@ class HstuBackwardDkDvSm90:
                                                                     order=(1, 0, 2)))
             tSsRabT = thr_mma_s.partition_C(sRabT)
         tid_in_wg = tidx % 128
-        tSsdS = tdQrdS = tdQrKt = tdQsdQ = sdQ_wg = None
+        tdQrdS = tdQrKt = tdQsdQ = sdQ_wg = None
         dq_col_block = 0
         if const_expr(self.fuse_dq):
-            tSsdS = thr_mma_s.partition_C(sdS)
             thr_mma_dq = tiled_mma_dq.get_slice(tid_in_wg)
             # dS as (queries, keys) and K as (D, keys): both contiguous along their first mode.
             sdSt = cute.composition(sdS, cute.make_ordered_layout((self.tile_m, self.tile_n, cute.size(sdS, mode=[2])),
@@ -405,7 +408,7 @@ class HstuBackwardDkDvSm90:
         grid, _, _ = cute.arch.grid_dim()
         tile_args = (tidx, mdK, mdV, sK, sQ, sdO, tma_atom_dq, tma_dq, pipe_kv, pipe_q, tiled_mma_s, tiled_mma_d,
                      tiled_mma_dq, zero_copy, alpha, inv_scale, tSrK, tSrV, tSrQ, tSrdO, tDrQt, tDrdOt, tScS, tSsRabT,
-                     tSsdS, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, dq_col_block)
+                     sdS, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, dq_col_block)
         if const_expr(self.persistent):
             tile = cta
             while tile < tiles.num_tiles:
@@ -432,7 +435,7 @@ class HstuBackwardDkDvSm90:
     @cute.jit
     def consume_tile(self, tidx: Int32, mdK, mdV, sK, sQ, sdO, tma_atom_dq, tma_dq, pipe_kv, pipe_q, tiled_mma_s,
                      tiled_mma_d, tiled_mma_dq, zero_copy, alpha: Float32, inv_scale: Float32, tSrK, tSrV, tSrQ, tSrdO,
-                     tDrQt, tDrdOt, tScS, tSsRabT, tSsdS, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, dq_col_block,
+                     tDrQt, tDrdOt, tScS, tSsRabT, sdS, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, dq_col_block,
                      q_state, kv_state, blocks_done: Int32, n_block: Int32, head: Int32, q_start: Int32,
                      k_start: Int32, seq, m_lo: Int32, m_hi: Int32):
         """One n-block: dK and dV (and dQ's reduce-adds) of its keys. Returns the advanced
@@ -496,7 +499,8 @@ class HstuBackwardDkDvSm90:
                     rG.store(cute.make_tensor(rG_acc.iterator, wgmma_acc_as_operand_a(rG_acc.layout)).load())
                     if const_expr(self.dq_split):
                         cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=self.num_mma_threads)
-                    cute.autovec_copy(rG_acc, tSsdS[None, None, None, self.ds_buffer(blocks_done)])
+                    store_acc_16bit_sw128_64cols(rG_acc, sdS[None, None, self.ds_buffer(blocks_done)], tid_in_wg,
+                                                 wg * 64)
                 else:
                     rG.store(cute.make_tensor(acc_dP.iterator, wgmma_acc_as_operand_a(acc_dP.layout)).load().to(self.dtype))
                 wgmma(tiled_mma_d, acc_dV, rP, tDrdOt[None, None, None, q_state.index], False, -1)
@@ -505,7 +509,7 @@ class HstuBackwardDkDvSm90:
                 else:
                     wgmma(tiled_mma_d, acc_dK, rG, tDrQt[None, None, None, q_state.index], False, -1)
                     cute.arch.fence_view_async_shared()
-                    self.reduce_dq(tiled_mma_dq, tdQrdS, tdQrKt, tdQsdQ, tdQsdQ_tma, tdQgdQ, tma_atom_dq, tid_in_wg, wg,
+                    self.reduce_dq(tiled_mma_dq, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, tdQsdQ_tma, tdQgdQ, tma_atom_dq, tid_in_wg, wg,
                                    m_block, blocks_done)
                 pipe_q.consumer_release(q_state)
                 q_state = _advanced(q_state)
@@ -521,7 +525,7 @@ class HstuBackwardDkDvSm90:
         return 0 if const_expr(self.dq_split) else blocks_done % 2
 
     @cute.jit
-    def reduce_dq(self, tiled_mma_dq, tdQrdS, tdQrKt, tdQsdQ, tdQsdQ_tma, tdQgdQ, tma_atom_dq, tid_in_wg: Int32,
+    def reduce_dq(self, tiled_mma_dq, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, tdQsdQ_tma, tdQgdQ, tma_atom_dq, tid_in_wg: Int32,
                   wg: Int32, m_block: Int32, blocks_done: Int32):
         """dQ_i (all columns, or this warpgroup's half) = dS K_j, then a TMA reduce-add into the
         fp32 accumulator. Waits for every WGMMA this warpgroup has in flight (dV and dK too)."""
@@ -547,7 +551,7 @@ class HstuBackwardDkDvSm90:
             if tid_in_wg < 32:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.barrier(barrier_id=_BAR_DQ_WG0 + wg, number_of_threads=128)
-            cute.autovec_copy(acc_dQ, tdQsdQ)
+            store_acc_fp32_sw128(acc_dQ, sdQ_wg, tid_in_wg, self.tile_m, self.dq_cols)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=_BAR_DQ_WG0 + wg, number_of_threads=128)
             if tid_in_wg < 32:

@@ -107,7 +107,7 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
                   rab, drab_out, *scalars, -(-max_seqlen_k // key_kv.tile_n))
             with _beside(device):
                 fn_q(q, k, v, dout, dq, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
-                     num_targets, rab, *scalars, -(-max_seqlen_q // key_q.tile_m))
+                     num_targets, rab, *scalars, -(-max_seqlen_q // key_q.tile_m), api._num_sms(device))
             if sum_heads:
                 drab[:, 0].copy_(drab_out if atomic_sum else drab_out.float().sum(1))
         return dq, dk, dv, (drab_view if drab_view is not None else drab)
@@ -116,7 +116,9 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
     if tiles_dq or tiles_dkdv:  # benchmark sweeps only
         import dataclasses
 
-        key_dq = dataclasses.replace(key_dq, **(tiles_dq or {}))
+        # The Hopper keys below take them whole; with drab the sm80 dQ kernel runs on that path too.
+        if path != "hopper" or has_drab:
+            key_dq = dataclasses.replace(key_dq, **(tiles_dq or {}))
         if path != "hopper":
             key_dkdv = dataclasses.replace(key_dkdv, **(tiles_dkdv or {}))
     fused = path == "hopper" and not has_drab and not deterministic and p.head_dim in HOPPER_FUSED_HEAD_DIMS
@@ -147,7 +149,7 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
         with _beside(device):
             if key_dq.kernel_name == "hopper_bwd_dq":
                 fn_dq(q, k, v, dout, dq, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
-                      num_targets, rab, *scalars, num_m_blocks)
+                      num_targets, rab, *scalars, num_m_blocks, api._num_sms(device))
             else:
                 fn_dq(q, k, v, dout, dq, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
                       num_targets, rab, drab, drab_accum, *scalars, num_m_blocks)

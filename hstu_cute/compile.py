@@ -174,7 +174,7 @@ def build_hopper_bwd(key):
                                       key.tile_m, key.tile_n, key.num_stages, key.fast_silu)
     elif key.role == "dq":
         kernel = HstuBackwardDqSm90(dtype, key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n,
-                                    key.num_stages, key.fast_silu)
+                                    key.num_stages, key.fast_silu, persistent=key.persistent)
     else:
         kernel = HstuBackwardDkDvSm90(dtype, key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n,
                                       key.num_stages, key.fast_silu, fuse_dq=key.role == "fused",
@@ -201,7 +201,7 @@ def build_hopper_bwd(key):
                 elem, tuple(cute.sym_int() for _ in range(rank)),
                 tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,), assumed_align=4)
         args += (drab,)
-    grid_args = (Int32(1), Int32(1)) if key.role in ("dkdv", "fused") else (Int32(1),)  # blocks[, SMs]
+    grid_args = (Int32(1),) if key.role == "wide" else (Int32(1), Int32(1))  # blocks[, SMs]
     return _compile(key, kernel, *args, Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(0),
                     *grid_args)
 

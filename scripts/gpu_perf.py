@@ -105,6 +105,18 @@ if "fusedpersist" in modes:
         emit(bench.run_workload_bwd(w, deterministic=True))
         emit(bench.run_workload_bwd(d64, tiles_dkdv=dict(t, persistent=True, ptxas_opt=2)))
         emit(bench.run_workload_bwd(d64))
+if "dqpersist" in modes:
+    # The pair's dQ kernel persistent (one CTA per SM walking the m-blocks) against one CTA per m-block.
+    w = bench.replace(bench.headline(), sdpa=False)
+    cases = [(w, dict(tile_m=128, tile_n=64), True),
+             (bench.replace(w, name="full B8 N4096 D64", head_dim=64), dict(tile_m=128, tile_n=64), False),
+             (bench.replace(w, name="full B8 N4096 D256", head_dim=256), dict(tile_m=128, tile_n=48, num_stages=2),
+              False)]
+    for rep in range(2):
+        emit(bench.run_workload_bwd(bench.headline()))
+        for wl, tq, det in cases:
+            for pers in (False, True):
+                emit(bench.run_workload_bwd(wl, tiles_dq=dict(tq, persistent=pers), deterministic=det))
 if "bwd" in modes:
     for w in (bench.headline(), bench.replace(bench.headline(), name="full B8 N4096 D64", head_dim=64),
               bench.Workload("rab H_rab=1 B8 N2048", 8, 2048, rab_heads=1)):

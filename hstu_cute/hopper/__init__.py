@@ -93,12 +93,12 @@ class HopperBwdKey:
 HOPPER_BWD_HEAD_DIMS = (32, 64, 128, 256)
 _BWD_TILES = {"dkdv": dict(tile_m=64, tile_n=128, persistent=True),
               "fused": dict(tile_m=64, tile_n=128),
-              "dq": dict(tile_m=128, tile_n=64), "wide": dict(tile_m=64, tile_n=64)}
+              "dq": dict(tile_m=128, tile_n=64, persistent=True), "wide": dict(tile_m=64, tile_n=64)}
 # dQ at D256: Q and dO (2 x 64 KB) stay resident, so K/V tiles of 48 keys (32 beside rab's ring)
 # keep two stages in smem (H100 B8 N4096 causal, with the wide kernel: 369.4 TF at 128 x 48,
 # 359.5-363.5 at 128 x 32, 331.6 at 128 x 64 with one stage).
-_BWD_TILES_D256 = {"dq": dict(tile_m=128, tile_n=48, num_stages=2)}
-_BWD_TILES_D256_RAB = {"dq": dict(tile_m=128, tile_n=32, num_stages=2)}
+_BWD_TILES_D256 = {"dq": dict(tile_m=128, tile_n=48, num_stages=2, persistent=True)}
+_BWD_TILES_D256_RAB = {"dq": dict(tile_m=128, tile_n=32, num_stages=2, persistent=True)}
 HOPPER_BWD_ROLES = ("fused", "dkdv", "dq", "wide")
 # Head dims of the wide dK/dV/drab kernel; it pairs with the dQ kernel there.
 HOPPER_WIDE_HEAD_DIMS = (256,)

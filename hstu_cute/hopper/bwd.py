@@ -56,21 +56,26 @@ def store_dk_dv(thr_mma, acc_dK, acc_dV, mdK, mdV, dtype: cutlass.Constexpr, til
         store_acc_rows(rOut, thr_mma.partition_C(gOut), tKcK_rc, k_rows)
 
 
-class _KeyBlockWalk:
-    """Linear tile index -> (n_block, head, batch): heads vary fastest, n-blocks slowest and from
-    0 up (with causal masks the first keys are attended by the most queries: heaviest first)."""
+class _BlockMajorWalk:
+    """Linear tile index -> (block, head, batch): heads vary fastest, blocks slowest, from 0 up
+    or (``reverse``) down. With causal masks both put the heaviest tiles first: key block 0 is
+    seen by the most queries, the last query block sees the most keys."""
 
-    def __init__(self, num_n_blocks, num_heads, num_batch):
+    def __init__(self, num_blocks, num_heads, num_batch, reverse: bool = False):
+        self.num_blocks = num_blocks
         self.num_heads = num_heads
         self.num_batch = num_batch
-        self.num_tiles = num_n_blocks * num_heads * num_batch
+        self.reverse = reverse
+        self.num_tiles = num_blocks * num_heads * num_batch
 
     def coords(self, tile):
-        per_n_block = self.num_heads * self.num_batch
-        n_block = tile // per_n_block
-        rest = tile - n_block * per_n_block
+        per_block = self.num_heads * self.num_batch
+        block = tile // per_block
+        rest = tile - block * per_block
         batch = rest // self.num_heads
-        return n_block, rest - batch * self.num_heads, batch
+        if const_expr(self.reverse):
+            block = self.num_blocks - 1 - block
+        return block, rest - batch * self.num_heads, batch
 
 
 class HstuBackwardDkDvSm90:
@@ -224,7 +229,7 @@ class HstuBackwardDkDvSm90:
         if const_expr(self.fuse_dq):
             sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
             sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
-        tiles = _KeyBlockWalk(num_n_blocks, mQ.shape[1], mOffsetsQ.shape[0] - 1)
+        tiles = _BlockMajorWalk(num_n_blocks, mQ.shape[1], mOffsetsQ.shape[0] - 1)
         geometry = (mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mQ.shape[0], mK.shape[0], mNumContexts,
                     mNumTargets, window_left, window_right, group_size, is_delta_q)
 
@@ -574,7 +579,8 @@ class HstuBackwardDqSm90:
     """
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
-                 num_stages: int, fast_silu: bool):
+                 num_stages: int, fast_silu: bool, persistent: bool = False):
+        self.persistent = persistent
         self.dtype = dtype
         self.head_dim = head_dim
         self.mask = mask
@@ -592,7 +598,7 @@ class HstuBackwardDqSm90:
     @cute.jit
     def __call__(self, mQ, mK, mV, mdO, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
                  mNumTargets, mRab, alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32,
-                 group_size: Int32, is_delta_q: Int32, num_m_blocks: Int32, stream):
+                 group_size: Int32, is_delta_q: Int32, num_m_blocks: Int32, num_sms: Int32, stream):
         D = self.head_dim
         sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, None)
         sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, self.num_stages)
@@ -633,13 +639,16 @@ class HstuBackwardDqSm90:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sRab: cute.struct.Align[cute.struct.MemRange[self.dtype, rab_elems], 1024]
 
+        num_ctas = num_m_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
+        if const_expr(self.persistent):
+            num_ctas = cutlass.min(num_ctas, num_sms)
         self.kernel(
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab,
             mQ, mK, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
-            alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
+            alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks,
             sQ_layout, sK_layout, sRab_layout, tiled_mma_s, tiled_mma_dq, zero_copy, SharedStorage,
         ).launch(
-            grid=[mQ.shape[1], mOffsetsQ.shape[0] - 1, num_m_blocks],
+            grid=[num_ctas, 1, 1],
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -650,54 +659,92 @@ class HstuBackwardDqSm90:
     def kernel(self, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab,
                tma_rab, mQ, mK, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
                alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32, group_size: Int32,
-               is_delta_q: Int32, sQ_layout, sK_layout, sRab_layout, tiled_mma_s, tiled_mma_dq, zero_copy,
-               SharedStorage: cutlass.Constexpr):
+               is_delta_q: Int32, num_m_blocks: Int32, sQ_layout, sK_layout, sRab_layout, tiled_mma_s, tiled_mma_dq,
+               zero_copy, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        head, batch, m_block_rev = cute.arch.block_idx()
-        _, _, num_m_blocks = cute.arch.grid_dim()
-        m_block = num_m_blocks - 1 - m_block_rev
-        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
-            mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mQ.shape[0], mK.shape[0], batch)
-        if m_block * self.tile_m < seqlen_q:
+        if warp_idx == 0:
+            for atom in (tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_rab):
+                if const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        pipe_q, pipe_kv = sm90_bwd_pipelines(storage.mbar_q, storage.mbar_kv, self.q_bytes,
+                                              self.kv_bytes, self.num_stages, self.num_mma_threads)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sRab = None
+        if const_expr(self.has_rab):
+            sRab = storage.sRab.get_tensor(sRab_layout.outer, swizzle=sRab_layout.inner)
+        tiles = _BlockMajorWalk(num_m_blocks, mQ.shape[1], mOffsetsQ.shape[0] - 1, reverse=True)
+        geometry = (mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mQ.shape[0], mK.shape[0], mNumContexts,
+                    mNumTargets, window_left, window_right, group_size, is_delta_q)
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                for atom in (tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_rab):
-                    if const_expr(atom is not None):
-                        cpasync.prefetch_descriptor(atom)
-            spec = self.mask
-            seq = sequence_mask(spec, seqlen_q, seqlen_k, mNumContexts, mNumTargets, batch, window_left,
-                                window_right, group_size, is_delta_q)
-            sched = masks.n_block_schedule(spec, seq, m_block, self.tile_m, self.tile_n, KERNEL_OPS)
+                self.produce(tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
+                             tma_atom_rab, tma_rab, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, mRab, tiles, geometry)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self.consume(tidx - 128, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, tiled_mma_s, tiled_mma_dq,
+                         zero_copy, alpha, inv_scale, tiles, geometry)
 
-            smem = cutlass.memory.SmemAllocator()
-            storage = smem.allocate(SharedStorage)
-            pipe_q, pipe_kv = sm90_bwd_pipelines(storage.mbar_q, storage.mbar_kv, self.q_bytes,
-                                                  self.kv_bytes, self.num_stages, self.num_mma_threads)
-            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-            sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-            sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-            sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-            sRab = None
-            if const_expr(self.has_rab):
-                sRab = storage.sRab.get_tensor(sRab_layout.outer, swizzle=sRab_layout.inner)
-
-            if warp_idx < 4:
-                cute.arch.setmaxregister_decrease(self.producer_regs)
-                if warp_idx == 0:
-                    self.produce(tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
-                                 tma_atom_rab, tma_rab, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, mRab, q_start,
-                                 k_start, head, batch, m_block, seq, sched)
-            else:
-                cute.arch.setmaxregister_increase(self.mma_regs)
-                self.consume(tidx - 128, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, tiled_mma_s, tiled_mma_dq,
-                             zero_copy, alpha, inv_scale, q_start, head, m_block, seq, sched)
+    @cute.jit
+    def tile_problem(self, tiles, geometry, tile: Int32):
+        """(m_block, head, batch, q_start, k_start, seq, live, n-block schedule) of a linear tile;
+        ``live``: the m-block starts inside its sequence (else the tile is skipped)."""
+        (mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, tokens_q, tokens_k, mNumContexts, mNumTargets, window_left,
+         window_right, group_size, is_delta_q) = geometry
+        m_block, head, batch = tiles.coords(tile)
+        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
+            mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, tokens_q, tokens_k, batch)
+        seq = sequence_mask(self.mask, seqlen_q, seqlen_k, mNumContexts, mNumTargets, batch, window_left,
+                            window_right, group_size, is_delta_q)
+        sched = masks.n_block_schedule(self.mask, seq, m_block, self.tile_m, self.tile_n, KERNEL_OPS)
+        live = m_block * self.tile_m < seqlen_q
+        return m_block, head, batch, q_start, k_start, seq, live, sched
 
     @cute.jit
     def produce(self, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab,
-                tma_rab, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, mRab, q_start: Int32, k_start: Int32, head: Int32,
-                batch: Int32, m_block: Int32, seq, sched):
+                tma_rab, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, mRab, tiles, geometry):
+        loads = (tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab,
+                 sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, mRab)
+        cta, _, _ = cute.arch.block_idx()
+        if const_expr(self.persistent):
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+            grid, _, _ = cute.arch.grid_dim()
+            tile = cta
+            while tile < tiles.num_tiles:
+                m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(tiles, geometry, tile)
+                if live:
+                    q_state, kv_state = self.produce_query_block(*loads, q_start, k_start, head, batch, m_block, seq,
+                                                                 sched, q_state, kv_state)
+                tile = _snake_next(tile, cta, grid)
+        else:
+            m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(tiles, geometry, cta)
+            if live:
+                self.produce_query_block(*loads, q_start, k_start, head, batch, m_block, seq, sched)
+
+    @cute.jit
+    def produce_query_block(self, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
+                            tma_atom_rab, tma_rab, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, mRab, q_start: Int32,
+                            k_start: Int32, head: Int32, batch: Int32, m_block: Int32, seq, sched, q_state=None,
+                            kv_state=None):
+        """TMA loads of one m-block: Q and dO (1-stage pipeline) and K, V (and rab) of its n-block
+        schedule into the ring. Returns the advanced pipeline states. Without states (one m-block
+        per CTA) Q and dO go first; a persistent CTA passes its states and loads Q and dO after
+        the first K/V: the previous m-block's consumers hold sQ/sdO until their last GEMM, and
+        a K/V stage frees up earlier."""
         D = self.head_dim
         one = cute.make_layout(1)
+        q_after_kv = q_state is not None
+        if const_expr(not q_after_kv):
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         n_lo, hole_lo, hole_size, n_count = sched
         if n_count > 0:
             gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_q[None, None, head]), (self.tile_m, D),
@@ -723,12 +770,8 @@ class HstuBackwardDqSm90:
                                        (self.tile_m, self.tile_n), (m_block, None))
                 tRsR, tRgR = cpasync.tma_partition(tma_atom_rab, 0, one, cute.group_modes(sRab, 0, 2),
                                                    cute.group_modes(gRab, 0, 2))
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            pipe_q.producer_acquire(q_state)
-            bar_q = pipe_q.producer_get_barrier(q_state)
-            cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=bar_q)
-            cute.copy(tma_atom_do, tOgO, tOsO, tma_bar_ptr=bar_q)
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+            if const_expr(not q_after_kv):
+                self.load_q(tma_atom_q, tQgQ, tQsQ, tma_atom_do, tOgO, tOsO, pipe_q, q_state)
             for it in cutlass.range(n_count, unroll=1):
                 n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
                 pipe_kv.producer_acquire(kv_state)
@@ -738,11 +781,48 @@ class HstuBackwardDqSm90:
                 if const_expr(self.has_rab):
                     cute.copy(tma_atom_rab, tRgR[None, n_block], tRsR[None, kv_state.index], tma_bar_ptr=bar)
                 kv_state = _advanced(kv_state)
+                if const_expr(q_after_kv):
+                    if it == 0:
+                        self.load_q(tma_atom_q, tQgQ, tQsQ, tma_atom_do, tOgO, tOsO, pipe_q, q_state)
+            if const_expr(q_after_kv):
+                q_state = _advanced(q_state)
+        return q_state, kv_state
+
+    @cute.jit
+    def load_q(self, tma_atom_q, tQgQ, tQsQ, tma_atom_do, tOgO, tOsO, pipe_q, q_state):
+        pipe_q.producer_acquire(q_state)
+        bar_q = pipe_q.producer_get_barrier(q_state)
+        cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=bar_q)
+        cute.copy(tma_atom_do, tOgO, tOsO, tma_bar_ptr=bar_q)
 
     @cute.jit
     def consume(self, tidx: Int32, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, tiled_mma_s, tiled_mma_dq,
-                zero_copy, alpha: Float32, inv_scale: Float32, q_start: Int32, head: Int32, m_block: Int32, seq,
-                sched):
+                zero_copy, alpha: Float32, inv_scale: Float32, tiles, geometry):
+        block_args = (tidx, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, tiled_mma_s, tiled_mma_dq, zero_copy, alpha,
+                      inv_scale)
+        cta, _, _ = cute.arch.block_idx()
+        if const_expr(self.persistent):
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            grid, _, _ = cute.arch.grid_dim()
+            tile = cta
+            while tile < tiles.num_tiles:
+                m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(tiles, geometry, tile)
+                if live:
+                    q_state, kv_state = self.consume_query_block(*block_args, q_start, head, m_block, seq, sched,
+                                                                 q_state, kv_state)
+                tile = _snake_next(tile, cta, grid)
+        else:
+            m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(tiles, geometry, cta)
+            if live:
+                self.consume_query_block(*block_args, q_start, head, m_block, seq, sched)
+
+    @cute.jit
+    def consume_query_block(self, tidx: Int32, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, tiled_mma_s,
+                            tiled_mma_dq, zero_copy, alpha: Float32, inv_scale: Float32, q_start: Int32, head: Int32,
+                            m_block: Int32, seq, sched, q_state=None, kv_state=None):
+        """dQ of one m-block; returns the advanced pipeline states (persistent CTAs pass theirs)."""
+        persistent = q_state is not None
         D = self.head_dim
         spec = self.mask
         n_lo, hole_lo, hole_size, n_count = sched
@@ -769,10 +849,11 @@ class HstuBackwardDqSm90:
             tSsRab = thr_mma_s.partition_C(sRab)
         row_first = seq.row_offset + m_block * self.tile_m
 
-        if n_count > 0:
+        if const_expr(not persistent):
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            pipe_q.consumer_wait(q_state)
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        if n_count > 0:
+            pipe_q.consumer_wait(q_state)
             for it in cutlass.range(n_count, unroll=1):
                 n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
                 pipe_kv.consumer_wait(kv_state)
@@ -798,6 +879,10 @@ class HstuBackwardDqSm90:
                 wgmma(tiled_mma_dq, acc_dQ, rG, tDrKt[None, None, None, kv_state.index], False, 0)
                 pipe_kv.consumer_release(kv_state)
                 kv_state = _advanced(kv_state)
+            if const_expr(persistent):
+                # The last dQ GEMM waited for every WGMMA: sQ / sdO are free for the next m-block.
+                pipe_q.consumer_release(q_state)
+                q_state = _advanced(q_state)
 
         rOut = cute.make_rmem_tensor(acc_dQ.layout, self.dtype)
         rOut.store(acc_dQ.load().to(self.dtype))
@@ -806,3 +891,4 @@ class HstuBackwardDqSm90:
         tQc = thr_mma_dq.partition_C(cute.make_identity_tensor((self.tile_m, D)))
         tQc_rc = cute.make_tensor(tQc.iterator, wgmma_acc_rows_cols(tQc.layout))
         store_acc_rows(rOut, thr_mma_dq.partition_C(gOut), tQc_rc, seq.seqlen_q - m_block * self.tile_m)
+        return q_state, kv_state

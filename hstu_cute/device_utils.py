@@ -243,6 +243,11 @@ def apply_mask_rows_cols(acc_rc: cute.Tensor, coord_rc: cute.Tensor, spec: cutla
             acc_rc[i, j] = cutlass.select_(keep, acc_rc[i, j], Float32(0.0))
 
 
+# L2 cache-policy operand for TMA copies (``cache_policy=``): the whole access marked evict_last
+# (a createpolicy.fractional value with fraction 1.0).
+L2_EVICT_LAST = 0x14F0000000000000
+
+
 @cute.jit
 def store_acc_fp32_sw128(acc: cute.Tensor, sX: cute.Tensor, tid_in_wg: Int32, rows: cutlass.Constexpr,
                          cols: cutlass.Constexpr):

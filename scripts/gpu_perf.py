@@ -93,18 +93,12 @@ if "bwdpersist" in modes:
             emit(bench.run_workload_bwd(w, tiles_dkdv=tkv, deterministic=d == 128))
     emit(bench.run_workload_bwd(bench.headline()))
 if "fusedpersist" in modes:
-    # Persistent fused / pair dK/dV kernels at ptxas -O2 and -O3 (the persistent forward needed -O2).
+    # The fused D128 kernel: one CTA per n-block (default) against persistent.
     t = dict(tile_m=64, tile_n=128)
     w = bench.replace(bench.headline(), sdpa=False)
-    d64 = bench.replace(w, name="full B8 N4096 D64", head_dim=64)
     for rep in range(2):
         emit(bench.run_workload_bwd(bench.headline()))
-        for opt in (2, 3):
-            emit(bench.run_workload_bwd(w, tiles_dkdv=dict(t, persistent=True, ptxas_opt=opt)))
-        emit(bench.run_workload_bwd(w, tiles_dkdv=dict(t, persistent=True, ptxas_opt=2), deterministic=True))
-        emit(bench.run_workload_bwd(w, deterministic=True))
-        emit(bench.run_workload_bwd(d64, tiles_dkdv=dict(t, persistent=True, ptxas_opt=2)))
-        emit(bench.run_workload_bwd(d64))
+        emit(bench.run_workload_bwd(w, tiles_dkdv=dict(t, persistent=True)))
 if "dqpersist" in modes:
     # The pair's dQ kernel persistent (one CTA per SM walking the m-blocks) against one CTA per m-block.
     w = bench.replace(bench.headline(), sdpa=False)

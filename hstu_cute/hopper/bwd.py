@@ -15,6 +15,7 @@ from .. import masks
 from ..ampere.bwd import silu_and_grad_inplace
 from ..device_utils import (
     KERNEL_OPS,
+    L2_EVICT_LAST,
     apply_mask_rows_cols,
     sequence_bounds,
     rows_zero_copy,
@@ -560,7 +561,10 @@ class HstuBackwardDkDvSm90:
             cute.arch.fence_view_async_shared()
             cute.arch.barrier(barrier_id=_BAR_DQ_WG0 + wg, number_of_threads=128)
             if tid_in_wg < 32:
-                cute.copy(tma_atom_dq, tdQsdQ_tma, tdQgdQ[None, m_block])
+                # Keep the accumulator's lines in L2: each is added into by every n-block that
+                # sees its m-block (up to 32 at N4096). H100 D128 causal: 446.5-449.3 TF vs
+                # 437.4-441.4 without the hint (evict_first 442.6).
+                cute.copy(tma_atom_dq, tdQsdQ_tma, tdQgdQ[None, m_block], cache_policy=cutlass.Int64(L2_EVICT_LAST))
                 cute.arch.cp_async_bulk_commit_group()
 
 

@@ -239,7 +239,8 @@ def wgmma_replace_operand_a(frag: cute.Tensor, new: cute.Tensor):
     not when the WGMMA sits in a conditional block: then it reads a mix of old and new values.
     One empty asm reads the old registers (they stay allocated up to here) and passes ``new``
     through (so ``new`` is computed before here and is not sunk past the next WGMMA's fence);
-    ``warpgroup_fence_operand`` in CUTLASS C++. It emits no instruction."""
+    ``warpgroup_fence_operand`` in CUTLASS C++. The asm is empty; the old and new values now
+    live in distinct registers, so a loop carrying ``frag`` may get register moves after it."""
     old_regs = cute.recast_tensor(frag, Int32)
     new_regs = cute.recast_tensor(new, Int32)
     n = cute.size(old_regs)

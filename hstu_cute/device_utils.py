@@ -229,17 +229,42 @@ def wgmma(tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr[bool], wg_wai
         warpgroup.wait_group(wg_wait)
 
 
+def wgmma_replace_operand_a(frag: cute.Tensor, new: cute.Tensor):
+    """``frag`` <- ``new``, where ``frag`` is the register A operand of an RS WGMMA retired just
+    before (call it after that ``wait_group``) and ``new`` was computed while it was in flight.
+
+    LLVM ends a value's live range at its last use, the WGMMA instruction, and does not know that
+    the tensor cores read the registers later: it may compute ``new`` into ``frag``'s registers
+    while the WGMMA still reads them. ptxas serializes the WGMMAs when it sees that (C7513), but
+    not when the WGMMA sits in a conditional block: then it reads a mix of old and new values.
+    One empty asm reads the old registers (they stay allocated up to here) and passes ``new``
+    through (so ``new`` is computed before here and is not sunk past the next WGMMA's fence);
+    ``warpgroup_fence_operand`` in CUTLASS C++. The asm is empty; the old and new values now
+    live in distinct registers, so a loop carrying ``frag`` may get register moves after it."""
+    old_regs = cute.recast_tensor(frag, Int32)
+    new_regs = cute.recast_tensor(new, Int32)
+    n = cute.size(old_regs)
+    operands = [new_regs[i].ir_value() for i in range(n)] + [old_regs[i].ir_value() for i in range(n)]
+    constraints = ",".join(["=r"] * n + [str(i) for i in range(n)] + ["r"] * n)
+    res = llvm.inline_asm(llvm.StructType.get_literal([Int32.mlir_type] * n), operands, "", constraints,
+                          has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    for i in range(n):
+        old_regs[i] = Int32(llvm.extractvalue(Int32.mlir_type, res, [i]))
+
+
 @cute.jit
 def apply_mask_rows_cols(acc_rc: cute.Tensor, coord_rc: cute.Tensor, spec: cutlass.Constexpr, seq, row0: Int32,
                          col0: Int32):
     """Zero every masked element of an accumulator seen as (rows, cols) (``coord_rc``: its tile
     coordinates in the same view); one interval computation per row, a select per element."""
     col_limit = seq.seqlen_k - col0
+    # A column's coordinate is the same in every row: read each once (fewer traced ops).
+    cols = [coord_rc[0, j][1] for j in range(cute.size(acc_rc.shape[1]))]
     for i in cutlass.range_constexpr(cute.size(acc_rc.shape[0])):
         lo_end, hi_start, hi_end = masks.row_intervals(spec, seq, row0 + coord_rc[i, 0][0], KERNEL_OPS)
         lo_end, hi_start, hi_end = lo_end - col0, hi_start - col0, hi_end - col0
         for j in cutlass.range_constexpr(cute.size(acc_rc.shape[1])):
-            keep = masks.in_row_intervals(spec, coord_rc[i, j][1], lo_end, hi_start, hi_end, col_limit)
+            keep = masks.in_row_intervals(spec, cols[j], lo_end, hi_start, hi_end, col_limit)
             acc_rc[i, j] = cutlass.select_(keep, acc_rc[i, j], Float32(0.0))
 
 
@@ -304,10 +329,9 @@ def store_acc_rows(rOut: cute.Tensor, tOg: cute.Tensor, tOc_rc: cute.Tensor, row
     g_rc = cute.make_tensor(tOg.iterator, wgmma_acc_rows_cols(tOg.layout))
     for i in cutlass.range_constexpr(cute.size(rc.shape[0])):
         if tOc_rc[i, 0][0] < row_limit:
-            src = cute.logical_divide(rc[i, None], 2)
-            dst = cute.logical_divide(g_rc[i, None], 2)
-            for j in cutlass.range_constexpr(cute.size(rc.shape[1]) // 2):
-                cute.autovec_copy(src[None, j], dst[None, j])
+            # One copy per row: autovec_copy splits it into the column pairs (what a row's
+            # registers and global addresses have in common), as a copy per pair did.
+            cute.autovec_copy(rc[i, None], g_rc[i, None])
 
 
 
@@ -396,7 +420,8 @@ def zero_smem_rows_past(zero_copy, tiles, tile_shape: cutlass.Constexpr, tid_in_
         zeros.fill(0.0)
         for m in cutlass.range_constexpr(cute.size(tZs.shape[1])):
             if tZc[0, m, 0][0] >= row_limit:
-                cute.copy(zero_copy, zeros, tZs[None, m, None])
+                # 16-byte vectors as with the tiled copy's atom, with fewer traced ops.
+                cute.autovec_copy(zeros, tZs[None, m, None])
     cute.arch.fence_view_async_shared()
     cute.arch.barrier(barrier_id=BAR_ZERO_ROWS_WG0 + wg, number_of_threads=128)
 

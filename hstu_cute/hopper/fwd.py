@@ -419,39 +419,38 @@ class HstuForwardSm90:
                 acc_O.fill(0.0)
                 if n_count > 0:
                     pipe_q.consumer_wait(q_state)
-                    # The first n-block issues S only (its P.V goes out with the next block's QK^T),
-                    # inside the loop rather than peeled: one traced copy of QK^T + SiLU + mask.
-                    # Iteration 0 skips the P.V, its turn-barrier pair and the V release (both
-                    # warpgroups skip them alike, so the turns stay paired).
-                    for it in cutlass.range(n_count, unroll=1):
+                    # ---- first n-block: S only (its P.V goes out with the next block's QK^T) ----
+                    n_block = masks.n_block_at(n_count - 1, n_lo, hole_lo, hole_size, KERNEL_OPS)
+                    pipe_k.consumer_wait(k_state)
+                    acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+                    wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], True, 0)
+                    pipe_k.consumer_release(k_state)
+                    self.scores_to_p(acc_S, tOrP, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block,
+                                     n_block, row_first)
+                    k_state = _advanced(k_state)
+
+                    for it in cutlass.range(1, n_count, unroll=1):
                         n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
+                        n_prev = masks.n_block_at(n_count - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
                         pipe_k.consumer_wait(k_state)
-                        if it > 0:
-                            self.sched_wait(wg)
+                        self.sched_wait(wg)
                         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
                         wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], True, -1)
-                        if it > 0:
-                            n_prev = masks.n_block_at(n_count - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
-                            self.wait_v(pipe_v, v_state, sV, zero_copy_v, tidx, wg, seq, n_prev)
-                            wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
-                            self.sched_signal(wg)
-                            warpgroup.wait_group(1)
-                        else:
-                            warpgroup.wait_group(0)
+                        self.wait_v(pipe_v, v_state, sV, zero_copy_v, tidx, wg, seq, n_prev)
+                        wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
+                        self.sched_signal(wg)
+                        warpgroup.wait_group(1)
                         pipe_k.consumer_release(k_state)
-                        rP = self.scores_to_p(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block,
-                                              n_block, row_first)
-                        # Unconditional: with the wait on one path only, ptxas sees P.V maybe in
-                        # flight at tOrP's store and serializes the WGMMAs (C7513).
+                        rP = self.scores_to_p_deferred(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq,
+                                                       m_block, n_block, row_first)
                         warpgroup.wait_group(0)
-                        if it > 0:
-                            pipe_v.consumer_release(v_state)
-                            v_state = _advanced(v_state)
-                        # tOrP <- rP through an asm that reads the old tOrP: a plain store let LLVM
-                        # compute rP into the registers the P.V was still reading (a race ptxas
-                        # misses with the P.V in a branch: NaN / wrong rows at D32, D64, fp16).
+                        pipe_v.consumer_release(v_state)
+                        # tOrP <- rP through an asm that reads the old tOrP: with a plain store
+                        # LLVM may compute rP into the registers the P.V is still reading, and
+                        # ptxas then serializes the WGMMAs (C7513, every fp16 variant).
                         wgmma_replace_operand_a(tOrP, rP)
                         k_state = _advanced(k_state)
+                        v_state = _advanced(v_state)
                     # Every QK^T of this tile is complete: the producer may load the next Q.
                     pipe_q.consumer_release(q_state)
                     q_state = _advanced(q_state)
@@ -493,10 +492,8 @@ class HstuForwardSm90:
                                 tidx % 128, wg, row_limit)
 
     @cute.jit
-    def scores_to_p(self, acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha: Float32, spec: cutlass.Constexpr, seq,
-                    m_block: Int32, n_block: Int32, row_first: Int32):
-        """P = dtype(mask(silu(alpha * (S + rab)))) in a fresh register tile in the RS WGMMA A
-        layout: the previous P is still being read by the in-flight P.V WGMMA."""
+    def add_rab_silu_mask(self, acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha: Float32, spec: cutlass.Constexpr,
+                          seq, m_block: Int32, n_block: Int32, row_first: Int32):
         if const_expr(self.has_rab):
             pipe_rab.consumer_wait(k_state)
             rRab = cute.make_rmem_tensor(acc_S.layout, self.dtype)
@@ -507,6 +504,21 @@ class HstuForwardSm90:
         if not masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
             acc_rc = cute.make_tensor(acc_S.iterator, wgmma_acc_rows_cols(acc_S.layout))
             apply_mask_rows_cols(acc_rc, tScS_rc, spec, seq, row_first, n_block * self.tile_n)
+
+    @cute.jit
+    def scores_to_p(self, acc_S, tOrP, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec: cutlass.Constexpr, seq,
+                    m_block, n_block, row_first):
+        self.add_rab_silu_mask(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block, n_block,
+                               row_first)
+        tOrP.store(cute.make_tensor(acc_S.iterator, wgmma_acc_as_operand_a(acc_S.layout)).load().to(self.dtype))
+
+    @cute.jit
+    def scores_to_p_deferred(self, acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec: cutlass.Constexpr, seq,
+                             m_block, n_block, row_first):
+        """Like :meth:`scores_to_p` but into a fresh register tile: the previous P is still being
+        read by the in-flight P.V WGMMA."""
+        self.add_rab_silu_mask(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block, n_block,
+                               row_first)
         acc_A = cute.make_tensor(acc_S.iterator, wgmma_acc_as_operand_a(acc_S.layout))
         rP = cute.make_rmem_tensor(acc_A.layout, self.dtype)
         rP.store(acc_A.load().to(self.dtype))

@@ -229,29 +229,6 @@ def wgmma(tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr[bool], wg_wai
         warpgroup.wait_group(wg_wait)
 
 
-def wgmma_replace_operand_a(frag: cute.Tensor, new: cute.Tensor):
-    """``frag`` <- ``new``, where ``frag`` is the register A operand of an RS WGMMA retired just
-    before (call it after that ``wait_group``) and ``new`` was computed while it was in flight.
-
-    LLVM ends a value's live range at its last use, the WGMMA instruction, and does not know that
-    the tensor cores read the registers later: it may compute ``new`` into ``frag``'s registers
-    while the WGMMA still reads them. ptxas serializes the WGMMAs when it sees that (C7513), but
-    not when the WGMMA sits in a conditional block: then it reads a mix of old and new values.
-    One empty asm reads the old registers (they stay allocated up to here) and passes ``new``
-    through (so ``new`` is computed before here and is not sunk past the next WGMMA's fence);
-    ``warpgroup_fence_operand`` in CUTLASS C++. The asm is empty; the old and new values now
-    live in distinct registers, so a loop carrying ``frag`` may get register moves after it."""
-    old_regs = cute.recast_tensor(frag, Int32)
-    new_regs = cute.recast_tensor(new, Int32)
-    n = cute.size(old_regs)
-    operands = [new_regs[i].ir_value() for i in range(n)] + [old_regs[i].ir_value() for i in range(n)]
-    constraints = ",".join(["=r"] * n + [str(i) for i in range(n)] + ["r"] * n)
-    res = llvm.inline_asm(llvm.StructType.get_literal([Int32.mlir_type] * n), operands, "", constraints,
-                          has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    for i in range(n):
-        old_regs[i] = Int32(llvm.extractvalue(Int32.mlir_type, res, [i]))
-
-
 @cute.jit
 def apply_mask_rows_cols(acc_rc: cute.Tensor, coord_rc: cute.Tensor, spec: cutlass.Constexpr, seq, row0: Int32,
                          col0: Int32):

@@ -25,7 +25,6 @@ from ..device_utils import (
     wgmma,
     wgmma_acc_as_operand_a,
     wgmma_acc_rows_cols,
-    wgmma_replace_operand_a,
     zero_smem_rows_past,
 )
 
@@ -445,10 +444,7 @@ class HstuForwardSm90:
                                                        m_block, n_block, row_first)
                         warpgroup.wait_group(0)
                         pipe_v.consumer_release(v_state)
-                        # tOrP <- rP through an asm that reads the old tOrP: with a plain store
-                        # LLVM may compute rP into the registers the P.V is still reading, and
-                        # ptxas then serializes the WGMMAs (C7513, every fp16 variant).
-                        wgmma_replace_operand_a(tOrP, rP)
+                        tOrP.store(rP.load())
                         k_state = _advanced(k_state)
                         v_state = _advanced(v_state)
                     # Every QK^T of this tile is complete: the producer may load the next Q.

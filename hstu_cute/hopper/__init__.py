@@ -91,6 +91,9 @@ class HopperBwdKey:
 
 
 HOPPER_BWD_HEAD_DIMS = (32, 64, 128, 256)
+# Persistent dK/dV and dQ kernels (H100 B8 N4096 causal, docs/perf-log.md session 6): D128 pair
+# 437.6 vs 422.4 TF, D64 322-324 vs 304-306; the fused kernel stays one CTA per n-block (a tile
+# loop slows its m-block loop: 402-418 vs 443-448).
 _BWD_TILES = {"dkdv": dict(tile_m=64, tile_n=128, persistent=True),
               "fused": dict(tile_m=64, tile_n=128),
               "dq": dict(tile_m=128, tile_n=64, persistent=True), "wide": dict(tile_m=64, tile_n=64)}

@@ -80,10 +80,12 @@ class _BlockMajorWalk:
 
 
 class HstuBackwardDkDvSm90:
-    """dK, dV kernel. One CTA per (n-block, head, batch), n-block 0 first (with causal masks the
-    first keys are attended by the most queries); it owns K_j and V_j (``tile_n`` keys, 64 per
-    consumer warpgroup) and walks the m-blocks that attend to them, in the transposed
-    orientation (accumulator rows are keys, columns are queries):
+    """dK, dV kernel. Tiles are (n-block, head, batch), n-block 0 first (with causal masks the
+    first keys are attended by the most queries): one CTA per tile, or with ``persistent`` one CTA
+    per SM walking them in a snake order (the producer then loads a tile's K and V after its
+    first Q/dO stage, once the consumers have released sK/sV). A CTA owns K_j and V_j
+    (``tile_n`` keys, 64 per consumer warpgroup) and walks the m-blocks that attend to them, in
+    the transposed orientation (accumulator rows are keys, columns are queries):
     S^T = K Q^T (+ rab^T), dP^T = V dO^T, then P^T and G^T (spec section 2), dV += P^T dO and
     dK += G^T Q with P^T / G^T as the register A operand.
 
@@ -515,8 +517,8 @@ class HstuBackwardDkDvSm90:
                 else:
                     wgmma(tiled_mma_d, acc_dK, rG, tDrQt[None, None, None, q_state.index], False, -1)
                     cute.arch.fence_view_async_shared()
-                    self.reduce_dq(tiled_mma_dq, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, tdQsdQ_tma, tdQgdQ, tma_atom_dq, tid_in_wg, wg,
-                                   m_block, blocks_done)
+                    self.reduce_dq(tiled_mma_dq, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, tdQsdQ_tma, tdQgdQ, tma_atom_dq,
+                                   tid_in_wg, wg, m_block, blocks_done)
                 pipe_q.consumer_release(q_state)
                 q_state = _advanced(q_state)
                 blocks_done += 1
@@ -569,9 +571,11 @@ class HstuBackwardDkDvSm90:
 
 
 class HstuBackwardDqSm90:
-    """dQ kernel (no drab: with ``has_drab`` the sm80 dQ kernel runs). One CTA per (m-block,
-    head, batch), longest causal rows first; it owns Q_i and dO_i (``tile_m`` queries, 64 per
-    consumer warpgroup) and walks the forward's n-block schedule (target hole skipped):
+    """dQ kernel (no drab: with ``has_drab`` the sm80 dQ kernel runs). Tiles are (m-block, head,
+    batch), longest causal rows first: one CTA per tile, or with ``persistent`` one CTA per SM
+    walking them in a snake order (Q and dO then load after the tile's first K/V stage). A CTA
+    owns Q_i and dO_i (``tile_m`` queries, 64 per consumer warpgroup) and walks the forward's
+    n-block schedule (target hole skipped):
     S = Q K^T (+ rab), dP = dO V^T (SS WGMMA), G (spec section 2) in registers as the A operand
     of dQ += G K (RS WGMMA, K read MN-major).
 

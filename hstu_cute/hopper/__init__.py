@@ -73,7 +73,7 @@ class HopperBwdKey:
     num_stages: int = 2
     fast_silu: bool = True
     ptxas_opt: int = 3
-    persistent: bool = False  # roles "dkdv" / "fused": one CTA per SM walking the n-blocks
+    persistent: bool = False  # roles "dkdv" / "fused" / "dq": one CTA per SM walking the tiles
 
     @property
     def kernel_name(self) -> str:

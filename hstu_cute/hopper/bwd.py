@@ -57,6 +57,21 @@ def store_dk_dv(thr_mma, acc_dK, acc_dV, mdK, mdV, dtype: cutlass.Constexpr, til
         store_acc_rows(rOut, thr_mma.partition_C(gOut), tKcK_rc, k_rows)
 
 
+def _token_load_atoms(mQ, mK, mV, mdO, mRab, sQ_tile, sK_tile, sRab_layout, tile_m: int, tile_n: int):
+    """TMA load atoms of the backward producers: K and V tiles of ``tile_n`` keys into
+    ``sK_tile``, Q and dO tiles of ``tile_m`` queries into ``sQ_tile`` (one stage each), and rab
+    tiles when ``sRab_layout`` is given."""
+    tma_load = cpasync.CopyBulkTensorTileG2SOp()
+    tma_atom_k, tma_k = sm90_tma_atom_tokens(tma_load, mK, sK_tile, tile_n)
+    tma_atom_v, tma_v = sm90_tma_atom_tokens(tma_load, mV, sK_tile, tile_n)
+    tma_atom_q, tma_q = sm90_tma_atom_tokens(tma_load, mQ, sQ_tile, tile_m)
+    tma_atom_do, tma_do = sm90_tma_atom_tokens(tma_load, mdO, sQ_tile, tile_m)
+    tma_atom_rab, tma_rab = None, None
+    if sRab_layout is not None:
+        tma_atom_rab, tma_rab = sm90_tma_atom_rab(mRab, sRab_layout, tile_m, tile_n)
+    return tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab, tma_rab
+
+
 class _BlockMajorWalk:
     """Linear tile index -> (block, head, batch): heads vary fastest, blocks slowest, from 0 up
     or (``reverse``) down. With causal masks both put the heaviest tiles first: key block 0 is
@@ -267,19 +282,11 @@ class HstuBackwardDkDvSm90:
         ``num_stages`` ring), and the transaction bytes of its two pipelines (``kv_bytes``,
         ``q_bytes``). Called from ``__call__`` while tracing."""
         D = self.head_dim
-        tma_load = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_k, tma_k = sm90_tma_atom_tokens(tma_load, mK, sK_layout, self.tile_n)
-        tma_atom_v, tma_v = sm90_tma_atom_tokens(tma_load, mV, sK_layout, self.tile_n)
-        sQ_one = cute.slice_(sQ_layout, (None, None, 0))
-        tma_atom_q, tma_q = sm90_tma_atom_tokens(tma_load, mQ, sQ_one, self.tile_m)
-        tma_atom_do, tma_do = sm90_tma_atom_tokens(tma_load, mdO, sQ_one, self.tile_m)
-        tma_atom_rab, tma_rab = None, None
-        if const_expr(self.has_rab):
-            tma_atom_rab, tma_rab = sm90_tma_atom_rab(mRab, sRab_layout, self.tile_m, self.tile_n)
         elem = self.dtype.width // 8
         self.kv_bytes = 2 * self.tile_n * D * elem
         self.q_bytes = 2 * self.tile_m * D * elem + (self.tile_m * self.tile_n * elem if const_expr(self.has_rab) else 0)
-        return tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab, tma_rab
+        return _token_load_atoms(mQ, mK, mV, mdO, mRab, cute.slice_(sQ_layout, (None, None, 0)), sK_layout,
+                                 sRab_layout, self.tile_m, self.tile_n)
 
     @cute.jit
     def produce(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
@@ -427,9 +434,8 @@ class HstuBackwardDkDvSm90:
                         *tile_args, q_state, kv_state, blocks_done, n_block, head, q_start, k_start, seq, m_lo, m_hi)
                 tile = _snake_next(tile, cta, grid)
         else:
-            # One tile per CTA, no tile loop: with the loop's live state the fused kernel's consumers
-            # spill ~40 hoisted sdS/sdQ smem addresses inside the m-block loop (ptxas: 228 bytes;
-            # H100 D128: 304 TF against 440 without the loop).
+            # One tile per CTA, no tile loop (the fused default: around its m-block loop a tile
+            # loop made that loop slower, H100 D128 402-418 TF against 443-448).
             n_block, head, batch, q_start, k_start, seq, live, m_lo, m_hi = self.tile_problem(tiles, geometry, cta)
             if live:
                 self.consume_tile(*tile_args, q_state, kv_state, blocks_done, n_block, head, q_start, k_start, seq,
@@ -621,15 +627,9 @@ class HstuBackwardDqSm90:
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
             atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, D), a_source=warpgroup.OperandSource.RMEM,
         )
-        tma_load = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_q, tma_q = sm90_tma_atom_tokens(tma_load, mQ, sQ_layout, self.tile_m)
-        tma_atom_do, tma_do = sm90_tma_atom_tokens(tma_load, mdO, sQ_layout, self.tile_m)
-        sK_one = cute.slice_(sK_layout, (None, None, 0))
-        tma_atom_k, tma_k = sm90_tma_atom_tokens(tma_load, mK, sK_one, self.tile_n)
-        tma_atom_v, tma_v = sm90_tma_atom_tokens(tma_load, mV, sK_one, self.tile_n)
-        tma_atom_rab, tma_rab = None, None
-        if const_expr(self.has_rab):
-            tma_atom_rab, tma_rab = sm90_tma_atom_rab(mRab, sRab_layout, self.tile_m, self.tile_n)
+        (tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
+         tma_rab) = _token_load_atoms(mQ, mK, mV, mdO, mRab, sQ_layout, cute.slice_(sK_layout, (None, None, 0)),
+                                      sRab_layout, self.tile_m, self.tile_n)
         elem = self.dtype.width // 8
         self.q_bytes = 2 * self.tile_m * D * elem
         self.kv_bytes = 2 * self.tile_n * D * elem + (self.tile_m * self.tile_n * elem if const_expr(self.has_rab) else 0)

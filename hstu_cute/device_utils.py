@@ -130,6 +130,22 @@ def silu_scaled_inplace(acc: cute.Tensor, alpha: Float32, fast: cutlass.Constexp
 
 
 @cute.jit
+def silu_and_grad_unscaled(acc_s: cute.Tensor, acc_dp: cute.Tensor, half_alpha: Float32):
+    """acc_s <- S_len * P, acc_dp <- (2 S_len / alpha) * G (spec section 2, tanh SiLU): the caller
+    scales dV by 1 / S_len and dK, dQ by alpha / (2 S_len) once per tile.
+
+    With h = alpha s / 2 and t = tanh(h): silu(2h) = h (1 + t) and
+    2 silu'(2h) = (1 + t)(1 + h - h t), so an element costs one MUFU op and six FP32 ops
+    (eleven with the scales and the sigmoid formed per element)."""
+    for i in cutlass.range(cute.size(acc_s), unroll_full=True):
+        h = acc_s[i] * half_alpha
+        t = tanh_approx(h)
+        acc_s[i] = h + h * t
+        w = acc_dp[i] * ((h + Float32(1.0)) - h * t)
+        acc_dp[i] = w + w * t
+
+
+@cute.jit
 def apply_mask_inplace(acc: cute.Tensor, tScS: cute.Tensor, spec: cutlass.Constexpr, seq, row0: Int32, col0: Int32):
     """Zero every accumulator element whose (row0 + row, col0 + col) is masked (spec section 4).
 

@@ -111,6 +111,25 @@ if "dqpersist" in modes:
         for wl, tq, det in cases:
             for pers in (False, True):
                 emit(bench.run_workload_bwd(wl, tiles_dq=dict(tq, persistent=pers), deterministic=det))
+if "bwdquick" in modes:
+    # One line each: D128 default (with the SDPA lines), D128 deterministic pair, D64, D32.
+    w = bench.replace(bench.headline(), sdpa=False)
+    emit(bench.run_workload_bwd(bench.headline()))
+    emit(bench.run_workload_bwd(w, deterministic=True))
+    for d in (64, 32):
+        emit(bench.run_workload_bwd(bench.replace(w, name=f"full B8 N4096 D{d}", head_dim=d)))
+if "fusedvspair" in modes:
+    # The fused D128 kernel against the deterministic pair over shapes, interleaved twice.
+    shapes = [bench.replace(bench.headline(), sdpa=False),
+              bench.Workload("noncausal B8 N4096", 8, 4096, window=(-1, -1)),
+              bench.Workload("uniform90 B1024 N256", 1024, 256, lengths="uniform90"),
+              bench.Workload("zipf1.2 B64 N4096", 64, 4096, lengths="zipf"),
+              bench.Workload("full B32 N1024", 32, 1024),
+              bench.Workload("ctx8+tgt64 g1 B8 N4096", 8, 4096, contexts=8, targets=64, group=1)]
+    for rep in range(2):
+        for wl in shapes:
+            for det in (False, True):
+                emit(bench.run_workload_bwd(wl, deterministic=det))
 if "bwd" in modes:
     for w in (bench.headline(), bench.replace(bench.headline(), name="full B8 N4096 D64", head_dim=64),
               bench.Workload("rab H_rab=1 B8 N2048", 8, 2048, rab_heads=1)):

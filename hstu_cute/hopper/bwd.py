@@ -17,6 +17,7 @@ from ..device_utils import (
     KERNEL_OPS,
     L2_EVICT_LAST,
     apply_mask_rows_cols,
+    silu_and_grad_unscaled,
     sequence_bounds,
     rows_zero_copy,
     sequence_mask,
@@ -70,6 +71,19 @@ def _token_load_atoms(mQ, mK, mV, mdO, mRab, sQ_tile, sK_tile, sRab_layout, tile
     if sRab_layout is not None:
         tma_atom_rab, tma_rab = sm90_tma_atom_rab(mRab, sRab_layout, tile_m, tile_n)
     return tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab, tma_rab
+
+
+@cute.jit
+def _silu_and_grad(acc_S, acc_dP, alpha: Float32, inv_scale: Float32, fast: cutlass.Constexpr[bool],
+                   unscaled: cutlass.Constexpr[bool]):
+    """P and G (spec section 2) from S and dP, in place; ``unscaled`` (the tanh SiLU only):
+    S_len P and 2 S_len G / alpha, four to five fewer FP32 ops per element, and the caller scales
+    dV by 1 / S_len, dK, dQ (and drab) by alpha / (2 S_len). H100 B8 N4096 causal bf16: D128
+    pair 470 vs 440 TF, fused 462 vs 446, D64 361 vs 322, D32 220 vs 185."""
+    if const_expr(unscaled):
+        silu_and_grad_unscaled(acc_S, acc_dP, alpha * Float32(0.5))
+    else:
+        silu_and_grad_inplace(acc_S, acc_dP, alpha, inv_scale, fast)
 
 
 class _BlockMajorWalk:
@@ -144,6 +158,8 @@ class HstuBackwardDkDvSm90:
         self.tile_n = tile_n
         self.num_stages = num_stages
         self.fast_silu = fast_silu
+        # bf16 (tanh SiLU): P and G unscaled in the m-block loop, the scales applied per tile.
+        self.unscaled_grad = fast_silu
         self.num_mma_wg = tile_n // 64
         self.num_threads = 128 * (1 + self.num_mma_wg)
         self.num_mma_threads = 128 * self.num_mma_wg
@@ -494,7 +510,7 @@ class HstuBackwardDkDvSm90:
                     warpgroup.wait_group(1)
                     acc_S.store(acc_S.load() + rRab.load().to(Float32))
                 warpgroup.wait_group(0)
-                silu_and_grad_inplace(acc_S, acc_dP, alpha, inv_scale, self.fast_silu)
+                _silu_and_grad(acc_S, acc_dP, alpha, inv_scale, self.fast_silu, self.unscaled_grad)
                 row_first = seq.row_offset + m_block * self.tile_m
                 is_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n,
                                              KERNEL_OPS) & (q_rows >= self.tile_m)
@@ -524,13 +540,16 @@ class HstuBackwardDkDvSm90:
                     wgmma(tiled_mma_d, acc_dK, rG, tDrQt[None, None, None, q_state.index], False, -1)
                     cute.arch.fence_view_async_shared()
                     self.reduce_dq(tiled_mma_dq, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, tdQsdQ_tma, tdQgdQ, tma_atom_dq,
-                                   tid_in_wg, wg, m_block, blocks_done)
+                                   tid_in_wg, wg, m_block, blocks_done, alpha * inv_scale * Float32(0.5))
                 pipe_q.consumer_release(q_state)
                 q_state = _advanced(q_state)
                 blocks_done += 1
 
         # Every WGMMA reading sK/sV has retired (the last dK or dQ GEMM waited for all).
         pipe_kv.consumer_release(kv_state)
+        if const_expr(self.unscaled_grad):
+            acc_dV.store(acc_dV.load() * inv_scale)
+            acc_dK.store(acc_dK.load() * (alpha * inv_scale * Float32(0.5)))
         store_dk_dv(thr_mma_d, acc_dK, acc_dV, mdK, mdV, self.dtype, self.tile_n, D, k_start, head, n_block, k_rows)
         return q_state, _advanced(kv_state), blocks_done
 
@@ -540,7 +559,7 @@ class HstuBackwardDkDvSm90:
 
     @cute.jit
     def reduce_dq(self, tiled_mma_dq, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, tdQsdQ_tma, tdQgdQ, tma_atom_dq, tid_in_wg: Int32,
-                  wg: Int32, m_block: Int32, blocks_done: Int32):
+                  wg: Int32, m_block: Int32, blocks_done: Int32, dq_scale: Float32):
         """dQ_i (all columns, or this warpgroup's half) = dS K_j, then a TMA reduce-add into the
         fp32 accumulator. Waits for every WGMMA this warpgroup has in flight (dV and dK too)."""
         buf = self.ds_buffer(blocks_done)
@@ -560,6 +579,8 @@ class HstuBackwardDkDvSm90:
                 cute.arch.barrier(barrier_id=_BAR_DS + buf, number_of_threads=self.num_mma_threads)
             acc_dQ = cute.make_rmem_tensor(tdQsdQ.shape, Float32)
             wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, True, 0)
+            if const_expr(self.unscaled_grad):
+                acc_dQ.store(acc_dQ.load() * dq_scale)
             # The TMA copy elects its issuing lane (elect.sync): a whole warp must reach it. Its
             # previous reduce from this buffer must have finished reading smem.
             if tid_in_wg < 32:
@@ -603,6 +624,7 @@ class HstuBackwardDqSm90:
         self.tile_n = tile_n
         self.num_stages = num_stages
         self.fast_silu = fast_silu
+        self.unscaled_grad = fast_silu  # see _silu_and_grad
         self.num_mma_wg = tile_m // 64
         self.num_threads = 128 * (1 + self.num_mma_wg)
         self.num_mma_threads = 128 * self.num_mma_wg
@@ -878,7 +900,7 @@ class HstuBackwardDqSm90:
                     cute.autovec_copy(tSsRab[None, None, None, kv_state.index], rRab)
                     acc_S.store(acc_S.load() + rRab.load().to(Float32))
                 warpgroup.wait_group(0)
-                silu_and_grad_inplace(acc_S, acc_dP, alpha, inv_scale, self.fast_silu)
+                _silu_and_grad(acc_S, acc_dP, alpha, inv_scale, self.fast_silu, self.unscaled_grad)
                 if not masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
                     acc_rc = cute.make_tensor(acc_dP.iterator, wgmma_acc_rows_cols(acc_dP.layout))
                     apply_mask_rows_cols(acc_rc, tScS_rc, spec, seq, row_first, n_block * self.tile_n)
@@ -893,6 +915,8 @@ class HstuBackwardDqSm90:
                 q_state = _advanced(q_state)
 
         rOut = cute.make_rmem_tensor(acc_dQ.layout, self.dtype)
+        if const_expr(self.unscaled_grad):
+            acc_dQ.store(acc_dQ.load() * (alpha * inv_scale * Float32(0.5)))
         rOut.store(acc_dQ.load().to(self.dtype))
         gOut = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]), (self.tile_m, D),
                                (m_block, 0))

@@ -11,7 +11,6 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .. import masks
-from ..ampere.bwd import silu_and_grad_inplace
 from ..device_utils import (
     KERNEL_OPS,
     red_add_f32,
@@ -24,7 +23,7 @@ from ..device_utils import (
     wgmma,
     zero_smem_rows_past,
 )
-from .bwd import HstuBackwardDkDvSm90, store_dk_dv
+from .bwd import HstuBackwardDkDvSm90, _silu_and_grad, store_dk_dv
 from .fwd import _advanced
 
 # Named barriers (0: syncthreads; 4/5: zero_smem_rows_past): sP/sdS written by both warpgroups,
@@ -89,6 +88,7 @@ class HstuBackwardWideSm90:
         self.tile_n = tile_n
         self.num_stages = num_stages
         self.fast_silu = fast_silu
+        self.unscaled_grad = fast_silu  # as in the dK/dV kernel: the scales applied per tile
         self.num_mma_wg = 2
         self.num_threads = 384
         self.num_mma_threads = 256
@@ -254,6 +254,7 @@ class HstuBackwardWideSm90:
             drab_rows = cutlass.min(seq.seqlen_q + seq.row_offset, mdRab_seq.shape[0]) - seq.row_offset
         col0 = n_block * self.tile_n
         k_rows = seq.seqlen_k - col0
+        g_scale = alpha * inv_scale * Float32(0.5)  # G from _silu_and_grad when unscaled_grad
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
@@ -276,7 +277,7 @@ class HstuBackwardWideSm90:
                     cute.autovec_copy(tSsRabT[None, None, None, stage], rRab)
                     acc_S.store(acc_S.load() + rRab.load().to(Float32))
                 warpgroup.wait_group(0)
-                silu_and_grad_inplace(acc_S, acc_dP, alpha, inv_scale, self.fast_silu)
+                _silu_and_grad(acc_S, acc_dP, alpha, inv_scale, self.fast_silu, self.unscaled_grad)
                 row_first = seq.row_offset + m_block * self.tile_m
                 is_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n,
                                              KERNEL_OPS) & (q_rows >= self.tile_m)
@@ -288,7 +289,7 @@ class HstuBackwardWideSm90:
                         acc_dP[i] = cutlass.select_(keep, acc_dP[i], Float32(0.0))
                 if const_expr(self.has_drab):
                     self.write_drab(acc_dP, tSgdRab[None, None, None, m_block], tScS,
-                                    drab_rows - m_block * self.tile_m, drab_cols)
+                                    drab_rows - m_block * self.tile_m, drab_cols, g_scale)
                 rP = cute.make_rmem_tensor(acc_S.layout, self.dtype)
                 rP.store(acc_S.load().to(self.dtype))
                 rG = cute.make_rmem_tensor(acc_dP.layout, self.dtype)
@@ -308,16 +309,21 @@ class HstuBackwardWideSm90:
                 q_state = _advanced(q_state)
                 blocks_done += 1
 
+        if const_expr(self.unscaled_grad):
+            acc_dV.store(acc_dV.load() * inv_scale)
+            acc_dK.store(acc_dK.load() * g_scale)
         store_dk_dv(thr_mma_dkv, acc_dK, acc_dV, mdK, mdV, self.dtype, self.tile_n, D, k_start, head, n_block,
                     k_rows)
 
     @cute.jit
-    def write_drab(self, acc_G, tSgdRab, tScS, rows: Int32, cols: Int32):
-        """drab = G on this thread's (key, query) elements inside the rab tile's bounds."""
+    def write_drab(self, acc_G, tSgdRab, tScS, rows: Int32, cols: Int32, g_scale: Float32):
+        """drab = G (``g_scale`` times ``acc_G``) on this thread's (key, query) elements inside the
+        rab tile's bounds."""
         for i in cutlass.range(cute.size(acc_G), unroll_full=True):
             key, query = tScS[i]
             if (query < rows) & (key < cols):
+                g = acc_G[i] * g_scale if const_expr(self.unscaled_grad) else acc_G[i]
                 if const_expr(self.rab_sum_heads):
-                    red_add_f32(tSgdRab.iterator + cute.crd2idx(i, tSgdRab.layout), acc_G[i])
+                    red_add_f32(tSgdRab.iterator + cute.crd2idx(i, tSgdRab.layout), g)
                 else:
-                    tSgdRab[i] = acc_G[i].to(self.dtype)
+                    tSgdRab[i] = g.to(self.dtype)

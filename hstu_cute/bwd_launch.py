@@ -12,6 +12,13 @@ from .ampere import BWD_HEAD_DIMS, make_bwd_keys
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
+# At D128 the fused kernel runs for key sequences of at least this many tokens, the pair below
+# (H100, D128 bf16 backward, same run: pair ahead at B32 N1024 causal 265 vs 183 TF and uniform
+# B1024 N256 120 vs 89, where the fused kernel's one CTA per n-block walks few m-blocks; fused
+# ahead at N4096 non-causal 532 vs 510, zipf B64 352 vs 265, context + targets 390 vs 359; causal
+# B8 N4096 pair 473 vs fused 462).
+FUSED_MIN_SEQLEN_K = 1025
+
 
 @contextlib.contextmanager
 def _beside(device):
@@ -38,12 +45,13 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
                  path: str | None = None):
     """Returns (dq, dk, dv, drab or None).
 
-    ``path`` 'hopper' (default on sm90): at head dim 128, without drab and unless ``deterministic``, one fused
-    TMA + WGMMA kernel computes dK, dV and reduces dQ into an fp32 accumulator (the order of
-    that sum varies run to run); otherwise a dK/dV kernel and a dQ kernel (the sm80 one when
-    drab is wanted), each summing in a fixed order. At head dim 256 the wide dK/dV/drab kernel
-    and the dQ kernel (deterministic, except the sum of drab over heads for one rab head unless
-    ``deterministic``). 'ampere': the sm80 dK/dV and dQ kernels at every head dim, deterministic."""
+    ``path`` 'hopper' (default on sm90): at head dim 128, without drab, unless ``deterministic``
+    and for keys of at least ``FUSED_MIN_SEQLEN_K`` tokens, one fused TMA + WGMMA kernel computes
+    dK, dV and reduces dQ into an fp32 accumulator (the order of that sum varies run to run);
+    otherwise a dK/dV kernel and a dQ kernel (the sm80 one when drab is wanted), each summing in
+    a fixed order. At head dim 256 the wide dK/dV/drab kernel and the dQ kernel (deterministic,
+    except the sum of drab over heads for one rab head unless ``deterministic``). 'ampere': the
+    sm80 dK/dV and dQ kernels at every head dim, deterministic."""
     from . import api
     from .cache import default_cache
     from .compile import build
@@ -121,7 +129,8 @@ def run_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
             key_dq = dataclasses.replace(key_dq, **(tiles_dq or {}))
         if path != "hopper":
             key_dkdv = dataclasses.replace(key_dkdv, **(tiles_dkdv or {}))
-    fused = path == "hopper" and not has_drab and not deterministic and p.head_dim in HOPPER_FUSED_HEAD_DIMS
+    fused = (path == "hopper" and not has_drab and not deterministic and p.head_dim in HOPPER_FUSED_HEAD_DIMS
+             and max_seqlen_k >= FUSED_MIN_SEQLEN_K)
     if path == "hopper":
         common = (key_dkdv.arch, key_dkdv.dtype, p.head_dim, p.mask.kind, key_dkdv.has_context, rab is not None)
         key_dkdv = make_hopper_bwd_key("fused" if fused else "dkdv", *common, tiles_dkdv)

@@ -2,14 +2,16 @@
 
 On a compute capability 9.x GPU every case runs the forward on both kernel paths (hopper, then
 ampere, forced through HSTU_CUTE_ARCH). The backward runs on both paths too, three ways per case:
-the default (on hopper at D128: the fused dK/dV/dQ kernel, rab without drab included),
-deterministic=True (the dK/dV + dQ pair; not at D256) and, with rab, has_drab=True (on hopper
-at D256 all of them run the one wide kernel)."""
+the default (on hopper at D128 forced to the fused dK/dV/dQ kernel, which these short keys would
+not take by default; rab without drab included), deterministic=True (the dK/dV + dQ pair; not at
+D256) and, with rab, has_drab=True (on hopper at D256 all of them run the one wide kernel)."""
 import os
 
 import torch
 
-from hstu_cute import api, hstu_attn_varlen_func, reference
+from hstu_cute import api, bwd_launch, hstu_attn_varlen_func, reference
+
+bwd_launch.FUSED_MIN_SEQLEN_K = 0
 
 CASES = {
     "none": dict(window_size=(-1, -1)),

@@ -198,6 +198,14 @@ MASKS = {
 }
 
 
+@pytest.fixture
+def fused_any_length(monkeypatch):
+    """The fused D128 kernel for every key length (by default short sequences take the pair)."""
+    from hstu_cute import bwd_launch
+
+    monkeypatch.setattr(bwd_launch, "FUSED_MIN_SEQLEN_K", 0)
+
+
 def _check_backward(b, has_drab, deterministic=False, dtype=BF16):
     leaves = {n: b[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v")}
     if b["rab"] is not None:
@@ -237,11 +245,16 @@ def test_backward_matches_oracle(mask, rab, path):
     _check_backward(b, has_drab=rab_heads is not None)
 
 
+@pytest.mark.parametrize("kernels", ["fused", "pair"])
 @pytest.mark.parametrize("rab", [None, "1", "H"], ids=["no-rab", "H_rab=1", "H_rab=H"])
 @pytest.mark.parametrize("mask", list(MASKS) + ["all-target g5"])
-def test_backward_d128_without_drab_matches_oracle(mask, rab, path):
+def test_backward_d128_without_drab_matches_oracle(mask, rab, kernels, path, monkeypatch):
     """At D128 without drab the Hopper path runs the fused dK/dV/dQ kernel (dQ by TMA reduce-add;
-    with rab its split-column mode): edge lengths, all-target sequences, delta_q, rab."""
+    with rab its split-column mode) for long keys and the pair for short ones (``kernels``
+    forces either): edge lengths, all-target sequences, delta_q, rab."""
+    from hstu_cute import bwd_launch
+
+    monkeypatch.setattr(bwd_launch, "FUSED_MIN_SEQLEN_K", 0 if kernels == "fused" else 1 << 30)
     m = dict(MASKS.get(mask, dict(window_size=(-1, 0), target_group_size=5)))
     lengths = [0, 1, 17, 300, 129, 64]
     if mask == "all-target g5":
@@ -257,7 +270,7 @@ def test_backward_d128_without_drab_matches_oracle(mask, rab, path):
     _check_backward(b, has_drab=False)
 
 
-def test_backward_d128_deterministic_is_bitwise_and_close_to_default(path):
+def test_backward_d128_deterministic_is_bitwise_and_close_to_default(path, fused_any_length):
     b = reference.random_jagged_batch(4, H, 128, 400, device="cuda", dtype=BF16, lengths=[400, 17, 1, 250],
                                       window_size=(-1, 0), seed=9)
     runs = []
@@ -285,7 +298,7 @@ def test_backward_d128_long_jagged_many_contributors(case, path):
     _check_backward(b, has_drab=False, dtype=dtype)
 
 
-def test_backward_d128_default_repeats_agree(path):
+def test_backward_d128_default_repeats_agree(path, fused_any_length):
     """Five runs of the default backward (the fused kernel on Hopper sums dQ in a varying order)
     agree with the deterministic pair to bf16 rounding: a race between the CTAs adding into one
     dQ tile would show up as a wrong tile in some run."""

@@ -12,12 +12,13 @@ from .ampere import BWD_HEAD_DIMS, make_bwd_keys
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
-# At D128 the fused kernel runs for key sequences of at least this many tokens, the pair below
-# (H100, D128 bf16 backward, same run: pair ahead at B32 N1024 causal 265 vs 183 TF and uniform
-# B1024 N256 120 vs 89, where the fused kernel's one CTA per n-block walks few m-blocks; fused
-# ahead at N4096 non-causal 532 vs 510, zipf B64 352 vs 265, context + targets 390 vs 359; causal
-# B8 N4096 pair 473 vs fused 462).
-FUSED_MIN_SEQLEN_K = 1025
+# At D128 the fused kernel runs for key sequences of at least this many tokens, the pair below.
+# H100, D128 bf16 causal backward, same runs (docs/perf-log.md session 7), TF/s pair vs fused:
+# B64 N512 177 vs 133, B32 N1024 266 vs 183, B16 N2048 386 vs 318 (uniform lengths 359 vs 308):
+# the fused kernel's one CTA per n-block walks few m-blocks there. At N4096 the fused kernel
+# is ahead on zipf lengths (352 vs 265), context + targets (390 vs 359) and without a mask (532
+# vs 510), and 2% behind on full causal batches (465 vs 473).
+FUSED_MIN_SEQLEN_K = 2049
 
 
 @contextlib.contextmanager

@@ -134,6 +134,7 @@ if "fusedthreshold" in modes:
     # Around bwd_launch.FUSED_MIN_SEQLEN_K: the fused kernel (forced) against the pair.
     from hstu_cute import bwd_launch
 
+    default_min = bwd_launch.FUSED_MIN_SEQLEN_K
     for wl in (bench.Workload("full B16 N2048", 16, 2048), bench.Workload("full B32 N1024", 32, 1024),
                bench.Workload("uniform90 B16 N2048", 16, 2048, lengths="uniform90"),
                bench.Workload("full B64 N512", 64, 512)):
@@ -142,7 +143,7 @@ if "fusedthreshold" in modes:
         row["tiles"] += " fused (forced)"
         emit(row)
         emit(bench.run_workload_bwd(wl, deterministic=True))
-    bwd_launch.FUSED_MIN_SEQLEN_K = 1025
+    bwd_launch.FUSED_MIN_SEQLEN_K = default_min
 if "bwd" in modes:
     for w in (bench.headline(), bench.replace(bench.headline(), name="full B8 N4096 D64", head_dim=64),
               bench.Workload("rab H_rab=1 B8 N2048", 8, 2048, rab_heads=1)):

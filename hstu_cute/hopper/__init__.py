@@ -107,9 +107,10 @@ HOPPER_BWD_ROLES = ("fused", "dkdv", "dq", "wide")
 HOPPER_WIDE_HEAD_DIMS = (256,)
 # (has_rab, has_drab, rab_sum_heads) of the wide kernel's variants.
 _WIDE_RAB = ((False, False, False), (True, False, False), (True, True, False), (True, True, True))
-# Head dims where the fused kernel is the default (no drab, not deterministic). H200, B8 N4096
-# causal bf16, same run (docs/perf-log.md 2026-11-21): D128 fused 431 vs pair 404 TF; D64 fused
-# 252 vs pair 280 (at D64 the per-m-block barriers and dQ reduce are not hidden by the GEMMs).
+# Head dims where the fused kernel is the default (no drab, not deterministic, keys of at least
+# bwd_launch.FUSED_MIN_SEQLEN_K tokens). H200, B8 N4096 causal bf16, same run (docs/perf-log.md
+# 2026-11-21): D128 fused 431 vs pair 404 TF; D64 fused 252 vs pair 280 (at D64 the per-m-block
+# barriers and dQ reduce are not hidden by the GEMMs).
 HOPPER_FUSED_HEAD_DIMS = (128,)
 
 

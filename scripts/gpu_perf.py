@@ -144,6 +144,12 @@ if "fusedthreshold" in modes:
         emit(row)
         emit(bench.run_workload_bwd(wl, deterministic=True))
     bwd_launch.FUSED_MIN_SEQLEN_K = default_min
+if "fp16" in modes:
+    # fp16 forward and backward (precise SiLU: ex2 + reciprocal) with the SDPA lines.
+    for d in (128, 64, 256):
+        w = bench.replace(bench.headline(), name=f"fp16 B8 N4096 D{d}", head_dim=d, dtype="float16")
+        emit(bench.run_workload(w, path="hopper"))
+        emit(bench.run_workload_bwd(w))
 if "bwd" in modes:
     for w in (bench.headline(), bench.replace(bench.headline(), name="full B8 N4096 D64", head_dim=64),
               bench.Workload("rab H_rab=1 B8 N2048", 8, 2048, rab_heads=1)):

@@ -34,6 +34,7 @@ from ..device_utils import (
     sequence_bounds,
     sequence_mask,
     smem_layout_atom,
+    rcp_approx,
     tanh_approx,
 )
 
@@ -48,7 +49,7 @@ def silu_and_grad_inplace(acc_s: cute.Tensor, acc_dp: cute.Tensor, alpha: Float3
         if const_expr(fast):
             sig = Float32(0.5) + Float32(0.5) * tanh_approx(z * Float32(0.5))
         else:
-            sig = Float32(1.0) / (Float32(1.0) + cute.math.exp2(z * Float32(-1.4426950408889634), fastmath=True))
+            sig = rcp_approx(Float32(1.0) + cute.math.exp2(z * Float32(-1.4426950408889634), fastmath=True))
         acc_s[i] = z * sig * inv_scale
         acc_dp[i] = acc_dp[i] * alpha_scaled * (sig * (Float32(1.0) + z * (Float32(1.0) - sig)))
 

@@ -95,37 +95,32 @@ def acc_to_operand_a(rP: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(rP.iterator, layout)
 
 
-@cute.jit
-def tanh_approx(x: Float32) -> Float32:
-    # One MUFU op (sm_75+); max relative error ~2^-11, below bf16 rounding of P.
+def _mufu_f32(instruction: str, x: Float32) -> Float32:
+    """One single-operand f32 PTX instruction (a MUFU op) on ``x``."""
     return Float32(
         llvm.inline_asm(
             Float32.mlir_type,
             [Float32(x).ir_value()],
-            "tanh.approx.f32 $0, $1;",
+            f"{instruction} $0, $1;",
             "=f,f",
             has_side_effects=False,
             is_align_stack=False,
             asm_dialect=llvm.AsmDialect.AD_ATT,
         )
     )
+
+
+@cute.jit
+def tanh_approx(x: Float32) -> Float32:
+    # One MUFU op (sm_75+); max relative error ~2^-11, below bf16 rounding of P.
+    return _mufu_f32("tanh.approx.f32", x)
 
 
 @cute.jit
 def rcp_approx(x: Float32) -> Float32:
     # One MUFU op, ~1 ulp. The IEEE division it replaces (div.rn.f32) is a dozen instructions plus
     # a slow-path branch per element: fp16 forward D128 249 TF against bf16's 646 with it.
-    return Float32(
-        llvm.inline_asm(
-            Float32.mlir_type,
-            [Float32(x).ir_value()],
-            "rcp.approx.ftz.f32 $0, $1;",
-            "=f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+    return _mufu_f32("rcp.approx.ftz.f32", x)
 
 
 @cute.jit

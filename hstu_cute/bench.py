@@ -206,20 +206,20 @@ def sdpa_tflops(w: Workload, backend: str, backward: bool = False) -> float | No
 
 def run_workload(w: Workload, tiles: dict | None = None, sets: int = 3, path: str | None = None) -> dict:
     """Forward kernel on ``w`` (``path``: 'hopper' or 'ampere'; default: the device's own)."""
-    from . import api
+    from . import arch, launch, validation
 
     inputs = [make_inputs(w, seed=s) for s in range(sets)]
     lens_q, lens_k = inputs[0]["_lens_q"], inputs[0]["_lens_k"]
     calls = []
     for kw in inputs:
         kw = {k: v for k, v in kw.items() if not k.startswith("_")}
-        p = api.validate(
+        p = validation.validate(
             kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
             kw["max_seqlen_k"], kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1),
             kw["window_size"], 1.0, kw.get("rab"), False, kw["is_delta_q"], None, None, None, None, -1, -1,
             None, None,
         )
-        calls.append(lambda kw=kw, p=p: api.forward(
+        calls.append(lambda kw=kw, p=p: launch.forward(
             kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
             kw["max_seqlen_k"], kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1),
             1.0, kw.get("rab"), None, None, p, tiles, path=path))
@@ -227,7 +227,7 @@ def run_workload(w: Workload, tiles: dict | None = None, sets: int = 3, path: st
     ms, iqr = time_cuda(calls)
     f, convention = flops(w, lens_q, lens_k)
     row = dict(workload=w.name, ms=ms, iqr_ms=iqr, tflops=f / ms / 1e9, flops=convention,
-               tiles=tiles or "default", path=path or api.kernel_path(inputs[0]["q"].device))
+               tiles=tiles or "default", path=path or arch.kernel_path(inputs[0]["q"].device))
     if w.sdpa:
         row["sdpa_flash"] = sdpa_tflops(w, "flash")
         row["sdpa_cudnn"] = sdpa_tflops(w, "cudnn")
@@ -238,12 +238,11 @@ def backward_call(w: Workload, seed: int = 0, tiles_dq: dict | None = None, tile
                   path: str | None = None, deterministic: bool = False):
     """(call, lens_q, lens_k): ``call()`` runs the backward kernels alone (dq, dk, dv[, drab]) on
     one random input set of ``w``."""
-    from . import api
-    from .bwd_launch import run_backward
+    from . import launch, validation
 
     full = make_inputs(w, seed=seed)
     kw = {k: v for k, v in full.items() if not k.startswith("_")}
-    p = api.validate(
+    p = validation.validate(
         kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
         kw["max_seqlen_k"], kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1),
         kw["window_size"], 1.0, kw.get("rab"), kw.get("rab") is not None, kw["is_delta_q"], None, None, None,
@@ -252,7 +251,7 @@ def backward_call(w: Workload, seed: int = 0, tiles_dq: dict | None = None, tile
     dout = torch.rand_like(kw["q"])
 
     def call():
-        return run_backward(
+        return launch.backward(
             dout, kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
             kw["max_seqlen_k"], kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1), 1.0,
             kw.get("rab"), kw.get("rab") is not None, None, None, p, deterministic, tiles_dq, tiles_dkdv, path)
@@ -264,7 +263,7 @@ def run_workload_bwd(w: Workload, sets: int = 3, tiles_dq: dict | None = None, t
                      path: str | None = None, deterministic: bool = False) -> dict:
     """Backward kernels alone (dq, dk, dv[, drab]) on the workload; FLOPs = 2.5 x forward. With
     ``w.sdpa`` the torch SDPA (flash, cuDNN) backward lines of the same shape are added."""
-    from . import api
+    from . import arch
 
     calls = []
     for s in range(sets):
@@ -277,7 +276,7 @@ def run_workload_bwd(w: Workload, sets: int = 3, tiles_dq: dict | None = None, t
     if deterministic:
         tiles += " deterministic"
     row = dict(workload=w.name + " bwd", ms=ms, iqr_ms=iqr, tflops=2.5 * f / ms / 1e9, flops=convention + " x2.5",
-               tiles=tiles, path=path or api.kernel_path(torch.device("cuda")))
+               tiles=tiles, path=path or arch.kernel_path(torch.device("cuda")))
     if w.sdpa:
         row["sdpa_flash"] = sdpa_tflops(w, "flash", backward=True)
         row["sdpa_cudnn"] = sdpa_tflops(w, "cudnn", backward=True)
@@ -289,21 +288,25 @@ def host_overhead_us(n: int = 2000) -> dict:
     validation alone, and the bare compiled launch with prepared arguments."""
     import time
 
-    from . import api
+    from . import api, arch, launch, validation
     from .cache import default_cache
     from .compile import build
+    from .kernel_args import ordered
 
     w = Workload("tiny", 1, 128, heads=1, head_dim=64)
     kw = {k: v for k, v in make_inputs(w).items() if not k.startswith("_")}
-    p = api.validate(kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
-                     kw["max_seqlen_k"], None, None, 1, kw["window_size"], 1.0, None, False, False,
-                     None, None, None, None, -1, -1, None, None)
-    key = api.fwd_key(p, api.device_arch(kw["q"].device), None)
+    p = validation.validate(kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
+                            kw["max_seqlen_k"], None, None, 1, kw["window_size"], 1.0, None, False, False,
+                            None, None, None, None, -1, -1, None, None)
+    key = launch.fwd_key(p, arch.device_arch(kw["q"].device), None)
     compiled = default_cache().get(key, lambda: build(key))
     out = torch.empty_like(kw["q"])
     used = torch.full((1,), 2**31 - 1, dtype=torch.int32, device="cuda")
-    launch_args = (kw["q"], kw["k"], kw["v"], out, kw["seq_offsets_q"], kw["seq_offsets_k"], used, used, None, None,
-                   None, 1.0, 1.0 / 128, p.window_left, p.window_right, 1, 0, 1)
+    launch_args = ordered(key, dict(
+        mQ=kw["q"], mK=kw["k"], mV=kw["v"], mO=out, mOffsetsQ=kw["seq_offsets_q"], mOffsetsK=kw["seq_offsets_k"],
+        mSeqUsedQ=used, mSeqUsedK=used, mNumContexts=None, mNumTargets=None, mRab=None, alpha=1.0,
+        inv_scale=1.0 / 128, window_left=p.window_left, window_right=p.window_right, group_size=1, is_delta_q=0,
+        num_m_blocks=1))
 
     def per_call(fn):
         fn()
@@ -317,7 +320,7 @@ def host_overhead_us(n: int = 2000) -> dict:
 
     return {
         "api_us": per_call(lambda: api.hstu_attn_varlen_func(**kw)),
-        "validate_us": per_call(lambda: api.validate(
+        "validate_us": per_call(lambda: validation.validate(
             kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
             kw["max_seqlen_k"], None, None, 1, kw["window_size"], 1.0, None, False, False,
             None, None, None, None, -1, -1, None, None)),

@@ -82,12 +82,6 @@ class Ops(NamedTuple):
 PY_OPS = Ops(min=min, max=max, select=lambda c, a, b: a if c else b)
 
 
-def _torch_ops() -> Ops:
-    import torch
-
-    return Ops(min=torch.minimum, max=torch.maximum, select=torch.where)
-
-
 @dataclass
 class SeqMask:
     """Per-sequence runtime mask values (Python ints, tensors or DSL scalars).

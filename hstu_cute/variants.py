@@ -1,39 +1,369 @@
-"""Every shipped kernel variant per target arch, in one place (what ``warmup`` and
-``python -m hstu_cute warmup`` precompile, what CI compiles).
+"""Every compile key, the default tiles per head dim, and the shipped variant lists, in one place.
 
-* every arch: the Ampere (mma.sync) forward and backward kernels (:func:`hstu_cute.ampere.shipped_keys`);
-  on sm90 they still serve the backward, and the forward under ``HSTU_CUTE_ARCH=sm80``;
-* ``sm_90*``: also the Hopper (TMA + WGMMA) forward kernels
-  (:func:`hstu_cute.hopper.shipped_hopper_fwd_keys`) and dK/dV kernels
-  (:func:`hstu_cute.hopper.shipped_hopper_bwd_keys`), the defaults there.
+A compile key is a frozen dataclass holding everything baked into one cubin; lengths, batch,
+heads, strides and scalar values are runtime arguments (:mod:`hstu_cute.kernel_args`). The
+shipped lists are what ``warmup`` precompiles and CI compiles:
 
-Imports no torch or cutlass (the key modules are plain dataclasses).
+* every arch: the sm80 (mma.sync) forward and backward kernels; on sm90 they still serve the
+  backward with drab below D256, and everything under ``HSTU_CUTE_ARCH=sm80``;
+* ``sm_90*``: also the Hopper (TMA + WGMMA) forward kernels and backward kernels (fused D128,
+  the deterministic dK/dV + dQ pair, the wide D256 dK/dV/drab kernel), the defaults there.
+
+Imports neither torch nor cutlass.
 """
 
 from __future__ import annotations
 
-from .ampere import SHIPPED_DTYPES, SHIPPED_HEAD_DIMS
-from .ampere import shipped_keys as _ampere_shipped_keys
+from dataclasses import dataclass
+from typing import ClassVar
 
-__all__ = ["shipped_keys", "has_hopper_kernels"]
+from .arch import has_hopper_kernels
+from .masks import MaskKind, MaskSpec
+
+#: The head dims every kernel family supports (forward and backward, sm80 and sm90).
+HEAD_DIMS = (32, 64, 128, 256)
+#: The 16-bit input dtypes, by DSL name.
+DTYPES = ("bfloat16", "float16")
+# (mask_kind, context+target): none, local, causal, causal with contexts/targets. Context and
+# target share one variant (absent ones are passed as zeros): the extra compares only run on
+# partial tiles. delta_q and seqused are runtime arguments.
+SHIPPED_MASKS = ((MaskKind.NONE, False), (MaskKind.LOCAL, False), (MaskKind.CAUSAL, False), (MaskKind.CAUSAL, True))
+
+__all__ = [
+    "HEAD_DIMS", "DTYPES", "SHIPPED_MASKS", "AmpereFwdKey", "AmpereBwdKey", "HopperFwdKey", "HopperBwdKey",
+    "KEY_CLASSES", "make_fwd_key", "make_bwd_keys", "make_hopper_fwd_key", "make_hopper_bwd_key",
+    "shipped_keys", "has_hopper_kernels",
+]
 
 
-def has_hopper_kernels(arch: str) -> bool:
-    """Whether the Hopper kernels exist for the cubin arch ``arch`` (``"sm_90a"``, ...)."""
-    return arch.startswith("sm_90")
+class _KeyBase:
+    """Shared by the compile keys: the mask of the variant and a one-line description."""
+
+    @property
+    def mask(self) -> MaskSpec:
+        return MaskSpec(MaskKind(self.mask_kind), self.has_context, self.has_target)
+
+    def _describe(self, shape: str, extras: list[str]) -> str:
+        return f"{self.kernel_name} {self.arch} {self.dtype} d{self.head_dim} {shape} " + ",".join(
+            [self.mask.name] + extras)
 
 
-def shipped_keys(arch: str, dtypes=SHIPPED_DTYPES, head_dims=SHIPPED_HEAD_DIMS) -> list:
+def _fast_silu(dtype: str) -> bool:
+    # tanh.approx (one MUFU op) is well below bf16's rounding of P; fp16 keeps 3 more mantissa
+    # bits, so it takes the exp2 form.
+    return dtype == "bfloat16"
+
+
+def _mask_fields(kind, context_target: bool) -> dict:
+    return dict(mask_kind=int(kind), has_context=context_target, has_target=context_target)
+
+
+# ---------------------------------------------------------------------------------------------
+# sm80 (mma.sync): hstu_cute.ampere
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AmpereFwdKey(_KeyBase):
+    """Compile key of :class:`~hstu_cute.ampere.fwd.HstuForwardSm80`."""
+
+    kernel_name: ClassVar[str] = "ampere_fwd"
+
+    arch: str  # "sm_80", "sm_89", "sm_90a", ...
+    dtype: str  # "bfloat16" | "float16"
+    head_dim: int
+    mask_kind: int = int(MaskKind.NONE)
+    has_context: bool = False
+    has_target: bool = False
+    has_rab: bool = False
+    rab_vec: int = 8  # elements per rab load: 8 (16-byte aligned rows) or 1 (any layout)
+    tile_m: int = 128
+    tile_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    fast_silu: bool = True
+    # Measured 2026-11-20 on the H100, B=8 N=4096 D=128 causal: 323 TF with m-blocks slowest
+    # (heaviest first across all heads/batches) vs 270 TF with m-blocks fastest.
+    lpt_grid: bool = True
+    # ptxas optimization level: -O2 assembles ~0.4 s faster than -O3 on 2 cores (2026-11-20).
+    ptxas_opt: int = 3
+
+    def describe(self) -> str:
+        return self._describe(f"{self.tile_m}x{self.tile_n}w{self.num_warps}s{self.num_stages}",
+                              [f"rab/{self.rab_vec}"] if self.has_rab else [])
+
+
+def default_fwd_tiles(head_dim: int) -> dict:
+    """(tile_m, tile_n, num_warps, num_stages) per head dim; smem stays <= 99 KB (Ada's limit)
+    without rab. Chosen by the benchmark sweep recorded in docs/perf-log.md."""
+    if head_dim <= 64:
+        # B8 N4096 causal on the H100: 246.9 TF at 128x128 vs 237.3 at 128x64; ptxas -O2 287/272
+        # vs -O3 250/257 (interleaved pairs).
+        return dict(tile_m=128, tile_n=128, num_warps=4, num_stages=2, ptxas_opt=2)
+    if head_dim <= 128:
+        # ptxas -O2 337/311 vs -O3 308/305 TF (interleaved pairs, B8 N4096 causal).
+        return dict(tile_m=128, tile_n=64, num_warps=4, num_stages=2, ptxas_opt=2)
+    # B8 N4096 D256 causal on the H100: 323 TF at 64x64 s1 vs 273 at s2 and 292 at 128x64 w8;
+    # ptxas -O3 309/320 vs -O2 294/306.
+    return dict(tile_m=64, tile_n=64, num_warps=4, num_stages=1, ptxas_opt=3)
+
+
+def make_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, rab_vec, tiles=None) -> AmpereFwdKey:
+    return AmpereFwdKey(
+        arch=arch, dtype=dtype, head_dim=head_dim, **_mask_fields(kind, context_target), has_rab=has_rab,
+        rab_vec=rab_vec if has_rab else 8, fast_silu=_fast_silu(dtype),
+        **(tiles or dict(default_fwd_tiles(head_dim), lpt_grid=MaskKind(kind) == MaskKind.CAUSAL)),
+    )
+
+
+@dataclass(frozen=True)
+class AmpereBwdKey(_KeyBase):
+    """Compile key shared by the two sm80 backward kernels (:mod:`hstu_cute.ampere.bwd`). rab is
+    always read with 16-byte loads: the launcher pads its rows when they are not aligned."""
+
+    role: str  # "dq" (dQ and drab) or "dkdv"
+    arch: str
+    dtype: str
+    head_dim: int
+    mask_kind: int = int(MaskKind.NONE)
+    has_context: bool = False
+    has_target: bool = False
+    has_rab: bool = False
+    has_drab: bool = False
+    rab_sum_heads: bool = False  # one rab head for all heads: dq CTAs loop over heads
+    tile_m: int = 64
+    tile_n: int = 64
+    num_warps: int = 4
+    # Warps along the head dim in the GEMMs into dQ (dq) or dK and dV (dkdv). 1 keeps P and G in
+    # registers (each warp owns whole rows: 16 x head_dim fp32 per accumulator and warp); > 1
+    # splits the accumulators over more warps, G (and P) then pass through smem.
+    warps_d: int = 1
+    fast_silu: bool = True
+    ptxas_opt: int = 2
+
+    @property
+    def kernel_name(self) -> str:
+        return f"ampere_bwd_{self.role}"
+
+    def describe(self) -> str:
+        rab = (["rab" + ("+drab" if self.has_drab else "") + ("(sum)" if self.rab_sum_heads else "")]
+               if self.has_rab else [])
+        split = f"d{self.warps_d}" if self.warps_d > 1 else ""
+        return self._describe(f"{self.tile_m}x{self.tile_n}w{self.num_warps}{split}", rab)
+
+
+def default_bwd_tiles(role: str, head_dim: int) -> dict:
+    """Tiles of the sm80 backward kernels per head dim: no register spills on sm_80 (ptxas -v)
+    and dynamic smem within the A100's 163 KB."""
+    if head_dim <= 128:
+        return dict(tile_m=64, tile_n=64, num_warps=4)
+    # ptxas -O3: at -O2 two dQ variants (bf16, rab, no drab) capped themselves at 128 registers
+    # and spilled 4 bytes.
+    if role == "dq":
+        # dQ (64 x 256 fp32) over 8 warps, 4 of them along the head dim: 64 accumulator registers
+        # per thread (in 4 warps, 128: fp16 with drab summed over heads spilled). K/V stay
+        # double-buffered in 32-key tiles: 140 KB with rab (64-key tiles would need 212 KB).
+        return dict(tile_m=64, tile_n=32, num_warps=8, warps_d=4, ptxas_opt=3)
+    # dK + dV (2 x 64 x 256 fp32) over 8 warps, 4 of them along the head dim: 128 accumulator
+    # registers per thread. 32-query tiles keep Q/dO double-buffered: 144 KB with rab.
+    return dict(tile_m=32, tile_n=64, num_warps=8, warps_d=4, ptxas_opt=3)
+
+
+def make_bwd_keys(arch, dtype, head_dim, kind, context_target, has_rab, has_drab, rab_sum_heads):
+    """(dq key, dkdv key) of one sm80 backward call."""
+    common = dict(arch=arch, dtype=dtype, head_dim=head_dim, **_mask_fields(kind, context_target), has_rab=has_rab,
+                  fast_silu=_fast_silu(dtype))
+    dq = AmpereBwdKey(role="dq", has_drab=has_drab, rab_sum_heads=has_drab and rab_sum_heads, **common,
+                      **default_bwd_tiles("dq", head_dim))
+    dkdv = AmpereBwdKey(role="dkdv", **common, **default_bwd_tiles("dkdv", head_dim))
+    return dq, dkdv
+
+
+# ---------------------------------------------------------------------------------------------
+# sm90 (TMA + WGMMA): hstu_cute.hopper
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HopperFwdKey(_KeyBase):
+    """Compile key of :class:`~hstu_cute.hopper.fwd.HstuForwardSm90`. rab always has 16-byte
+    aligned rows here: TMA needs them, the launcher pads rab when they are not."""
+
+    kernel_name: ClassVar[str] = "hopper_fwd"
+
+    arch: str  # "sm_90a"
+    dtype: str
+    head_dim: int
+    mask_kind: int = int(MaskKind.NONE)
+    has_context: bool = False
+    has_target: bool = False
+    has_rab: bool = False
+    tile_m: int = 128  # 64 rows per consumer warpgroup
+    tile_n: int = 128
+    num_stages: int = 2
+    fast_silu: bool = True
+    intra_wg_overlap: bool = True
+    pingpong: bool = True
+    # Persistent CTAs walk LPT-ordered tiles in a snake order (docs/perf-log.md 2026-11-21: a
+    # plain stride lost to one tile per CTA, 465 vs 533 TF; the snake order won, D256 612 vs 544).
+    persistent: bool = True
+    ptxas_opt: int = 3
+
+    def describe(self) -> str:
+        flags = ("o" if self.intra_wg_overlap else "") + ("p" if self.pingpong else "") + (
+            "P" if self.persistent else "")
+        return self._describe(f"{self.tile_m}x{self.tile_n}s{self.num_stages}{flags}",
+                              ["rab"] if self.has_rab else [])
+
+
+def default_hopper_fwd_tiles(head_dim: int, has_rab: bool) -> dict:
+    """(tile_m, tile_n, num_stages, ptxas_opt) per head dim; smem <= 227 KB with the rab ring.
+    H100, B8 N4096 causal (2026-11-21): D128 persistent -O2 565.6 TF vs -O3 462.3; tile_n 176 and
+    3 stages were slower; D256 128x64 612 vs 128x80 582."""
+    if head_dim <= 128:
+        return dict(tile_m=128, tile_n=128, num_stages=2, ptxas_opt=2)
+    return dict(tile_m=128, tile_n=64, num_stages=2, ptxas_opt=3)
+
+
+def make_hopper_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, tiles=None) -> HopperFwdKey:
+    return HopperFwdKey(
+        arch=arch, dtype=dtype, head_dim=head_dim, **_mask_fields(kind, context_target), has_rab=has_rab,
+        fast_silu=_fast_silu(dtype), **(tiles or default_hopper_fwd_tiles(head_dim, has_rab)),
+    )
+
+
+@dataclass(frozen=True)
+class HopperBwdKey(_KeyBase):
+    """Compile key of the sm90 backward kernels: role "fused"
+    (:class:`~hstu_cute.hopper.bwd.HstuBackwardDkDvSm90` with its dQ reduction: the default at
+    D128), or the deterministic pair "dkdv" + "dq" (:class:`~hstu_cute.hopper.bwd.HstuBackwardDqSm90`,
+    calls without drab; with drab the sm80 dQ kernel pairs with "dkdv"); at head dim 256 role
+    "wide" (:class:`~hstu_cute.hopper.bwd_wide.HstuBackwardWideSm90`: dK, dV and drab) + "dq"."""
+
+    role: str
+    arch: str
+    dtype: str
+    head_dim: int
+    mask_kind: int = int(MaskKind.NONE)
+    has_context: bool = False
+    has_target: bool = False
+    has_rab: bool = False
+    has_drab: bool = False  # role "wide" only (the others leave drab to the sm80 dQ kernel)
+    rab_sum_heads: bool = False  # role "wide": drab of one rab head summed over H > 1 heads
+    tile_m: int = 64  # queries per m-block (dq: per CTA, 64 per consumer warpgroup)
+    tile_n: int = 128  # keys per CTA (dkdv: 64 per consumer warpgroup; dq: per n-block)
+    num_stages: int = 2
+    fast_silu: bool = True
+    ptxas_opt: int = 3
+    persistent: bool = False  # roles "dkdv" / "fused" / "dq": one CTA per SM walking the tiles
+
+    @property
+    def kernel_name(self) -> str:
+        return f"hopper_bwd_{self.role}"
+
+    def describe(self) -> str:
+        extras = (["rab"] if self.has_rab else []) + (["drab"] if self.has_drab else []) + (
+            ["sum_heads"] if self.rab_sum_heads else [])
+        return self._describe(f"{self.tile_m}x{self.tile_n}s{self.num_stages}{'P' if self.persistent else ''}",
+                              extras)
+
+
+HOPPER_BWD_ROLES = ("fused", "dkdv", "dq", "wide")
+# Persistent dK/dV and dQ kernels (H100 B8 N4096 causal, docs/perf-log.md session 6): D128 pair
+# 437.6 vs 422.4 TF, D64 322-324 vs 304-306; the fused kernel stays one CTA per n-block (a tile
+# loop slows its m-block loop: 402-418 vs 443-448).
+_BWD_TILES = {"dkdv": dict(tile_m=64, tile_n=128, persistent=True),
+              "fused": dict(tile_m=64, tile_n=128),
+              "dq": dict(tile_m=128, tile_n=64, persistent=True), "wide": dict(tile_m=64, tile_n=64)}
+# dQ at D256: Q and dO (2 x 64 KB) stay resident, so K/V tiles of 48 keys (32 beside rab's ring)
+# keep two stages in smem (H100 B8 N4096 causal, with the wide kernel: 369.4 TF at 128 x 48,
+# 359.5-363.5 at 128 x 32, 331.6 at 128 x 64 with one stage).
+_BWD_TILES_D256 = {"dq": dict(tile_m=128, tile_n=48, num_stages=2, persistent=True)}
+_BWD_TILES_D256_RAB = {"dq": dict(tile_m=128, tile_n=32, num_stages=2, persistent=True)}
+# Head dims of the wide dK/dV/drab kernel; it pairs with the dQ kernel there.
+HOPPER_WIDE_HEAD_DIMS = (256,)
+# (has_rab, has_drab, rab_sum_heads) of the wide kernel's variants.
+_WIDE_RAB = ((False, False, False), (True, False, False), (True, True, False), (True, True, True))
+# Head dims where the fused kernel is the default (no drab, not deterministic, keys of at least
+# FUSED_MIN_SEQLEN_K tokens). H200, B8 N4096 causal bf16, same run (docs/perf-log.md
+# 2026-11-21): D128 fused 431 vs pair 404 TF; D64 fused 252 vs pair 280 (at D64 the per-m-block
+# barriers and dQ reduce are not hidden by the GEMMs).
+HOPPER_FUSED_HEAD_DIMS = (128,)
+# At D128 the fused kernel runs for key sequences of at least this many tokens, the pair below.
+# H100, D128 bf16 causal backward, same runs (docs/perf-log.md session 7), TF/s pair vs fused:
+# B64 N512 177 vs 133, B32 N1024 266 vs 183, B16 N2048 386 vs 318 (uniform lengths 359 vs 308):
+# the fused kernel's one CTA per n-block walks few m-blocks there. At N4096 the fused kernel
+# is ahead on zipf lengths (352 vs 265), context + targets (390 vs 359) and without a mask (532
+# vs 510), and 2% behind on full causal batches (465 vs 473).
+FUSED_MIN_SEQLEN_K = 2049
+
+
+def hopper_bwd_tiles(role: str, head_dim: int, has_rab: bool) -> dict:
+    if head_dim in HOPPER_WIDE_HEAD_DIMS:
+        return (_BWD_TILES_D256_RAB if has_rab else _BWD_TILES_D256).get(role, _BWD_TILES[role])
+    return _BWD_TILES[role]
+
+
+def make_hopper_bwd_key(role, arch, dtype, head_dim, kind, context_target, has_rab, tiles=None, has_drab=False,
+                        rab_sum_heads=False) -> HopperBwdKey:
+    return HopperBwdKey(role=role, arch=arch, dtype=dtype, head_dim=head_dim, **_mask_fields(kind, context_target),
+                        has_rab=has_rab, has_drab=has_drab, rab_sum_heads=rab_sum_heads, fast_silu=_fast_silu(dtype),
+                        **(tiles or hopper_bwd_tiles(role, head_dim, has_rab)))
+
+
+def _hopper_role_serves(role: str, head_dim: int) -> bool:
+    if head_dim in HOPPER_WIDE_HEAD_DIMS:
+        return role in ("wide", "dq")
+    return role != "wide" and (role != "fused" or head_dim in HOPPER_FUSED_HEAD_DIMS)
+
+
+KEY_CLASSES = {cls.__name__: cls for cls in (AmpereFwdKey, AmpereBwdKey, HopperFwdKey, HopperBwdKey)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Shipped lists
+# ---------------------------------------------------------------------------------------------
+def shipped_ampere_fwd_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[AmpereFwdKey]:
+    return [make_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, rab_vec)
+            for dtype in dtypes for head_dim in head_dims for kind, context_target in SHIPPED_MASKS
+            for has_rab, rab_vec in ((False, 8), (True, 8), (True, 1))]
+
+
+def shipped_ampere_bwd_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[AmpereBwdKey]:
+    keys = []
+    for dtype in dtypes:
+        for head_dim in head_dims:
+            for kind, context_target in SHIPPED_MASKS:
+                for has_rab, has_drab, sum_heads in ((False, False, False), (True, False, False),
+                                                     (True, True, False), (True, True, True)):
+                    dq, dkdv = make_bwd_keys(arch, dtype, head_dim, kind, context_target, has_rab, has_drab,
+                                             sum_heads)
+                    keys.append(dq)
+                    if dkdv not in keys:
+                        keys.append(dkdv)
+    return keys
+
+
+def shipped_hopper_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[HopperFwdKey]:
+    return [make_hopper_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab)
+            for dtype in dtypes for head_dim in head_dims for kind, context_target in SHIPPED_MASKS
+            for has_rab in (False, True)]
+
+
+def shipped_hopper_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[HopperBwdKey]:
+    return [
+        make_hopper_bwd_key(role, arch, dtype, head_dim, kind, context_target, has_rab, has_drab=has_drab,
+                            rab_sum_heads=sum_heads)
+        for role in HOPPER_BWD_ROLES
+        for dtype in dtypes
+        for head_dim in head_dims
+        if _hopper_role_serves(role, head_dim)
+        for kind, context_target in SHIPPED_MASKS
+        for has_rab, has_drab, sum_heads in (_WIDE_RAB if role == "wide" else ((False, False, False),
+                                                                               (True, False, False)))
+    ]
+
+
+def shipped_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
     """Every compile key (forward and backward, every kernel family) the API can select for ``arch``."""
     dtypes, head_dims = tuple(dtypes), tuple(head_dims)
-    keys = _ampere_shipped_keys(arch, dtypes, head_dims)
+    keys = shipped_ampere_fwd_keys(arch, dtypes, head_dims) + shipped_ampere_bwd_keys(arch, dtypes, head_dims)
     if has_hopper_kernels(arch):
-        from .hopper import HOPPER_BWD_HEAD_DIMS, HOPPER_HEAD_DIMS, shipped_hopper_bwd_keys, shipped_hopper_fwd_keys
-
-        hopper_dims = tuple(d for d in head_dims if d in HOPPER_HEAD_DIMS)
-        if hopper_dims:
-            keys += shipped_hopper_fwd_keys(arch, dtypes, hopper_dims)
-        bwd_dims = tuple(d for d in head_dims if d in HOPPER_BWD_HEAD_DIMS)
-        if bwd_dims:
-            keys += shipped_hopper_bwd_keys(arch, dtypes, bwd_dims)
+        keys += shipped_hopper_fwd_keys(arch, dtypes, head_dims) + shipped_hopper_bwd_keys(arch, dtypes, head_dims)
     return keys

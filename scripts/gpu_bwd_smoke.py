@@ -1,20 +1,19 @@
 """Backward kernels vs the oracle's gradients (spec section 5: 5x rule). Development aid."""
 import sys, time, traceback
 import torch
-from hstu_cute import api, reference
-from hstu_cute import bwd_launch
-from hstu_cute.bwd_launch import run_backward
+from hstu_cute import launch, reference, testing, validation
 
-bwd_launch.FUSED_MIN_SEQLEN_K = 0  # the fused D128 kernel at every key length here
+launch.FUSED_MIN_SEQLEN_K = 0  # the fused D128 kernel at every key length here
 
-def case(name, dtype=torch.bfloat16, D=128, has_drab=False, **kw):
-    b = reference.random_jagged_batch(device="cuda", dtype=dtype, head_dim=D, **kw)
-    p = api.validate(b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"], b["max_seqlen_k"],
+def case(name, dtype=torch.bfloat16, D=128, has_drab=False, seed=0, **kw):
+    b = testing.random_jagged_batch(device="cuda", dtype=dtype, head_dim=D, seed=seed, **kw)
+    p = validation.validate(b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"], b["max_seqlen_k"],
                      b["num_contexts"], b["num_targets"], b["target_group_size"], b["window_size"], b["alpha"], b["rab"],
                      has_drab, b["is_delta_q"], None, None, None, None, -1, b["scaling_seqlen"], b["seqused_q"], b["seqused_k"])
-    dout = (torch.rand_like(b["q"], dtype=torch.float32) * 2 - 1).to(dtype)
+    # dout from its own CPU generator: the same on every run and device (seed + 1: not the batch's draws)
+    dout = (torch.rand(b["q"].shape, generator=torch.Generator().manual_seed(seed + 1)) * 2 - 1).to("cuda", dtype)
     t = time.time()
-    dq, dk, dv, drab = run_backward(dout, b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"],
+    dq, dk, dv, drab = launch.backward(dout, b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"],
                                     b["max_seqlen_k"], b["num_contexts"], b["num_targets"], b["target_group_size"], b["alpha"],
                                     b["rab"], has_drab, b["seqused_q"], b["seqused_k"], p)
     torch.cuda.synchronize(); el = time.time() - t
@@ -36,7 +35,7 @@ def case(name, dtype=torch.bfloat16, D=128, has_drab=False, **kw):
                   f"seqused_q {b['seqused_q'].tolist() if b['seqused_q'] is not None else None} seqused_k {b['seqused_k'].tolist() if b['seqused_k'] is not None else None} "
                   f"offs_q {b['seq_offsets_q'].tolist()} offs_k {offs}; bad tokens {int((err > 5 * r + 1e-6).any(-1).any(-1).sum())}")
         res.append(f"{nm} {'ok' if ok else 'FAIL'} {e:.2e}/{r:.2e}")
-    print(f"{'PASS' if ok_all else 'FAIL'} {name:28s} {el:5.1f}s  " + "  ".join(res), flush=True)
+    print(f"{'PASS' if ok_all else 'FAIL'} {name:28s} seed={seed} {el:5.1f}s  " + "  ".join(res), flush=True)
     return ok_all
 
 cases = [
@@ -63,20 +62,20 @@ for c in cases:
     except Exception:
         fails += 1; print("ERROR", c[0]); traceback.print_exc()
 # determinism
-b = reference.random_jagged_batch(4, 2, 64, 300, device="cuda", window_size=(-1, 0), rab_heads=1, seed=5)
-p = api.validate(b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], 300, 300, None, None, 1, (-1, 0), 1.0, b["rab"], True, False, None, None, None, None, -1, -1, None, None)
-dout = torch.randn_like(b["q"])
-outs = [run_backward(dout, b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], 300, 300, None, None, 1, 1.0, b["rab"], True, None, None, p, True) for _ in range(3)]
+b = testing.random_jagged_batch(4, 2, 64, 300, device="cuda", window_size=(-1, 0), rab_heads=1, seed=5)
+p = validation.validate(b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], 300, 300, None, None, 1, (-1, 0), 1.0, b["rab"], True, False, None, None, None, None, -1, -1, None, None)
+dout = torch.randn(b["q"].shape, generator=torch.Generator().manual_seed(0)).to("cuda", b["q"].dtype)
+outs = [launch.backward(dout, b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], 300, 300, None, None, 1, 1.0, b["rab"], True, None, None, p, True) for _ in range(3)]
 same = all(torch.equal(x, y) for o in outs[1:] for x, y in zip(o, outs[0]))
 for o in outs[1:]:
     print("  run diffs:", [(nm, float((x.float() - y.float()).abs().max())) for nm, x, y in zip("dq dk dv drab".split(), o, outs[0])])
 print("deterministic 3 runs bitwise (drab):", same)
 # without drab: deterministic=True takes the two-kernel path; the default (fused, dQ reduced by
 # TMA reduce-add) may differ in the last bits of dq only.
-b = reference.random_jagged_batch(4, 2, 128, 600, device="cuda", window_size=(-1, 0), seed=6)
-p = api.validate(b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], 600, 600, None, None, 1, (-1, 0), 1.0, None, False, False, None, None, None, None, -1, -1, None, None)
-dout = torch.randn_like(b["q"])
-run = lambda det: run_backward(dout, b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], 600, 600, None, None, 1, 1.0, None, False, None, None, p, det)
+b = testing.random_jagged_batch(4, 2, 128, 600, device="cuda", window_size=(-1, 0), seed=6)
+p = validation.validate(b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], 600, 600, None, None, 1, (-1, 0), 1.0, None, False, False, None, None, None, None, -1, -1, None, None)
+dout = torch.randn(b["q"].shape, generator=torch.Generator().manual_seed(0)).to("cuda", b["q"].dtype)
+run = lambda det: launch.backward(dout, b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], 600, 600, None, None, 1, 1.0, None, False, None, None, p, det)
 det_outs = [run(True) for _ in range(3)]
 same_nodrab = all(torch.equal(x, y) for o in det_outs[1:] for x, y in zip(o[:3], det_outs[0][:3]))
 print("deterministic=True 3 runs bitwise (no drab):", same_nodrab)

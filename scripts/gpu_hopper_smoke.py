@@ -6,7 +6,7 @@ import traceback
 
 import torch
 
-from hstu_cute import api, bench, reference
+from hstu_cute import bench, launch, reference, testing, validation
 
 CASES = {
     "causal d128": dict(head_dim=128, window_size=(-1, 0)),
@@ -25,15 +25,15 @@ for path in ("hopper", "ampere"):
         kw = dict(kw)
         dtype = kw.pop("dtype", torch.bfloat16)
         head_dim = kw.pop("head_dim")
-        b = reference.random_jagged_batch(6, 2, head_dim, 99 if kw.get("is_delta_q") else 333, device="cuda",
-                                          seed=5, dtype=dtype, **kw)
+        b = testing.random_jagged_batch(6, 2, head_dim, 99 if kw.get("is_delta_q") else 333, device="cuda",
+                                        seed=5, dtype=dtype, **kw)
         if b["seqused_k"] is not None:  # rows past seqused are ignored, whatever they hold
             offs, used = b["seq_offsets_k"].tolist(), b["seqused_k"].tolist()
             for i in range(len(used)):
                 b["v"][offs[i] + used[i]:offs[i + 1]] = float("nan")
                 b["k"][offs[i] + used[i]:offs[i + 1]] = float("nan")
         try:
-            p = api.validate(
+            p = validation.validate(
                 b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"], b["max_seqlen_k"],
                 b["num_contexts"], b["num_targets"], b["target_group_size"], b["window_size"], b["alpha"], b["rab"],
                 False, b["is_delta_q"], None, None, None, None, -1, b["scaling_seqlen"], b["seqused_q"],
@@ -41,7 +41,7 @@ for path in ("hopper", "ampere"):
             )
             out = torch.full_like(b["q"], float("nan"))
             t = time.time()
-            api.forward(b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"],
+            launch.forward(b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"],
                         b["max_seqlen_k"], b["num_contexts"], b["num_targets"], b["target_group_size"], b["alpha"],
                         b["rab"], b["seqused_q"], b["seqused_k"], p, out=out, path=path)
             torch.cuda.synchronize()

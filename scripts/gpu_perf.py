@@ -30,7 +30,7 @@ SWEEP = {
     256: ((64, 64, 4, 1), (64, 64, 4, 2), (128, 64, 8, 1), (64, 32, 4, 2), (128, 32, 8, 2)),
 }
 if "ptxas" in modes:
-    from hstu_cute.ampere import default_fwd_tiles
+    from hstu_cute.variants import default_fwd_tiles
     for d in (64, 128, 256):
         w = bench.replace(bench.headline(), name=f"full B8 N4096 D{d}", head_dim=d, sdpa=False)
         for rep in range(2):  # interleaved, twice: the difference must beat the run-to-run spread
@@ -49,7 +49,7 @@ if "sweep" in modes:
 if "hopper" in modes:
     # Hopper forward defaults vs one tile per CTA, interleaved (the spread between repeats is the
     # noise), the Ampere path and cuDNN in the same run.
-    from hstu_cute.hopper import default_hopper_fwd_tiles
+    from hstu_cute.variants import default_hopper_fwd_tiles
 
     head = bench.headline()
     for d in (128, 256, 64):
@@ -131,19 +131,19 @@ if "fusedvspair" in modes:
             for det in (False, True):
                 emit(bench.run_workload_bwd(wl, deterministic=det))
 if "fusedthreshold" in modes:
-    # Around bwd_launch.FUSED_MIN_SEQLEN_K: the fused kernel (forced) against the pair.
-    from hstu_cute import bwd_launch
+    # Around launch.FUSED_MIN_SEQLEN_K: the fused kernel (forced) against the pair.
+    from hstu_cute import launch
 
-    default_min = bwd_launch.FUSED_MIN_SEQLEN_K
+    default_min = launch.FUSED_MIN_SEQLEN_K
     for wl in (bench.Workload("full B16 N2048", 16, 2048), bench.Workload("full B32 N1024", 32, 1024),
                bench.Workload("uniform90 B16 N2048", 16, 2048, lengths="uniform90"),
                bench.Workload("full B64 N512", 64, 512)):
-        bwd_launch.FUSED_MIN_SEQLEN_K = 0
+        launch.FUSED_MIN_SEQLEN_K = 0
         row = bench.run_workload_bwd(wl)
         row["tiles"] += " fused (forced)"
         emit(row)
         emit(bench.run_workload_bwd(wl, deterministic=True))
-    bwd_launch.FUSED_MIN_SEQLEN_K = default_min
+    launch.FUSED_MIN_SEQLEN_K = default_min
 if "fp16" in modes:
     # fp16 forward and backward (precise SiLU: ex2 + reciprocal) with the SDPA lines.
     for d in (128, 64, 256):

@@ -17,14 +17,14 @@ import json, sys, time
 t0 = time.perf_counter()
 import torch, cutlass  # what a user process has imported before its first call
 import hstu_cute.api  # what a user process imports (torch, the TVM-FFI runtime)
-from hstu_cute.ampere import make_fwd_key
+from hstu_cute.variants import make_fwd_key
 from hstu_cute.cache import default_cache
 from hstu_cute.compile import build
 from hstu_cute.masks import MaskKind
 t_import = time.perf_counter() - t0
 arch, mode = sys.argv[1], sys.argv[2]
 if arch.startswith("sm_90"):  # the Hopper (TMA + WGMMA) forward
-    from hstu_cute.hopper import make_hopper_fwd_key
+    from hstu_cute.variants import make_hopper_fwd_key
     keys = [make_hopper_fwd_key(arch, "bfloat16", 128, MaskKind.CAUSAL, False, False),
             make_hopper_fwd_key(arch, "bfloat16", 64, MaskKind.NONE, False, False)]
 else:

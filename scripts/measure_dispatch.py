@@ -61,9 +61,9 @@ def dispatch_only(n: int) -> dict:
 
 
 def public_api_on_gpu(n: int) -> dict:
-    from hstu_cute import reference
+    from hstu_cute.testing import random_jagged_batch
 
-    b = reference.random_jagged_batch(1, 1, 64, 128, lengths="full", device="cuda", window_size=(-1, 0), seed=0)
+    b = random_jagged_batch(1, 1, 64, 128, lengths="full", device="cuda", window_size=(-1, 0), seed=0)
     call = lambda: api.hstu_attn_varlen_func(**b)  # noqa: E731
     fast = per_call_us(call, n, sync=torch.cuda.synchronize)
     eager = api._eager

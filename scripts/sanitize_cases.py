@@ -9,9 +9,9 @@ import os
 
 import torch
 
-from hstu_cute import api, bwd_launch, hstu_attn_varlen_func, reference
+from hstu_cute import arch, hstu_attn_varlen_func, launch, testing
 
-bwd_launch.FUSED_MIN_SEQLEN_K = 0
+launch.FUSED_MIN_SEQLEN_K = 0
 
 CASES = {
     "none": dict(window_size=(-1, -1)),
@@ -28,11 +28,11 @@ CASES = {
 PATHS = ("hopper", "ampere") if torch.cuda.get_device_capability()[0] == 9 else ("ampere",)
 for path in PATHS:
     os.environ["HSTU_CUTE_ARCH"] = {"hopper": "sm90", "ampere": "sm80"}[path]
-    api._kernel_path.cache_clear()
+    arch._kernel_path.cache_clear()
     for name, kw in CASES.items():
         for head_dim in (32, 128, 256):
-            b = reference.random_jagged_batch(5, 2, head_dim, 99 if kw.get("is_delta_q") else 131,
-                                              device="cuda", seed=7, **kw)
+            b = testing.random_jagged_batch(5, 2, head_dim, 99 if kw.get("is_delta_q") else 131,
+                                            device="cuda", seed=7, **kw)
             hstu_attn_varlen_func(**b)
             for t in ("q", "k", "v"):
                 b[t].requires_grad_(True)
@@ -43,6 +43,7 @@ for path in PATHS:
                 if b["rab"] is not None:
                     b["rab"].requires_grad_(mode.get("has_drab", False))
                 out = hstu_attn_varlen_func(**b, **mode)
-                out.backward(torch.randn_like(out))
+                dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device, out.dtype)
+                out.backward(dout)
         torch.cuda.synchronize()
         print("ran", path, name, flush=True)

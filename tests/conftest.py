@@ -12,13 +12,13 @@ def path(request, monkeypatch):
     ``hstu_attn_varlen_func`` take it too. For GPU tests only (queries the device)."""
     import torch
 
-    from hstu_cute import api
+    from hstu_cute import arch
 
     name = request.param
     if name == "hopper" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Hopper kernels need a compute capability 9.x GPU")
     monkeypatch.setenv("HSTU_CUTE_ARCH", {"ampere": "sm80", "hopper": "sm90"}[name])
-    api._kernel_path.cache_clear()
-    assert api.kernel_path(torch.device("cuda", torch.cuda.current_device())) == name
+    arch._kernel_path.cache_clear()
+    assert arch.kernel_path(torch.device("cuda", torch.cuda.current_device())) == name
     yield name
-    api._kernel_path.cache_clear()
+    arch._kernel_path.cache_clear()

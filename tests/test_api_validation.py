@@ -1,6 +1,6 @@
 """Argument checks of ``hstu_attn_varlen_func`` (spec section 1), on CPU.
 
-Every check of ``hstu_cute.api.validate`` gets a case: the exception type, and a message that
+Every check of ``hstu_cute.validation.validate`` gets a case: the exception type, and a message that
 names the argument and contains both the expected and the actual value. The "must be a CUDA
 device" check is the last one, so every other check is reachable with CPU tensors; device
 mismatches use ``device="meta"`` tensors for the odd one out. Each case goes through the public
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hstu_cute
-from hstu_cute import api, masks
+from hstu_cute import api, arch, masks, validation, variants
 
 B, H, D, L = 2, 2, 64, 8  # two sequences of length <= 8
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -217,7 +217,7 @@ def test_validation_message(case, no_launch):
     _check_message(info.value, name, expected, actual)
     # validate() itself raises the same error (what the public function runs first).
     with pytest.raises(exc_type) as info2:
-        api.validate(**args)
+        validation.validate(**args)
     assert str(info2.value) == str(info.value)
 
 
@@ -240,7 +240,7 @@ def test_every_argument_combination_valid_except_device(no_launch):
         hstu_cute.hstu_attn_varlen_func(**args)
 
 
-@pytest.mark.parametrize("head_dim", api.SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", variants.HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [BF16, FP16])
 def test_supported_dtypes_and_head_dims_pass(dtype, head_dim, no_launch):
     args = base_args(q=_t(16, H, head_dim, dtype=dtype), k=_t(16, H, head_dim, dtype=dtype),
@@ -250,11 +250,11 @@ def test_supported_dtypes_and_head_dims_pass(dtype, head_dim, no_launch):
 
 
 def test_too_many_sequences_is_not_implemented(no_launch):
-    offsets = torch.zeros(api.MAX_GRID_BATCH + 2, dtype=torch.int32)
+    offsets = torch.zeros(validation.MAX_GRID_BATCH + 2, dtype=torch.int32)
     with pytest.raises(NotImplementedError) as info:
         hstu_cute.hstu_attn_varlen_func(**base_args(seq_offsets_q=offsets, seq_offsets_k=offsets))
     msg = str(info.value)
-    assert msg.startswith("seq_offsets_q:") and str(api.MAX_GRID_BATCH) in msg and str(api.MAX_GRID_BATCH + 1) in msg
+    assert msg.startswith("seq_offsets_q:") and str(validation.MAX_GRID_BATCH) in msg and str(validation.MAX_GRID_BATCH + 1) in msg
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,11 +304,9 @@ def test_all_on_meta_is_shapes_only(no_launch):
 # Kernel path selection (HSTU_CUTE_ARCH) and the cubin arch
 # ---------------------------------------------------------------------------------------------
 def _clear_device_memos():
-    # api memoizes the capability query and the path per device index; mocks must not leak.
-    for name in ("_kernel_path", "_arch_of_index"):
-        fn = getattr(api, name, None)
-        if hasattr(fn, "cache_clear"):
-            fn.cache_clear()
+    # arch memoizes the capability query and the path per device index; mocks must not leak.
+    for fn in (arch._kernel_path, arch._arch_of_index):
+        fn.cache_clear()
 
 
 @pytest.fixture
@@ -339,7 +337,7 @@ HOPPER_VALUES = ["sm90", "sm_90", "SM90A", "sm_90a", "hopper"]
 def test_forced_hopper_path_on_sm90(value, monkeypatch, capability):
     monkeypatch.setenv("HSTU_CUTE_ARCH", value)
     capability((9, 0))
-    assert api.kernel_path(CUDA0) == "hopper"
+    assert arch.kernel_path(CUDA0) == "hopper"
 
 
 @pytest.mark.parametrize("value", HOPPER_VALUES)
@@ -347,7 +345,7 @@ def test_forced_hopper_path_on_sm80_not_implemented(value, monkeypatch, capabili
     monkeypatch.setenv("HSTU_CUTE_ARCH", value)
     capability((8, 0))
     with pytest.raises(NotImplementedError) as info:
-        api.kernel_path(CUDA0)
+        arch.kernel_path(CUDA0)
     msg = str(info.value)
     assert "HSTU_CUTE_ARCH=sm90" in msg and "9.x" in msg and "8.0" in msg
 
@@ -358,7 +356,7 @@ def test_forced_ampere_path(value, cap, monkeypatch, capability):
     """Forcing sm80 works on any device (the capability is not even queried)."""
     monkeypatch.setenv("HSTU_CUTE_ARCH", value)
     capability(cap)
-    assert api.kernel_path(CUDA0) == "ampere"
+    assert arch.kernel_path(CUDA0) == "ampere"
 
 
 @pytest.mark.parametrize("value", ["sm70", "blackwell", "90"])
@@ -366,7 +364,7 @@ def test_forced_unknown_path_is_value_error(value, monkeypatch, capability):
     monkeypatch.setenv("HSTU_CUTE_ARCH", value)
     capability(None)
     with pytest.raises(ValueError) as info:
-        api.kernel_path(CUDA0)
+        arch.kernel_path(CUDA0)
     msg = str(info.value)
     assert msg.startswith("HSTU_CUTE_ARCH:") and "sm80" in msg and "sm90" in msg
     assert repr(value.strip().lower().replace("_", "")) in msg
@@ -376,26 +374,26 @@ def test_forced_unknown_path_is_value_error(value, monkeypatch, capability):
 def test_default_path_is_ampere_on_sm8x(cap, monkeypatch, capability):
     monkeypatch.delenv("HSTU_CUTE_ARCH", raising=False)
     capability(cap)
-    assert api.kernel_path(CUDA0) == "ampere"
+    assert arch.kernel_path(CUDA0) == "ampere"
 
 
 def test_default_path_is_hopper_on_sm90(monkeypatch, capability):
     monkeypatch.delenv("HSTU_CUTE_ARCH", raising=False)
     capability((9, 0))
-    assert api.kernel_path(CUDA0) == "hopper"
+    assert arch.kernel_path(CUDA0) == "hopper"
 
 
 def test_pre_ampere_device_not_implemented(monkeypatch, capability):
     monkeypatch.delenv("HSTU_CUTE_ARCH", raising=False)
     capability((7, 5))
     with pytest.raises(NotImplementedError, match=r"compute capability >= 8\.0.*7\.x"):
-        api.kernel_path(CUDA0)
+        arch.kernel_path(CUDA0)
 
 
-@pytest.mark.parametrize("cap, arch", [((8, 0), "sm_80"), ((8, 6), "sm_86"), ((8, 9), "sm_89"), ((9, 0), "sm_90a")])
-def test_device_arch(cap, arch, capability):
+@pytest.mark.parametrize("cap, expected", [((8, 0), "sm_80"), ((8, 6), "sm_86"), ((8, 9), "sm_89"), ((9, 0), "sm_90a")])
+def test_device_arch(cap, expected, capability):
     capability(cap)
-    assert api.device_arch(CUDA0) == arch
+    assert arch.device_arch(CUDA0) == expected
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,14 +402,14 @@ def test_device_arch(cap, arch, capability):
 def _problem():
     from hstu_cute import masks
 
-    return api.Problem(B, H, D, BF16, masks.MaskSpec(masks.MaskKind.CAUSAL, True, True), L, 0, L, 0)
+    return validation.Problem(B, H, D, BF16, masks.MaskSpec(masks.MaskKind.CAUSAL, True, True), L, 0, L, 0)
 
 
 def _device_check(**over):
     a = dict(seq_offsets_q=_i32([0, 8, 14]), seq_offsets_k=_i32([0, 8, 14]), max_seqlen_q=L, max_seqlen_k=L,
              q=_t(16, H, D), k=_t(16, H, D), num_contexts=None, num_targets=None, seqused_q=None, seqused_k=None)
     a.update(over)
-    return api.debug_check_device_data(_problem(), **a)
+    return validation.check_device_data(_problem(), **a)
 
 
 def test_device_data_valid_passes():

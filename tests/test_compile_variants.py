@@ -16,9 +16,16 @@ from pathlib import Path
 import pytest
 
 from hstu_cute import warmup
-from hstu_cute.ampere import SHIPPED_DTYPES, SHIPPED_MASKS, make_bwd_keys, shipped_fwd_keys, shipped_keys
 from hstu_cute.cache import ModuleCache, reset_default_cache
-from hstu_cute.hopper import shipped_hopper_bwd_keys, shipped_hopper_fwd_keys
+from hstu_cute.variants import (
+    DTYPES,
+    SHIPPED_MASKS,
+    make_bwd_keys,
+    shipped_ampere_bwd_keys,
+    shipped_ampere_fwd_keys,
+    shipped_hopper_bwd_keys,
+    shipped_hopper_fwd_keys,
+)
 
 
 @pytest.fixture
@@ -45,7 +52,7 @@ def _assert_all_built(results, keys, cache_dir, arch):
 
 @pytest.mark.slow
 def test_every_shipped_sm80_variant_compiles(tmp_cache):
-    keys = shipped_keys("sm_80")
+    keys = shipped_ampere_fwd_keys("sm_80") + shipped_ampere_bwd_keys("sm_80")
     assert len(keys) == len(set(keys)) == 96 + 192
     results = warmup(arch="sm_80", workers=2, raise_errors=False)
     _assert_all_built(results, keys, tmp_cache, "sm_80")
@@ -74,7 +81,7 @@ def test_every_hopper_variant_compiles(tmp_cache):
 
 def test_one_sm90a_variant_compiles(tmp_cache):
     """The Ampere (mma.sync) kernel is also what runs on H100: it must build for sm_90a."""
-    key = dataclasses.replace(shipped_fwd_keys("sm_80", ("bfloat16",), (128,))[6], arch="sm_90a")
+    key = dataclasses.replace(shipped_ampere_fwd_keys("sm_80", ("bfloat16",), (128,))[6], arch="sm_90a")
     assert key.has_rab is False and key.describe().endswith("causal")
     results = warmup(arch="sm_90a", keys=[key], workers=1)
     _assert_all_built(results, [key], tmp_cache, "sm_90a")
@@ -88,13 +95,13 @@ def test_sm80_d256_backward_keys_shipped():
     """The sm80 backward at head dim 256: the dQ (+drab) and dK/dV keys that the launcher picks,
     for both dtypes and every shipped mask and rab/drab mode, are in the shipped list (what
     warmup and CI compile)."""
-    shipped = [k for k in shipped_keys("sm_80") if k.kernel_name.startswith("ampere_bwd") and k.head_dim == 256]
+    shipped = [k for k in shipped_ampere_bwd_keys("sm_80") if k.head_dim == 256]
     assert len(shipped) == len(set(shipped)) == 2 * 4 * 6
-    for dtype in SHIPPED_DTYPES:
+    for dtype in DTYPES:
         for kind, context_target in SHIPPED_MASKS:
             for has_rab, has_drab, sum_heads in ((False, False, False), (True, False, False), (True, True, False),
                                                  (True, True, True)):
-                dq, dkdv = make_bwd_keys("sm_80", dtype, 256, kind, context_target, has_rab, 8, has_drab, sum_heads)
+                dq, dkdv = make_bwd_keys("sm_80", dtype, 256, kind, context_target, has_rab, has_drab, sum_heads)
                 assert dq in shipped and dkdv in shipped, (dq, dkdv)
                 # Split along the head dim: no warp holds 16 x 256 fp32 accumulators.
                 assert dq.warps_d > 1 and dkdv.warps_d > 1
@@ -105,6 +112,6 @@ def test_sm80_d256_backward_compiles(tmp_cache):
     contexts and targets, rab; the dQ kernel with drab summed over heads)."""
     from hstu_cute.masks import MaskKind
 
-    keys = list(make_bwd_keys("sm_80", "float16", 256, MaskKind.CAUSAL, True, True, 8, True, True))
+    keys = list(make_bwd_keys("sm_80", "float16", 256, MaskKind.CAUSAL, True, True, True, True))
     results = warmup(arch="sm_80", keys=keys, workers=1)
     _assert_all_built(results, keys, tmp_cache, "sm_80")

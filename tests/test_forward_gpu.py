@@ -1,16 +1,21 @@
 """Kernel vs oracle on the GPU (spec section 5 ratio rule). Skips cleanly without a GPU.
 
 Every test runs on both forward kernel paths (the ``path`` fixture of conftest.py): 'ampere'
-(mma.sync, any sm80+ GPU) and 'hopper' (TMA + WGMMA, compute capability 9.x only, skipped elsewhere)."""
+(mma.sync, any sm80+ GPU) and 'hopper' (TMA + WGMMA, compute capability 9.x only, skipped elsewhere).
+
+Every batch is drawn with an explicit, process-independent seed (no ``hash()``: it is salted per
+process), and failures print it: ``random_jagged_batch(..., seed=<seed>)`` redraws the batch."""
 
 from __future__ import annotations
 
 import itertools
+import zlib
 
 import pytest
 import torch
 
-from hstu_cute import api, reference
+from hstu_cute import hstu_attn_varlen_func, launch, reference, validation
+from hstu_cute.testing import random_jagged_batch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,15 +58,21 @@ def _grid():
     return cases
 
 
-def _check(b, path):
-    """Poisoned output buffer -> kernel of ``path`` -> ratio rule against fp32 and same-dtype oracles."""
-    p = api.validate(
+def _seed(*parts) -> int:
+    """A seed that is the same in every process (unlike ``hash``, which PYTHONHASHSEED salts)."""
+    return zlib.crc32(repr(parts).encode())
+
+
+def _check(b, path, seed):
+    """Poisoned output buffer -> kernel of ``path`` -> ratio rule against fp32 and same-dtype oracles.
+    ``seed``: the batch's seed, reported in failures."""
+    p = validation.validate(
         b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"], b["max_seqlen_k"],
         b["num_contexts"], b["num_targets"], b["target_group_size"], b["window_size"], b["alpha"], b["rab"],
         False, b["is_delta_q"], None, None, None, None, -1, b["scaling_seqlen"], b["seqused_q"], b["seqused_k"],
     )
     out = torch.full_like(b["q"], float("nan"))
-    api.forward(
+    launch.forward(
         b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"], b["max_seqlen_k"],
         b["num_contexts"], b["num_targets"], b["target_group_size"], b["alpha"], b["rab"], b["seqused_q"],
         b["seqused_k"], p, out=out, path=path,
@@ -70,24 +81,27 @@ def _check(b, path):
     ref32 = reference.hstu_attn_reference(**b)
     ref_same = reference.hstu_attn_reference(**b, compute_dtype=None)
     ok, err, ref_err = reference.ratio_check(out, ref32, ref_same, 2.0)
-    assert not torch.isnan(out).any(), "unwritten (poisoned) output rows, or NaN read from padding"
-    assert ok, f"[{path}] kernel err {err:.3e} > 2 x same-dtype err {ref_err:.3e}"
+    assert not torch.isnan(out).any(), (
+        f"[{path} seed={seed}] unwritten (poisoned) output rows, or NaN read from padding"
+    )
+    assert ok, f"[{path} seed={seed}] kernel err {err:.3e} > 2 x same-dtype err {ref_err:.3e}"
     return out
 
 
-def _run(path, batch, dtype, heads=2, **kw):
-    """A random jagged batch through the kernel of ``path``, checked against the oracle."""
-    b = reference.random_jagged_batch(batch, heads, device="cuda", dtype=dtype, **kw)
-    return b, _check(b, path)
+def _run(path, batch, dtype, seed, heads=2, **kw):
+    """A random jagged batch (drawn with ``seed``) through the kernel of ``path``, checked against the oracle."""
+    b = random_jagged_batch(batch, heads, device="cuda", dtype=dtype, seed=seed, **kw)
+    return b, _check(b, path, seed)
 
 
 @pytest.mark.parametrize("case", _grid())
 def test_fbgemm_grid(case, path):
     case = dict(case)  # the param dict is shared by both paths' runs
+    seed = _seed(case)  # the whole case (mask, rab and dtype included); the same on both paths
     mask = case.pop("mask")
     rab = case.pop("rab")
     rab_heads = 2 if rab == "H" else rab
-    _run(path, 32, case.pop("dtype"), rab_heads=rab_heads, seed=hash(str(case)) % 2**31, **mask, **case)
+    _run(path, 32, case.pop("dtype"), seed, rab_heads=rab_heads, **mask, **case)
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -96,37 +110,39 @@ def test_edge_lengths(head_dim, mask, path):
     m = dict(MASKS[mask])
     if "num_contexts" in m or "num_targets" in m:
         m["num_contexts"], m["num_targets"], m["target_group_size"] = 5, 20, 3
-    _run(path, 4, torch.bfloat16, head_dim=head_dim, max_seqlen_q=1111, lengths=[0, 1, 17, 1111], rab_heads=1, **m)
+    _run(path, 4, torch.bfloat16, _seed("edge", head_dim, mask), head_dim=head_dim, max_seqlen_q=1111,
+         lengths=[0, 1, 17, 1111], rab_heads=1, **m)
 
 
 def test_all_target_sequences(path):
     lens = [64, 300, 1, 129]
-    _run(path, 4, torch.bfloat16, head_dim=128, max_seqlen_q=300, lengths=lens, window_size=(-1, 0),
+    _run(path, 4, torch.bfloat16, 1, head_dim=128, max_seqlen_q=300, lengths=lens, window_size=(-1, 0),
          num_targets=lens, target_group_size=7)
 
 
 @pytest.mark.parametrize("max_len", [0, 16])
 def test_empty_batch(max_len, path):
-    b = reference.random_jagged_batch(3, 2, 64, max_len, lengths=[0, 0, 0], device="cuda")
-    out = api.hstu_attn_varlen_func(**b)
+    b = random_jagged_batch(3, 2, 64, max_len, lengths=[0, 0, 0], device="cuda", seed=0)
+    out = hstu_attn_varlen_func(**b)
     assert out.shape == (0, 2, 64)
 
 
 def test_delta_q_with_seqused_and_scaling(path):
-    _run(path, 8, torch.float16, head_dim=64, max_seqlen_q=77, max_seqlen_k=300, is_delta_q=True,
+    _run(path, 8, torch.float16, 2, head_dim=64, max_seqlen_q=77, max_seqlen_k=300, is_delta_q=True,
          window_size=(-1, 0), seqused=True, scaling_seqlen=500, rab_heads=2)
 
 
 def test_large_batch_short_sequences(path):
-    _run(path, 3000, torch.bfloat16, heads=1, head_dim=32, max_seqlen_q=9, window_size=(-1, 0))
+    _run(path, 3000, torch.bfloat16, 4, heads=1, head_dim=32, max_seqlen_q=9, window_size=(-1, 0))
 
 
 def test_public_api_matches_forward(path):
-    b = reference.random_jagged_batch(4, 2, 128, 200, device="cuda", window_size=(-1, 0), seed=3)
-    out = api.hstu_attn_varlen_func(**b)
+    b = random_jagged_batch(4, 2, 128, 200, device="cuda", window_size=(-1, 0), seed=3)
+    out = hstu_attn_varlen_func(**b)
     ref32 = reference.hstu_attn_reference(**b)
     ref_same = reference.hstu_attn_reference(**b, compute_dtype=None)
-    assert reference.ratio_check(out, ref32, ref_same, 2.0)[0]
+    ok, err, ref_err = reference.ratio_check(out, ref32, ref_same, 2.0)
+    assert ok, f"[{path} seed=3] kernel err {err:.3e} > 2 x same-dtype err {ref_err:.3e}"
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -139,8 +155,9 @@ def test_public_api_matches_forward(path):
 def test_nan_beyond_seqused(head_dim, case, path):
     """k and v rows past seqused_k (up to the next sequence's offset) are NaN: the kernel must never
     let them into a valid output (masked scores times NaN would still be NaN)."""
-    b = reference.random_jagged_batch(8, 2, head_dim, lengths="full", seqused=True, seed=head_dim + len(str(case)),
-                                      device="cuda", dtype=torch.bfloat16, **case)
+    seed = head_dim + len(str(case))  # stable: str() of a dict of ints and tuples
+    b = random_jagged_batch(8, 2, head_dim, lengths="full", seqused=True, seed=seed, device="cuda",
+                            dtype=torch.bfloat16, **case)
     offsets = b["seq_offsets_k"].tolist()
     used = b["seqused_k"].tolist()
     poisoned = 0
@@ -149,6 +166,6 @@ def test_nan_beyond_seqused(head_dim, case, path):
             b["k"][start + n:end] = float("nan")
             b["v"][start + n:end] = float("nan")
             poisoned += end - start - n
-    assert poisoned > 0, "the draw left no padding to poison"
-    out = _check(b, path)
-    assert not torch.isnan(out).any()
+    assert poisoned > 0, f"the draw (seed={seed}) left no padding to poison"
+    out = _check(b, path, seed)
+    assert not torch.isnan(out).any(), f"[{path} seed={seed}] NaN in the output"

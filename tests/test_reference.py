@@ -13,10 +13,10 @@ import torch
 
 from hstu_cute.reference import (
     hstu_attn_reference,
-    random_jagged_batch,
     ratio_check,
     reference_grads,
 )
+from hstu_cute.testing import random_jagged_batch
 
 # ------------------------------------------------------------------------------------------------
 # Brute force, from the spec text.
@@ -429,7 +429,7 @@ def test_ratio_check_rule():
 
 
 # ------------------------------------------------------------------------------------------------
-# random_jagged_batch.
+# random_jagged_batch (hstu_cute.testing).
 # ------------------------------------------------------------------------------------------------
 
 

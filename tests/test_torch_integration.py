@@ -21,7 +21,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from hstu_cute import api, hstu_attn_varlen_func, reference
+from hstu_cute import api, hstu_attn_varlen_func, reference, validation
+from hstu_cute.testing import random_jagged_batch
 
 BF16 = torch.bfloat16
 H, D = 2, 32
@@ -59,14 +60,18 @@ def _op_nodes(gm: torch.fx.GraphModule, name: str) -> list[torch.fx.Node]:
             for n in m.graph.nodes if n.op == "call_function" and str(n.target).startswith(name)]
 
 
-def _batch(device, lengths=(8, 6), heads=H, head_dim=D, rab_heads=None, requires_grad=False):
+def _batch(device, lengths=(8, 6), heads=H, head_dim=D, rab_heads=None, requires_grad=False, seed=0):
     offsets = [0]
     for n in lengths:
         offsets.append(offsets[-1] + n)
     T, L = offsets[-1], max(lengths)
+    gen = torch.Generator().manual_seed(seed)
 
     def t(*shape, dtype=BF16):
-        x = torch.randn(shape, dtype=torch.float32).to(dtype) if device == "cpu" else torch.empty(shape, dtype=dtype)
+        if device == "cpu":
+            x = torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+        else:
+            x = torch.empty(shape, dtype=dtype)
         return x.to(device).requires_grad_(requires_grad and dtype.is_floating_point)
 
     b = dict(q=t(T, heads, head_dim), k=t(T, heads, head_dim), v=t(T, heads, head_dim),
@@ -211,7 +216,7 @@ def test_export_fake_cuda(strict, no_launch):
 def test_export_fake_cuda_dynamic_tokens(no_launch):
     from torch.export import Dim
 
-    tokens, batch1 = Dim("tokens", min=2), Dim("batch1", min=3, max=api.MAX_GRID_BATCH + 1)
+    tokens, batch1 = Dim("tokens", min=2), Dim("batch1", min=3, max=validation.MAX_GRID_BATCH + 1)
     with FakeTensorMode():
         q, k, v = (torch.empty(14, H, D, dtype=BF16, device="cuda") for _ in range(3))
         off = torch.empty(3, dtype=torch.int32, device="cuda")
@@ -258,7 +263,7 @@ def test_export_layer_with_parameters_meta(strict, no_launch):
     from torch.export import Dim
 
     layer = HstuLayer("meta", rab_heads=1)
-    tokens, batch1 = Dim("tokens", min=2), Dim("batch1", min=3, max=api.MAX_GRID_BATCH + 1)
+    tokens, batch1 = Dim("tokens", min=2), Dim("batch1", min=3, max=validation.MAX_GRID_BATCH + 1)
     ep = torch.export.export(layer, _layer_inputs("meta"), strict=strict,
                              dynamic_shapes=({0: tokens}, {0: batch1}, {0: batch1 - 1}))
     assert len(_op_nodes(ep.graph_module, "hstu_cute.fwd")) == 1, _graph_targets(ep.graph_module)
@@ -430,7 +435,7 @@ def test_gradients_route_to_the_right_inputs_cpu(fast_path, oracle_kernels, monk
     (the compiled path deduplicates the inputs of the autograd.Function). ``eager-fast-path``
     lets CPU tensors take the fast path that CUDA tensors take (no dispatcher: the op bodies,
     which rebuild the Problem, must not run)."""
-    problem = api._problem
+    problem = api.problem_of_op_args
     if fast_path:
         eager = api._eager
 
@@ -439,14 +444,13 @@ def test_gradients_route_to_the_right_inputs_cpu(fast_path, oracle_kernels, monk
 
         monkeypatch.setattr(api, "_eager", lambda t: eager(t) or (type(t) is torch.Tensor and t.device.type == "cpu"
                                                                    and not torch.compiler.is_compiling()))
-        monkeypatch.setattr(api, "_problem", no_op_body)
-    b = reference.random_jagged_batch(3, H, D, 12, dtype=BF16, window_size=(-1, 0), rab_heads=H, num_targets=3,
-                                      seed=5)
+        monkeypatch.setattr(api, "problem_of_op_args", no_op_body)
+    b = random_jagged_batch(3, H, D, 12, dtype=BF16, window_size=(-1, 0), rab_heads=H, num_targets=3, seed=5)
     kw = {n: b[n] for n in ("seq_offsets_q", "seq_offsets_k", "max_seqlen_q", "max_seqlen_k", "num_targets",
                             "window_size", "alpha")}
     leaves = {n: b[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v", "rab")}
     out = hstu_attn_varlen_func(leaves["q"], leaves["k"], leaves["v"], rab=leaves["rab"], has_drab=True, **kw)
-    dout = torch.randn_like(out)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(6), dtype=out.dtype)
     out.backward(dout)
     ref = reference.reference_grads(b["q"], b["k"], b["v"], rab=b["rab"], dout=dout, **kw)
     for n in ("q", "k", "v", "rab"):
@@ -459,7 +463,7 @@ def test_gradients_route_to_the_right_inputs_cpu(fast_path, oracle_kernels, monk
 
     call = lambda x: hstu_attn_varlen_func(x, x, x, **kw)  # noqa: E731
     g_eager = shared(call)
-    monkeypatch.setattr(api, "_problem", problem)  # the compiled graph runs the op bodies
+    monkeypatch.setattr(api, "problem_of_op_args", problem)  # the compiled graph runs the op bodies
     g_comp = shared(torch.compile(call, fullgraph=True, backend="aot_eager"))
     ref = reference.reference_grads(b["q"], b["q"], b["q"], dout=dout, **kw)
     expected = (ref["dq"].to(BF16) + ref["dk"].to(BF16) + ref["dv"].to(BF16)).float()

@@ -58,10 +58,10 @@ def _grads(layer, x0, offsets, targets, fn, **kw):
 @pytest.mark.parametrize("with_rab,fused", [(False, False), (False, True), (True, False)],
                          ids=["no-rab", "no-rab-fused", "rab-drab"])
 def test_compiled_training_step_matches_oracle(path, with_rab, fused, monkeypatch):
-    from hstu_cute import bwd_launch
+    from hstu_cute import launch
 
     if fused:
-        monkeypatch.setattr(bwd_launch, "FUSED_MIN_SEQLEN_K", 0)
+        monkeypatch.setattr(launch, "FUSED_MIN_SEQLEN_K", 0)
     torch._dynamo.reset()
     dev = "cuda"
     lengths = list(LENGTHS)

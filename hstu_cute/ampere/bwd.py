@@ -55,14 +55,15 @@ def silu_and_grad_inplace(acc_s: cute.Tensor, acc_dp: cute.Tensor, alpha: Float3
 
 
 class _BackwardBase:
-    def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, rab_vec: int,
-                 has_drab: bool, rab_sum_heads: bool, tile_m: int, tile_n: int, num_warps: int,
+    # rab elements per cp.async: the launcher pads rab rows to 16 bytes, so always 8.
+    rab_vec = 8
+
+    def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, has_drab: bool, rab_sum_heads: bool, tile_m: int, tile_n: int, num_warps: int,
                  fast_silu: bool, warps_d: int = 1):
         self.dtype = dtype
         self.head_dim = head_dim
         self.mask = mask
         self.has_rab = has_rab
-        self.rab_vec = rab_vec
         self.has_drab = has_drab
         self.rab_sum_heads = rab_sum_heads
         self.tile_m = tile_m
@@ -94,8 +95,6 @@ class _BackwardBase:
         gmem_store = cute.make_tiled_copy_tv(copy_r2g, thr_layout, cute.make_layout((1, vec)))
         gmem_copy_rab = None
         if const_expr(self.has_rab):
-            # The launcher pads rab rows to 16 bytes (rab_vec is always 8 for the backward).
-            assert self.rab_vec == 8
             rab_atom = cute.make_copy_atom(
                 cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), self.dtype,
                 num_bits_per_copy=self.rab_vec * self.dtype.width,

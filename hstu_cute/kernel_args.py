@@ -1,0 +1,199 @@
+"""The runtime arguments of every kernel family, in order: one spec that both the fake-tensor
+compile (:mod:`hstu_cute.compile`) and the launch (:mod:`hstu_cute.launch`) build from.
+
+A spec is a tuple of :class:`Arg`, named as the kernel's ``__call__`` parameters (CuTe naming:
+``mQ`` is global q); ``compile`` checks the names against the kernel's signature, so the three
+can not drift apart. An argument absent from a variant (``present(key)`` false) is passed as
+``None`` at compile time and at launch. At launch :func:`ordered` picks the values by name from
+the mapping the launcher filled, so adding an argument (FP8 descales, a page table) is one
+:class:`Arg` here, its value in the launcher's mapping, and its use in the kernel.
+
+Imports neither torch nor cutlass at import time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+class FakeShapes:
+    """Symbolic sizes shared by the fake tensors of one compile: every (T_q, H, D) tensor shares
+    T_q and H, every (T_k, H, D) tensor T_k and H, every per-sequence vector B (or B + 1), so the
+    compiler sees the same facts the launch guarantees. ``dtype`` is the key's 16-bit DSL type."""
+
+    def __init__(self, key):
+        import cutlass
+        import cutlass.cute as cute
+
+        self.key = key
+        self.dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[key.dtype]
+        self.tokens_q, self.tokens_k, self.heads = cute.sym_int(), cute.sym_int(), cute.sym_int()
+        self.batch, self.batch1 = cute.sym_int(), cute.sym_int()
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake values, one builder per kind of argument
+# ---------------------------------------------------------------------------------------------
+def _tokens(tokens_attr: str, elem=None, divisibility: int = 8, align: int = 16):
+    """(T, H, D) with a 64-bit token stride (global offsets never overflow int32) and a head
+    stride that keeps every row 16-byte aligned."""
+
+    def fake(s: FakeShapes):
+        import cutlass
+        import cutlass.cute as cute
+
+        dtype = s.dtype if elem is None else getattr(cutlass, elem)
+        stride_t = cute.sym_int64(divisibility=divisibility)
+        stride_h = cute.sym_int(divisibility=divisibility)
+        return cute.runtime.make_fake_tensor(dtype, (getattr(s, tokens_attr), s.heads, s.key.head_dim),
+                                             (stride_t, stride_h, 1), assumed_align=align)
+
+    return fake
+
+
+def _int_vec(length_attr: str):
+    def fake(s: FakeShapes):
+        import cutlass
+        import cutlass.cute as cute
+
+        return cute.runtime.make_fake_compact_tensor(cutlass.Int32, (getattr(s, length_attr),), assumed_align=4)
+
+    return fake
+
+
+def _slab(rank: int, vec: int, elem=None, last_stride_64: bool = False, align: int | None = None):
+    """A rank-``rank`` tensor of free sizes, last dim contiguous, strides multiples of ``vec``:
+    rab and drab. ``last_stride_64``: the row stride is 64-bit too (the TMA kernels' view);
+    ``align``: the base pointer's alignment (default: one ``vec`` load, at least 4 bytes)."""
+
+    def fake(s: FakeShapes):
+        import cutlass
+        import cutlass.cute as cute
+
+        dtype = s.dtype if elem is None else getattr(cutlass, elem)
+        shape = tuple(cute.sym_int() for _ in range(rank))
+        row = cute.sym_int64(divisibility=vec) if last_stride_64 else cute.sym_int(divisibility=vec)
+        stride = tuple(cute.sym_int64(divisibility=vec) for _ in range(rank - 2)) + (row, 1)
+        base_align = align if align is not None else max(dtype.width // 8 * vec, 4)
+        return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=base_align)
+
+    return fake
+
+
+def _f32(s: FakeShapes):
+    from cutlass import Float32
+
+    return Float32(1.0)
+
+
+def _i32(s: FakeShapes):
+    from cutlass import Int32
+
+    return Int32(1)
+
+
+def _always(key) -> bool:
+    return True
+
+
+def _has_context(key) -> bool:
+    return key.has_context
+
+
+def _has_target(key) -> bool:
+    return key.has_target
+
+
+def _has_rab(key) -> bool:
+    return key.has_rab
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One runtime argument: its name (the kernel parameter's), how ``compile`` fakes it, and in
+    which variants it exists (else ``None`` is passed)."""
+
+    name: str
+    fake: Callable[[FakeShapes], Any]
+    present: Callable[[Any], bool] = _always
+
+
+def _ampere_rab(s: FakeShapes):
+    # rab_vec 8: 16-byte rows (cp.async of 8 elements); 1: any layout, element loads.
+    return _slab(4, s.key.rab_vec, align=s.dtype.width // 8 * s.key.rab_vec)(s)
+
+
+# The argument runs every family shares, in the order the kernels take them.
+_SEQUENCES = (
+    Arg("mOffsetsQ", _int_vec("batch1")),  # (B + 1,) int32
+    Arg("mOffsetsK", _int_vec("batch1")),
+    Arg("mSeqUsedQ", _int_vec("batch")),  # (B,) valid prefix, INT32_MAX when unused
+    Arg("mSeqUsedK", _int_vec("batch")),
+    Arg("mNumContexts", _int_vec("batch"), _has_context),
+    Arg("mNumTargets", _int_vec("batch"), _has_target),
+)
+_SCALARS = (
+    Arg("alpha", _f32),
+    Arg("inv_scale", _f32),  # 1 / S
+    Arg("window_left", _i32),
+    Arg("window_right", _i32),
+    Arg("group_size", _i32),
+    Arg("is_delta_q", _i32),
+)
+_Q, _K, _V, _DO = (Arg("mQ", _tokens("tokens_q")), Arg("mK", _tokens("tokens_k")), Arg("mV", _tokens("tokens_k")),
+                   Arg("mdO", _tokens("tokens_q")))
+_DK, _DV = Arg("mdK", _tokens("tokens_k")), Arg("mdV", _tokens("tokens_k"))
+_DQ = Arg("mdQ", _tokens("tokens_q"))
+_TMA_RAB = Arg("mRab", _slab(4, 8, last_stride_64=True), _has_rab)  # rows 16-byte aligned (TMA)
+_SM80_RAB16 = Arg("mRab", _slab(4, 8), _has_rab)  # the backward pads rab rows to 16 bytes
+_NUM_SMS = Arg("num_sms", _i32)
+
+
+def _wide_drab(s: FakeShapes):
+    import cutlass
+    import cutlass.cute as cute
+
+    # (B, H_rab, L_q, L_k) in the input dtype, or the fp32 (B, L_q, L_k) sum over heads.
+    rank, elem = (3, cutlass.Float32) if s.key.rab_sum_heads else (4, s.dtype)
+    return cute.runtime.make_fake_tensor(elem, tuple(cute.sym_int() for _ in range(rank)),
+                                         tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,), assumed_align=4)
+
+
+SPECS: dict[str, tuple[Arg, ...]] = {
+    "ampere_fwd": (_Q, _K, _V, Arg("mO", _tokens("tokens_q")), *_SEQUENCES, Arg("mRab", _ampere_rab, _has_rab),
+                   *_SCALARS, Arg("num_m_blocks", _i32)),
+    "ampere_bwd_dq": (_Q, _K, _V, _DO, _DQ, *_SEQUENCES, _SM80_RAB16,
+                      Arg("mdRab", _slab(4, 1), lambda key: key.has_drab),
+                      Arg("mdRabAccum", _slab(3, 1, "Float32"), lambda key: key.rab_sum_heads),
+                      *_SCALARS, Arg("num_m_blocks", _i32)),
+    "ampere_bwd_dkdv": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _SM80_RAB16, *_SCALARS, Arg("num_n_blocks", _i32)),
+    "hopper_fwd": (_Q, _K, _V, Arg("mO", _tokens("tokens_q")), *_SEQUENCES, _TMA_RAB, *_SCALARS,
+                   Arg("num_m_blocks", _i32), _NUM_SMS,
+                   Arg("lpt_order", _i32)),  # 1: longest causal rows first; 0: a sequence's m-blocks together
+    "hopper_bwd_dq": (_Q, _K, _V, _DO, _DQ, *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS),
+    "hopper_bwd_wide": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _TMA_RAB,
+                        Arg("mdRab", _wide_drab, lambda key: key.has_drab), *_SCALARS, Arg("num_n_blocks", _i32)),
+}
+# The dK/dV kernel with and without its fused dQ reduction: an fp32 (T_q, H, D) accumulator that
+# TMA reduce-adds into (16-byte strides).
+SPECS["hopper_bwd_dkdv"] = SPECS["hopper_bwd_fused"] = (
+    _Q, _K, _V, _DO, _DK, _DV, Arg("mdQaccum", _tokens("tokens_q", "Float32", 4), lambda key: key.role == "fused"),
+    *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_n_blocks", _i32), _NUM_SMS,
+)
+
+
+def spec(key) -> tuple[Arg, ...]:
+    return SPECS[key.kernel_name]
+
+
+def fake_args(key) -> list:
+    """The compile-time stand-ins of ``key``'s runtime arguments, in order."""
+    shapes = FakeShapes(key)
+    return [a.fake(shapes) if a.present(key) else None for a in spec(key)]
+
+
+def ordered(key, values: dict) -> list:
+    """``key``'s runtime arguments in order, from the launcher's ``values`` by name (absent
+    ones as None, whatever ``values`` holds)."""
+    return [values[a.name] if a.present(key) else None for a in spec(key)]

@@ -1,0 +1,313 @@
+"""Kernel selection and launch for validated calls: :func:`forward` and :func:`backward`.
+
+Both prepare the tensors the kernels need (16-byte aligned strides, rab rows padded for TMA,
+constant stand-ins for absent seqused / contexts / targets), pick the compile keys
+(:mod:`hstu_cute.variants`), get the compiled modules from the cache and launch them on the
+current torch stream (CUDA-graph capture works). The runtime arguments are filled by name and
+ordered by the family's spec (:mod:`hstu_cute.kernel_args`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+from . import masks
+from .arch import device_arch, kernel_path, num_sms
+from .cache import default_cache
+from .compile import build
+from .kernel_args import ordered
+from .validation import DTYPE_NAMES, Problem
+from .variants import (
+    FUSED_MIN_SEQLEN_K,
+    HEAD_DIMS,
+    HOPPER_FUSED_HEAD_DIMS,
+    HOPPER_WIDE_HEAD_DIMS,
+    make_bwd_keys,
+    make_fwd_key,
+    make_hopper_bwd_key,
+    make_hopper_fwd_key,
+)
+
+INT32_MAX = 2**31 - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor preparation
+# ---------------------------------------------------------------------------------------------
+def aligned_16(t: torch.Tensor) -> torch.Tensor:
+    """The kernels load 16-byte vectors along D: token/head strides must be multiples of 8
+    elements and the base pointer 16-byte aligned. Rare layouts that are not get one copy."""
+    if t.stride(0) % 8 or t.stride(1) % 8 or t.data_ptr() % 16:
+        t = t.contiguous()
+        if t.data_ptr() % 16:
+            t = t.clone()
+    return t
+
+
+def rab_vec(rab: torch.Tensor) -> int:
+    """Elements per rab load: 8 (16-byte cp.async) when every row starts 16-byte aligned, else 1
+    (scalar loads; e.g. max_seqlen_k not a multiple of 8 -- pad rab's last dim to avoid it)."""
+    aligned = rab.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in (rab.stride(0), rab.stride(1), rab.stride(2)))
+    return 8 if aligned else 1
+
+
+def pad_rab_rows(rab: torch.Tensor) -> torch.Tensor:
+    """rab with 16-byte aligned rows (what TMA and 16-byte loads need): ``rab`` itself when it
+    already has them, else a copy into a slab whose last dim is padded to a multiple of 8."""
+    if rab_vec(rab) == 8:
+        return rab
+    cols = rab.shape[3]
+    padded = torch.zeros(rab.shape[:3] + ((cols + 7) // 8 * 8,), dtype=rab.dtype, device=rab.device)
+    padded[..., :cols].copy_(rab)
+    return padded
+
+
+_FILLERS: dict = {}
+
+
+def _filler(batch: int, device: torch.device, value: int) -> torch.Tensor:
+    """Cached (batch,) int32 constant: stands in for absent seqused (no limit) or absent
+    contexts/targets (zero), so these need no kernel variants of their own."""
+    key = (batch, device, value)
+    t = _FILLERS.get(key)
+    if t is None:
+        if len(_FILLERS) > 64:
+            _FILLERS.clear()
+        t = _FILLERS[key] = torch.full((batch,), value, dtype=torch.int32, device=device)
+    return t
+
+
+def _sequence_args(p: Problem, device, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
+                   num_targets, context_target: bool) -> dict:
+    """The per-sequence runtime arguments every kernel family takes, absent ones filled."""
+    batch = p.batch
+    if context_target:
+        num_contexts = num_contexts if num_contexts is not None else _filler(batch, device, 0)
+        num_targets = num_targets if num_targets is not None else _filler(batch, device, 0)
+    return dict(
+        mOffsetsQ=seq_offsets_q, mOffsetsK=seq_offsets_k,
+        mSeqUsedQ=seqused_q if seqused_q is not None else _filler(batch, device, INT32_MAX),
+        mSeqUsedK=seqused_k if seqused_k is not None else _filler(batch, device, INT32_MAX),
+        mNumContexts=num_contexts, mNumTargets=num_targets,
+    )
+
+
+def _scalar_args(p: Problem, alpha, target_group_size) -> dict:
+    return dict(alpha=float(alpha), inv_scale=1.0 / p.scale_seqlen, window_left=p.window_left,
+                window_right=p.window_right, group_size=int(target_group_size), is_delta_q=int(p.mask.is_delta_q))
+
+
+def _compiled(key):
+    return default_cache().get(key, lambda: build(key))
+
+
+def _launch(key, compiled, values: dict) -> None:
+    compiled(*ordered(key, values))
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------
+_KEYS: dict = {}
+
+
+def fwd_key(p: Problem, arch: str, rab, tiles: dict | None = None, path: str = "ampere"):
+    """The forward compile key of this call (memoized: building the dataclass costs more than the lookup)."""
+    vec = rab_vec(rab) if rab is not None else 0
+    context_target = p.mask.has_context or p.mask.has_target
+    memo = (path, arch, p.dtype, p.head_dim, p.mask.kind, context_target, vec,
+            tuple(sorted(tiles.items())) if tiles else None)
+    key = _KEYS.get(memo)
+    if key is None:
+        dtype = DTYPE_NAMES[p.dtype]
+        if path == "hopper":
+            key = make_hopper_fwd_key(arch, dtype, p.head_dim, p.mask.kind, context_target, rab is not None, tiles)
+        else:
+            key = make_fwd_key(arch, dtype, p.head_dim, p.mask.kind, context_target, rab is not None, vec or 8, tiles)
+        key = _KEYS[memo] = key
+    return key
+
+
+def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+            target_group_size, alpha, rab, seqused_q, seqused_k, p: Problem, tiles: dict | None = None,
+            out: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
+    """Launch the forward kernel of ``path`` ('hopper' or 'ampere'; default: :func:`kernel_path`)
+    and return ``out`` (T_q, H, D); ``tiles`` overrides the key's default tiles (benchmarks)."""
+    if path is None:
+        path = kernel_path(q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if seqused_q is not None:
+        out.zero_()  # padding rows (past seqused_q) are never written by the kernel
+    if q.shape[0] == 0 or max_seqlen_q == 0 or p.batch == 0:
+        return out.zero_()
+    q, k, v = aligned_16(q), aligned_16(k), aligned_16(v)
+    if k.shape[0] == 0:
+        return out.zero_()
+    if rab is not None and path == "hopper":
+        rab = pad_rab_rows(rab)  # TMA needs 16-byte aligned rows
+    device = q.device
+    key = fwd_key(p, device_arch(device), rab, tiles, path)
+    compiled = _compiled(key)
+    values = dict(mQ=q, mK=k, mV=v, mO=out, mRab=rab, num_m_blocks=-(-max_seqlen_q // key.tile_m),
+                  **_sequence_args(p, device, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
+                                   num_targets, key.has_context),
+                  **_scalar_args(p, alpha, target_group_size))
+    if path == "hopper":
+        # Longest-first tile order pays for long causal rows; for short sequences (a few m-blocks
+        # each) keeping a sequence's m-blocks together wins through L2 (B1024 N256: 144 vs 115 TF).
+        values.update(num_sms=num_sms(device),
+                      lpt_order=int(p.mask.kind == masks.MaskKind.CAUSAL and max_seqlen_q > 4 * key.tile_m))
+    # The launch goes to the current device's current stream (TVM-FFI env stream); switching
+    # devices costs ~10 us, so only do it when q lives elsewhere.
+    if device.index == torch.cuda.current_device():
+        _launch(key, compiled, values)
+    else:
+        with torch.cuda.device(device):
+            _launch(key, compiled, values)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------------
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+@contextlib.contextmanager
+def _beside(device):
+    """Launches in the body go to a side stream forked from, and joined back into, the current
+    stream (CUDA-graph capture included): the dK/dV and dQ kernels are independent, so the second
+    fills the SMs the first leaves idle in its last wave."""
+    main = torch.cuda.current_stream(device)
+    side = _SIDE_STREAMS.get(device.index)
+    if side is None:
+        if torch.cuda.is_current_stream_capturing():
+            # No stream creation inside a CUDA-graph capture: this call runs in line.
+            yield
+            return
+        side = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        yield
+    main.wait_stream(side)
+
+
+def backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+             target_group_size, alpha, rab, has_drab, seqused_q, seqused_k, p: Problem, deterministic: bool = False,
+             tiles_dq: dict | None = None, tiles_dkdv: dict | None = None, path: str | None = None):
+    """Launch the backward kernels; returns ``(dq, dk, dv, drab)``, fresh tensors shaped like q,
+    k, v (and like rab when ``has_drab``, else ``drab`` is None), in the input dtype.
+
+    ``path`` 'hopper' (default on sm90): at head dim 128, without drab, unless ``deterministic``
+    and for keys of at least ``FUSED_MIN_SEQLEN_K`` tokens, one fused TMA + WGMMA kernel computes
+    dK, dV and reduces dQ into an fp32 accumulator (the order of that sum varies run to run);
+    otherwise a dK/dV kernel and a dQ kernel (the sm80 one when drab is wanted), each summing in
+    a fixed order. At head dim 256 the wide dK/dV/drab kernel and the dQ kernel (deterministic,
+    except the sum of drab over heads for one rab head unless ``deterministic``). 'ampere': the
+    sm80 dK/dV and dQ kernels at every head dim, deterministic. ``tiles_*`` override the keys'
+    default tiles (benchmark sweeps)."""
+    if path is None:
+        path = kernel_path(q.device)
+    if p.head_dim not in HEAD_DIMS:
+        raise NotImplementedError(f"q.shape[2] (head dim): the backward kernels support {HEAD_DIMS}, got {p.head_dim}")
+    zero_q, zero_k = seqused_q is not None, seqused_k is not None
+    dq = (torch.zeros if zero_q else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
+    dk = (torch.zeros if zero_k else torch.empty)(k.shape, dtype=k.dtype, device=k.device)
+    dv = (torch.zeros if zero_k else torch.empty)(v.shape, dtype=v.dtype, device=v.device)
+    drab = torch.zeros_like(rab) if has_drab else None
+    if q.shape[0] == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or p.batch == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_(), drab
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    q, k, v, dout = (aligned_16(t) for t in (q, k, v, dout))
+
+    device = q.device
+    drab_view = None
+    if rab is not None and rab_vec(rab) != 8:
+        # Rows not 16-byte aligned (e.g. max_seqlen_k % 8 != 0): the kernels read a padded copy,
+        # and drab is returned as a view of a padded gradient.
+        cols = rab.shape[3]
+        rab = pad_rab_rows(rab)
+        if has_drab:
+            drab = torch.zeros_like(rab)
+            drab_view = drab[..., :cols]
+    sum_heads = has_drab and rab is not None and rab.shape[1] == 1 and p.heads > 1
+    context_target = p.mask.has_context or p.mask.has_target
+    values = dict(mQ=q, mK=k, mV=v, mdO=dout, mdQ=dq, mdK=dk, mdV=dv, mRab=rab,
+                  **_sequence_args(p, device, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
+                                   num_targets, context_target),
+                  **_scalar_args(p, alpha, target_group_size))
+    common = (device_arch(device), DTYPE_NAMES[p.dtype], p.head_dim, p.mask.kind, context_target, rab is not None)
+    with torch.cuda.device(device):
+        if path == "hopper" and p.head_dim in HOPPER_WIDE_HEAD_DIMS:
+            _backward_wide(values, common, device, rab, drab, sum_heads, has_drab, deterministic, p,
+                           max_seqlen_q, max_seqlen_k, tiles_dq, tiles_dkdv)
+        else:
+            fused = (path == "hopper" and not has_drab and not deterministic
+                     and p.head_dim in HOPPER_FUSED_HEAD_DIMS and max_seqlen_k >= FUSED_MIN_SEQLEN_K)
+            if fused:
+                return _backward_fused(values, common, device, q, max_seqlen_k, tiles_dkdv), dk, dv, None
+            _backward_pair(values, common, device, path, rab, drab, sum_heads, has_drab, max_seqlen_q, max_seqlen_k,
+                           tiles_dq, tiles_dkdv)
+    return dq, dk, dv, (drab_view if drab_view is not None else drab)
+
+
+def _backward_wide(values, common, device, rab, drab, sum_heads, has_drab, deterministic, p, max_seqlen_q,
+                   max_seqlen_k, tiles_dq, tiles_dkdv) -> None:
+    """D256 on sm90: the wide dK/dV/drab kernel, the dQ kernel beside it."""
+    # drab of one rab head over H heads: atomic fp32 sums, or (deterministic) per-head drab
+    # summed afterwards in a fixed order.
+    atomic_sum = sum_heads and not deterministic
+    key_kv = make_hopper_bwd_key("wide", *common, tiles_dkdv, has_drab=has_drab, rab_sum_heads=atomic_sum)
+    key_q = make_hopper_bwd_key("dq", *common, tiles_dq)
+    fn_kv, fn_q = _compiled(key_kv), _compiled(key_q)
+    drab_out = drab
+    if atomic_sum:
+        drab_out = torch.zeros((rab.shape[0], rab.shape[2], rab.shape[3]), dtype=torch.float32, device=device)
+    elif sum_heads:
+        drab_out = torch.zeros((rab.shape[0], p.heads, rab.shape[2], rab.shape[3]), dtype=rab.dtype, device=device)
+    sms = num_sms(device)
+    _launch(key_kv, fn_kv, dict(values, mdRab=drab_out, num_n_blocks=-(-max_seqlen_k // key_kv.tile_n)))
+    with _beside(device):
+        _launch(key_q, fn_q, dict(values, num_m_blocks=-(-max_seqlen_q // key_q.tile_m), num_sms=sms))
+    if sum_heads:
+        drab[:, 0].copy_(drab_out if atomic_sum else drab_out.float().sum(1))
+
+
+def _backward_fused(values, common, device, q, max_seqlen_k, tiles_dkdv) -> torch.Tensor:
+    """D128 on sm90: one kernel for dK, dV and dQ (reduce-added into fp32); returns dq."""
+    key = make_hopper_bwd_key("fused", *common, tiles_dkdv)
+    fn = _compiled(key)
+    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=device)
+    _launch(key, fn, dict(values, mdQaccum=dq_accum, num_n_blocks=-(-max_seqlen_k // key.tile_n),
+                          num_sms=num_sms(device)))
+    return dq_accum.to(q.dtype)
+
+
+def _backward_pair(values, common, device, path, rab, drab, sum_heads, has_drab, max_seqlen_q, max_seqlen_k,
+                   tiles_dq, tiles_dkdv) -> None:
+    """The deterministic pair: a dK/dV kernel and a dQ(+drab) kernel beside it."""
+    key_dq, key_dkdv = make_bwd_keys(*common, has_drab, sum_heads)
+    if tiles_dq or tiles_dkdv:  # benchmark sweeps only
+        # The Hopper keys below take them whole; with drab the sm80 dQ kernel runs on that path too.
+        if path != "hopper" or has_drab:
+            key_dq = dataclasses.replace(key_dq, **(tiles_dq or {}))
+        if path != "hopper":
+            key_dkdv = dataclasses.replace(key_dkdv, **(tiles_dkdv or {}))
+    if path == "hopper":
+        key_dkdv = make_hopper_bwd_key("dkdv", *common, tiles_dkdv)
+        if not has_drab:  # drab (and its sum over heads) comes from the sm80 dQ kernel
+            key_dq = make_hopper_bwd_key("dq", *common, tiles_dq)
+    fn_dq, fn_dkdv = _compiled(key_dq), _compiled(key_dkdv)
+    drab_accum = None
+    if sum_heads:
+        drab_accum = torch.zeros((rab.shape[0], rab.shape[2], rab.shape[3]), dtype=torch.float32, device=device)
+    sms = num_sms(device) if path == "hopper" else None
+    _launch(key_dkdv, fn_dkdv, dict(values, num_n_blocks=-(-max_seqlen_k // key_dkdv.tile_n), num_sms=sms))
+    with _beside(device):
+        _launch(key_dq, fn_dq, dict(values, mdRab=drab, mdRabAccum=drab_accum,
+                                    num_m_blocks=-(-max_seqlen_q // key_dq.tile_m), num_sms=sms))

@@ -1,0 +1,188 @@
+"""Random jagged batches for tests, benchmarks and the demo.
+
+:func:`random_jagged_batch` draws the keyword dict accepted by both the oracle
+(:func:`hstu_cute.reference.hstu_attn_reference`) and ``hstu_attn_varlen_func``. Every draw comes
+from a CPU :class:`torch.Generator`, so a seed gives the same batch on every device. Tests pass
+``seed`` explicitly; without one the generator is seeded from torch's global RNG.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["random_jagged_batch"]
+
+
+def _draw_lengths(spec, B: int, max_len: int, min_len: int, gen: torch.Generator, name: str) -> list[int]:
+    if isinstance(spec, str):
+        if spec == "full":
+            return [max_len] * B
+        if spec == "random":
+            lo = min(max(min_len, 0), max_len)
+            return torch.randint(lo, max_len + 1, (B,), generator=gen).tolist()
+        raise ValueError(f"{name} must be 'full', 'random' or a sequence of ints, got {spec!r}")
+    out = [int(x) for x in spec]
+    if len(out) != B:
+        raise ValueError(f"{name} must have batch_size={B} entries, got {len(out)}")
+    if any(x < 0 or x > max_len for x in out):
+        raise ValueError(f"{name} entries must lie in [0, {max_len}], got {out}")
+    return out
+
+
+def _offsets(lengths: list[int], device) -> torch.Tensor:
+    offs = [0]
+    for n in lengths:
+        offs.append(offs[-1] + n)
+    return torch.tensor(offs, dtype=torch.int32, device=device)
+
+
+def _uniform(shape, gen, dtype, device, requires_grad) -> torch.Tensor:
+    x = (torch.rand(shape, generator=gen, dtype=torch.float32) * 2 - 1).to(dtype=dtype, device=device)
+    return x.requires_grad_(requires_grad)
+
+
+def random_jagged_batch(
+    batch_size: int,
+    num_heads: int,
+    head_dim: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int | None = None,
+    *,
+    lengths: str | Sequence[int] = "random",
+    lengths_q: str | Sequence[int] | None = None,
+    min_seqlen: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    is_delta_q: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    alpha: float = 1.0,
+    rab_heads: int | None = None,
+    num_contexts: int | Sequence[int] | None = None,
+    num_targets: int | Sequence[int] | None = None,
+    target_group_size: int = 1,
+    seqused: bool = False,
+    scaling_seqlen: int = -1,
+    requires_grad: bool = False,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, Any]:
+    """Draw a random jagged batch; returns the keyword dict for both
+    :func:`hstu_cute.reference.hstu_attn_reference` and ``hstu_attn_varlen_func`` (pass
+    ``has_drab=True`` yourself when you want drab).
+
+    * ``lengths``: the key-sequence storage lengths, ``"full"`` (all ``max_seqlen_k``),
+      ``"random"`` (uniform in ``[min_seqlen, max_seqlen_k]``) or an explicit list.
+    * Without ``is_delta_q``: ``max_seqlen_q`` must equal ``max_seqlen_k`` and the query lengths
+      equal the key lengths. With ``is_delta_q``: query lengths come from ``lengths_q`` (same
+      options; default ``"random"``, ``"full"`` meaning ``min(Lk, max_seqlen_q)``) and are clipped
+      to ``Lq <= min(Lk, max_seqlen_q)`` when drawn.
+    * ``seqused``: draw valid prefixes ``seqused_k`` in ``[0, storage_k]`` (and ``seqused_q``: equal
+      to ``seqused_k`` clipped to the query storage without delta_q; in ``[0, min(storage_q,
+      seqused_k)]`` with delta_q); the rest of the storage is padding.
+    * ``num_contexts`` / ``num_targets``: None (absent), an int (upper bound: drawn per sequence
+      with ``c + t <= L``, L the valid key length; contexts first) or an explicit list.
+    * ``rab_heads``: None (no rab), 1 or ``num_heads``; rab is ``(B, rab_heads, max_seqlen_k,
+      max_seqlen_k)`` uniform(-1, 1), like q, k, v.
+    Random draws come from a CPU generator (``seed`` or ``generator``), so a seed gives the same
+    batch on every device.
+    """
+    if max_seqlen_k is None:
+        max_seqlen_k = max_seqlen_q
+    if max_seqlen_q > max_seqlen_k:
+        raise ValueError(f"max_seqlen_q={max_seqlen_q} must be <= max_seqlen_k={max_seqlen_k}")
+    if not is_delta_q and max_seqlen_q != max_seqlen_k:
+        raise ValueError(
+            f"max_seqlen_q={max_seqlen_q} < max_seqlen_k={max_seqlen_k} requires is_delta_q=True"
+        )
+    gen = generator
+    if gen is None:
+        gen = torch.Generator()
+        # Without a seed, draw one from torch's global RNG (so torch.manual_seed makes it repeatable).
+        gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
+    B = batch_size
+
+    store_k = _draw_lengths(lengths, B, max_seqlen_k, min_seqlen, gen, "lengths")
+    if is_delta_q:
+        if lengths_q is None or isinstance(lengths_q, str):
+            mode = lengths_q or "random"
+            if mode == "full":
+                store_q = [min(n, max_seqlen_q) for n in store_k]
+            elif mode == "random":
+                store_q = [
+                    int(torch.randint(0, min(n, max_seqlen_q) + 1, (1,), generator=gen)) for n in store_k
+                ]
+            else:
+                raise ValueError(f"lengths_q must be 'full', 'random' or a sequence of ints, got {mode!r}")
+        else:
+            store_q = _draw_lengths(lengths_q, B, max_seqlen_q, 0, gen, "lengths_q")
+            if any(a > b for a, b in zip(store_q, store_k)):
+                raise ValueError(f"is_delta_q needs Lq <= Lk: lengths_q={store_q}, lengths={store_k}")
+    else:
+        if lengths_q is not None:
+            raise ValueError("lengths_q is only meaningful with is_delta_q=True")
+        store_q = list(store_k)
+
+    if seqused:
+        used_k = [int(torch.randint(0, n + 1, (1,), generator=gen)) for n in store_k]
+        if is_delta_q:
+            used_q = [int(torch.randint(0, min(sq, uk) + 1, (1,), generator=gen)) for sq, uk in zip(store_q, used_k)]
+        else:
+            used_q = [min(uk, sq) for uk, sq in zip(used_k, store_q)]
+    else:
+        used_k, used_q = store_k, store_q
+
+    def draw_ct(arg, name, room):
+        if arg is None:
+            return None
+        if isinstance(arg, int):
+            return [int(torch.randint(0, max(0, min(arg, r)) + 1, (1,), generator=gen)) for r in room]
+        vals = [int(x) for x in arg]
+        if len(vals) != B:
+            raise ValueError(f"{name} must have batch_size={B} entries, got {len(vals)}")
+        return vals
+
+    ctx = draw_ct(num_contexts, "num_contexts", used_k)
+    room_t = [L - (ctx[b] if ctx is not None else 0) for b, L in enumerate(used_k)]
+    tgt = draw_ct(num_targets, "num_targets", room_t)
+    for b in range(B):
+        c = ctx[b] if ctx is not None else 0
+        t = tgt[b] if tgt is not None else 0
+        if c < 0 or t < 0 or c + t > used_k[b]:
+            raise ValueError(f"sequence {b}: need c + t <= L, got c={c}, t={t}, L={used_k[b]}")
+
+    T_q, T_k = sum(store_q), sum(store_k)
+    H, D = num_heads, head_dim
+    q = _uniform((T_q, H, D), gen, dtype, device, requires_grad)
+    k = _uniform((T_k, H, D), gen, dtype, device, requires_grad)
+    v = _uniform((T_k, H, D), gen, dtype, device, requires_grad)
+    rab = None
+    if rab_heads is not None:
+        if rab_heads not in (1, H):
+            raise ValueError(f"rab_heads must be 1 or num_heads={H}, got {rab_heads}")
+        rab = _uniform((B, rab_heads, max_seqlen_k, max_seqlen_k), gen, dtype, device, requires_grad)
+
+    def i32(vals):
+        return None if vals is None else torch.tensor(vals, dtype=torch.int32, device=device)
+
+    return {
+        "q": q,
+        "k": k,
+        "v": v,
+        "seq_offsets_q": _offsets(store_q, device),
+        "seq_offsets_k": _offsets(store_k, device),
+        "max_seqlen_q": int(max_seqlen_q),
+        "max_seqlen_k": int(max_seqlen_k),
+        "num_contexts": i32(ctx),
+        "num_targets": i32(tgt),
+        "target_group_size": int(target_group_size),
+        "window_size": tuple(window_size),
+        "alpha": alpha,
+        "rab": rab,
+        "is_delta_q": bool(is_delta_q),
+        "scaling_seqlen": int(scaling_seqlen),
+        "seqused_q": i32(used_q) if seqused else None,
+        "seqused_k": i32(used_k) if seqused else None,
+    }

@@ -1,0 +1,251 @@
+"""Argument checks of the public call (spec: docs/operator.md, "Errors"): every argument is
+checked before anything is compiled or launched, without a GPU sync, and a failure names the
+argument, the expected and the actual value. Checks that need the device's data (and a sync) run
+only with ``HSTU_CUTE_CHECK=1``.
+
+The result of a successful check is a :class:`Problem`: the normalized, hashable description of
+the call that the launcher selects kernels from.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import masks
+from .variants import HEAD_DIMS
+
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+FP8_DTYPES = tuple(
+    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2") if hasattr(torch, n)
+)
+MAX_GRID_BATCH = 65535  # grid.z limit of a launch
+
+
+def fail(exc, name, expected, actual):
+    raise exc(f"{name}: expected {expected}, got {actual}")
+
+
+def _check_int_vector(name, t, batch, device):
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        fail(TypeError, name, "a torch.Tensor or None", type(t).__name__)
+    if t.dtype != torch.int32:
+        fail(TypeError, name, "dtype torch.int32", t.dtype)
+    if t.dim() != 1 or t.shape[0] != batch:
+        fail(ValueError, name, f"shape ({batch},) (one entry per sequence)", tuple(t.shape))
+    if t.device != device:
+        fail(ValueError, name, f"device {device} (same as q)", t.device)
+
+
+def _check_python_int(name, x, minimum=None):
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        fail(TypeError, name, "a Python int", f"{type(x).__name__} {x!r}")
+    if minimum is not None and x < minimum:
+        fail(ValueError, name, f"an int >= {minimum}", x)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Validated, normalized arguments of one call."""
+
+    batch: int
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+    mask: masks.MaskSpec
+    window_left: int
+    window_right: int
+    scale_seqlen: int
+    rab_heads: int
+
+
+def validate(
+    q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+    target_group_size, window_size, alpha, rab, has_drab, is_delta_q, descale_q, descale_k, descale_v,
+    descale_do, quant_mode, scaling_seqlen, seqused_q, seqused_k,
+) -> Problem:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            fail(TypeError, name, "a torch.Tensor", type(t).__name__)
+    _check_python_int("quant_mode", quant_mode)
+    if not -1 <= quant_mode <= 5:
+        fail(ValueError, "quant_mode", "an int in -1..5", quant_mode)
+    fp8_inputs = [n for n, t in (("q", q), ("k", k), ("v", v)) if t.dtype in FP8_DTYPES]
+    if fp8_inputs or quant_mode != -1 or any(d is not None for d in (descale_q, descale_k, descale_v, descale_do)):
+        what = f"FP8 inputs ({', '.join(fp8_inputs)})" if fp8_inputs else (
+            f"quant_mode={quant_mode}" if quant_mode != -1 else "descale_* arguments")
+        raise NotImplementedError(
+            f"{what}: the FP8 path needs the Hopper (sm90) FP8 kernels, which are not built yet; "
+            "pass bf16/fp16 q, k, v with quant_mode=-1 and no descale tensors"
+        )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in DTYPE_NAMES:
+            fail(TypeError, name, "dtype torch.bfloat16 or torch.float16", t.dtype)
+        if t.dim() != 3:
+            fail(ValueError, name, "a 3-D tensor (tokens, heads, head_dim)", f"{t.dim()}-D shape {tuple(t.shape)}")
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            fail(ValueError, f"{name}.stride(-1)", "1 (last dim contiguous)", t.stride(-1))
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        fail(TypeError, "k/v dtype", f"{q.dtype} (same as q)", f"k {k.dtype}, v {v.dtype}")
+    heads, head_dim = q.shape[1], q.shape[2]
+    if head_dim not in HEAD_DIMS:
+        fail(ValueError, "q.shape[2] (head dim)", f"one of {HEAD_DIMS}", head_dim)
+    if k.shape[1] != heads:
+        fail(ValueError, "k.shape[1] (heads)", f"{heads} (q's heads; no GQA)", k.shape[1])
+    if k.shape[2] != head_dim:
+        fail(ValueError, "k.shape[2] (head dim)", f"{head_dim} (q's head dim)", k.shape[2])
+    if v.shape[1] != heads or v.shape[2] != head_dim:
+        fail(ValueError, "v.shape[1:]", f"({heads}, {head_dim})", tuple(v.shape[1:]))
+    if v.shape[0] != k.shape[0]:
+        fail(ValueError, "v.shape[0]", f"{k.shape[0]} (k's tokens)", v.shape[0])
+    device = q.device
+    for name, t in (("k", k), ("v", v)):
+        if t.device != device:
+            fail(ValueError, f"{name}.device", f"{device} (same as q)", t.device)
+
+    for name, t in (("seq_offsets_q", seq_offsets_q), ("seq_offsets_k", seq_offsets_k)):
+        if not isinstance(t, torch.Tensor):
+            fail(TypeError, name, "a torch.Tensor", type(t).__name__)
+        if t.dtype != torch.int32:
+            fail(TypeError, name, "dtype torch.int32", t.dtype)
+        if t.dim() != 1 or t.shape[0] < 2:
+            fail(ValueError, name, "a 1-D tensor of length B+1 >= 2", tuple(t.shape))
+        if t.device != device:
+            fail(ValueError, f"{name}.device", f"{device} (same as q)", t.device)
+    if seq_offsets_k.shape[0] != seq_offsets_q.shape[0]:
+        fail(ValueError, "seq_offsets_k.shape[0]", f"{seq_offsets_q.shape[0]} (same B+1 as seq_offsets_q)",
+              seq_offsets_k.shape[0])
+    batch = seq_offsets_q.shape[0] - 1
+    if batch > MAX_GRID_BATCH:
+        raise NotImplementedError(
+            f"seq_offsets_q: expected at most {MAX_GRID_BATCH} sequences per call (launch grid limit), got {batch}")
+
+    _check_python_int("max_seqlen_q", max_seqlen_q, 0)
+    _check_python_int("max_seqlen_k", max_seqlen_k, 0)
+    if max_seqlen_q > max_seqlen_k:
+        fail(ValueError, "max_seqlen_q", f"<= max_seqlen_k ({max_seqlen_k})", max_seqlen_q)
+    if not isinstance(is_delta_q, bool):
+        fail(TypeError, "is_delta_q", "a bool", type(is_delta_q).__name__)
+    if max_seqlen_q < max_seqlen_k and not is_delta_q:
+        fail(ValueError, "max_seqlen_q", f"== max_seqlen_k ({max_seqlen_k}) unless is_delta_q=True", max_seqlen_q)
+
+    _check_int_vector("num_contexts", num_contexts, batch, device)
+    _check_int_vector("num_targets", num_targets, batch, device)
+    _check_int_vector("seqused_q", seqused_q, batch, device)
+    _check_int_vector("seqused_k", seqused_k, batch, device)
+    _check_python_int("target_group_size", target_group_size, 1)
+
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)):
+        fail(TypeError, "window_size", "a (left, right) pair of ints", repr(window_size))
+    kind, wl, wr = masks.normalize_window(tuple(window_size), max_seqlen_k)
+    has_context, has_target = num_contexts is not None, num_targets is not None
+    if (has_context or has_target) and kind != masks.MaskKind.CAUSAL:
+        name = "num_contexts" if has_context else "num_targets"
+        fail(ValueError, "window_size", f"the causal window (-1, 0) when {name} is given", tuple(window_size))
+    if is_delta_q and (has_context or has_target):
+        fail(ValueError, "is_delta_q", "False when num_contexts/num_targets are given (FBGEMM V1 rule)", True)
+
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
+        fail(TypeError, "alpha", "a finite Python float", repr(alpha))
+    if not math.isfinite(alpha):
+        fail(ValueError, "alpha", "a finite Python float", repr(alpha))
+    _check_python_int("scaling_seqlen", scaling_seqlen)
+    if scaling_seqlen != -1 and scaling_seqlen < 1:
+        fail(ValueError, "scaling_seqlen", "-1 (use max_seqlen_q) or an int >= 1", scaling_seqlen)
+    scale_seqlen = scaling_seqlen if scaling_seqlen != -1 else max_seqlen_q
+
+    if not isinstance(has_drab, bool):
+        fail(TypeError, "has_drab", "a bool", type(has_drab).__name__)
+    rab_heads = 0
+    if rab is None:
+        if has_drab:
+            fail(ValueError, "has_drab", "False when rab is None", True)
+    else:
+        if not isinstance(rab, torch.Tensor):
+            fail(TypeError, "rab", "a torch.Tensor or None", type(rab).__name__)
+        if rab.dtype != q.dtype:
+            fail(TypeError, "rab.dtype", f"{q.dtype} (same as q)", rab.dtype)
+        if rab.dim() != 4:
+            fail(ValueError, "rab", "a 4-D tensor (B, H_rab, max_seqlen_k, max_seqlen_k)", tuple(rab.shape))
+        if rab.shape[0] != batch:
+            fail(ValueError, "rab.shape[0]", f"{batch} (the batch size)", rab.shape[0])
+        if rab.shape[1] not in (1, heads):
+            fail(ValueError, "rab.shape[1] (H_rab)", f"1 or {heads}", rab.shape[1])
+        if rab.shape[2] < max_seqlen_k or rab.shape[3] < max_seqlen_k:
+            fail(ValueError, "rab.shape[2:]", f"at least ({max_seqlen_k}, {max_seqlen_k})", tuple(rab.shape[2:]))
+        if rab.stride(-1) != 1 and rab.shape[-1] > 1:
+            fail(ValueError, "rab.stride(-1)", "1 (last dim contiguous)", rab.stride(-1))
+        if rab.device != device:
+            fail(ValueError, "rab.device", f"{device} (same as q)", rab.device)
+        rab_heads = rab.shape[1]
+
+    # Last, so that every other check can be exercised on CPU tensors. Meta tensors (shapes only:
+    # the ops' fake implementations run, nothing is launched) serve tracing on machines without CUDA.
+    if device.type != "cuda" and device.type != "meta":
+        fail(ValueError, "q.device", "a CUDA device (or meta for shapes only; use hstu_cute.reference on CPU)",
+              device)
+    mask = masks.MaskSpec(kind, has_context, has_target, is_delta_q)
+    return Problem(batch, heads, head_dim, q.dtype, mask, wl, wr, scale_seqlen, rab_heads)
+
+
+def check_device_data(p: Problem, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, q, k,
+                            num_contexts, num_targets, seqused_q, seqused_k):
+    """Checks that need the device's data (and a GPU sync): only with HSTU_CUTE_CHECK=1."""
+    for name, off, total, max_len in (("seq_offsets_q", seq_offsets_q, q.shape[0], max_seqlen_q),
+                                      ("seq_offsets_k", seq_offsets_k, k.shape[0], max_seqlen_k)):
+        o = off.to("cpu", torch.int64)
+        if int(o[0]) != 0:
+            fail(ValueError, f"{name}[0]", 0, int(o[0]))
+        lens = o[1:] - o[:-1]
+        if bool((lens < 0).any()):
+            fail(ValueError, name, "non-decreasing offsets", o.tolist()[:16])
+        if int(o[-1]) > total:
+            fail(ValueError, f"{name}[-1]", f"<= {total} (tokens in the tensor)", int(o[-1]))
+        if lens.numel() and int(lens.max()) > max_len:
+            fail(ValueError, name.replace("seq_offsets", "max_seqlen"),
+                  f">= the longest sequence ({int(lens.max())})", max_len)
+    lens_k = (seq_offsets_k[1:] - seq_offsets_k[:-1]).cpu()
+    for name, t, ref in (("seqused_q", seqused_q, (seq_offsets_q[1:] - seq_offsets_q[:-1]).cpu()),
+                         ("seqused_k", seqused_k, lens_k)):
+        if t is not None and bool(((t.cpu() < 0) | (t.cpu() > ref)).any()):
+            fail(ValueError, name, "0 <= seqused <= offset difference per sequence", t.cpu().tolist()[:16])
+    if num_contexts is not None or num_targets is not None:
+        valid_k = seqused_k.cpu() if seqused_k is not None else lens_k
+        c = num_contexts.cpu() if num_contexts is not None else torch.zeros_like(valid_k)
+        t = num_targets.cpu() if num_targets is not None else torch.zeros_like(valid_k)
+        if bool(((c < 0) | (t < 0) | (c + t > valid_k)).any()):
+            fail(ValueError, "num_contexts/num_targets", "0 <= c, 0 <= t, c + t <= length per sequence",
+                  f"c={c.tolist()[:16]} t={t.tolist()[:16]}")
+
+
+_PROBLEMS: dict = {}
+
+
+def problem_of_op_args(q, seq_offsets_q, max_seqlen_q, max_seqlen_k, num_contexts, num_targets, window_left,
+                       window_right, rab, is_delta_q, scaling_seqlen) -> Problem:
+    """The :class:`Problem` of already validated op arguments (what :func:`validate` returned for
+    the public call; the window comes normalized). Memoized: the ops run it on every call."""
+    memo = (seq_offsets_q.shape[0], q.shape[1], q.shape[2], q.dtype, max_seqlen_q, max_seqlen_k,
+            num_contexts is not None, num_targets is not None, window_left, window_right, is_delta_q,
+            scaling_seqlen, rab.shape[1] if rab is not None else 0)
+    p = _PROBLEMS.get(memo)
+    if p is None:
+        if len(_PROBLEMS) > 256:
+            _PROBLEMS.clear()
+        kind, wl, wr = masks.normalize_window((window_left, window_right), max_seqlen_k)
+        mask = masks.MaskSpec(kind, memo[6], memo[7], is_delta_q)
+        p = _PROBLEMS[memo] = Problem(memo[0] - 1, memo[1], memo[2], q.dtype, mask, wl, wr,
+                                      scaling_seqlen if scaling_seqlen != -1 else max_seqlen_q, memo[12])
+    return p
+
+
+def device_checks_enabled() -> bool:
+    """``HSTU_CUTE_CHECK=1``: also check offsets, lengths, contexts and targets on the device data."""
+    return os.environ.get("HSTU_CUTE_CHECK", "0") == "1"

@@ -24,34 +24,10 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 
 from .. import masks
-from ..device_utils import (
-    KERNEL_OPS,
-    acc_to_operand_a,
-    gemm_rs,
-    gemm_ss,
-    ldmatrix_copies,
-    scores_init,
-    sequence_bounds,
-    sequence_mask,
-    smem_layout_atom,
-    rcp_approx,
-    tanh_approx,
-)
-
-
-@cute.jit
-def silu_and_grad_inplace(acc_s: cute.Tensor, acc_dp: cute.Tensor, alpha: Float32, inv_scale: Float32,
-                          fast: cutlass.Constexpr[bool]):
-    """acc_s <- P = silu(alpha s) / S_len;  acc_dp <- G = alpha silu'(alpha s) dP / S_len."""
-    alpha_scaled = alpha * inv_scale
-    for i in cutlass.range(cute.size(acc_s), unroll_full=True):
-        z = acc_s[i] * alpha
-        if const_expr(fast):
-            sig = Float32(0.5) + Float32(0.5) * tanh_approx(z * Float32(0.5))
-        else:
-            sig = rcp_approx(Float32(1.0) + cute.math.exp2(z * Float32(-1.4426950408889634), fastmath=True))
-        acc_s[i] = z * sig * inv_scale
-        acc_dp[i] = acc_dp[i] * alpha_scaled * (sig * (Float32(1.0) + z * (Float32(1.0) - sig)))
+from ..common.mask_apply import KERNEL_OPS
+from ..common.seqinfo import sequence_bounds, sequence_mask
+from ..common.silu import silu_and_grad_inplace
+from ..common.sm80 import acc_to_operand_a, gemm_rs, gemm_ss, ldmatrix_copies, scores_init, smem_layout_atom
 
 
 class _BackwardBase:

@@ -10,19 +10,10 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 
 from .. import masks
-from ..device_utils import (
-    KERNEL_OPS,
-    acc_to_operand_a,
-    apply_mask_inplace,
-    gemm_rs,
-    gemm_ss,
-    ldmatrix_copies,
-    scores_init,
-    silu_scaled_inplace,
-    sequence_bounds,
-    sequence_mask,
-    smem_layout_atom,
-)
+from ..common.mask_apply import KERNEL_OPS, apply_mask_inplace
+from ..common.seqinfo import sequence_bounds, sequence_mask
+from ..common.silu import silu_scaled_inplace
+from ..common.sm80 import acc_to_operand_a, gemm_rs, gemm_ss, ldmatrix_copies, scores_init, smem_layout_atom
 
 
 class HstuForwardSm80:

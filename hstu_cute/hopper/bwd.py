@@ -12,35 +12,13 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .. import masks
-from ..ampere.bwd import silu_and_grad_inplace
-from ..device_utils import (
-    KERNEL_OPS,
-    L2_EVICT_LAST,
-    apply_mask_rows_cols,
-    silu_and_grad_unscaled,
-    sequence_bounds,
-    rows_zero_copy,
-    sequence_mask,
-    sm90_bwd_pipelines,
-    sm90_register_split,
-    sm90_smem_layout,
-    sm90_tma_atom_rab,
-    sm90_tma_atom_tokens,
-    store_acc_16bit_sw128_64cols,
-    store_acc_fp32_sw128,
-    store_acc_rows,
-    wgmma,
-    wgmma_acc_as_operand_a,
-    wgmma_acc_rows_cols,
-    zero_smem_rows_past,
-)
-from .fwd import _advanced, _snake_next
+from ..common.mask_apply import KERNEL_OPS, apply_mask_key_major, apply_mask_rows_cols
+from ..common.barriers import NamedBarrier
+from ..common.seqinfo import ScoreScalars, SequenceArgs, SequenceInfo
+from ..common.silu import silu_and_grad
+from ..common.sm90 import L2_EVICT_LAST, advanced, rows_zero_copy, sm90_bwd_pipelines, sm90_register_split, sm90_smem_layout, sm90_tma_atom_rab, sm90_tma_atom_tokens, store_acc_16bit_sw128_64cols, store_acc_fp32_sw128, store_acc_rows, wgmma, wgmma_acc_as_operand_a, wgmma_acc_rows_cols, zero_smem_rows_past
+from ..common.tile_scheduler import BlockMajorWalk, TileScheduler
 
-# Named barriers of the fused dK/dV/dQ kernel (0: syncthreads; 4/5: zero_smem_rows_past).
-# Alternating dQ owner: 6 + (m-block parity) = sdS buffer written by both warpgroups.
-# Split dQ columns: 6 = sdS free, 7 = sdS written.
-_BAR_DS = 6
-_BAR_DQ_WG0 = 8  # 8, 9: a warpgroup's sdQ buffer
 
 
 @cute.jit
@@ -71,41 +49,6 @@ def _token_load_atoms(mQ, mK, mV, mdO, mRab, sQ_tile, sK_tile, sRab_layout, tile
     if sRab_layout is not None:
         tma_atom_rab, tma_rab = sm90_tma_atom_rab(mRab, sRab_layout, tile_m, tile_n)
     return tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab, tma_rab
-
-
-@cute.jit
-def _silu_and_grad(acc_S, acc_dP, alpha: Float32, inv_scale: Float32, fast: cutlass.Constexpr[bool],
-                   unscaled: cutlass.Constexpr[bool]):
-    """P and G (spec section 2) from S and dP, in place; ``unscaled`` (the tanh SiLU only):
-    S_len P and 2 S_len G / alpha, four to five fewer FP32 ops per element, and the caller scales
-    dV by 1 / S_len, dK, dQ (and drab) by alpha / (2 S_len). H100 B8 N4096 causal bf16: D128
-    pair 470 vs 440 TF, fused 462 vs 446, D64 361 vs 322, D32 220 vs 185."""
-    if const_expr(unscaled):
-        silu_and_grad_unscaled(acc_S, acc_dP, alpha * Float32(0.5))
-    else:
-        silu_and_grad_inplace(acc_S, acc_dP, alpha, inv_scale, fast)
-
-
-class _BlockMajorWalk:
-    """Linear tile index -> (block, head, batch): heads vary fastest, blocks slowest, from 0 up
-    or (``reverse``) down. With causal masks both put the heaviest tiles first: key block 0 is
-    seen by the most queries, the last query block sees the most keys."""
-
-    def __init__(self, num_blocks, num_heads, num_batch, reverse: bool = False):
-        self.num_blocks = num_blocks
-        self.num_heads = num_heads
-        self.num_batch = num_batch
-        self.reverse = reverse
-        self.num_tiles = num_blocks * num_heads * num_batch
-
-    def coords(self, tile):
-        per_block = self.num_heads * self.num_batch
-        block = tile // per_block
-        rest = tile - block * per_block
-        batch = rest // self.num_heads
-        if const_expr(self.reverse):
-            block = self.num_blocks - 1 - block
-        return block, rest - batch * self.num_heads, batch
 
 
 class HstuBackwardDkDvSm90:
@@ -263,34 +206,31 @@ class HstuBackwardDkDvSm90:
         if const_expr(self.fuse_dq):
             sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
             sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
-        tiles = _BlockMajorWalk(num_n_blocks, mQ.shape[1], mOffsetsQ.shape[0] - 1)
-        geometry = (mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mQ.shape[0], mK.shape[0], mNumContexts,
-                    mNumTargets, window_left, window_right, group_size, is_delta_q)
+        walk = BlockMajorWalk(num_n_blocks, mQ.shape[1], mOffsetsQ.shape[0] - 1)
+        seqinfo = SequenceInfo(
+            self.mask, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets),
+            ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), mQ.shape[0],
+            mK.shape[0])
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.produce(tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do,
-                             tma_atom_rab, tma_rab, sK, sV, sQ, sdO, sRab, pipe_kv, pipe_q, mRab, tiles, geometry)
+                             tma_atom_rab, tma_rab, sK, sV, sQ, sdO, sRab, pipe_kv, pipe_q, mRab, walk, seqinfo)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(tidx - 128, mdK, mdV, sK, sV, sQ, sdO, sRab, sdS, sdQ, tma_atom_dq, tma_dq, pipe_kv,
-                         pipe_q, tiled_mma_s, tiled_mma_d, tiled_mma_dq, zero_copy, alpha, inv_scale, tiles,
-                         geometry)
+                         pipe_q, tiled_mma_s, tiled_mma_d, tiled_mma_dq, zero_copy, alpha, inv_scale, walk,
+                         seqinfo)
 
     @cute.jit
-    def tile_problem(self, tiles, geometry, tile: Int32):
+    def tile_problem(self, tiles, seqinfo, tile: Int32):
         """(n_block, head, batch, q_start, k_start, seq, live, m_lo, m_hi) of a linear tile; ``live``:
         the n-block starts inside its sequence (else the tile is skipped)."""
-        (mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, tokens_q, tokens_k, mNumContexts, mNumTargets, window_left,
-         window_right, group_size, is_delta_q) = geometry
         n_block, head, batch = tiles.coords(tile)
-        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
-            mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, tokens_q, tokens_k, batch)
-        seq = sequence_mask(self.mask, seqlen_q, seqlen_k, mNumContexts, mNumTargets, batch, window_left,
-                            window_right, group_size, is_delta_q)
+        q_start, k_start, seq = seqinfo.at(batch)
         m_lo, m_hi = masks.m_block_range(self.mask, seq, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
-        live = n_block * self.tile_n < seqlen_k
+        live = n_block * self.tile_n < seq.seqlen_k
         return n_block, head, batch, q_start, k_start, seq, live, m_lo, m_hi
 
     def load_atoms(self, mQ, mK, mV, mdO, mRab, sK_layout, sQ_layout, sRab_layout):
@@ -306,24 +246,25 @@ class HstuBackwardDkDvSm90:
 
     @cute.jit
     def produce(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
-                tma_rab, sK, sV, sQ, sdO, sRab, pipe_kv, pipe_q, mRab, tiles, geometry):
+                tma_rab, sK, sV, sQ, sdO, sRab, pipe_kv, pipe_q, mRab, walk, seqinfo):
         loads = (tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab, tma_rab,
                  sK, sV, sQ, sdO, sRab, pipe_kv, pipe_q, mRab)
-        cta, _, _ = cute.arch.block_idx()
+        tiles = TileScheduler(walk)
         if const_expr(self.persistent):
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-            grid, _, _ = cute.arch.grid_dim()
-            tile = cta
-            while tile < tiles.num_tiles:
-                n_block, head, batch, q_start, k_start, seq, live, m_lo, m_hi = self.tile_problem(tiles, geometry,
+            num_tiles, next_tile = tiles.num_tiles, tiles.next  # no method call on a loop-carried name
+            tile = tiles.first()
+            while tile < num_tiles:
+                n_block, head, batch, q_start, k_start, seq, live, m_lo, m_hi = self.tile_problem(tiles, seqinfo,
                                                                                                   tile)
                 if live:
                     kv_state, q_state = self.produce_key_block(*loads, q_start, k_start, head, batch, n_block, seq,
                                                                m_lo, m_hi, kv_state, q_state)
-                tile = _snake_next(tile, cta, grid)
+                tile = next_tile(tile)
         else:
-            n_block, head, batch, q_start, k_start, seq, live, m_lo, m_hi = self.tile_problem(tiles, geometry, cta)
+            n_block, head, batch, q_start, k_start, seq, live, m_lo, m_hi = self.tile_problem(
+                tiles, seqinfo, tiles.first())
             if live:
                 self.produce_key_block(*loads, q_start, k_start, head, batch, n_block, seq, m_lo, m_hi)
 
@@ -370,7 +311,7 @@ class HstuBackwardDkDvSm90:
                 cute.copy(tma_atom_do, tOgO[None, m_block], tOsO[None, q_state.index], tma_bar_ptr=bar)
                 if const_expr(self.has_rab):
                     cute.copy(tma_atom_rab, tRgR[None, m_block], tRsR[None, q_state.index], tma_bar_ptr=bar)
-                q_state = _advanced(q_state)
+                q_state = advanced(q_state)
                 if const_expr(kv_after_q):
                     if kv_pending != 0:
                         self.load_kv(tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state)
@@ -378,7 +319,7 @@ class HstuBackwardDkDvSm90:
         if const_expr(kv_after_q):
             if kv_pending != 0:  # no m-block sees this n-block: its consumers still wait for K/V
                 self.load_kv(tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state)
-        return _advanced(kv_state), q_state
+        return advanced(kv_state), q_state
 
     @cute.jit
     def load_kv(self, tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state):
@@ -389,7 +330,7 @@ class HstuBackwardDkDvSm90:
     @cute.jit
     def consume(self, tidx: Int32, mdK, mdV, sK, sV, sQ, sdO, sRab, sdS, sdQ, tma_atom_dq, tma_dq, pipe_kv,
                 pipe_q, tiled_mma_s, tiled_mma_d, tiled_mma_dq, zero_copy, alpha: Float32, inv_scale: Float32,
-                tiles, geometry):
+                walk, seqinfo):
         D = self.head_dim
         spec = self.mask
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -435,24 +376,25 @@ class HstuBackwardDkDvSm90:
         # Counts m-blocks over all of this CTA's tiles: its parity picks the sdS buffer and the
         # dQ owner, and the alternating barrier ids must keep alternating across tiles.
         blocks_done = Int32(0)
-        cta, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
+        tiles = TileScheduler(walk)
         tile_args = (tidx, mdK, mdV, sK, sQ, sdO, tma_atom_dq, tma_dq, pipe_kv, pipe_q, tiled_mma_s, tiled_mma_d,
                      tiled_mma_dq, zero_copy, alpha, inv_scale, tSrK, tSrV, tSrQ, tSrdO, tDrQt, tDrdOt, tScS, tSsRabT,
                      sdS, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, dq_col_block)
         if const_expr(self.persistent):
-            tile = cta
-            while tile < tiles.num_tiles:
-                n_block, head, batch, q_start, k_start, seq, live, m_lo, m_hi = self.tile_problem(tiles, geometry,
+            num_tiles, next_tile = tiles.num_tiles, tiles.next
+            tile = tiles.first()
+            while tile < num_tiles:
+                n_block, head, batch, q_start, k_start, seq, live, m_lo, m_hi = self.tile_problem(tiles, seqinfo,
                                                                                                   tile)
                 if live:
                     q_state, kv_state, blocks_done = self.consume_tile(
                         *tile_args, q_state, kv_state, blocks_done, n_block, head, q_start, k_start, seq, m_lo, m_hi)
-                tile = _snake_next(tile, cta, grid)
+                tile = next_tile(tile)
         else:
             # One tile per CTA, no tile loop (the fused default: around its m-block loop a tile
             # loop made that loop slower, H100 D128 402-418 TF against 443-448).
-            n_block, head, batch, q_start, k_start, seq, live, m_lo, m_hi = self.tile_problem(tiles, geometry, cta)
+            n_block, head, batch, q_start, k_start, seq, live, m_lo, m_hi = self.tile_problem(
+                tiles, seqinfo, tiles.first())
             if live:
                 self.consume_tile(*tile_args, q_state, kv_state, blocks_done, n_block, head, q_start, k_start, seq,
                                   m_lo, m_hi)
@@ -510,16 +452,12 @@ class HstuBackwardDkDvSm90:
                     warpgroup.wait_group(1)
                     acc_S.store(acc_S.load() + rRab.load().to(Float32))
                 warpgroup.wait_group(0)
-                _silu_and_grad(acc_S, acc_dP, alpha, inv_scale, self.fast_silu, self.unscaled_grad)
+                silu_and_grad(acc_S, acc_dP, alpha, inv_scale, self.fast_silu, self.unscaled_grad)
                 row_first = seq.row_offset + m_block * self.tile_m
                 is_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n,
                                              KERNEL_OPS) & (q_rows >= self.tile_m)
                 if not is_full:
-                    for i in cutlass.range(cute.size(acc_S), unroll_full=True):
-                        key, query = tScS[i]
-                        keep = masks.allowed(spec, seq, row_first + query, col0 + key, KERNEL_OPS) & (query < q_rows)
-                        acc_S[i] = cutlass.select_(keep, acc_S[i], Float32(0.0))
-                        acc_dP[i] = cutlass.select_(keep, acc_dP[i], Float32(0.0))
+                    apply_mask_key_major(acc_S, acc_dP, tScS, spec, seq, row_first, col0, q_rows)
                 rP = wg_mma_d.make_fragment_A(wg_mma_d.partition_shape_A((self.tile_n, self.tile_m)))
                 rP.store(cute.make_tensor(acc_S.iterator, wgmma_acc_as_operand_a(acc_S.layout)).load().to(self.dtype))
                 rG = wg_mma_d.make_fragment_A(wg_mma_d.partition_shape_A((self.tile_n, self.tile_m)))
@@ -528,7 +466,7 @@ class HstuBackwardDkDvSm90:
                     rG_acc.store(acc_dP.load().to(self.dtype))
                     rG.store(cute.make_tensor(rG_acc.iterator, wgmma_acc_as_operand_a(rG_acc.layout)).load())
                     if const_expr(self.dq_split):
-                        cute.arch.barrier(barrier_id=_BAR_DS, number_of_threads=self.num_mma_threads)
+                        cute.arch.barrier(barrier_id=NamedBarrier.DS, number_of_threads=self.num_mma_threads)
                     store_acc_16bit_sw128_64cols(rG_acc, sdS[None, None, self.ds_buffer(blocks_done)], tid_in_wg,
                                                  wg * 64)
                 else:
@@ -542,7 +480,7 @@ class HstuBackwardDkDvSm90:
                     self.reduce_dq(tiled_mma_dq, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, tdQsdQ_tma, tdQgdQ, tma_atom_dq,
                                    tid_in_wg, wg, m_block, blocks_done, alpha * inv_scale * Float32(0.5))
                 pipe_q.consumer_release(q_state)
-                q_state = _advanced(q_state)
+                q_state = advanced(q_state)
                 blocks_done += 1
 
         # Every WGMMA reading sK/sV has retired (the last dK or dQ GEMM waited for all).
@@ -551,7 +489,7 @@ class HstuBackwardDkDvSm90:
             acc_dV.store(acc_dV.load() * inv_scale)
             acc_dK.store(acc_dK.load() * (alpha * inv_scale * Float32(0.5)))
         store_dk_dv(thr_mma_d, acc_dK, acc_dV, mdK, mdV, self.dtype, self.tile_n, D, k_start, head, n_block, k_rows)
-        return q_state, _advanced(kv_state), blocks_done
+        return q_state, advanced(kv_state), blocks_done
 
 
     def ds_buffer(self, blocks_done: Int32):
@@ -565,18 +503,18 @@ class HstuBackwardDkDvSm90:
         buf = self.ds_buffer(blocks_done)
         mine = True
         if const_expr(self.dq_split):
-            cute.arch.barrier(barrier_id=_BAR_DS + 1, number_of_threads=self.num_mma_threads)
+            cute.arch.barrier(barrier_id=NamedBarrier.DS + 1, number_of_threads=self.num_mma_threads)
         else:
             mine = buf == wg
             if not mine:
-                cute.arch.barrier_arrive(barrier_id=_BAR_DS + buf, number_of_threads=self.num_mma_threads)
+                cute.arch.barrier_arrive(barrier_id=NamedBarrier.DS + buf, number_of_threads=self.num_mma_threads)
                 warpgroup.wait_group(0)
         if mine:
             if const_expr(not self.dq_split):
                 # dV and dK retire first: their register A operands (P^T, G^T) and a 64 x D dQ
                 # accumulator do not fit together (ptxas serialized every WGMMA, C7512).
                 warpgroup.wait_group(0)
-                cute.arch.barrier(barrier_id=_BAR_DS + buf, number_of_threads=self.num_mma_threads)
+                cute.arch.barrier(barrier_id=NamedBarrier.DS + buf, number_of_threads=self.num_mma_threads)
             acc_dQ = cute.make_rmem_tensor(tdQsdQ.shape, Float32)
             wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, True, 0)
             if const_expr(self.unscaled_grad):
@@ -585,10 +523,10 @@ class HstuBackwardDkDvSm90:
             # previous reduce from this buffer must have finished reading smem.
             if tid_in_wg < 32:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=_BAR_DQ_WG0 + wg, number_of_threads=128)
+            cute.arch.barrier(barrier_id=NamedBarrier.DQ_WG0 + wg, number_of_threads=128)
             store_acc_fp32_sw128(acc_dQ, sdQ_wg, tid_in_wg, self.tile_m, self.dq_cols)
             cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=_BAR_DQ_WG0 + wg, number_of_threads=128)
+            cute.arch.barrier(barrier_id=NamedBarrier.DQ_WG0 + wg, number_of_threads=128)
             if tid_in_wg < 32:
                 # Keep the accumulator's lines in L2: each is added into by every n-block that
                 # sees its m-block (up to 32 at N4096). H100 D128 causal: 446.5-449.3 TF vs
@@ -708,54 +646,52 @@ class HstuBackwardDqSm90:
         sRab = None
         if const_expr(self.has_rab):
             sRab = storage.sRab.get_tensor(sRab_layout.outer, swizzle=sRab_layout.inner)
-        tiles = _BlockMajorWalk(num_m_blocks, mQ.shape[1], mOffsetsQ.shape[0] - 1, reverse=True)
-        geometry = (mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mQ.shape[0], mK.shape[0], mNumContexts,
-                    mNumTargets, window_left, window_right, group_size, is_delta_q)
+        walk = BlockMajorWalk(num_m_blocks, mQ.shape[1], mOffsetsQ.shape[0] - 1, reverse=True)
+        seqinfo = SequenceInfo(
+            self.mask, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets),
+            ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), mQ.shape[0],
+            mK.shape[0])
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.produce(tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
-                             tma_atom_rab, tma_rab, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, mRab, tiles, geometry)
+                             tma_atom_rab, tma_rab, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, mRab, walk, seqinfo)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(tidx - 128, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, tiled_mma_s, tiled_mma_dq,
-                         zero_copy, alpha, inv_scale, tiles, geometry)
+                         zero_copy, alpha, inv_scale, walk, seqinfo)
 
     @cute.jit
-    def tile_problem(self, tiles, geometry, tile: Int32):
+    def tile_problem(self, tiles, seqinfo, tile: Int32):
         """(m_block, head, batch, q_start, k_start, seq, live, n-block schedule) of a linear tile;
         ``live``: the m-block starts inside its sequence (else the tile is skipped)."""
-        (mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, tokens_q, tokens_k, mNumContexts, mNumTargets, window_left,
-         window_right, group_size, is_delta_q) = geometry
         m_block, head, batch = tiles.coords(tile)
-        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
-            mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, tokens_q, tokens_k, batch)
-        seq = sequence_mask(self.mask, seqlen_q, seqlen_k, mNumContexts, mNumTargets, batch, window_left,
-                            window_right, group_size, is_delta_q)
+        q_start, k_start, seq = seqinfo.at(batch)
         sched = masks.n_block_schedule(self.mask, seq, m_block, self.tile_m, self.tile_n, KERNEL_OPS)
-        live = m_block * self.tile_m < seqlen_q
+        live = m_block * self.tile_m < seq.seqlen_q
         return m_block, head, batch, q_start, k_start, seq, live, sched
 
     @cute.jit
     def produce(self, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab,
-                tma_rab, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, mRab, tiles, geometry):
+                tma_rab, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, mRab, walk, seqinfo):
         loads = (tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab,
                  sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, mRab)
-        cta, _, _ = cute.arch.block_idx()
+        tiles = TileScheduler(walk)
         if const_expr(self.persistent):
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-            grid, _, _ = cute.arch.grid_dim()
-            tile = cta
-            while tile < tiles.num_tiles:
-                m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(tiles, geometry, tile)
+            num_tiles, next_tile = tiles.num_tiles, tiles.next  # no method call on a loop-carried name
+            tile = tiles.first()
+            while tile < num_tiles:
+                m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(tiles, seqinfo, tile)
                 if live:
                     q_state, kv_state = self.produce_query_block(*loads, q_start, k_start, head, batch, m_block, seq,
                                                                  sched, q_state, kv_state)
-                tile = _snake_next(tile, cta, grid)
+                tile = next_tile(tile)
         else:
-            m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(tiles, geometry, cta)
+            m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(
+                tiles, seqinfo, tiles.first())
             if live:
                 self.produce_query_block(*loads, q_start, k_start, head, batch, m_block, seq, sched)
 
@@ -810,12 +746,12 @@ class HstuBackwardDqSm90:
                 cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, kv_state.index], tma_bar_ptr=bar)
                 if const_expr(self.has_rab):
                     cute.copy(tma_atom_rab, tRgR[None, n_block], tRsR[None, kv_state.index], tma_bar_ptr=bar)
-                kv_state = _advanced(kv_state)
+                kv_state = advanced(kv_state)
                 if const_expr(q_after_kv):
                     if it == 0:
                         self.load_q(tma_atom_q, tQgQ, tQsQ, tma_atom_do, tOgO, tOsO, pipe_q, q_state)
             if const_expr(q_after_kv):
-                q_state = _advanced(q_state)
+                q_state = advanced(q_state)
         return q_state, kv_state
 
     @cute.jit
@@ -827,23 +763,24 @@ class HstuBackwardDqSm90:
 
     @cute.jit
     def consume(self, tidx: Int32, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, tiled_mma_s, tiled_mma_dq,
-                zero_copy, alpha: Float32, inv_scale: Float32, tiles, geometry):
+                zero_copy, alpha: Float32, inv_scale: Float32, walk, seqinfo):
         block_args = (tidx, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, tiled_mma_s, tiled_mma_dq, zero_copy, alpha,
                       inv_scale)
-        cta, _, _ = cute.arch.block_idx()
+        tiles = TileScheduler(walk)
         if const_expr(self.persistent):
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-            grid, _, _ = cute.arch.grid_dim()
-            tile = cta
-            while tile < tiles.num_tiles:
-                m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(tiles, geometry, tile)
+            num_tiles, next_tile = tiles.num_tiles, tiles.next  # no method call on a loop-carried name
+            tile = tiles.first()
+            while tile < num_tiles:
+                m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(tiles, seqinfo, tile)
                 if live:
                     q_state, kv_state = self.consume_query_block(*block_args, q_start, head, m_block, seq, sched,
                                                                  q_state, kv_state)
-                tile = _snake_next(tile, cta, grid)
+                tile = next_tile(tile)
         else:
-            m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(tiles, geometry, cta)
+            m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(
+                tiles, seqinfo, tiles.first())
             if live:
                 self.consume_query_block(*block_args, q_start, head, m_block, seq, sched)
 
@@ -900,7 +837,7 @@ class HstuBackwardDqSm90:
                     cute.autovec_copy(tSsRab[None, None, None, kv_state.index], rRab)
                     acc_S.store(acc_S.load() + rRab.load().to(Float32))
                 warpgroup.wait_group(0)
-                _silu_and_grad(acc_S, acc_dP, alpha, inv_scale, self.fast_silu, self.unscaled_grad)
+                silu_and_grad(acc_S, acc_dP, alpha, inv_scale, self.fast_silu, self.unscaled_grad)
                 if not masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
                     acc_rc = cute.make_tensor(acc_dP.iterator, wgmma_acc_rows_cols(acc_dP.layout))
                     apply_mask_rows_cols(acc_rc, tScS_rc, spec, seq, row_first, n_block * self.tile_n)
@@ -908,11 +845,11 @@ class HstuBackwardDqSm90:
                 rG.store(cute.make_tensor(acc_dP.iterator, wgmma_acc_as_operand_a(acc_dP.layout)).load().to(self.dtype))
                 wgmma(tiled_mma_dq, acc_dQ, rG, tDrKt[None, None, None, kv_state.index], False, 0)
                 pipe_kv.consumer_release(kv_state)
-                kv_state = _advanced(kv_state)
+                kv_state = advanced(kv_state)
             if const_expr(persistent):
                 # The last dQ GEMM waited for every WGMMA: sQ / sdO are free for the next m-block.
                 pipe_q.consumer_release(q_state)
-                q_state = _advanced(q_state)
+                q_state = advanced(q_state)
 
         rOut = cute.make_rmem_tensor(acc_dQ.layout, self.dtype)
         if const_expr(self.unscaled_grad):

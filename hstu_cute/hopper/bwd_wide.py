@@ -11,25 +11,13 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .. import masks
-from ..device_utils import (
-    KERNEL_OPS,
-    red_add_f32,
-    rows_zero_copy,
-    sequence_bounds,
-    sequence_mask,
-    sm90_bwd_pipelines,
-    sm90_register_split,
-    sm90_smem_layout,
-    wgmma,
-    zero_smem_rows_past,
-)
-from .bwd import HstuBackwardDkDvSm90, _silu_and_grad, store_dk_dv
-from .fwd import _advanced
+from ..common.barriers import NamedBarrier
+from ..common.mask_apply import KERNEL_OPS, apply_mask_key_major
+from ..common.seqinfo import ScoreScalars, SequenceArgs, SequenceInfo
+from ..common.silu import silu_and_grad
+from ..common.sm90 import advanced, red_add_f32, rows_zero_copy, sm90_bwd_pipelines, sm90_register_split, sm90_smem_layout, wgmma, zero_smem_rows_past
+from .bwd import HstuBackwardDkDvSm90, store_dk_dv
 
-# Named barriers (0: syncthreads; 4/5: zero_smem_rows_past): sP/sdS written by both warpgroups,
-# and (one buffer only) sP/sdS no longer read by the previous m-block's GEMMs.
-_BAR_PDS_WRITTEN = 6
-_BAR_PDS_FREE = 7
 SMEM_LIMIT = 227 * 1024
 
 
@@ -161,8 +149,12 @@ class HstuBackwardWideSm90:
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         n_block, head, batch = cute.arch.block_idx()
-        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
-            mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mQ.shape[0], mK.shape[0], batch)
+        seqinfo = SequenceInfo(
+            self.mask, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets),
+            ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), mQ.shape[0],
+            mK.shape[0])
+        q_start, k_start, seqlen_q, seqlen_k = seqinfo.bounds(batch)
+        mask_of = seqinfo.mask  # a method call on a name inside a runtime `if` makes it loop-carried
         # Uniform over the CTA, before any barrier is initialized.
         if n_block * self.tile_n < seqlen_k:
             if warp_idx == 0:
@@ -170,8 +162,7 @@ class HstuBackwardWideSm90:
                     if const_expr(atom is not None):
                         cpasync.prefetch_descriptor(atom)
             spec = self.mask
-            seq = sequence_mask(spec, seqlen_q, seqlen_k, mNumContexts, mNumTargets, batch, window_left,
-                                window_right, group_size, is_delta_q)
+            seq = mask_of(batch, seqlen_q, seqlen_k)
             m_lo, m_hi = masks.m_block_range(spec, seq, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
 
             smem = cutlass.memory.SmemAllocator()
@@ -277,16 +268,12 @@ class HstuBackwardWideSm90:
                     cute.autovec_copy(tSsRabT[None, None, None, stage], rRab)
                     acc_S.store(acc_S.load() + rRab.load().to(Float32))
                 warpgroup.wait_group(0)
-                _silu_and_grad(acc_S, acc_dP, alpha, inv_scale, self.fast_silu, self.unscaled_grad)
+                silu_and_grad(acc_S, acc_dP, alpha, inv_scale, self.fast_silu, self.unscaled_grad)
                 row_first = seq.row_offset + m_block * self.tile_m
                 is_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n,
                                              KERNEL_OPS) & (q_rows >= self.tile_m)
                 if not is_full:
-                    for i in cutlass.range(cute.size(acc_S), unroll_full=True):
-                        key, query = tScS[i]
-                        keep = masks.allowed(spec, seq, row_first + query, col0 + key, KERNEL_OPS) & (query < q_rows)
-                        acc_S[i] = cutlass.select_(keep, acc_S[i], Float32(0.0))
-                        acc_dP[i] = cutlass.select_(keep, acc_dP[i], Float32(0.0))
+                    apply_mask_key_major(acc_S, acc_dP, tScS, spec, seq, row_first, col0, q_rows)
                 if const_expr(self.has_drab):
                     self.write_drab(acc_dP, tSgdRab[None, None, None, m_block], tScS,
                                     drab_rows - m_block * self.tile_m, drab_cols, g_scale)
@@ -296,17 +283,17 @@ class HstuBackwardWideSm90:
                 rG.store(acc_dP.load().to(self.dtype))
                 buf = 0
                 if const_expr(self.pds_buffers == 1):
-                    cute.arch.barrier(barrier_id=_BAR_PDS_FREE, number_of_threads=self.num_mma_threads)
+                    cute.arch.barrier(barrier_id=NamedBarrier.PDS_FREE, number_of_threads=self.num_mma_threads)
                 else:
                     buf = blocks_done % 2
                 cute.autovec_copy(rP, tSsP[None, None, None, buf])
                 cute.autovec_copy(rG, tSsdS[None, None, None, buf])
                 cute.arch.fence_view_async_shared()
-                cute.arch.barrier(barrier_id=_BAR_PDS_WRITTEN, number_of_threads=self.num_mma_threads)
+                cute.arch.barrier(barrier_id=NamedBarrier.PDS_WRITTEN, number_of_threads=self.num_mma_threads)
                 wgmma(tiled_mma_dkv, acc_dV, tDrP[None, None, None, buf], tDrdOt[None, None, None, stage], False, -1)
                 wgmma(tiled_mma_dkv, acc_dK, tDrdS[None, None, None, buf], tDrQt[None, None, None, stage], False, 0)
                 pipe_q.consumer_release(q_state)
-                q_state = _advanced(q_state)
+                q_state = advanced(q_state)
                 blocks_done += 1
 
         if const_expr(self.unscaled_grad):

@@ -10,28 +10,12 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .. import masks
-from ..device_utils import (
-    KERNEL_OPS,
-    apply_mask_rows_cols,
-    sequence_bounds,
-    sequence_mask,
-    rows_zero_copy,
-    silu_scaled_inplace,
-    sm90_register_split,
-    sm90_smem_layout,
-    sm90_tma_atom_rab,
-    sm90_tma_atom_tokens,
-    store_acc_rows,
-    wgmma,
-    wgmma_acc_as_operand_a,
-    wgmma_acc_rows_cols,
-    wgmma_replace_operand_a,
-    zero_smem_rows_past,
-)
-
-# Named barriers (id 0 is __syncthreads).
-_BAR_SCHED_WG0 = 2  # 2, 3: consumer warpgroups take turns issuing their GEMMs
-
+from ..common.mask_apply import KERNEL_OPS, apply_mask_rows_cols
+from ..common.barriers import NamedBarrier
+from ..common.seqinfo import ScoreScalars, SequenceArgs, SequenceInfo
+from ..common.silu import silu_scaled_inplace
+from ..common.tile_scheduler import LongestFirstOrLocalWalk, TileScheduler
+from ..common.sm90 import advanced, rows_zero_copy, sm90_register_split, sm90_smem_layout, sm90_tma_atom_rab, sm90_tma_atom_tokens, store_acc_rows, wgmma, wgmma_acc_as_operand_a, wgmma_acc_rows_cols, wgmma_replace_operand_a, zero_smem_rows_past
 
 class HstuForwardSm90:
     """Forward kernel: out = sum_j mask(silu(alpha * (q.k + rab))) v / S over one jagged batch.
@@ -266,36 +250,32 @@ class HstuForwardSm90:
         sRab = None
         if const_expr(self.has_rab):
             sRab = storage.sRab.get_tensor(sRab_layout.outer, swizzle=sRab_layout.inner)
-        tiles = _TileWalk(lpt_order != 0, num_m_blocks, mQ.shape[1], mOffsetsQ.shape[0] - 1)
-        geometry = (mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mQ.shape[0], mK.shape[0], mNumContexts,
-                    mNumTargets, window_left, window_right, group_size, is_delta_q)
+        walk = LongestFirstOrLocalWalk(lpt_order != 0, num_m_blocks, mQ.shape[1], mOffsetsQ.shape[0] - 1)
+        seqinfo = SequenceInfo(
+            self.mask, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets),
+            ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), mQ.shape[0],
+            mK.shape[0])
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.produce(tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab,
-                             sQ, sK, sV, sRab, pipe_q, pipe_k, pipe_v, pipe_rab, mRab, tiles, geometry)
+                             sQ, sK, sV, sRab, pipe_q, pipe_k, pipe_v, pipe_rab, mRab, walk, seqinfo)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(tidx - 128, mO, sQ, sK, sV, sRab, pipe_q, pipe_k, pipe_v, pipe_rab, tiled_mma_qk,
-                         tiled_mma_pv, zero_copy_v, alpha, inv_scale, tiles, geometry)
+                         tiled_mma_pv, zero_copy_v, alpha, inv_scale, walk, seqinfo)
 
     @cute.jit
-    def tile_problem(self, tiles, geometry, tile: Int32):
+    def tile_problem(self, tiles, seqinfo, tile: Int32):
         """(m_block, head, batch, q_start, k_start, seq, live, n-block schedule) of a linear tile;
         ``live``: the m-block starts inside its sequence (else the tile is skipped)."""
-        (mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, tokens_q, tokens_k, mNumContexts, mNumTargets, window_left,
-         window_right, group_size, is_delta_q) = geometry
         m_block, head, batch = tiles.coords(tile)
-        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
-            mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, tokens_q, tokens_k, batch
-        )
-        seq = sequence_mask(self.mask, seqlen_q, seqlen_k, mNumContexts, mNumTargets, batch, window_left,
-                            window_right, group_size, is_delta_q)
+        q_start, k_start, seq = seqinfo.at(batch)
         n_lo, hole_lo, hole_size, n_count = masks.n_block_schedule(
             self.mask, seq, m_block, self.tile_m, self.tile_n, KERNEL_OPS
         )
-        live = m_block * self.tile_m < seqlen_q
+        live = m_block * self.tile_m < seq.seqlen_q
         return m_block, head, batch, q_start, k_start, seq, live, (n_lo, hole_lo, hole_size, n_count)
 
     # ------------------------------------------------------------------------------------------
@@ -303,18 +283,17 @@ class HstuForwardSm90:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def produce(self, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, sQ, sK, sV,
-                sRab, pipe_q, pipe_k, pipe_v, pipe_rab, mRab, tiles, geometry):
+                sRab, pipe_q, pipe_k, pipe_v, pipe_rab, mRab, walk, seqinfo):
         D = self.head_dim
         no_mcast = cute.make_layout(1)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        cta, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
-        num_tiles = tiles.num_tiles
-        tile = cta
+        tiles = TileScheduler(walk)
+        num_tiles, next_tile = tiles.num_tiles, tiles.next  # no method call on a loop-carried name
+        tile = tiles.first()
         while tile < num_tiles:
-            m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(tiles, geometry, tile)
+            m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(tiles, seqinfo, tile)
             n_lo, hole_lo, hole_size, n_count = sched
             if live & (n_count > 0):
                 gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_q[None, None, head]), (self.tile_m, D),
@@ -343,7 +322,7 @@ class HstuForwardSm90:
 
                 pipe_q.producer_acquire(q_state)
                 cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-                q_state = _advanced(q_state)
+                q_state = advanced(q_state)
                 # K (and rab) of block i+1 go out before V of block i: the consumers issue QK^T of
                 # block i+1 before P.V of block i.
                 for it in cutlass.range(n_count, unroll=1):
@@ -355,26 +334,26 @@ class HstuForwardSm90:
                         pipe_rab.producer_acquire(k_state)
                         cute.copy(tma_atom_rab, tRgR[None, n_block], tRsR[None, k_state.index],
                                   tma_bar_ptr=pipe_rab.producer_get_barrier(k_state))
-                    k_state = _advanced(k_state)
+                    k_state = advanced(k_state)
                     if it > 0:
                         n_prev = masks.n_block_at(n_count - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
                         pipe_v.producer_acquire(v_state)
                         cute.copy(tma_atom_v, tVgV[None, n_prev], tVsV[None, v_state.index],
                                   tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
-                        v_state = _advanced(v_state)
+                        v_state = advanced(v_state)
                 n_last = masks.n_block_at(Int32(0), n_lo, hole_lo, hole_size, KERNEL_OPS)
                 pipe_v.producer_acquire(v_state)
                 cute.copy(tma_atom_v, tVgV[None, n_last], tVsV[None, v_state.index],
                           tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
-                v_state = _advanced(v_state)
-            tile = _snake_next(tile, cta, grid)
+                v_state = advanced(v_state)
+            tile = next_tile(tile)
 
     # ------------------------------------------------------------------------------------------
     # Consumer warpgroups
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def consume(self, tidx: Int32, mO, sQ, sK, sV, sRab, pipe_q, pipe_k, pipe_v, pipe_rab, tiled_mma_qk, tiled_mma_pv,
-                zero_copy_v, alpha: Float32, inv_scale: Float32, tiles, geometry):
+                zero_copy_v, alpha: Float32, inv_scale: Float32, walk, seqinfo):
         D = self.head_dim
         spec = self.mask
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -405,17 +384,16 @@ class HstuForwardSm90:
         if const_expr(self.pingpong):
             if wg == 0:
                 # Warpgroup 0 issues first: pre-arrive on its own turn barrier.
-                cute.arch.barrier_arrive(barrier_id=_BAR_SCHED_WG0, number_of_threads=256)
+                cute.arch.barrier_arrive(barrier_id=NamedBarrier.SCHED_WG0, number_of_threads=256)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        cta, _, _ = cute.arch.block_idx()
-        grid, _, _ = cute.arch.grid_dim()
-        num_tiles = tiles.num_tiles
-        tile = cta
+        tiles = TileScheduler(walk)
+        num_tiles, next_tile = tiles.num_tiles, tiles.next  # no method call on a loop-carried name
+        tile = tiles.first()
         while tile < num_tiles:
-            m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(tiles, geometry, tile)
+            m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(tiles, seqinfo, tile)
             n_lo, hole_lo, hole_size, n_count = sched
             if live:
                 row_first = seq.row_offset + m_block * self.tile_m
@@ -431,7 +409,7 @@ class HstuForwardSm90:
                     pipe_k.consumer_release(k_state)
                     self.scores_to_p(acc_S, tOrP, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block,
                                      n_block, row_first)
-                    k_state = _advanced(k_state)
+                    k_state = advanced(k_state)
 
                     for it in cutlass.range(1, n_count, unroll=1):
                         n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
@@ -453,18 +431,18 @@ class HstuForwardSm90:
                             wgmma_replace_operand_a(tOrP, rP)
                         else:
                             tOrP.store(rP.load())
-                        k_state = _advanced(k_state)
-                        v_state = _advanced(v_state)
+                        k_state = advanced(k_state)
+                        v_state = advanced(v_state)
                     # Every QK^T of this tile is complete: the producer may load the next Q.
                     pipe_q.consumer_release(q_state)
-                    q_state = _advanced(q_state)
+                    q_state = advanced(q_state)
 
                     # ---- last P.V ----
                     n_last = masks.n_block_at(Int32(0), n_lo, hole_lo, hole_size, KERNEL_OPS)
                     self.wait_v(pipe_v, v_state, sV, zero_copy_v, tidx, wg, seq, n_last)
                     wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, 0)
                     pipe_v.consumer_release(v_state)
-                    v_state = _advanced(v_state)
+                    v_state = advanced(v_state)
 
                 # ---- epilogue: O * (1/S) -> bf16, stored from registers (pairs of columns) ----
                 rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
@@ -473,17 +451,17 @@ class HstuForwardSm90:
                                      (m_block, 0))
                 tOgO = thr_mma_pv.partition_C(gO)
                 store_acc_rows(rO, tOgO, tOcO_rc, seq.seqlen_q - m_block * self.tile_m)
-            tile = _snake_next(tile, cta, grid)
+            tile = next_tile(tile)
 
     @cute.jit
     def sched_wait(self, wg: Int32):
         if const_expr(self.pingpong):
-            cute.arch.barrier(barrier_id=_BAR_SCHED_WG0 + wg, number_of_threads=256)
+            cute.arch.barrier(barrier_id=NamedBarrier.SCHED_WG0 + wg, number_of_threads=256)
 
     @cute.jit
     def sched_signal(self, wg: Int32):
         if const_expr(self.pingpong):
-            cute.arch.barrier_arrive(barrier_id=_BAR_SCHED_WG0 + 1 - wg, number_of_threads=256)
+            cute.arch.barrier_arrive(barrier_id=NamedBarrier.SCHED_WG0 + 1 - wg, number_of_threads=256)
 
     @cute.jit
     def wait_v(self, pipe_v, v_state, sV, zero_copy_v, tidx: Int32, wg: Int32, seq, n_block: Int32):
@@ -528,47 +506,3 @@ class HstuForwardSm90:
         rP.store(acc_A.load().to(self.dtype))
         return rP
 
-
-def _advanced(state):
-    """The next pipeline state, as a new value: reassigning it lets the DSL carry it out of
-    runtime ``if``/``for``/``while`` bodies."""
-    nxt = state.clone()
-    nxt.advance()
-    return nxt
-
-
-def _snake_next(tile, cta, grid):
-    """Persistent CTAs walk rounds of ``grid`` tiles in a snake order (forward, then backward):
-    with tiles sorted heaviest first, every CTA's total work evens out (a plain stride hands CTA 0
-    the heaviest tile of every round). One tile per CTA: the first step leaves the range."""
-    round_next = tile // grid + 1
-    return round_next * grid + cutlass.select_(round_next % 2 == 1, grid - 1 - cta, cta)
-
-
-class _TileWalk:
-    """Linear tile index -> (m_block, head, batch). With ``lpt`` (a runtime flag) m-blocks vary
-    slowest and in reverse (the longest causal rows first across all heads and sequences; heads
-    vary fastest), else fastest (the tiles running together share one sequence's K/V in L2:
-    B1024 N256 jagged causal on the H100, 144 TF vs 115 with lpt, 2026-11-21)."""
-
-    def __init__(self, lpt, num_m_blocks, num_heads, num_batch):
-        self.lpt = lpt
-        self.num_m_blocks = num_m_blocks
-        self.num_heads = num_heads
-        self.num_batch = num_batch
-        self.num_tiles = num_m_blocks * num_heads * num_batch
-
-    def coords(self, tile):
-        per_m_block = self.num_heads * self.num_batch
-        lpt_m_rev = tile // per_m_block
-        lpt_rest = tile - lpt_m_rev * per_m_block
-        lpt_batch = lpt_rest // self.num_heads
-        lpt_head = lpt_rest - lpt_batch * self.num_heads
-        l2_rest = tile // self.num_m_blocks
-        l2_m_rev = tile - l2_rest * self.num_m_blocks
-        l2_batch = l2_rest // self.num_heads
-        l2_head = l2_rest - l2_batch * self.num_heads
-        m_block_rev = cutlass.select_(self.lpt, lpt_m_rev, l2_m_rev)
-        head = cutlass.select_(self.lpt, lpt_head, l2_head)
-        batch = cutlass.select_(self.lpt, lpt_batch, l2_batch)
-        return self.num_m_blocks - 1 - m_block_rev, head, batch

@@ -1,4 +1,6 @@
-"""Device-side helpers shared by the kernels (traced inside ``@cute.jit`` / ``@cute.kernel``)."""
+"""sm90 (WGMMA, TMA, mbarrier pipelines) helpers shared by the Hopper kernels. A warpgroup
+accumulator m64nNk16 holds, per thread, values ((2 cols, 2 row halves, N/8 col groups), MMA_M,
+MMA_N)."""
 
 from __future__ import annotations
 
@@ -6,216 +8,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import warp
 
-from . import masks
-
-# The mask engine's helpers, bound to DSL scalar ops for use while tracing a kernel.
-KERNEL_OPS = masks.Ops(min=cutlass.min, max=cutlass.max, select=cutlass.select_)
+from .barriers import NamedBarrier
 
 
-def smem_layout_atom(dtype, k_extent: int) -> cute.ComposedLayout:
-    """Swizzled smem atom for a row-major (rows, k_extent) 16-bit tile.
-
-    The swizzle permutes 16-byte chunks inside the widest power-of-two row segment (up to 128 B)
-    so that the 8 rows an ldmatrix phase reads land in distinct banks.
-    """
-    row_bytes = k_extent * dtype.width // 8
-    seg_bytes = 128 if row_bytes % 128 == 0 else (64 if row_bytes % 64 == 0 else 32)
-    seg_elems = seg_bytes * 8 // dtype.width
-    swizzle_bits = {128: 3, 64: 2, 32: 1}[seg_bytes]
-    return cute.make_composed_layout(
-        cute.make_swizzle(swizzle_bits, 3, 3),
-        0,
-        cute.make_ordered_layout((8, seg_elems), order=(1, 0)),
-    )
-
-
-def ldmatrix_copies(dtype, tiled_mma, tidx):
-    """Per-thread smem->register copies (ldmatrix x4) laid out for ``tiled_mma``'s A operand,
-    B operand, transposed B operand (an MN-major tile, e.g. V for P.V) and C accumulator."""
-    ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
-    ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), dtype)
-    return (
-        cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(tidx),
-        cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx),
-        cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx),
-        cute.make_tiled_copy_C(ldsm, tiled_mma).get_slice(tidx),
-    )
-
-
-def scores_init(thr_mma, shape_mn, dtype, smem_copy_rab=None, tSsRab=None) -> cute.Tensor:
-    """A fresh fp32 score accumulator: the rab tile read from smem (ldmatrix into the accumulator
-    layout), or zeros without rab -- Q K^T is then accumulated on top (spec: scores include rab)."""
-    acc = cute.make_rmem_tensor(thr_mma.partition_shape_C(shape_mn), Float32)
-    if const_expr(tSsRab is not None):
-        rRab = cute.make_rmem_tensor(thr_mma.partition_shape_C(shape_mn), dtype)
-        cute.copy(smem_copy_rab, tSsRab, smem_copy_rab.retile(rRab))
-        acc.store(rRab.load().to(Float32))
-    else:
-        acc.fill(0.0)
-    return acc
-
-
-@cute.jit
-def gemm_ss(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, smem_thr_copy_A, smem_thr_copy_B):
-    """acc += A @ B with both operands read from smem by ldmatrix, one k-slice ahead."""
-    tCrA_view = smem_thr_copy_A.retile(tCrA)
-    tCrB_view = smem_thr_copy_B.retile(tCrB)
-    cute.copy(smem_thr_copy_A, tCsA[None, None, 0], tCrA_view[None, None, 0])
-    cute.copy(smem_thr_copy_B, tCsB[None, None, 0], tCrB_view[None, None, 0])
-    num_k = cute.size(tCsA.shape[2])
-    for k in cutlass.range_constexpr(num_k):
-        if const_expr(k < num_k - 1):
-            cute.copy(smem_thr_copy_A, tCsA[None, None, k + 1], tCrA_view[None, None, k + 1])
-            cute.copy(smem_thr_copy_B, tCsB[None, None, k + 1], tCrB_view[None, None, k + 1])
-        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-
-
-@cute.jit
-def gemm_rs(tiled_mma, acc, tCrA, tCrB, tCsB, smem_thr_copy_B):
-    """acc += A @ B with A already in registers and B read from smem one k-slice ahead."""
-    tCrB_view = smem_thr_copy_B.retile(tCrB)
-    cute.copy(smem_thr_copy_B, tCsB[None, None, 0], tCrB_view[None, None, 0])
-    num_k = cute.size(tCrA.shape[2])
-    for k in cutlass.range_constexpr(num_k):
-        if const_expr(k < num_k - 1):
-            cute.copy(smem_thr_copy_B, tCsB[None, None, k + 1], tCrB_view[None, None, k + 1])
-        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-
-
-def acc_to_operand_a(rP: cute.Tensor) -> cute.Tensor:
-    """View an m16n8k16 accumulator fragment (4, M, N) as an A-operand fragment ((4, 2), M, N/2):
-    two adjacent n8 accumulator tiles form one k16 slice of the next GEMM."""
-    divided = cute.logical_divide(rP.layout, (None, None, 2))
-    layout = cute.make_layout(
-        ((divided.shape[0], divided.shape[2][0]), divided.shape[1], divided.shape[2][1]),
-        stride=((divided.stride[0], divided.stride[2][0]), divided.stride[1], divided.stride[2][1]),
-    )
-    return cute.make_tensor(rP.iterator, layout)
-
-
-def _mufu_f32(instruction: str, x: Float32) -> Float32:
-    """One single-operand f32 PTX instruction (a MUFU op) on ``x``."""
-    return Float32(
-        llvm.inline_asm(
-            Float32.mlir_type,
-            [Float32(x).ir_value()],
-            f"{instruction} $0, $1;",
-            "=f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
-
-
-@cute.jit
-def tanh_approx(x: Float32) -> Float32:
-    # One MUFU op (sm_75+); max relative error ~2^-11, below bf16 rounding of P.
-    return _mufu_f32("tanh.approx.f32", x)
-
-
-@cute.jit
-def rcp_approx(x: Float32) -> Float32:
-    # One MUFU op, ~1 ulp. The IEEE division it replaces (div.rn.f32) is a dozen instructions plus
-    # a slow-path branch per element: fp16 forward D128 249 TF against bf16's 646 with it.
-    return _mufu_f32("rcp.approx.ftz.f32", x)
-
-
-@cute.jit
-def silu_scaled_inplace(acc: cute.Tensor, alpha: Float32, fast: cutlass.Constexpr[bool]):
-    """acc <- silu(alpha * acc), elementwise, in fp32."""
-    if const_expr(fast):
-        # silu(z) = z * sigmoid(z) = h + h * tanh(h) with h = z / 2.
-        half_alpha = alpha * Float32(0.5)
-        # unroll_full: traced once, unrolled by the compiler (the DSL warns that a 64-128 step
-        # range_constexpr is slow to trace); the PTX is the same (64 tanh.approx, no local memory).
-        for i in cutlass.range(cute.size(acc), unroll_full=True):
-            h = acc[i] * half_alpha
-            acc[i] = h + h * tanh_approx(h)
-    else:
-        neg_alpha_log2e = alpha * Float32(-1.4426950408889634)
-        for i in cutlass.range(cute.size(acc), unroll_full=True):
-            s = acc[i]
-            acc[i] = (s * alpha) * rcp_approx(Float32(1.0) + cute.math.exp2(s * neg_alpha_log2e, fastmath=True))
-
-
-@cute.jit
-def silu_and_grad_unscaled(acc_s: cute.Tensor, acc_dp: cute.Tensor, half_alpha: Float32):
-    """acc_s <- S_len * P, acc_dp <- (2 S_len / alpha) * G (spec section 2, tanh SiLU): the caller
-    scales dV by 1 / S_len and dK, dQ by alpha / (2 S_len) once per tile.
-
-    With h = alpha s / 2 and t = tanh(h): silu(2h) = h (1 + t) and
-    2 silu'(2h) = (1 + t)(1 + h - h t), so an element costs one MUFU op and six FP32 ops
-    (eleven with the scales and the sigmoid formed per element)."""
-    for i in cutlass.range(cute.size(acc_s), unroll_full=True):
-        h = acc_s[i] * half_alpha
-        t = tanh_approx(h)
-        acc_s[i] = h + h * t
-        w = acc_dp[i] * ((h + Float32(1.0)) - h * t)
-        acc_dp[i] = w + w * t
-
-
-@cute.jit
-def apply_mask_inplace(acc: cute.Tensor, tScS: cute.Tensor, spec: cutlass.Constexpr, seq, row0: Int32, col0: Int32):
-    """Zero every accumulator element whose (row0 + row, col0 + col) is masked (spec section 4).
-
-    An m16n8 accumulator fragment holds, per thread, values v = col_pair + 2 * row_half: two rows
-    (r, r + 8) per m-atom. Each row's allowed intervals are computed once (masks.row_intervals)
-    and shifted to tile columns, so an element costs three compares and a select.
-    """
-    assert cute.size(acc.shape[0]) == 4
-    for m in cutlass.range_constexpr(cute.size(acc.shape[1])):
-        for half in cutlass.range_constexpr(2):
-            r = row0 + tScS[2 * half, m, 0][0]
-            lo_end, hi_start, hi_end = masks.row_intervals(spec, seq, r, KERNEL_OPS)
-            lo_end, hi_start, hi_end = lo_end - col0, hi_start - col0, hi_end - col0
-            col_limit = seq.seqlen_k - col0
-            for n in cutlass.range_constexpr(cute.size(acc.shape[2])):
-                for col_pair in cutlass.range_constexpr(2):
-                    v = col_pair + 2 * half
-                    keep = masks.in_row_intervals(spec, tScS[v, m, n][1], lo_end, hi_start, hi_end, col_limit)
-                    acc[v, m, n] = cutlass.select_(keep, acc[v, m, n], Float32(0.0))
-
-
-def clamp_range(start, end, limit):
-    """Clamp [start, end) into [0, limit] so corrupt offsets can never address outside a tensor."""
-    s = cutlass.min(cutlass.max(start, Int32(0)), limit)
-    e = cutlass.min(cutlass.max(end, s), limit)
-    return s, e
-
-
-def sequence_bounds(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, tokens_q, tokens_k, batch):
-    """(q_start, k_start, seqlen_q, seqlen_k) of one sequence: offsets clamped to the tensors,
-    lengths clamped by seqused (INT32_MAX when the caller has none)."""
-    q_start, q_end = clamp_range(mOffsetsQ[batch], mOffsetsQ[batch + 1], tokens_q)
-    k_start, k_end = clamp_range(mOffsetsK[batch], mOffsetsK[batch + 1], tokens_k)
-    seqlen_q = cutlass.max(cutlass.min(mSeqUsedQ[batch], q_end - q_start), Int32(0))
-    seqlen_k = cutlass.max(cutlass.min(mSeqUsedK[batch], k_end - k_start), Int32(0))
-    return q_start, k_start, seqlen_q, seqlen_k
-
-
-def sequence_mask(spec, seqlen_q, seqlen_k, mNumContexts, mNumTargets, batch, window_left, window_right,
-                  group_size, is_delta_q):
-    """The runtime :class:`masks.SeqMask` of one sequence inside a kernel."""
-    num_context = Int32(0)
-    history_end = seqlen_k
-    if const_expr(spec.has_context):
-        num_context = mNumContexts[batch]
-    if const_expr(spec.has_target):
-        history_end = seqlen_k - cutlass.min(cutlass.max(mNumTargets[batch], Int32(0)), seqlen_k)
-    return masks.SeqMask(
-        seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=window_left, window_right=window_right,
-        num_context=num_context, history_end=history_end, group_size=group_size,
-        row_offset=cutlass.select_(is_delta_q != 0, seqlen_k - seqlen_q, Int32(0)),
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# sm90 (WGMMA) fragments. A warpgroup accumulator m64nNk16 holds, per thread, values
-# ((2 cols, 2 row halves, N/8 col groups), MMA_M, MMA_N).
-# ---------------------------------------------------------------------------------------------
 def wgmma_acc_rows_cols(layout: cute.Layout) -> cute.Layout:
     """((2, 2, V), M, N) accumulator layout -> ((2, M), (2, V, N)): mode 0 walks the thread's
     rows, mode 1 its columns, so a row's mask intervals are computed once per row."""
@@ -224,7 +20,6 @@ def wgmma_acc_rows_cols(layout: cute.Layout) -> cute.Layout:
     (sc2, sr2, sv), sm, sn = flat.stride
     rows_cols = cute.make_layout(((r2, m), (c2, v, n)), stride=((sr2, sm), (sc2, sv, sn)))
     return cute.composition(layout, rows_cols)
-
 
 def wgmma_acc_as_operand_a(layout: cute.Layout) -> cute.Layout:
     """((2, 2, V), M, N) fp32 accumulator layout -> ((2, 2, 2), M, (V/2, N)): for 16-bit types
@@ -238,7 +33,6 @@ def wgmma_acc_as_operand_a(layout: cute.Layout) -> cute.Layout:
         stride=((split.stride[0][0], split.stride[0][1], split.stride[0][2][0]), split.stride[1],
                 (split.stride[0][2][1], split.stride[2])),
     )
-
 
 @cute.jit
 def wgmma(tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr[bool], wg_wait: cutlass.Constexpr[int]):
@@ -255,7 +49,6 @@ def wgmma(tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr[bool], wg_wai
     warpgroup.commit_group()
     if const_expr(wg_wait >= 0):
         warpgroup.wait_group(wg_wait)
-
 
 def wgmma_replace_operand_a(frag: cute.Tensor, new: cute.Tensor):
     """``frag`` <- ``new``, where ``frag`` is the register A operand of an RS WGMMA retired just
@@ -279,27 +72,9 @@ def wgmma_replace_operand_a(frag: cute.Tensor, new: cute.Tensor):
     for i in range(n):
         old_regs[i] = Int32(llvm.extractvalue(Int32.mlir_type, res, [i]))
 
-
-@cute.jit
-def apply_mask_rows_cols(acc_rc: cute.Tensor, coord_rc: cute.Tensor, spec: cutlass.Constexpr, seq, row0: Int32,
-                         col0: Int32):
-    """Zero every masked element of an accumulator seen as (rows, cols) (``coord_rc``: its tile
-    coordinates in the same view); one interval computation per row, a select per element."""
-    col_limit = seq.seqlen_k - col0
-    # A column's coordinate is the same in every row: read each once (fewer traced ops).
-    cols = [coord_rc[0, j][1] for j in range(cute.size(acc_rc.shape[1]))]
-    for i in cutlass.range_constexpr(cute.size(acc_rc.shape[0])):
-        lo_end, hi_start, hi_end = masks.row_intervals(spec, seq, row0 + coord_rc[i, 0][0], KERNEL_OPS)
-        lo_end, hi_start, hi_end = lo_end - col0, hi_start - col0, hi_end - col0
-        for j in cutlass.range_constexpr(cute.size(acc_rc.shape[1])):
-            keep = masks.in_row_intervals(spec, cols[j], lo_end, hi_start, hi_end, col_limit)
-            acc_rc[i, j] = cutlass.select_(keep, acc_rc[i, j], Float32(0.0))
-
-
 # L2 cache-policy operand for TMA copies (``cache_policy=``): the whole access marked evict_last
 # (a createpolicy.fractional value with fraction 1.0).
 L2_EVICT_LAST = 0x14F0000000000000
-
 
 @cute.jit
 def store_acc_fp32_sw128(acc: cute.Tensor, sX: cute.Tensor, tid_in_wg: Int32, rows: cutlass.Constexpr,
@@ -328,7 +103,6 @@ def store_acc_fp32_sw128(acc: cute.Tensor, sX: cute.Tensor, tid_in_wg: Int32, ro
         src = cute.make_tensor(acc.iterator + 4 * jj, cute.make_layout((2, 2, num_col_atoms), stride=(1, 2, 16)))
         cute.autovec_copy(src, dst)
 
-
 @cute.jit
 def store_acc_16bit_sw128_64cols(acc: cute.Tensor, sX: cute.Tensor, tid_in_wg: Int32, row0: Int32):
     """A warpgroup's (64, 64) WGMMA accumulator, already converted to a 16-bit type, into rows
@@ -347,7 +121,6 @@ def store_acc_16bit_sw128_64cols(acc: cute.Tensor, sX: cute.Tensor, tid_in_wg: I
         src = cute.make_tensor(acc.iterator + 4 * block, cute.make_layout((2, 2), stride=(1, 2)))
         cute.autovec_copy(src, dst)
 
-
 @cute.jit
 def store_acc_rows(rOut: cute.Tensor, tOg: cute.Tensor, tOc_rc: cute.Tensor, row_limit: Int32):
     """Store a WGMMA-layout register tile to global memory, two adjacent columns per store,
@@ -361,22 +134,11 @@ def store_acc_rows(rOut: cute.Tensor, tOg: cute.Tensor, tOc_rc: cute.Tensor, row
             # registers and global addresses have in common), as a copy per pair did.
             cute.autovec_copy(rc[i, None], g_rc[i, None])
 
-
-
 @cute.jit
 def red_add_f32(ptr: cute.Pointer, value: Float32):
     """*ptr += value in global memory (red.global.add.f32: no value comes back)."""
     llvm.inline_asm(None, [ptr.toint().ir_value(), Float32(value).ir_value()], "red.global.add.f32 [$0], $1;",
                     "l,f", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-# ---------------------------------------------------------------------------------------------
-# sm90 kernel scaffolding shared by the Hopper forward and backward kernels
-# ---------------------------------------------------------------------------------------------
-# Named barrier ids 4 + warpgroup (4, 5): a consumer warpgroup's own barrier after it zeroes smem
-# rows (each of the two has its own).
-BAR_ZERO_ROWS_WG0 = 4
-
 
 def sm90_register_split(num_mma_wg: int) -> tuple[int, int]:
     """(producer, consumer) registers per thread after ``setmaxnreg``, for one producer warpgroup
@@ -390,7 +152,6 @@ def sm90_register_split(num_mma_wg: int) -> tuple[int, int]:
     assert launch * threads - producer * 128 >= consumer * 128 * num_mma_wg, (num_mma_wg, producer, consumer)
     return producer, consumer
 
-
 def sm90_smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
     """Row-major (rows, cols[, stages]) smem tile in the swizzled WGMMA / TMA layout."""
     import cutlass.utils.hopper_helpers as sm90_helpers
@@ -402,7 +163,6 @@ def sm90_smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
         return cute.tile_to_shape(atom, (rows, cols), (0, 1))
     return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
 
-
 def sm90_tma_atom_tokens(op, mX: cute.Tensor, smem_tile, rows: int, cols: int | None = None):
     """TMA atom over a (T, H, D) token tensor seen as (T, D, H): a tile is (``rows``, ``cols``; default
     all of D) at a token coordinate with the head as an index. ``smem_tile``: one stage of smem."""
@@ -410,7 +170,6 @@ def sm90_tma_atom_tokens(op, mX: cute.Tensor, smem_tile, rows: int, cols: int | 
 
     mXt = cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=[0, 2, 1]))
     return cpasync.make_tiled_tma_atom(op, mXt, smem_tile, (rows, mX.shape[2] if cols is None else cols))
-
 
 def sm90_tma_atom_rab(mRab: cute.Tensor, sRab_layout, tile_m: int, tile_n: int):
     """TMA load atom over rab (B, H_rab, L_q, L_k) seen as (L_q, L_k, H_rab, B); rows past L_q and
@@ -421,7 +180,6 @@ def sm90_tma_atom_rab(mRab: cute.Tensor, sRab_layout, tile_m: int, tile_n: int):
     return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mRabt,
                                        cute.slice_(sRab_layout, (None, None, 0)), (tile_m, tile_n))
 
-
 def rows_zero_copy(dtype, cols: int) -> cute.TiledCopy:
     """128 threads (one warpgroup) storing 16-byte zero vectors over (rows, cols) smem tiles."""
     vec = 128 // dtype.width
@@ -431,7 +189,6 @@ def rows_zero_copy(dtype, cols: int) -> cute.TiledCopy:
         cute.make_ordered_layout((128 // threads_per_row, threads_per_row), order=(1, 0)),
         cute.make_layout((1, vec)),
     )
-
 
 @cute.jit
 def zero_smem_rows_past(zero_copy, tiles, tile_shape: cutlass.Constexpr, tid_in_wg: Int32, wg: Int32,
@@ -451,8 +208,7 @@ def zero_smem_rows_past(zero_copy, tiles, tile_shape: cutlass.Constexpr, tid_in_
                 # 16-byte vectors as with the tiled copy's atom, with fewer traced ops.
                 cute.autovec_copy(zeros, tZs[None, m, None])
     cute.arch.fence_view_async_shared()
-    cute.arch.barrier(barrier_id=BAR_ZERO_ROWS_WG0 + wg, number_of_threads=128)
-
+    cute.arch.barrier(barrier_id=NamedBarrier.ZERO_ROWS_WG0 + wg, number_of_threads=128)
 
 def sm90_bwd_pipelines(mbar_once, mbar_ring, once_bytes: int, ring_bytes: int, ring_stages: int,
                        num_mma_threads: int):
@@ -474,3 +230,11 @@ def sm90_bwd_pipelines(mbar_once, mbar_ring, once_bytes: int, ring_bytes: int, r
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
     return pipe_once, pipe_ring
+
+
+def advanced(state):
+    """The next pipeline state, as a new value: reassigning it lets the DSL carry it out of
+    runtime ``if``/``for``/``while`` bodies."""
+    nxt = state.clone()
+    nxt.advance()
+    return nxt

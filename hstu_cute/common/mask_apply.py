@@ -1,0 +1,64 @@
+"""Zeroing the masked elements of a score accumulator (spec: docs/operator.md, "Masks"), with the
+mask semantics of :mod:`hstu_cute.masks` bound to DSL scalar ops. Query-major (rows are queries,
+the forward and dQ kernels) for mma.sync fragments and WGMMA (rows, cols) views; key-major (rows
+are keys, the dK/dV kernels) for any accumulator with an identity-tensor partition."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from .. import masks
+
+# The mask engine's helpers, bound to DSL scalar ops for use while tracing a kernel.
+KERNEL_OPS = masks.Ops(min=cutlass.min, max=cutlass.max, select=cutlass.select_)
+
+
+@cute.jit
+def apply_mask_inplace(acc: cute.Tensor, tScS: cute.Tensor, spec: cutlass.Constexpr, seq, row0: Int32, col0: Int32):
+    """Zero every accumulator element whose (row0 + row, col0 + col) is masked (spec section 4).
+
+    An m16n8 accumulator fragment holds, per thread, values v = col_pair + 2 * row_half: two rows
+    (r, r + 8) per m-atom. Each row's allowed intervals are computed once (masks.row_intervals)
+    and shifted to tile columns, so an element costs three compares and a select.
+    """
+    assert cute.size(acc.shape[0]) == 4
+    for m in cutlass.range_constexpr(cute.size(acc.shape[1])):
+        for half in cutlass.range_constexpr(2):
+            r = row0 + tScS[2 * half, m, 0][0]
+            lo_end, hi_start, hi_end = masks.row_intervals(spec, seq, r, KERNEL_OPS)
+            lo_end, hi_start, hi_end = lo_end - col0, hi_start - col0, hi_end - col0
+            col_limit = seq.seqlen_k - col0
+            for n in cutlass.range_constexpr(cute.size(acc.shape[2])):
+                for col_pair in cutlass.range_constexpr(2):
+                    v = col_pair + 2 * half
+                    keep = masks.in_row_intervals(spec, tScS[v, m, n][1], lo_end, hi_start, hi_end, col_limit)
+                    acc[v, m, n] = cutlass.select_(keep, acc[v, m, n], Float32(0.0))
+
+@cute.jit
+def apply_mask_rows_cols(acc_rc: cute.Tensor, coord_rc: cute.Tensor, spec: cutlass.Constexpr, seq, row0: Int32,
+                         col0: Int32):
+    """Zero every masked element of an accumulator seen as (rows, cols) (``coord_rc``: its tile
+    coordinates in the same view); one interval computation per row, a select per element."""
+    col_limit = seq.seqlen_k - col0
+    # A column's coordinate is the same in every row: read each once (fewer traced ops).
+    cols = [coord_rc[0, j][1] for j in range(cute.size(acc_rc.shape[1]))]
+    for i in cutlass.range_constexpr(cute.size(acc_rc.shape[0])):
+        lo_end, hi_start, hi_end = masks.row_intervals(spec, seq, row0 + coord_rc[i, 0][0], KERNEL_OPS)
+        lo_end, hi_start, hi_end = lo_end - col0, hi_start - col0, hi_end - col0
+        for j in cutlass.range_constexpr(cute.size(acc_rc.shape[1])):
+            keep = masks.in_row_intervals(spec, cols[j], lo_end, hi_start, hi_end, col_limit)
+            acc_rc[i, j] = cutlass.select_(keep, acc_rc[i, j], Float32(0.0))
+
+
+@cute.jit
+def apply_mask_key_major(acc_S: cute.Tensor, acc_dP: cute.Tensor, tScS: cute.Tensor, spec: cutlass.Constexpr, seq,
+                         row_first: Int32, col0: Int32, q_rows: Int32):
+    """Zero the masked elements of a key-major pair of accumulators (S^T and dP^T; ``tScS``
+    gives each element's (key, query) tile coordinate) and the queries at and past ``q_rows``."""
+    for i in cutlass.range(cute.size(acc_S), unroll_full=True):
+        key, query = tScS[i]
+        keep = masks.allowed(spec, seq, row_first + query, col0 + key, KERNEL_OPS) & (query < q_rows)
+        acc_S[i] = cutlass.select_(keep, acc_S[i], Float32(0.0))
+        acc_dP[i] = cutlass.select_(keep, acc_dP[i], Float32(0.0))

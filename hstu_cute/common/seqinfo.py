@@ -1,0 +1,94 @@
+"""One sequence of a jagged batch, as the kernels see it.
+
+:class:`SequenceArgs` bundles the per-sequence runtime arguments (the run of the same names in
+:mod:`hstu_cute.kernel_args`) and :class:`ScoreScalars` the scalars of the score and mask math,
+so that a ``@cute.kernel`` takes each run as one parameter (flattened in the same order: the
+kernel's parameters are unchanged). :class:`SequenceInfo` is built inside the kernel from them and
+answers, per batch index, where the sequence starts, how long it is and what its mask is.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import cutlass
+from cutlass import Int32, const_expr
+
+from .. import masks
+
+
+class SequenceArgs(NamedTuple):
+    mOffsetsQ: Any  # (B + 1,) int32
+    mOffsetsK: Any  # (B + 1,) int32
+    mSeqUsedQ: Any  # (B,) int32 valid prefix (INT32_MAX when unused)
+    mSeqUsedK: Any  # (B,) int32
+    mNumContexts: Any  # (B,) int32 or None
+    mNumTargets: Any  # (B,) int32 or None
+
+
+class ScoreScalars(NamedTuple):
+    alpha: Any  # Float32
+    inv_scale: Any  # Float32, 1 / S
+    window_left: Any  # Int32
+    window_right: Any  # Int32
+    group_size: Any  # Int32
+    is_delta_q: Any  # Int32, 0 or 1
+
+
+def clamp_range(start, end, limit):
+    """Clamp [start, end) into [0, limit] so corrupt offsets can never address outside a tensor."""
+    s = cutlass.min(cutlass.max(start, Int32(0)), limit)
+    e = cutlass.min(cutlass.max(end, s), limit)
+    return s, e
+
+def sequence_bounds(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, tokens_q, tokens_k, batch):
+    """(q_start, k_start, seqlen_q, seqlen_k) of one sequence: offsets clamped to the tensors,
+    lengths clamped by seqused (INT32_MAX when the caller has none)."""
+    q_start, q_end = clamp_range(mOffsetsQ[batch], mOffsetsQ[batch + 1], tokens_q)
+    k_start, k_end = clamp_range(mOffsetsK[batch], mOffsetsK[batch + 1], tokens_k)
+    seqlen_q = cutlass.max(cutlass.min(mSeqUsedQ[batch], q_end - q_start), Int32(0))
+    seqlen_k = cutlass.max(cutlass.min(mSeqUsedK[batch], k_end - k_start), Int32(0))
+    return q_start, k_start, seqlen_q, seqlen_k
+
+def sequence_mask(spec, seqlen_q, seqlen_k, mNumContexts, mNumTargets, batch, window_left, window_right,
+                  group_size, is_delta_q):
+    """The runtime :class:`masks.SeqMask` of one sequence inside a kernel."""
+    num_context = Int32(0)
+    history_end = seqlen_k
+    if const_expr(spec.has_context):
+        num_context = mNumContexts[batch]
+    if const_expr(spec.has_target):
+        history_end = seqlen_k - cutlass.min(cutlass.max(mNumTargets[batch], Int32(0)), seqlen_k)
+    return masks.SeqMask(
+        seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=window_left, window_right=window_right,
+        num_context=num_context, history_end=history_end, group_size=group_size,
+        row_offset=cutlass.select_(is_delta_q != 0, seqlen_k - seqlen_q, Int32(0)),
+    )
+
+
+class SequenceInfo:
+    """The sequences of one call inside a kernel: ``at(batch)`` gives ``(q_start, k_start, seq)``,
+    the first query and key token of sequence ``batch`` and its :class:`masks.SeqMask` (lengths
+    clamped to the tensors and to seqused)."""
+
+    def __init__(self, spec: masks.MaskSpec, seqs: SequenceArgs, scalars: ScoreScalars, tokens_q, tokens_k):
+        self.spec = spec
+        self.seqs = seqs
+        self.scalars = scalars
+        self.tokens_q = tokens_q
+        self.tokens_k = tokens_k
+
+    def bounds(self, batch):
+        """(q_start, k_start, seqlen_q, seqlen_k) of sequence ``batch``."""
+        s = self.seqs
+        return sequence_bounds(s.mOffsetsQ, s.mOffsetsK, s.mSeqUsedQ, s.mSeqUsedK, self.tokens_q, self.tokens_k, batch)
+
+    def mask(self, batch, seqlen_q, seqlen_k) -> masks.SeqMask:
+        """The runtime mask of sequence ``batch`` (reads its context and target counts)."""
+        c = self.scalars
+        return sequence_mask(self.spec, seqlen_q, seqlen_k, self.seqs.mNumContexts, self.seqs.mNumTargets, batch,
+                             c.window_left, c.window_right, c.group_size, c.is_delta_q)
+
+    def at(self, batch):
+        q_start, k_start, seqlen_q, seqlen_k = self.bounds(batch)
+        return q_start, k_start, self.mask(batch, seqlen_q, seqlen_k)

@@ -1,0 +1,84 @@
+"""sm80 (mma.sync, ldmatrix) fragment helpers."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, const_expr
+from cutlass.cute.nvgpu import warp
+
+
+def smem_layout_atom(dtype, k_extent: int) -> cute.ComposedLayout:
+    """Swizzled smem atom for a row-major (rows, k_extent) 16-bit tile.
+
+    The swizzle permutes 16-byte chunks inside the widest power-of-two row segment (up to 128 B)
+    so that the 8 rows an ldmatrix phase reads land in distinct banks.
+    """
+    row_bytes = k_extent * dtype.width // 8
+    seg_bytes = 128 if row_bytes % 128 == 0 else (64 if row_bytes % 64 == 0 else 32)
+    seg_elems = seg_bytes * 8 // dtype.width
+    swizzle_bits = {128: 3, 64: 2, 32: 1}[seg_bytes]
+    return cute.make_composed_layout(
+        cute.make_swizzle(swizzle_bits, 3, 3),
+        0,
+        cute.make_ordered_layout((8, seg_elems), order=(1, 0)),
+    )
+
+def ldmatrix_copies(dtype, tiled_mma, tidx):
+    """Per-thread smem->register copies (ldmatrix x4) laid out for ``tiled_mma``'s A operand,
+    B operand, transposed B operand (an MN-major tile, e.g. V for P.V) and C accumulator."""
+    ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
+    ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), dtype)
+    return (
+        cute.make_tiled_copy_A(ldsm, tiled_mma).get_slice(tidx),
+        cute.make_tiled_copy_B(ldsm, tiled_mma).get_slice(tidx),
+        cute.make_tiled_copy_B(ldsm_t, tiled_mma).get_slice(tidx),
+        cute.make_tiled_copy_C(ldsm, tiled_mma).get_slice(tidx),
+    )
+
+def scores_init(thr_mma, shape_mn, dtype, smem_copy_rab=None, tSsRab=None) -> cute.Tensor:
+    """A fresh fp32 score accumulator: the rab tile read from smem (ldmatrix into the accumulator
+    layout), or zeros without rab -- Q K^T is then accumulated on top (spec: scores include rab)."""
+    acc = cute.make_rmem_tensor(thr_mma.partition_shape_C(shape_mn), Float32)
+    if const_expr(tSsRab is not None):
+        rRab = cute.make_rmem_tensor(thr_mma.partition_shape_C(shape_mn), dtype)
+        cute.copy(smem_copy_rab, tSsRab, smem_copy_rab.retile(rRab))
+        acc.store(rRab.load().to(Float32))
+    else:
+        acc.fill(0.0)
+    return acc
+
+@cute.jit
+def gemm_ss(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, smem_thr_copy_A, smem_thr_copy_B):
+    """acc += A @ B with both operands read from smem by ldmatrix, one k-slice ahead."""
+    tCrA_view = smem_thr_copy_A.retile(tCrA)
+    tCrB_view = smem_thr_copy_B.retile(tCrB)
+    cute.copy(smem_thr_copy_A, tCsA[None, None, 0], tCrA_view[None, None, 0])
+    cute.copy(smem_thr_copy_B, tCsB[None, None, 0], tCrB_view[None, None, 0])
+    num_k = cute.size(tCsA.shape[2])
+    for k in cutlass.range_constexpr(num_k):
+        if const_expr(k < num_k - 1):
+            cute.copy(smem_thr_copy_A, tCsA[None, None, k + 1], tCrA_view[None, None, k + 1])
+            cute.copy(smem_thr_copy_B, tCsB[None, None, k + 1], tCrB_view[None, None, k + 1])
+        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
+@cute.jit
+def gemm_rs(tiled_mma, acc, tCrA, tCrB, tCsB, smem_thr_copy_B):
+    """acc += A @ B with A already in registers and B read from smem one k-slice ahead."""
+    tCrB_view = smem_thr_copy_B.retile(tCrB)
+    cute.copy(smem_thr_copy_B, tCsB[None, None, 0], tCrB_view[None, None, 0])
+    num_k = cute.size(tCrA.shape[2])
+    for k in cutlass.range_constexpr(num_k):
+        if const_expr(k < num_k - 1):
+            cute.copy(smem_thr_copy_B, tCsB[None, None, k + 1], tCrB_view[None, None, k + 1])
+        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
+def acc_to_operand_a(rP: cute.Tensor) -> cute.Tensor:
+    """View an m16n8k16 accumulator fragment (4, M, N) as an A-operand fragment ((4, 2), M, N/2):
+    two adjacent n8 accumulator tiles form one k16 slice of the next GEMM."""
+    divided = cute.logical_divide(rP.layout, (None, None, 2))
+    layout = cute.make_layout(
+        ((divided.shape[0], divided.shape[2][0]), divided.shape[1], divided.shape[2][1]),
+        stride=((divided.stride[0], divided.stride[2][0]), divided.stride[1], divided.stride[2][1]),
+    )
+    return cute.make_tensor(rP.iterator, layout)

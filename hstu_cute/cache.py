@@ -24,7 +24,10 @@ Lookup order
    N processes starting together compile a variant once (the others wait on the lock, then load
    the entry from disk). The ``.o`` is exported to a temp file in the same directory and moved
    into place with ``os.replace``; the sidecar is written the same way, last. The process keeps
-   the executor that ``build()`` returned, unless it is export-only (below).
+   the executor that ``build()`` returned, unless it is export-only (below). When no complete
+   entry was written (``build()`` raised, or the export failed) the holder removes the lock
+   file before releasing it, so failed runs leave no empty ``.lock`` files; a process that then
+   gets the lock on the removed file notices (inode check) and locks the path again.
 
 While the cache builds an entry it will export, :func:`building_for_export` is True: a builder may
 then return a module compiled without an in-process JIT engine (``hstu_cute.compile`` does), and
@@ -807,32 +810,43 @@ class ModuleCache:
         """Exclusive flock on ``<digest>.lock``; yields ``(locked, seconds_waited)``.
 
         Raises _DiskError when the directory or the lock file cannot be created. On timeout
-        yields ``locked=False`` (the caller still writes atomically, so that is safe)."""
-        try:
-            entry.dir.mkdir(parents=True, exist_ok=True)
-            marker = entry.dir.parent / _FP_MARKER
-            if not marker.exists():
-                marker.write_text(json.dumps({"fingerprint": self.fingerprint, **runtime_versions()}))
-            fd = os.open(entry.lock, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            self._disk_error(exc)
-            raise _DiskError(str(exc)) from exc
+        yields ``locked=False`` (the caller still writes atomically, so that is safe).
+
+        The lock file is removed on release when no complete entry is on disk (the build failed
+        or was not exported), so failed runs leave no empty ``.lock`` files; beside a complete
+        entry it stays. It is unlinked only by the holder, before unlocking, and a process that
+        gets the lock checks that its descriptor is still the file at ``entry.lock`` (else it
+        reopens the path and locks again): whoever holds the lock on the file at that path is
+        the only holder, as with a lock file that is never removed."""
+        fd = self._open_lock(entry)
         t0 = time.perf_counter()
         locked = False
+        unsupported = False  # flock does not work here: nobody can lock, nobody waits
         try:
             delay = 0.005
             deadline = time.monotonic() + self.lock_timeout
             while True:
+                got = False
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    locked = True
-                    break
+                    got = True
                 except BlockingIOError:
                     pass
                 except OSError as exc:  # e.g. a filesystem without flock support
                     if exc.errno not in (errno.EAGAIN, errno.EACCES):
                         log.debug("flock(%s) failed: %r; continuing unlocked", entry.lock, exc)
+                        unsupported = True
                         break
+                if got:
+                    if _same_file(fd, entry.lock):
+                        locked = True
+                        break
+                    # The holder before us removed the file after we opened it: this lock guards
+                    # nothing. Lock the file that is at the path now (created if need be).
+                    os.close(fd)  # releases the flock
+                    fd = -1
+                    fd = self._open_lock(entry)
+                    delay = 0.005
                 if time.monotonic() >= deadline:
                     self._warn_once(
                         f"lock-timeout:{entry.lock}",
@@ -844,12 +858,32 @@ class ModuleCache:
                 delay = min(delay * 2, 0.1)
             yield locked, time.perf_counter() - t0
         finally:
-            if locked:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-                except OSError:
-                    pass
-            os.close(fd)
+            if fd >= 0:
+                if (locked or unsupported) and not entry.meta.exists():
+                    # Still holding the lock (or nobody can lock here): no process relies on this
+                    # file any more; a waiter that opened it notices and reopens the path.
+                    try:
+                        os.unlink(entry.lock)
+                    except OSError:
+                        pass
+                if locked:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_UN)
+                    except OSError:
+                        pass
+                os.close(fd)
+
+    def _open_lock(self, entry: _Entry) -> int:
+        """Create the entry's directory (and the fingerprint marker) and open its lock file."""
+        try:
+            entry.dir.mkdir(parents=True, exist_ok=True)
+            marker = entry.dir.parent / _FP_MARKER
+            if not marker.exists():
+                marker.write_text(json.dumps({"fingerprint": self.fingerprint, **runtime_versions()}))
+            return os.open(entry.lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            self._disk_error(exc)
+            raise _DiskError(str(exc)) from exc
 
     def _disk_error(self, exc: OSError) -> None:
         self.stats.disk_errors += 1
@@ -893,6 +927,17 @@ def _fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether the open file ``fd`` is still the file at ``path`` (not removed or replaced)."""
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:  # removed by the holder before us
+        return False
+    except OSError:  # cannot tell: as before lock files were removed, trust the descriptor
+        return True
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def _owned_file(name: str) -> bool:

@@ -5,8 +5,14 @@
 * ``demo``    a random jagged batch through the kernel, checked against the oracle and timed. Without
               a GPU it says so, precompiles the demo's variant, runs the oracle on CPU and lists
               what it skipped.
-* ``bench``   the benchmark grid of shared/perf/README.md with the GEMM peak and torch SDPA
-              (flash, cuDNN) timed in the same run as reference lines (needs a GPU).
+* ``bench``   the benchmark workloads with the GEMM peak and torch SDPA (flash, cuDNN) timed in the
+              same run as reference lines, FLOPs by the convention of docs/operator.md (needs a GPU).
+
+``--arch`` (warmup, demo) is checked with :func:`hstu_cute.arch.check_arch` before anything is
+compiled or locked: an unsupported arch is one line on stderr and exit status 2, like the
+argparse errors. Every ``--help`` shows the defaults. Output that is not a terminal (a pipe, a
+file, CI logs) or runs under ``NO_COLOR`` has no colour codes, and an unexpected error's
+traceback is printed without the DSL's ANSI codes there too.
 """
 
 from __future__ import annotations
@@ -21,21 +27,47 @@ import sys
 import time
 from typing import Any
 
+from .arch import SUPPORTED_ARCHS, check_arch
+from .variants import DTYPES, HEAD_DIMS
+from .warmup import describe_variant, strip_ansi
+
+#: Mask families of the ``--mask`` options ('target': causal with contexts and targets).
 MASKS = ("none", "local", "causal", "target")
-DTYPES = ("bfloat16", "float16")
-HEAD_DIMS = (32, 64, 128, 256)
 
 
 # ---------------------------------------------------------------------------------------------
 # Small helpers
 # ---------------------------------------------------------------------------------------------
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+def _no_color() -> bool:
+    return os.environ.get("NO_COLOR", "") != ""  # https://no-color.org
+
+
 def _console():
+    """stdout console: colours only on a terminal without ``NO_COLOR``; plain text otherwise,
+    also when FORCE_COLOR / TTY_COMPATIBLE are set (rich would honour those in a pipe)."""
     from rich.console import Console
 
-    console = Console()
-    if not console.is_terminal and "COLUMNS" not in os.environ:
-        console = Console(width=120)  # pipes and CI logs: do not squeeze tables into 80 columns
-    return console
+    tty = _isatty(sys.stdout)
+    color = tty and not _no_color()
+    kw: dict = dict(force_terminal=None if tty else False, color_system="auto" if color else None,
+                    no_color=not color)
+    if not tty and "COLUMNS" not in os.environ:
+        kw["width"] = 120  # pipes and CI logs: do not squeeze tables into 80 columns
+    return Console(**kw)
+
+
+def _esc(text: object) -> str:
+    """``text`` for a rich markup string (error messages may hold ``[...]``)."""
+    from rich.markup import escape
+
+    return escape(str(text))
 
 
 def _dist_version(dist: str) -> str:
@@ -69,33 +101,29 @@ def _mask_window(mask: str, window: tuple[int, int]) -> tuple[int, int]:
 
 
 def _parse_window(text: str) -> tuple[int, int]:
+    # argparse prefixes "argument --window: ": the message does not name the flag again.
     try:
         left, right = (int(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--window: expected 'LEFT,RIGHT' (two ints), got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT (two ints, e.g. 128,0), got {text!r}") from None
     return left, right
-
-
-def _key_classes() -> dict:
-    """Compile-key class by name, for :func:`_key_variant` (no eval: only these names are built)."""
-    from .ampere import AmpereBwdKey, AmpereFwdKey
-    from .hopper import HopperBwdKey, HopperFwdKey
-
-    return {cls.__name__: cls for cls in (AmpereFwdKey, AmpereBwdKey, HopperFwdKey, HopperBwdKey)}
 
 
 def _key_variant(key_repr: str | None) -> str:
     """A compact description of a cached entry from its sidecar's key repr (parsed with ast,
-    never evaluated); the raw repr when it is not a known compile key."""
+    never evaluated; only the classes of :data:`hstu_cute.variants.KEY_CLASSES` are built): the
+    :func:`hstu_cute.warmup.describe_variant` text, or the raw repr when it is not a known key."""
+    from .variants import KEY_CLASSES
+
     if not key_repr:
         return "?"
     try:
         node = ast.parse(key_repr, mode="eval").body
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args:
-            cls = _key_classes().get(node.func.id)
+            cls = KEY_CLASSES.get(node.func.id)
             if cls is not None:
                 fields = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
-                return cls(**fields).describe()
+                return describe_variant(cls(**fields))
     except Exception:
         pass
     return key_repr
@@ -132,7 +160,7 @@ def cmd_info(args, console) -> int:
     if dev is None:
         t.add_row("GPU", f"[yellow]no GPU[/]: {what}")
     else:
-        from .api import device_arch, kernel_path
+        from .arch import device_arch, kernel_path
 
         major, minor = torch.cuda.get_device_capability(dev)
         props = torch.cuda.get_device_properties(dev)
@@ -140,10 +168,10 @@ def cmd_info(args, console) -> int:
         t.add_row("compute capability", f"{major}.{minor}")
         try:
             path = kernel_path(dev)
-            t.add_row("kernel path", {"hopper": "hopper (TMA + WGMMA forward, mma.sync backward)",
+            t.add_row("kernel path", {"hopper": "hopper (TMA + WGMMA kernels; mma.sync dQ for drab below D256)",
                                       "ampere": "ampere (mma.sync kernels)"}.get(path, path))
         except (NotImplementedError, ValueError) as exc:
-            t.add_row("kernel path", f"[red]{type(exc).__name__}[/]: {exc}")
+            t.add_row("kernel path", f"[red]{type(exc).__name__}[/]: {_esc(exc)}")
         t.add_row("cubin arch", device_arch(dev))
     for env in ("HSTU_CUTE_ARCH", "HSTU_CUTE_CHECK", "CUTE_DSL_ARCH"):
         t.add_row(env, os.environ.get(env, "(unset)"))
@@ -164,7 +192,8 @@ def cmd_info(args, console) -> int:
                         ("compile", {"justify": "right"}), ("valid", {})):
             et.add_column(col, **kw)
         for e in entries:
-            et.add_row(_key_variant(e["key"]) if e["key"] else f"{e['kernel_name']} {e['digest']}", str(e["arch"]),
+            et.add_row(_esc(_key_variant(e["key"]) if e["key"] else f"{e['kernel_name']} {e['digest']}"),
+                       _esc(e["arch"]),
                        f"{e['size'] / 1024:.0f} KiB",
                        _fmt_s(e["compile_s"]), "yes" if e["valid"] else "[red]no[/]")
         console.print(et)
@@ -180,12 +209,13 @@ def cmd_info(args, console) -> int:
 def select_keys(arch: str, dtypes=None, head_dims=None, masks_=None, rab: str = "all", limit=None,
                 kernels: str = "all") -> list:
     """The shipped forward and backward variants for ``arch`` (:func:`hstu_cute.variants.shipped_keys`:
-    the Hopper forward kernels too on sm_90a) filtered like the ``warmup`` options."""
-    from .ampere import SHIPPED_DTYPES, SHIPPED_HEAD_DIMS
+    the Hopper kernels too on sm_90a) filtered like the ``warmup`` options. ``arch`` must be a
+    supported arch (:func:`hstu_cute.arch.check_arch`, ``ValueError`` otherwise)."""
     from .masks import MaskKind
     from .variants import shipped_keys
 
-    keys = shipped_keys(arch, tuple(dtypes or SHIPPED_DTYPES), tuple(head_dims or SHIPPED_HEAD_DIMS))
+    check_arch(arch, name="arch")
+    keys = shipped_keys(arch, tuple(dtypes or DTYPES), tuple(head_dims or HEAD_DIMS))
     if masks_:
         wanted = {
             {"none": (MaskKind.NONE, False), "local": (MaskKind.LOCAL, False), "causal": (MaskKind.CAUSAL, False),
@@ -216,7 +246,7 @@ def _run_warmup(console, arch: str, keys: list, workers: int | None, title: str)
 
         def progress(done, total, key, result):
             mark = "[green]ok[/]" if result["ok"] else "[red]FAILED[/]"
-            bar.update(task, completed=done, description=f"{title}: {mark} {result['variant']}")
+            bar.update(task, completed=done, description=f"{title}: {mark} {_esc(result['variant'])}")
 
         results = warmup(arch=arch, keys=keys, workers=workers, progress=progress, raise_errors=False)
         bar.update(task, description=title)
@@ -245,7 +275,12 @@ def cmd_warmup(args, console) -> int:
     from .cache import default_cache
     from .warmup import default_arch
 
-    arch = args.arch or default_arch()
+    arch = args.arch  # checked in main()
+    if arch is None:
+        try:
+            arch = check_arch(default_arch(), name="this GPU's arch (no --arch given)")
+        except ValueError as exc:
+            return _error(args, str(exc))
     keys = select_keys(arch, args.dtype, args.head_dim, args.mask, "none" if args.no_rab else args.rab, args.limit,
                        args.kernels)
     if not keys:
@@ -267,7 +302,7 @@ def cmd_warmup(args, console) -> int:
     table.add_column("result")
     table.add_column("time", justify="right")
     for r in results:
-        table.add_row(r["variant"], _source_text(r), _fmt_s(r["seconds"]))
+        table.add_row(_esc(r["variant"]), _source_text(r), _fmt_s(r["seconds"]))
     console.print(table)
     counts = summarize_warmup(results)
     compile_s = sum(r["seconds"] for r in results if r["ok"] and r["source"] == "compile")
@@ -278,7 +313,7 @@ def cmd_warmup(args, console) -> int:
     )
     for r in results:
         if not r["ok"]:
-            console.print(f"[red]FAILED[/] {r['variant']}: {r['error']}")
+            console.print(f"[red]FAILED[/] {_esc(r['variant'])}: {_esc(r['error'])}")
             if args.verbose and r.get("traceback"):
                 console.print(r["traceback"], markup=False, highlight=False)
     return 1 if counts["failed"] else 0
@@ -290,7 +325,7 @@ def cmd_warmup(args, console) -> int:
 def _demo_inputs(args, device):
     import torch
 
-    from .reference import random_jagged_batch
+    from .testing import random_jagged_batch
 
     window = _mask_window(args.mask, args.window)
     extra = {}
@@ -322,14 +357,12 @@ def _demo_workload(args, lens_k):
 
 
 def _demo_key(args, arch: str):
-    from .ampere import make_fwd_key
+    from .arch import has_hopper_kernels
     from .masks import normalize_window
-    from .variants import has_hopper_kernels
+    from .variants import make_fwd_key, make_hopper_fwd_key
 
     kind, _, _ = normalize_window(_mask_window(args.mask, args.window), args.max_len)
     if has_hopper_kernels(arch):  # what the API runs by default there
-        from .hopper import make_hopper_fwd_key
-
         return make_hopper_fwd_key(arch, args.dtype, args.head_dim, kind, args.mask == "target", bool(args.rab_heads))
     # Same choice as the API: 16-byte rab loads when every rab row is 16-byte aligned.
     rab_vec = 8 if args.max_len % 8 == 0 else 1
@@ -338,9 +371,15 @@ def _demo_key(args, arch: str):
 
 def _demo_describe(args, lens_k) -> str:
     mask = args.mask if args.mask != "local" else f"local{tuple(args.window)}"
-    rab = f", rab H_rab={args.rab_heads}" if args.rab_heads else ""
+    rab = f", {_rab_text(args.rab_heads)}" if args.rab_heads else ""
     return (f"B={args.batch}, lengths {min(lens_k)}..{max(lens_k)} (max_seqlen {args.max_len}), H={args.heads}, "
             f"D={args.head_dim}, {args.dtype}, mask {mask}{rab}")
+
+
+def _rab_text(rab_heads: int) -> str:
+    """The demo's rab in words: rab is one bias per (query, key) pair, shared by all heads
+    (``--rab-heads 1``) or one per head (``--rab-heads H``)."""
+    return f"rab ({rab_heads} head{'s' if rab_heads != 1 else ''})"
 
 
 def cmd_demo(args, console) -> int:
@@ -373,15 +412,17 @@ def _demo_cpu(args, console, why: str) -> int:
 
     # 1. Compile the variant the demo would launch (exercises the whole compiler, no GPU needed).
     key = _demo_key(args, arch)
-    console.print(f"\n[bold]1. Precompile[/] the demo's kernel variant for {arch}: {key.describe()}")
+    console.print(f"\n[bold]1. Precompile[/] the demo's kernel variant for {arch}: "
+                  f"{_esc(describe_variant(key, args.rab_heads or None))}")
     results = _run_warmup(console, arch, [key], 1, f"compile {arch}")
     r = results[0]
     if not r["ok"]:
-        console.print(f"[red]compile FAILED[/]: {r['error']}")
+        console.print(f"[red]compile FAILED[/]: {_esc(r['error'])}")
         return 1
     console.print(f"   {_source_text(r)} in {_fmt_s(r['seconds'])}" + (f" -> {r['path']}" if r.get("path") else ""))
 
-    # 2. The argument checks of spec section 1 (all but the device check pass on CPU tensors).
+    # 2. The argument checks of docs/operator.md, "Errors and checks" (all but the device check
+    # pass on CPU tensors).
     kw = _demo_inputs(args, "cpu")
     lens_q, lens_k = _lengths(kw)
     console.print(f"\n[bold]2. Argument checks[/] on a random jagged batch: {_demo_describe(args, lens_k)}")
@@ -389,9 +430,10 @@ def _demo_cpu(args, console, why: str) -> int:
         api.hstu_attn_varlen_func(**kw)
     except ValueError as exc:
         if not str(exc).startswith("q.device"):
-            console.print(f"[red]unexpected validation error[/]: {exc}")
+            console.print(f"[red]unexpected validation error[/]: {_esc(exc)}")
             return 1
-        console.print(f"   every check passed up to the last one, which rejects CPU tensors as it should:\n   {exc}")
+        console.print(f"   every check passed up to the last one, which rejects CPU tensors as it should:\n"
+                      f"   {_esc(exc)}")
 
     # 3. The oracle on CPU.
     console.print("\n[bold]3. Oracle[/] (hstu_cute.reference, PyTorch on CPU)")
@@ -430,7 +472,8 @@ def _demo_gpu(args, console, dev, name: str) -> int:
     import torch
     from rich.table import Table
 
-    from .api import device_arch, hstu_attn_varlen_func, kernel_path
+    from .api import hstu_attn_varlen_func
+    from .arch import device_arch, kernel_path
     from .bench import flops, time_cuda
     from .cache import default_cache
     from .reference import hstu_attn_reference, ratio_check
@@ -438,7 +481,7 @@ def _demo_gpu(args, console, dev, name: str) -> int:
     try:
         path = kernel_path(dev)
     except (NotImplementedError, ValueError) as exc:
-        console.print(f"[red]{type(exc).__name__}[/]: {exc}")
+        console.print(f"[red]{type(exc).__name__}[/]: {_esc(exc)}")
         return 1
     arch = device_arch(dev)
     console.print(f"GPU: [bold]{name}[/] ({arch}, kernel path {path})")
@@ -468,7 +511,8 @@ def _demo_gpu(args, console, dev, name: str) -> int:
                   f"{f / 1e9:.2f} G ({convention})", f"{err:.3g}", f"{ref_err:.3g}",
                   "[green]PASS[/]" if ok else "[red]FAIL[/]")
     console.print(table)
-    console.print(f"Check: max|out - ref_fp32| <= 2 * max|ref_same - ref_fp32| + 1e-6 (spec section 5): "
+    console.print(f"Check: max|out - ref_fp32| <= 2 * max|ref_same - ref_fp32| + 1e-6 (docs/operator.md, "
+                  f"Tolerances): "
                   f"{'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 
@@ -480,8 +524,8 @@ def cmd_bench(args, console) -> int:
     dev, what = _gpu_status()
     if dev is None:
         console.print(f"[bold yellow]bench needs a CUDA GPU[/]: none found ({what}). Nothing was timed.")
-        console.print("Skipped: the workload grid of shared/perf/README.md, the bf16 GEMM 8192^3 peak and the torch "
-                      "SDPA flash/cuDNN reference lines. [bold]python -m hstu_cute warmup[/] and "
+        console.print("Skipped: the benchmark workloads (see docs/operator.md), the bf16 GEMM 8192^3 peak and "
+                      "the torch SDPA flash/cuDNN reference lines. [bold]python -m hstu_cute warmup[/] and "
                       "[bold]python -m hstu_cute demo[/] do useful work without a GPU.")
         return 0
     return _bench_gpu(args, console, dev, what)
@@ -492,12 +536,12 @@ def _bench_gpu(args, console, dev, name: str) -> int:
     from rich.progress import Progress
 
     from . import __version__, bench
-    from .api import device_arch, kernel_path
+    from .arch import device_arch, kernel_path
 
     try:
         path = kernel_path(dev)
     except (NotImplementedError, ValueError) as exc:
-        console.print(f"[red]{type(exc).__name__}[/]: {exc}")
+        console.print(f"[red]{type(exc).__name__}[/]: {_esc(exc)}")
         return 1
     arch = device_arch(dev)
     workloads = [bench.headline()] if args.grid == "headline" else bench.default_grid()
@@ -507,8 +551,8 @@ def _bench_gpu(args, console, dev, name: str) -> int:
                 dsl=_dist_version("nvidia-cutlass-dsl"), hstu_cute=__version__, grid=args.grid,
                 time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     console.print(f"GPU: [bold]{name}[/] ({arch}, kernel path {path}); {len(workloads)} workloads, "
-                  f"{args.direction.replace('both', 'forward and backward')}, bf16 unless named; FLOP conventions "
-                  "of shared/perf/README.md")
+                  f"{args.direction.replace('both', 'forward and backward')}, bf16 unless named; FLOP convention "
+                  "of docs/operator.md")
 
     both = path == "hopper"  # the sm80 kernels on the same inputs, side by side
     directions = ("fwd", "bwd") if args.direction == "both" else (args.direction,)
@@ -574,11 +618,12 @@ def _bench_table(title: str, rows: list[dict], gemm: float, both: bool):
                   *["-"] * (len(cols) - 6))
     for row in rows:
         if "error" in row:
-            table.add_row(row["workload"], f"[red]{row['error'][:60]}[/]", *["-"] * (len(cols) - 2))
+            table.add_row(_esc(row["workload"]), f"[red]{_esc(strip_ansi(row['error'])[:60])}[/]",
+                          *["-"] * (len(cols) - 2))
             continue
         tf, fl, cu = row["tflops"], row.get("sdpa_flash"), row.get("sdpa_cudnn")
         table.add_row(
-            row["workload"], f"{row['ms']:.3f}", f"{row['iqr_ms']:.3f}", f"{tf:.1f}", row["flops"],
+            _esc(row["workload"]), f"{row['ms']:.3f}", f"{row['iqr_ms']:.3f}", f"{tf:.1f}", row["flops"],
             f"{100 * tf / gemm:.0f}%", *([_fmt_tf(row.get("sm80_tflops"))] if both else []), _fmt_tf(fl),
             _fmt_tf(cu), f"{tf / fl:.2f}" if fl else "-", f"{tf / cu:.2f}" if cu else "-",
         )
@@ -588,60 +633,109 @@ def _bench_table(title: str, rows: list[dict], gemm: float, both: bool):
 # ---------------------------------------------------------------------------------------------
 # Parser
 # ---------------------------------------------------------------------------------------------
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: ...)`` to an option's help unless the help already says its default,
+    or the default is None / False (an unset option or an off flag)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default is None or default is False or default == argparse.SUPPRESS \
+                or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
+
+
+def _archs() -> str:
+    return ", ".join(SUPPORTED_ARCHS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
     parser = argparse.ArgumentParser(
         prog="python -m hstu_cute",
-        description="HSTU attention kernels in the CUTLASS CuTe DSL: tools.",
+        description="HSTU attention kernels in the CUTLASS CuTe DSL: tools. Output that is not a terminal, "
+                    "or under NO_COLOR, has no colour codes.",
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"hstu-cute {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{info,warmup,demo,bench}")
 
-    p = sub.add_parser("info", help="versions, GPU, kernel path, module cache")
+    def add(name: str, help: str, description: str):
+        return sub.add_parser(name, help=help, description=description, formatter_class=_HelpFormatter)
+
+    p = add("info", "versions, GPU, kernel path, module cache",
+            "Versions, GPU and selected kernel path, and the module cache with its entries. The cache "
+            "directory is $HSTU_CUTE_CACHE_DIR (default: $XDG_CACHE_HOME/hstu_cute, else ~/.cache/hstu_cute); "
+            "HSTU_CUTE_CACHE=0 keeps compiled modules in memory only (default: disk cache on).")
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("warmup", help="precompile kernel variants into the module cache (no GPU needed)")
-    p.add_argument("--arch", default=None, help="target cubin arch, e.g. sm_80, sm_86, sm_89, sm_90a "
-                                                "(default: this GPU's, else sm_80)")
-    p.add_argument("--workers", type=int, default=None, help="compile processes (default: CPU count; 1 = in-process)")
-    p.add_argument("--dtype", action="append", choices=DTYPES, help="only this dtype (repeatable)")
-    p.add_argument("--head-dim", action="append", type=int, choices=HEAD_DIMS, help="only this head dim (repeatable)")
+    cpus = os.cpu_count() or 1
+    p = add("warmup", "precompile kernel variants into the module cache (no GPU needed)",
+            "Precompile the shipped kernel variants for one arch into the module cache, so that later "
+            "processes load them from disk. Needs no GPU. The filters below narrow the set; without them "
+            "every variant the API can select is compiled (hundreds: minutes on a few cores).")
+    p.add_argument("--arch", default=None, metavar="ARCH",
+                   help=f"target cubin arch, one of {_archs()} (default: this GPU's arch, else sm_80)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help=f"compile processes; 1 compiles in this process (default: the CPU count, {cpus} here)")
+    p.add_argument("--dtype", action="append", choices=DTYPES,
+                   help=f"only this dtype; repeatable (default: all of {', '.join(DTYPES)})")
+    p.add_argument("--head-dim", action="append", type=int, choices=HEAD_DIMS,
+                   help=f"only this head dim; repeatable (default: all of {', '.join(map(str, HEAD_DIMS))})")
     p.add_argument("--mask", action="append", choices=MASKS,
-                   help="only this mask family (repeatable); 'target' = causal with contexts/targets")
+                   help="only this mask family; repeatable; 'target' = causal with contexts/targets "
+                        f"(default: all of {', '.join(MASKS)})")
     p.add_argument("--rab", choices=("all", "none", "only"), default="all",
-                   help="variants with/without rab (default all)")
+                   help="variants with and without a relative attention bias (all), without (none) or with it "
+                        "(only)")
     p.add_argument("--no-rab", action="store_true", help="same as --rab none")
-    p.add_argument("--limit", type=int, default=None, help="at most this many variants (after the filters)")
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="at most this many variants, after the filters (default: no limit)")
     p.add_argument("--kernels", choices=("all", "fwd", "bwd"), default="all",
-                   help="forward (Ampere, plus Hopper on sm_90a), backward or both")
+                   help="forward (fwd), backward (bwd) or both (all); on sm_90a the Hopper kernels as well as "
+                        "the sm80 ones")
     p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failed compiles")
     p.set_defaults(func=cmd_warmup)
 
-    p = sub.add_parser("demo", help="a random jagged batch through the kernel vs the oracle (CPU: oracle only)")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=128, choices=HEAD_DIMS)
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
-    p.add_argument("--mask", default="causal", choices=MASKS)
+    p = add("demo", "a random jagged batch through the kernel vs the oracle (CPU: oracle only)",
+            "A random jagged batch through hstu_attn_varlen_func, checked against the oracle and timed. "
+            "Without a GPU: precompiles the demo's kernel variant, runs the argument checks and the oracle on "
+            "CPU, and lists what it skipped.")
+    p.add_argument("--batch", type=int, default=8, help="sequences in the batch")
+    p.add_argument("--max-len", type=int, default=1024,
+                   help="max_seqlen; lengths are drawn between max-len/2 and max-len")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (H)")
+    p.add_argument("--head-dim", type=int, default=128, choices=HEAD_DIMS, help="head dim (D)")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="dtype of q, k, v (and rab)")
+    p.add_argument("--mask", default="causal", choices=MASKS,
+                   help="none, local (see --window), causal, or target (causal with contexts and targets)")
     p.add_argument("--window", type=_parse_window, default=(128, 0), metavar="LEFT,RIGHT",
-                   help="window of --mask local (default 128,0)")
+                   help="window of --mask local (default: 128,0)")
     p.add_argument("--group", type=int, default=1, help="target group size of --mask target")
-    p.add_argument("--rab-heads", type=int, default=0, help="relative attention bias heads: 0 (none), 1 or H")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--arch", default=None, help="without a GPU: the arch to precompile for (default sm_80)")
+    p.add_argument("--rab-heads", type=int, default=0,
+                   help="relative attention bias: 0 (none), 1 (one bias shared by all heads) or H (one per head, "
+                        "= --heads)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random batch")
+    p.add_argument("--arch", default=None, metavar="ARCH",
+                   help=f"without a GPU: the arch to precompile the demo's variant for, one of {_archs()} "
+                        "(default: sm_80)")
     p.add_argument("--reps", type=int, default=50, help="timed repetitions (GPU)")
     p.add_argument("--warmup-iters", type=int, default=10, help="untimed warm-up calls (GPU)")
     p.add_argument("--cpu", action="store_true", help="take the no-GPU path even if a GPU is present")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("bench", help="benchmark grid with GEMM peak and SDPA reference lines (GPU)")
+    p = add("bench", "benchmark workloads with GEMM peak and SDPA reference lines (GPU)",
+            "Time the kernels on the benchmark workloads, with the bf16 GEMM peak and torch SDPA (flash, "
+            "cuDNN) timed in the same run as reference lines; FLOPs by the convention of docs/operator.md. "
+            "Needs a GPU (without one it says so and exits 0).")
     p.add_argument("--grid", choices=("headline", "full"), default="headline",
-                   help="headline: B8 N4096 D128 causal; full: the grid of shared/perf/README.md")
+                   help="headline: B8 N4096 D128 causal; full: the whole workload grid (docs/operator.md)")
     p.add_argument("--direction", choices=("fwd", "bwd", "both"), default="both",
-                   help="time the forward, the backward or both (default)")
-    p.add_argument("--out", default=None, help="append one JSON line per workload to this file")
+                   help="time the forward, the backward or both")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="append one JSON line per workload to this file (default: none)")
     p.add_argument("--limit", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bench)
     return parser
@@ -654,16 +748,45 @@ def _positive(parser, args) -> None:
             parser.error(f"--{name.replace('_', '-')}: expected an int >= 1, got {value}")
 
 
+def _error(args, message: str) -> int:
+    """One line on stderr, argparse's format, and exit status 2 (a usage error)."""
+    prog = "python -m hstu_cute" + (f" {args.command}" if getattr(args, "command", None) else "")
+    sys.stdout.flush()
+    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _print_exception(exc: BaseException) -> None:
+    """The traceback of an unexpected error on stderr; without ANSI codes (the DSL colours parts
+    of its messages) unless stderr is a terminal and NO_COLOR is unset."""
+    import traceback
+
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    if not _isatty(sys.stderr) or _no_color():
+        text = strip_ansi(text)
+    sys.stdout.flush()
+    sys.stderr.write(text)
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _positive(parser, args)
+    if getattr(args, "arch", None) is not None:  # before anything is compiled or locked
+        try:
+            check_arch(args.arch)
+        except ValueError as exc:
+            return _error(args, str(exc))
     console = _console()
     try:
         return int(args.func(args, console) or 0)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]")
         return 130
+    except Exception as exc:  # noqa: BLE001 - printed plain (see _print_exception), exit status 1
+        _print_exception(exc)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

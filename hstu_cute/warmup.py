@@ -6,9 +6,17 @@ you pass) through :func:`hstu_cute.cache.default_cache`, so that the first call 
 The target arch is part of each compile key, so no GPU is needed: a CPU-only build machine can
 fill a cache directory that the GPU machines then read (set ``HSTU_CUTE_CACHE_DIR`` on both).
 
+The arch (``arch=`` and every key's ``.arch``) is checked against
+:data:`hstu_cute.arch.SUPPORTED_ARCHS` before anything is compiled or locked: an unsupported one
+is a ``ValueError`` naming the valid archs (and, for ``sm_90``, the ``sm_90a`` meant).
+
 ``cute.compile`` is not thread-safe, so the parallel path uses processes (``spawn`` context):
 each worker compiles its key through its own default cache, which writes the entry to disk, and
 returns how long it took and whether it was a disk hit.
+
+Result dicts are plain text: error messages and tracebacks have the DSL's ANSI colour codes
+removed. :func:`describe_variant` is the one-line description of a key they carry (also used by
+``python -m hstu_cute``).
 
 This module imports only the standard library at import time (``import hstu_cute`` stays light).
 """
@@ -17,11 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 import traceback
 from typing import Any, Callable, Iterable, Sequence
 
-__all__ = ["warmup", "WarmupError", "default_arch"]
+__all__ = ["warmup", "WarmupError", "default_arch", "describe_variant"]
 
 #: ``progress(done, total, key, result)``: called once per key as it finishes.
 ProgressFn = Callable[[int, int, Any, dict], None]
@@ -41,7 +50,7 @@ def default_arch() -> str:
         import torch
 
         if torch.cuda.is_available():
-            from .api import device_arch
+            from .arch import device_arch
 
             return device_arch(torch.device("cuda", torch.cuda.current_device()))
     except Exception:  # no driver, broken install: fall back to the portable target
@@ -49,9 +58,39 @@ def default_arch() -> str:
     return "sm_80"
 
 
-def _describe(key: Any) -> str:
+def describe_variant(key: Any, rab_heads: int | None = None) -> str:
+    """``key.describe()`` (``repr(key)`` for other keys) with the rab details in words.
+
+    The compile keys label rab by how the kernel loads it (``rab/8``, ``rab/1``,
+    ``rab+drab(sum)``, ``sum_heads``); here that is ``rab``, ``rab (rows not 16-byte aligned)``,
+    ``rab+drab (1 rab head for all heads)``. ``rab_heads`` (a call's rab head count, which the
+    kernel takes at run time) adds ``(1 head)`` / ``(H heads)``. Keys without rab are unchanged.
+    """
     describe = getattr(key, "describe", None)
-    return describe() if callable(describe) else repr(key)
+    text = describe() if callable(describe) else repr(key)
+    if not getattr(key, "has_rab", False):
+        return text
+    base, sep, tail = text.rpartition(" ")
+    if not sep:
+        return text
+    kept = [t for t in tail.split(",") if not (t.startswith("rab") or t in ("drab", "sum_heads"))]
+    notes = []
+    if rab_heads:
+        notes.append(f"{rab_heads} head{'s' if rab_heads != 1 else ''}")
+    elif getattr(key, "rab_sum_heads", False):
+        notes.append("1 rab head for all heads")
+    if getattr(key, "rab_vec", 8) == 1:
+        notes.append("rows not 16-byte aligned")
+    label = ("rab+drab" if getattr(key, "has_drab", False) else "rab") + (f" ({', '.join(notes)})" if notes else "")
+    return f"{base} {','.join(kept)}, {label}"
+
+
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
+
+
+def strip_ansi(text: str) -> str:
+    """``text`` without ANSI escape sequences (the DSL colours parts of its error messages)."""
+    return _ANSI.sub("", text)
 
 
 def _compile_one(key: Any) -> dict:
@@ -61,7 +100,7 @@ def _compile_one(key: Any) -> dict:
     t0 = time.perf_counter()
     result: dict = {
         "key": key,
-        "variant": _describe(key),
+        "variant": describe_variant(key),
         "arch": getattr(key, "arch", None),
         "pid": os.getpid(),
         "ok": False,
@@ -96,8 +135,8 @@ def _compile_one(key: Any) -> dict:
     except BaseException as exc:  # noqa: BLE001 - reported per key, the batch carries on
         if isinstance(exc, KeyboardInterrupt):
             raise
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        result["traceback"] = traceback.format_exc()
+        result["error"] = strip_ansi(f"{type(exc).__name__}: {exc}")
+        result["traceback"] = strip_ansi(traceback.format_exc())
     result["wall_s"] = time.perf_counter() - t0
     if result["source"] in (None, "compile") and not result["seconds"]:
         result["seconds"] = result["wall_s"]
@@ -125,12 +164,22 @@ def _cost(key: Any) -> tuple:
 
 
 def _resolve_keys(arch: str | None, keys: Iterable[Any] | None) -> tuple[str, list]:
+    """(arch, unique keys); a ``ValueError`` for an unsupported arch, before anything else."""
+    from .arch import check_arch
+
+    if arch is not None:
+        check_arch(arch, name="arch")
     if keys is None:
         from .variants import shipped_keys
 
-        arch = arch or default_arch()
+        if arch is None:
+            arch = check_arch(default_arch(), name="arch (the current GPU's; pass arch=... to choose)")
         return arch, shipped_keys(arch)
     keys = list(keys)
+    for k in keys:
+        key_arch = getattr(k, "arch", None)
+        if arch is None and key_arch is not None:
+            check_arch(key_arch, name=f"{type(k).__name__}.arch")
     if arch is not None:
         # An explicit arch retargets the given variants.
         keys = [k if getattr(k, "arch", arch) == arch else dataclasses.replace(k, arch=arch) for k in keys]
@@ -157,11 +206,12 @@ def warmup(
     """Compile kernel variants into the module cache (memory and disk). Needs no GPU.
 
     Args:
-        arch: target cubin arch (``"sm_80"``, ``"sm_86"``, ``"sm_90a"``, ...). Default: the
-            current GPU's arch when there is one, else ``"sm_80"``. With ``keys``, an explicit
-            ``arch`` replaces the arch of every key.
+        arch: target cubin arch, one of :data:`hstu_cute.arch.SUPPORTED_ARCHS` (``"sm_80"``,
+            ``"sm_86"``, ``"sm_87"``, ``"sm_89"``, ``"sm_90a"``). Default: the current GPU's arch
+            when there is one, else ``"sm_80"``. With ``keys``, an explicit ``arch`` replaces the
+            arch of every key.
         keys: compile keys (default: ``hstu_cute.variants.shipped_keys(arch)``, every forward and
-            backward variant the API can select, the Hopper forward kernels included on sm_90a).
+            backward variant the API can select, the Hopper kernels included on sm_90a).
         workers: processes compiling in parallel (default ``os.cpu_count()``). ``1`` compiles in
             this process, without a pool. The parallel path needs the disk cache (workers hand
             their modules over through it); with ``HSTU_CUTE_CACHE=0`` it compiles in-process.
@@ -170,11 +220,18 @@ def warmup(
             (``False``: just report them in the results).
 
     Returns:
-        One dict per key, in the order of ``keys``: ``key``, ``variant`` (a short description),
+        One dict per key, in the order of ``keys``: ``key``, ``variant`` (a short description,
+        :func:`describe_variant`),
         ``arch``, ``ok``, ``source`` (``"compile"``, ``"disk"`` or ``"memory"``), ``disk_hit``,
         ``seconds`` (the compile, or the verified disk load), ``export_s`` (writing the entry),
         ``wall_s`` (everything for this key in its process, first imports included), ``path``
-        (the ``.o`` written, when compiled), ``pid`` and ``error`` (None, or ``"Type: message"``).
+        (the ``.o`` written, when compiled), ``pid`` and ``error`` (None, or ``"Type: message"``;
+        a failed in-process compile also has ``traceback``).
+
+    Raises:
+        ValueError: ``arch``, or the ``.arch`` of a key, is not a supported arch (checked before
+            anything is compiled or locked), or ``workers`` is not an int >= 1.
+        WarmupError: with ``raise_errors``, when some variants failed.
     """
     arch, keys = _resolve_keys(arch, keys)
     total = len(keys)
@@ -230,9 +287,9 @@ def warmup(
                     result = fut.result()
                 except Exception as exc:  # a worker died (e.g. killed for memory)
                     result = {
-                        "variant": _describe(keys[i]), "arch": getattr(keys[i], "arch", None), "pid": None,
+                        "variant": describe_variant(keys[i]), "arch": getattr(keys[i], "arch", None), "pid": None,
                         "ok": False, "source": None, "disk_hit": False, "seconds": 0.0, "export_s": 0.0,
-                        "wall_s": 0.0, "path": None, "error": f"{type(exc).__name__}: {exc}",
+                        "wall_s": 0.0, "path": None, "error": strip_ansi(f"{type(exc).__name__}: {exc}"),
                     }
                 finish(i, result)
 

@@ -1,5 +1,10 @@
 """``python -m hstu_cute`` on a machine without a GPU (run with the GPU hidden, so these test the
-no-GPU paths everywhere), plus the package's import weight and the README / CI contract."""
+no-GPU paths everywhere), plus the package's import weight and the README / CI contract.
+
+Also the user-facing behaviour of the CLI: ``--arch`` checked before any compile or lock (one
+line, exit 2), no ``.lock`` files left by failed compiles, no ANSI codes when the output is not a
+terminal, defaults in every ``--help``, argparse errors that name the flag once, and rab
+described by heads rather than by load width."""
 
 from __future__ import annotations
 
@@ -14,7 +19,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_cli(*args, cache_dir: Path, timeout: float = 300, extra_env: dict | None = None):
+def run_cli_proc(*args, cache_dir: Path, timeout: float = 300,
+                 extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m hstu_cute ARGS`` with stdout and stderr as pipes (not terminals)."""
     env = dict(os.environ)
     env.update(
         HSTU_CUTE_CACHE_DIR=str(cache_dir),
@@ -25,8 +32,12 @@ def run_cli(*args, cache_dir: Path, timeout: float = 300, extra_env: dict | None
     env.pop("HSTU_CUTE_CACHE", None)
     env.pop("HSTU_CUTE_ARCH", None)
     env.update(extra_env or {})
-    proc = subprocess.run([sys.executable, "-m", "hstu_cute", *args], env=env, cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "hstu_cute", *args], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def run_cli(*args, cache_dir: Path, timeout: float = 300, extra_env: dict | None = None):
+    proc = run_cli_proc(*args, cache_dir=cache_dir, timeout=timeout, extra_env=extra_env)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{out}"
     return out
@@ -63,11 +74,13 @@ def test_help_lists_commands(tmp_path):
 
 
 def test_demo_without_gpu(tmp_path):
-    out = run_cli("demo", "--batch", "2", "--max-len", "32", "--heads", "2", "--head-dim", "64",
+    out = run_cli("demo", "--batch", "2", "--max-len", "32", "--heads", "2", "--head-dim", "64", "--rab-heads", "1",
                   cache_dir=tmp_path)
     assert "No CUDA GPU found" in out
     assert re.search(r"compiled in [\d.]+ (s|ms)", out), out  # the demo's variant was compiled for sm_80
     assert "ampere_fwd sm_80 bfloat16 d64" in out
+    # rab is described by its heads, not by the kernel's load width ("rab/8")
+    assert "causal, rab (1 head)" in out and "rab/" not in out and "H_rab" not in out, out
     assert "q.device: expected a CUDA device" in out  # the checks ran and only the device one failed
     assert "Oracle" in out and "all finite: True" in out
     assert "Skipped (needs a CUDA GPU)" in out
@@ -127,12 +140,13 @@ def test_warmup_select_keys_filters():
 def test_key_variant_parses_every_key_class():
     from hstu_cute.cli import _key_variant
     from hstu_cute.variants import shipped_keys
+    from hstu_cute.warmup import describe_variant
 
     keys = shipped_keys("sm_90a", ("float16",), (64,))
     assert {k.kernel_name for k in keys} == {"ampere_fwd", "ampere_bwd_dq", "ampere_bwd_dkdv", "hopper_fwd",
                                              "hopper_bwd_dkdv", "hopper_bwd_dq"}
     for k in keys:
-        assert _key_variant(repr(k)) == k.describe()
+        assert _key_variant(repr(k)) == describe_variant(k)
     # Never evaluated: anything but a known key class comes back verbatim.
     for raw in ("__import__('os').getcwd()", "Unknown(arch='sm_80')", "AmpereFwdKey(1, 2)", "not python ("):
         assert _key_variant(raw) == raw
@@ -163,6 +177,275 @@ def test_warmup_rejects_bad_workers():
 
     with pytest.raises(ValueError, match="workers"):
         warmup(keys=[], workers=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# User-facing behaviour: arch checks, lock files, colour codes, help, argparse messages, labels
+# ---------------------------------------------------------------------------------------------
+ANSI = "\x1b["
+
+
+def _files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("cmd", [("warmup",), ("warmup", "--kernels", "fwd", "--workers", "1"), ("demo",)])
+@pytest.mark.parametrize("arch", ["sm_75", "sm_100"])
+def test_bad_arch_is_one_line_exit_2_and_touches_nothing(tmp_path, cmd, arch):
+    cache = tmp_path / "cache"
+    proc = run_cli_proc(*cmd, "--arch", arch, cache_dir=cache, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0] == (f"python -m hstu_cute {cmd[0]}: error: --arch: expected one of sm_80, sm_86, sm_87, "
+                        f"sm_89, sm_90a, got '{arch}'")
+    assert "KeyError" not in proc.stderr and "Traceback" not in proc.stderr
+    assert not cache.exists() or _files(cache) == [], _files(cache)  # no lock files, no directories
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm90a", "sm90"])
+def test_sm90_suggests_sm90a(tmp_path, arch):
+    for cmd in ("warmup", "demo"):
+        proc = run_cli_proc(cmd, "--arch", arch, cache_dir=tmp_path / "cache", timeout=120)
+        assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+        assert proc.stderr.splitlines() == [
+            f"python -m hstu_cute {cmd}: error: --arch: expected one of sm_80, sm_86, sm_87, sm_89, sm_90a, "
+            f"got '{arch}' (did you mean sm_90a?)"
+        ]
+        assert "CUTE_DSL_ARCH" not in proc.stderr
+    assert not (tmp_path / "cache").exists()
+
+
+def _no_compile(monkeypatch):
+    """Make any compile fail loudly: the arch checks must come first."""
+    import types
+
+    def build(key):
+        raise AssertionError(f"compiled {key!r}")
+
+    monkeypatch.setitem(sys.modules, "hstu_cute.compile", types.SimpleNamespace(build=build))
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    from hstu_cute.cache import reset_default_cache
+
+    root = tmp_path / "cache"
+    monkeypatch.setenv("HSTU_CUTE_CACHE_DIR", str(root))
+    monkeypatch.delenv("HSTU_CUTE_CACHE", raising=False)
+    reset_default_cache()
+    yield root
+    reset_default_cache()
+
+
+def test_warmup_function_checks_arch_first(cache_dir, monkeypatch):
+    from hstu_cute import warmup
+    from hstu_cute.cli import select_keys
+    from hstu_cute.masks import MaskKind
+    from hstu_cute.variants import make_fwd_key
+
+    _no_compile(monkeypatch)
+    with pytest.raises(ValueError, match=r"^arch: expected one of sm_80, .*, got 'sm_75'$"):
+        warmup(arch="sm_75", workers=1)
+    with pytest.raises(ValueError, match=r"got 'sm_90' \(did you mean sm_90a\?\)"):
+        warmup(arch="sm_90", workers=1)
+    good = make_fwd_key("sm_80", "bfloat16", 64, MaskKind.CAUSAL, False, False, 8)
+    bad = make_fwd_key("sm_75", "bfloat16", 64, MaskKind.CAUSAL, False, False, 8)
+    with pytest.raises(ValueError, match=r"^AmpereFwdKey\.arch: expected one of .*, got 'sm_75'$"):
+        warmup(keys=[good, bad], workers=1, raise_errors=False)
+    with pytest.raises(ValueError, match=r"^arch: .*got 'sm_86a'"):  # retargeting to a bad arch
+        warmup(arch="sm_86a", keys=[good], workers=1)
+    with pytest.raises(ValueError, match="arch"):
+        select_keys("sm_75")
+    assert not cache_dir.exists(), _files(cache_dir)
+
+
+def _ansi_build(key):
+    # What the DSL's errors look like: parts of the message in ANSI colours, [brackets] too.
+    raise RuntimeError(f"\x1b[91mDSL failure\x1b[0m for [{key.arch}] \x1b[1mstop\x1b[0m")
+
+
+def test_failed_compile_leaves_no_lock_files_and_no_ansi(cache_dir, monkeypatch, capsys):
+    import types
+
+    from hstu_cute import cli, warmup
+
+    monkeypatch.setitem(sys.modules, "hstu_cute.compile", types.SimpleNamespace(build=_ansi_build))
+    monkeypatch.setenv("FORCE_COLOR", "1")  # rich would colour a pipe with this; the CLI must not
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")
+    monkeypatch.setenv("COLUMNS", "200")  # no wrapping of the lines looked for
+    rc = cli.main(["warmup", "--arch", "sm_80", "--head-dim", "32", "--dtype", "float16", "--mask", "none",
+                   "--mask", "causal", "--kernels", "fwd", "--no-rab", "--workers", "1", "-v"])
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert rc == 1, text
+    assert "2 variants for sm_80: 0 compiled, 0 disk hits, 0 already in memory, 2 failed" in text, text
+    assert "FAILED ampere_fwd sm_80 float16 d32" in text and "RuntimeError: DSL failure for [sm_80] stop" in text
+    assert "Traceback" in text  # -v
+    assert ANSI not in text, repr(text)
+    # The entries' directory may stay; the failed compiles' lock files do not.
+    assert [f for f in _files(cache_dir) if f.endswith((".lock", ".o", ".json"))] == [], _files(cache_dir)
+    # The function's results are plain text too.
+    results = warmup(arch="sm_80", keys=cli.select_keys("sm_80", ["float16"], [32], ["none"], "none",
+                                                         kernels="fwd"), workers=1, raise_errors=False)
+    assert not results[0]["ok"] and ANSI not in results[0]["error"] + results[0]["traceback"]
+    assert not list(cache_dir.rglob("*.lock"))
+
+
+_LOCK_WORKER = r"""
+import os, random, sys, time
+from pathlib import Path
+from hstu_cute import cache as C
+
+root, n = Path(sys.argv[1]), int(sys.argv[2])
+c = C.ModuleCache(root, fingerprint_override="fp", arch="sm_80")
+kdir = root / "fp" / "k"
+entry = C._Entry("d", "sm_80", "K()", "p", kdir, kdir / "d.o", kdir / "d.json", kdir / "d.lock")
+inside, overlaps, held = root / "inside", 0, 0
+for _ in range(n):
+    with c._flock(entry) as (locked, waited):  # no entry is written: every release removes the file
+        held += locked
+        try:
+            os.close(os.open(inside, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            overlaps += 1
+            continue
+        time.sleep(random.random() * 2e-4)
+        os.unlink(inside)
+print(held, overlaps)
+"""
+
+
+def test_removed_lock_files_keep_mutual_exclusion(tmp_path):
+    """Lock files are removed on release when no entry was written (a failed compile); processes
+    racing on the same entry still never hold the lock together (cache._flock's inode check)."""
+    root, n, procs = tmp_path / "cache", 300, 4
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    ps = [subprocess.Popen([sys.executable, "-c", _LOCK_WORKER, str(root), str(n)], env=env, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(procs)]
+    outs = [p.communicate(timeout=120) for p in ps]
+    assert all(p.returncode == 0 for p in ps), [err[-2000:] for _, err in outs]
+    assert [tuple(map(int, out.split())) for out, _ in outs] == [(n, 0)] * procs
+    assert not list(root.rglob("*.lock")) and not (root / "inside").exists()
+
+
+def test_unexpected_error_traceback_has_no_ansi(monkeypatch, capsys):
+    from hstu_cute import cli
+
+    def boom(args, console):
+        raise RuntimeError("\x1b[93mcoloured\x1b[0m failure")
+
+    monkeypatch.setattr(cli, "cmd_bench", boom)
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    assert cli.main(["bench"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "RuntimeError: coloured failure" in err
+    assert ANSI not in err, repr(err)
+
+
+def test_piped_output_has_no_ansi_codes(tmp_path):
+    # FORCE_COLOR / TTY_COMPATIBLE make rich colour a pipe; NO_COLOR unset: the pipe alone decides.
+    env = {"FORCE_COLOR": "1", "TTY_COMPATIBLE": "1", "NO_COLOR": ""}
+    for args in (("info",), ("bench",), ("warmup", "--arch", "sm_75"), ("demo", "--window", "x")):
+        proc = run_cli_proc(*args, cache_dir=tmp_path, timeout=120, extra_env=env)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == (0 if args[0] in ("info", "bench") else 2), out
+        assert ANSI not in out, repr(out)
+    assert "bench needs a CUDA GPU" in run_cli("bench", cache_dir=tmp_path, extra_env=env)
+
+
+def test_console_colours_only_on_a_terminal(monkeypatch):
+    import io
+
+    from hstu_cute import cli
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    for tty, no_color, expect in ((False, "", False), (True, "", True), (True, "1", False)):
+        stream = Tty() if tty else io.StringIO()
+        monkeypatch.setattr(sys, "stdout", stream)
+        monkeypatch.setenv("NO_COLOR", no_color)
+        monkeypatch.setenv("FORCE_COLOR", "1")
+        cli._console().print("[red]FAILED[/] 1.5 (x)")
+        assert (ANSI in stream.getvalue()) is expect, (tty, no_color, stream.getvalue())
+
+
+@pytest.mark.parametrize("cmd", ["info", "warmup", "demo", "bench"])
+def test_every_help_shows_defaults(tmp_path, cmd):
+    import argparse
+
+    from hstu_cute.cli import build_parser
+
+    sub = build_parser()._subparsers._group_actions[0].choices[cmd]
+    fmt = sub._get_formatter()
+    options = [a for a in sub._actions if a.help != argparse.SUPPRESS and a.nargs != 0]  # not -h, not flags
+    assert len(options) == {"info": 0, "warmup": 8, "demo": 13, "bench": 3}[cmd]
+    for action in options:  # every option that takes a value says its default
+        assert "(default: " in fmt._expand_help(action), (action.option_strings, fmt._expand_help(action))
+    out = run_cli(cmd, "--help", cache_dir=tmp_path, timeout=120)  # the real command line too
+    assert "default" in out and ANSI not in out
+    if cmd == "demo":
+        flat = " ".join(out.split())
+        assert "(default: 128,0)" in flat and "(default: causal)" in flat and "(default: sm_80)" in flat
+
+
+def test_window_error_names_the_flag_once(tmp_path):
+    proc = run_cli_proc("demo", "--window", "3", cache_dir=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == "python -m hstu_cute demo: error: argument --window: expected LEFT,RIGHT (two ints, e.g. 128,0), " \
+                   "got '3'", proc.stderr
+    assert last.count("--window") == 1
+
+
+def test_other_argparse_errors_name_the_flag_once(capsys):
+    from hstu_cute.cli import main
+
+    for argv, flag in ((["demo", "--batch", "0"], "--batch"), (["warmup", "--workers", "x"], "--workers"),
+                       (["demo", "--window", "1,2,3"], "--window"), (["warmup", "--dtype", "fp8"], "--dtype")):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.count(flag) == 1, last
+
+
+def test_rab_is_described_by_heads():
+    from hstu_cute.cli import _demo_describe, _demo_key, build_parser
+    from hstu_cute.variants import shipped_keys
+    from hstu_cute.warmup import describe_variant
+
+    def demo(*argv):
+        return build_parser().parse_args(["demo", *argv])
+
+    args = demo("--rab-heads", "1", "--max-len", "64")
+    key = _demo_key(args, "sm_80")
+    assert key.has_rab and key.describe().endswith("causal,rab/8")  # the key's own label
+    assert describe_variant(key, args.rab_heads).endswith(" causal, rab (1 head)")
+    assert _demo_describe(args, [40, 64]).endswith("mask causal, rab (1 head)")
+    args = demo("--rab-heads", "4", "--heads", "4", "--max-len", "63")
+    key = _demo_key(args, "sm_86")
+    assert describe_variant(key, 4).endswith(" causal, rab (4 heads, rows not 16-byte aligned)")
+    assert _demo_describe(args, [40, 63]).endswith(", rab (4 heads)")
+    assert describe_variant(_demo_key(args, "sm_90a"), 4).startswith("hopper_fwd sm_90a")
+    assert "rab" not in _demo_describe(demo(), [512, 1024])
+    # Every shipped variant: no load-width labels, and the rab variants stay distinct.
+    keys = shipped_keys("sm_90a", ("bfloat16",), (128, 256))
+    texts = [describe_variant(k) for k in keys]
+    assert len(set(texts)) == len(set(keys))
+    assert not [t for t in texts if re.search(r"rab/\d|\(sum\)|sum_heads", t)]
+    assert any(t.endswith("rab+drab (1 rab head for all heads)") for t in texts)
+    assert all(describe_variant(k) == k.describe() for k in keys if not k.has_rab)
+
+
+def test_cli_points_at_docs_not_shared():
+    for name in ("cli.py", "warmup.py"):
+        text = (REPO / "hstu_cute" / name).read_text(encoding="utf-8")
+        assert "shared/" not in text, name
+    assert "docs/operator.md" in (REPO / "hstu_cute" / "cli.py").read_text(encoding="utf-8")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -238,3 +238,54 @@ def advanced(state):
     nxt = state.clone()
     nxt.advance()
     return nxt
+
+
+def shared_storage(barriers: dict, buffers: dict):
+    """The CTA's shared memory as a ``cute.struct``: the mbarrier arrays (name -> count of Int64),
+    then the tiles (name -> (element type, elements)), each 1024-byte aligned (the 128-byte
+    swizzle repeats every 8 rows of 128 bytes), in the order given."""
+    fields = {name: cute.struct.MemRange[cutlass.Int64, count] for name, count in barriers.items()}
+    fields.update({name: cute.struct.Align[cute.struct.MemRange[elem, count], 1024]
+                   for name, (elem, count) in buffers.items()})
+    return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+
+def smem_tensors(storage, layouts: dict) -> dict:
+    """name -> the smem tensor of ``storage``'s field ``name`` in its (swizzled) layout; None
+    layouts give None (an absent tile)."""
+    return {name: None if layout is None else getattr(storage, name).get_tensor(layout.outer, swizzle=layout.inner)
+            for name, layout in layouts.items()}
+
+
+def prefetch_tma_descriptors(*atoms):
+    """Prefetch the TMA descriptors of the atoms given (None: absent); one warp calls it."""
+    from cutlass.cute.nvgpu import cpasync
+
+    for atom in atoms:
+        if const_expr(atom is not None):
+            cpasync.prefetch_descriptor(atom)
+
+
+def tma_token_tiles(atom, tma_x, sX, start: Int32, head: Int32, tile_shape, coord):
+    """(smem, gmem) TMA partitions of the ``tile_shape`` tiles of head ``head`` of a token tensor
+    (``tma_x`` as made by :func:`sm90_tma_atom_tokens`) from token ``start`` on, at tile ``coord``
+    (None in a mode keeps that mode as the tile index)."""
+    from cutlass.cute.nvgpu import cpasync
+
+    gX = cute.local_tile(cute.domain_offset((start, 0), tma_x[None, None, head]), tile_shape, coord)
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+
+
+def trivial_mma(dtype, n: int, b_mn_major: bool, num_mma_wg: int, atom_layout=None, a_in_registers: bool = False,
+                a_mn_major: bool = False):
+    """A warpgroup tiled MMA with 64-row atoms and ``n`` columns: A K-major (or ``a_mn_major``) in
+    smem or (``a_in_registers``) in registers, B K-major or ``b_mn_major``; fp32 accumulators."""
+    import cutlass.utils.hopper_helpers as sm90_helpers
+    from cutlass.cute.nvgpu import warpgroup
+
+    major = warpgroup.OperandMajorMode
+    return sm90_helpers.make_trivial_tiled_mma(
+        dtype, dtype, major.MN if a_mn_major else major.K, major.MN if b_mn_major else major.K, Float32,
+        atom_layout_mnk=atom_layout or (num_mma_wg, 1, 1), tiler_mn=(64, n),
+        a_source=warpgroup.OperandSource.RMEM if a_in_registers else warpgroup.OperandSource.SMEM,
+    )

@@ -1,57 +1,44 @@
 """HSTU attention backward for sm90a (TMA loads, WGMMA, a producer warp and two consumer
-warpgroups): the dK/dV kernel, fused with a dQ reduction by default at D128, and the dQ kernel
-of the deterministic pair. drab still comes from the sm80 dQ kernel (:mod:`hstu_cute.ampere.bwd`)."""
+warpgroups): the dK/dV kernel, fused with a dQ reduction by default at D128, and the dQ kernel of
+the deterministic pair. With drab below D256 the pair's dQ kernel is the sm80 one
+(:mod:`hstu_cute.ampere.bwd`); at D256 drab comes from :mod:`hstu_cute.hopper.bwd_wide`."""
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .. import masks
-from ..common.mask_apply import KERNEL_OPS, apply_mask_key_major, apply_mask_rows_cols
 from ..common.barriers import NamedBarrier
-from ..common.seqinfo import ScoreScalars, SequenceArgs, SequenceInfo
+from ..common.mask_apply import KERNEL_OPS, apply_mask_key_major, apply_mask_rows_cols
+from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import silu_and_grad
-from ..common.sm90 import L2_EVICT_LAST, advanced, rows_zero_copy, sm90_bwd_pipelines, sm90_register_split, sm90_smem_layout, sm90_tma_atom_rab, sm90_tma_atom_tokens, store_acc_16bit_sw128_64cols, store_acc_fp32_sw128, store_acc_rows, wgmma, wgmma_acc_as_operand_a, wgmma_acc_rows_cols, zero_smem_rows_past
-from ..common.tile_scheduler import BlockMajorWalk, TileScheduler
+from ..common.sm90 import (
+    L2_EVICT_LAST,
+    advanced,
+    rows_zero_copy,
+    shared_storage,
+    sm90_bwd_pipelines,
+    sm90_smem_layout,
+    sm90_tma_atom_tokens,
+    smem_tensors,
+    store_acc_16bit_sw128_64cols,
+    store_acc_fp32_sw128,
+    store_acc_rows,
+    trivial_mma,
+    wgmma,
+    wgmma_acc_as_operand_a,
+    wgmma_acc_rows_cols,
+    zero_smem_rows_past,
+)
+from ..common.tile_scheduler import BlockMajorWalk
+from .bwd_base import HstuBackwardSm90Base, KeyBlockProducer, store_dk_dv
 
 
-
-@cute.jit
-def store_dk_dv(thr_mma, acc_dK, acc_dV, mdK, mdV, dtype: cutlass.Constexpr, tile_n: cutlass.Constexpr,
-                head_dim: cutlass.Constexpr, k_start: Int32, head: Int32, n_block: Int32, k_rows: Int32):
-    """dK and dV of one n-block from WGMMA accumulators (this thread's slice of ``thr_mma``) to
-    (T_k, H, D) global memory, key rows at and past ``k_rows`` skipped."""
-    tKcK = thr_mma.partition_C(cute.make_identity_tensor((tile_n, head_dim)))
-    tKcK_rc = cute.make_tensor(tKcK.iterator, wgmma_acc_rows_cols(tKcK.layout))
-    for acc, mOut in ((acc_dK, mdK), (acc_dV, mdV)):
-        rOut = cute.make_rmem_tensor(acc.layout, dtype)
-        rOut.store(acc.load().to(dtype))
-        gOut = cute.local_tile(cute.domain_offset((k_start, 0), mOut[None, head, None]), (tile_n, head_dim),
-                               (n_block, 0))
-        store_acc_rows(rOut, thr_mma.partition_C(gOut), tKcK_rc, k_rows)
-
-
-def _token_load_atoms(mQ, mK, mV, mdO, mRab, sQ_tile, sK_tile, sRab_layout, tile_m: int, tile_n: int):
-    """TMA load atoms of the backward producers: K and V tiles of ``tile_n`` keys into
-    ``sK_tile``, Q and dO tiles of ``tile_m`` queries into ``sQ_tile`` (one stage each), and rab
-    tiles when ``sRab_layout`` is given."""
-    tma_load = cpasync.CopyBulkTensorTileG2SOp()
-    tma_atom_k, tma_k = sm90_tma_atom_tokens(tma_load, mK, sK_tile, tile_n)
-    tma_atom_v, tma_v = sm90_tma_atom_tokens(tma_load, mV, sK_tile, tile_n)
-    tma_atom_q, tma_q = sm90_tma_atom_tokens(tma_load, mQ, sQ_tile, tile_m)
-    tma_atom_do, tma_do = sm90_tma_atom_tokens(tma_load, mdO, sQ_tile, tile_m)
-    tma_atom_rab, tma_rab = None, None
-    if sRab_layout is not None:
-        tma_atom_rab, tma_rab = sm90_tma_atom_rab(mRab, sRab_layout, tile_m, tile_n)
-    return tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab, tma_rab
-
-
-class HstuBackwardDkDvSm90:
+class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
     """dK, dV kernel. Tiles are (n-block, head, batch), n-block 0 first (with causal masks the
     first keys are attended by the most queries): one CTA per tile, or with ``persistent`` one CTA
     per SM walking them in a snake order (the producer then loads a tile's K and V after its
@@ -86,252 +73,101 @@ class HstuBackwardDkDvSm90:
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
                  num_stages: int, fast_silu: bool, fuse_dq: bool = False, persistent: bool = False):
+        super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, tile_n // 64,
+                         persistent)
         self.fuse_dq = fuse_dq
-        self.persistent = persistent
         # Column halves only where smem is short (rab ring) and a half is whole 128-byte swizzle atoms.
         self.dq_split = fuse_dq and has_rab and head_dim >= 128
         self.dq_cols = head_dim // 2 if self.dq_split else head_dim
         # sdS rows are one 128-byte swizzle atom wide (store_acc_16bit_sw128_64cols).
         assert not fuse_dq or tile_m == 64, tile_m
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.mask = mask
-        self.has_rab = has_rab
-        self.tile_m = tile_m
-        self.tile_n = tile_n
-        self.num_stages = num_stages
-        self.fast_silu = fast_silu
-        # bf16 (tanh SiLU): P and G unscaled in the m-block loop, the scales applied per tile.
-        self.unscaled_grad = fast_silu
-        self.num_mma_wg = tile_n // 64
-        self.num_threads = 128 * (1 + self.num_mma_wg)
-        self.num_mma_threads = 128 * self.num_mma_wg
-        self.producer_regs, self.mma_regs = sm90_register_split(self.num_mma_wg)
         assert tile_n % 64 == 0 and tile_m % 16 == 0
 
     @cute.jit
     def __call__(self, mQ, mK, mV, mdO, mdK, mdV, mdQaccum, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK,
-                 mNumContexts, mNumTargets, mRab, alpha: Float32, inv_scale: Float32, window_left: Int32,
-                 window_right: Int32, group_size: Int32, is_delta_q: Int32, num_n_blocks: Int32, num_sms: Int32,
-                 stream):
+                 mNumContexts, mNumTargets, mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
+                 num_n_blocks, num_sms, stream):
         D = self.head_dim
-        sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, None)
-        sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, self.num_stages)
-        sRab_layout = None
-        if const_expr(self.has_rab):
-            sRab_layout = sm90_smem_layout(self.dtype, self.tile_m, self.tile_n, self.num_stages)
+        self.sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, None)
+        self.sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, self.num_stages)
+        self.sRab_layout = self.rab_ring_layout()
         # S^T / dP^T: (keys, queries) = K Q^T, both operands K-major in smem.
-        tiled_mma_s = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_m),
-        )
+        self.tiled_mma_s = trivial_mma(self.dtype, self.tile_m, False, self.num_mma_wg)
         # dV / dK: (keys, D) += P^T / G^T (registers) x dO / Q (smem, MN-major as (D, queries)).
-        tiled_mma_d = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, D), a_source=warpgroup.OperandSource.RMEM,
-        )
-        (tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
-         tma_rab) = self.load_atoms(mQ, mK, mV, mdO, mRab, sK_layout, sQ_layout, sRab_layout)
-        sdS_layout = sdQ_layout = tiled_mma_dq = tma_atom_dq = tma_dq = None
-        ds_elems = dq_elems = 8
+        self.tiled_mma_d = trivial_mma(self.dtype, D, True, self.num_mma_wg, a_in_registers=True)
+        self.key_block_bytes()
+        loads = self.token_load_atoms(mQ, mK, mV, mdO, mRab, cute.slice_(self.sQ_layout, (None, None, 0)),
+                                      self.sK_layout, self.sRab_layout)
+        self.sdS_layout = self.sdQ_layout = self.tiled_mma_dq = tma_atom_dq = tma_dq = None
         if const_expr(self.fuse_dq):
             # G^T as (keys, queries), queries contiguous: the dQ GEMM reads it as an MN-major A.
-            sdS_layout = sm90_smem_layout(self.dtype, self.tile_n, self.tile_m, 1 if self.dq_split else 2)
-            sdQ_layout = sm90_smem_layout(Float32, self.tile_m, self.dq_cols, 2)  # one buffer per warpgroup
-            ds_elems, dq_elems = cute.cosize(sdS_layout), cute.cosize(sdQ_layout)
-            tiled_mma_dq = sm90_helpers.make_trivial_tiled_mma(
-                self.dtype, self.dtype, warpgroup.OperandMajorMode.MN, warpgroup.OperandMajorMode.MN, Float32,
-                atom_layout_mnk=(1, 1, 1), tiler_mn=(64, self.dq_cols),
-            )
+            self.sdS_layout = sm90_smem_layout(self.dtype, self.tile_n, self.tile_m, 1 if self.dq_split else 2)
+            self.sdQ_layout = sm90_smem_layout(Float32, self.tile_m, self.dq_cols, 2)  # one buffer per warpgroup
+            self.tiled_mma_dq = trivial_mma(self.dtype, self.dq_cols, True, 1, atom_layout=(1, 1, 1), a_mn_major=True)
             tma_atom_dq, tma_dq = sm90_tma_atom_tokens(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum,
-                                                       cute.slice_(sdQ_layout, (None, None, 0)), self.tile_m,
+                                                       cute.slice_(self.sdQ_layout, (None, None, 0)), self.tile_m,
                                                        self.dq_cols)
-        zero_copy = rows_zero_copy(self.dtype, D)
-        stages = self.num_stages
-        rab_elems = cute.cosize(sRab_layout) if const_expr(self.has_rab) else 8
-
-        @cute.struct
-        class SharedStorage:
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sRab: cute.struct.Align[cute.struct.MemRange[self.dtype, rab_elems], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, ds_elems], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_elems], 1024]
-
+        self.zero_copy = rows_zero_copy(self.dtype, D)
+        tile = (self.dtype, cute.cosize(self.sK_layout))
+        ring = (self.dtype, cute.cosize(self.sQ_layout))
+        self.shared_storage = shared_storage(
+            dict(mbar_kv=2, mbar_q=2 * self.num_stages),
+            dict(sK=tile, sV=tile, sQ=ring, sdO=ring, sRab=(self.dtype, self.smem_elems(self.sRab_layout)),
+                 sdS=(self.dtype, self.smem_elems(self.sdS_layout)), sdQ=(Float32, self.smem_elems(self.sdQ_layout))))
         num_ctas = num_n_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
         if const_expr(self.persistent):
             num_ctas = cutlass.min(num_ctas, num_sms)
-        self.kernel(
-            tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab, tma_rab,
-            tma_atom_dq, tma_dq, mQ, mK, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
-            mNumTargets, mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_n_blocks,
-            sK_layout, sQ_layout, sRab_layout, sdS_layout, sdQ_layout, tiled_mma_s, tiled_mma_d, tiled_mma_dq,
-            zero_copy, SharedStorage,
-        ).launch(
-            grid=[num_ctas, 1, 1],
-            block=[self.num_threads, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
-            min_blocks_per_mp=1,
-        )
+        self.launch(*loads, tma_atom_dq, tma_dq, mQ, mK, mdK, mdV,
+                    SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
+                    ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_n_blocks,
+                    grid=[num_ctas, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
-               tma_rab, tma_atom_dq, tma_dq, mQ, mK, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK,
-               mNumContexts, mNumTargets, mRab, alpha: Float32, inv_scale: Float32, window_left: Int32,
-               window_right: Int32, group_size: Int32, is_delta_q: Int32, num_n_blocks: Int32, sK_layout, sQ_layout,
-               sRab_layout, sdS_layout, sdQ_layout, tiled_mma_s, tiled_mma_d, tiled_mma_dq, zero_copy,
-               SharedStorage: cutlass.Constexpr):
-        tidx, _, _ = cute.arch.thread_idx()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == 0:
-            for atom in (tma_atom_k, tma_atom_v, tma_atom_q, tma_atom_do, tma_atom_rab, tma_atom_dq):
-                if const_expr(atom is not None):
-                    cpasync.prefetch_descriptor(atom)
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
+               tma_rab, tma_atom_dq, tma_dq, mQ, mK, mdK, mdV, seqs, mRab, scalars, num_n_blocks: Int32):
+        tidx, warp_idx = self.prologue(tma_atom_k, tma_atom_v, tma_atom_q, tma_atom_do, tma_atom_rab, tma_atom_dq)
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         pipe_kv, pipe_q = sm90_bwd_pipelines(storage.mbar_kv, storage.mbar_q, self.kv_bytes,
                                               self.q_bytes, self.num_stages, self.num_mma_threads)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sRab = sdS = sdQ = None
-        if const_expr(self.has_rab):
-            sRab = storage.sRab.get_tensor(sRab_layout.outer, swizzle=sRab_layout.inner)
-        if const_expr(self.fuse_dq):
-            sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-            sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)
-        walk = BlockMajorWalk(num_n_blocks, mQ.shape[1], mOffsetsQ.shape[0] - 1)
-        seqinfo = SequenceInfo(
-            self.mask, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets),
-            ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), mQ.shape[0],
-            mK.shape[0])
+        s = smem_tensors(storage, dict(sK=self.sK_layout, sV=self.sK_layout, sQ=self.sQ_layout, sdO=self.sQ_layout,
+                                       sRab=self.sRab_layout, sdS=self.sdS_layout, sdQ=self.sdQ_layout))
+        walk = BlockMajorWalk(num_n_blocks, mQ.shape[1], seqs.mOffsetsQ.shape[0] - 1)
+        seqinfo = self.sequence_info(seqs, scalars, mQ, mK)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.produce(tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do,
-                             tma_atom_rab, tma_rab, sK, sV, sQ, sdO, sRab, pipe_kv, pipe_q, mRab, walk, seqinfo)
+                self.produce((tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do,
+                              tma_atom_rab, tma_rab, s["sK"], s["sV"], s["sQ"], s["sdO"], s["sRab"], pipe_kv, pipe_q,
+                              mRab), walk, seqinfo)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self.consume(tidx - 128, mdK, mdV, sK, sV, sQ, sdO, sRab, sdS, sdQ, tma_atom_dq, tma_dq, pipe_kv,
-                         pipe_q, tiled_mma_s, tiled_mma_d, tiled_mma_dq, zero_copy, alpha, inv_scale, walk,
-                         seqinfo)
+            self.consume(tidx - 128, mdK, mdV, s["sK"], s["sV"], s["sQ"], s["sdO"], s["sRab"], s["sdS"], s["sdQ"],
+                         tma_atom_dq, tma_dq, pipe_kv, pipe_q, scalars.alpha, scalars.inv_scale, walk, seqinfo)
 
     @cute.jit
     def tile_problem(self, tiles, seqinfo, tile: Int32):
-        """(n_block, head, batch, q_start, k_start, seq, live, m_lo, m_hi) of a linear tile; ``live``:
-        the n-block starts inside its sequence (else the tile is skipped)."""
+        """(live, (n_block, head, batch, q_start, k_start, seq, m_lo, m_hi)) of a linear tile;
+        ``live``: the n-block starts inside its sequence (else the tile is skipped)."""
         n_block, head, batch = tiles.coords(tile)
         q_start, k_start, seq = seqinfo.at(batch)
         m_lo, m_hi = masks.m_block_range(self.mask, seq, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
         live = n_block * self.tile_n < seq.seqlen_k
-        return n_block, head, batch, q_start, k_start, seq, live, m_lo, m_hi
-
-    def load_atoms(self, mQ, mK, mV, mdO, mRab, sK_layout, sQ_layout, sRab_layout):
-        """TMA load atoms of :meth:`produce` (K and V once; Q, dO and rab tiles into the
-        ``num_stages`` ring), and the transaction bytes of its two pipelines (``kv_bytes``,
-        ``q_bytes``). Called from ``__call__`` while tracing."""
-        D = self.head_dim
-        elem = self.dtype.width // 8
-        self.kv_bytes = 2 * self.tile_n * D * elem
-        self.q_bytes = 2 * self.tile_m * D * elem + (self.tile_m * self.tile_n * elem if const_expr(self.has_rab) else 0)
-        return _token_load_atoms(mQ, mK, mV, mdO, mRab, cute.slice_(sQ_layout, (None, None, 0)), sK_layout,
-                                 sRab_layout, self.tile_m, self.tile_n)
+        return live, (n_block, head, batch, q_start, k_start, seq, m_lo, m_hi)
 
     @cute.jit
-    def produce(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
-                tma_rab, sK, sV, sQ, sdO, sRab, pipe_kv, pipe_q, mRab, walk, seqinfo):
-        loads = (tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab, tma_rab,
-                 sK, sV, sQ, sdO, sRab, pipe_kv, pipe_q, mRab)
-        tiles = TileScheduler(walk)
+    def produce(self, loads, walk, seqinfo):
+        states = ()
         if const_expr(self.persistent):
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-            num_tiles, next_tile = tiles.num_tiles, tiles.next  # no method call on a loop-carried name
-            tile = tiles.first()
-            while tile < num_tiles:
-                n_block, head, batch, q_start, k_start, seq, live, m_lo, m_hi = self.tile_problem(tiles, seqinfo,
-                                                                                                  tile)
-                if live:
-                    kv_state, q_state = self.produce_key_block(*loads, q_start, k_start, head, batch, n_block, seq,
-                                                               m_lo, m_hi, kv_state, q_state)
-                tile = next_tile(tile)
-        else:
-            n_block, head, batch, q_start, k_start, seq, live, m_lo, m_hi = self.tile_problem(
-                tiles, seqinfo, tiles.first())
-            if live:
-                self.produce_key_block(*loads, q_start, k_start, head, batch, n_block, seq, m_lo, m_hi)
-
-    @cute.jit
-    def produce_key_block(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do,
-                          tma_atom_rab, tma_rab, sK, sV, sQ, sdO, sRab, pipe_kv, pipe_q, mRab, q_start: Int32,
-                          k_start: Int32, head: Int32, batch: Int32, n_block: Int32, seq, m_lo: Int32, m_hi: Int32,
-                          kv_state=None, q_state=None):
-        """TMA loads of one n-block: K and V (1-stage pipeline) and Q, dO (and rab) of every m-block
-        that sees it into the ring. Returns the advanced pipeline states. Without states (a CTA
-        with one n-block) K and V go first; a persistent CTA passes its states and loads K and V
-        after the first Q/dO: the previous n-block's consumers read sK/sV until their last
-        m-block, and a Q/dO stage frees up earlier."""
-        D = self.head_dim
-        one = cute.make_layout(1)
-        kv_after_q = kv_state is not None
-        if const_expr(not kv_after_q):
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_k[None, None, head]), (self.tile_n, D), (n_block, 0))
-        gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_v[None, None, head]), (self.tile_n, D), (n_block, 0))
-        tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-        gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_q[None, None, head]), (self.tile_m, D), (None, 0))
-        gdO = cute.local_tile(cute.domain_offset((q_start, 0), tma_do[None, None, head]), (self.tile_m, D), (None, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        tOsO, tOgO = cpasync.tma_partition(tma_atom_do, 0, one, cute.group_modes(sdO, 0, 2),
-                                           cute.group_modes(gdO, 0, 2))
-        tRsR = tRgR = None
-        if const_expr(self.has_rab):
-            rab_head = cutlass.select_(mRab.shape[1] > 1, head, Int32(0))
-            gRab = cute.local_tile(cute.domain_offset((seq.row_offset, 0), tma_rab[None, None, rab_head, batch]),
-                                   (self.tile_m, self.tile_n), (None, n_block))
-            tRsR, tRgR = cpasync.tma_partition(tma_atom_rab, 0, one, cute.group_modes(sRab, 0, 2),
-                                               cute.group_modes(gRab, 0, 2))
-        kv_pending = Int32(1)
-        if const_expr(not kv_after_q):
-            self.load_kv(tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state)
-        for m_block in cutlass.range(m_lo, m_hi, unroll=1):
-            if masks.tile_nonempty(self.mask, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
-                pipe_q.producer_acquire(q_state)
-                bar = pipe_q.producer_get_barrier(q_state)
-                cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, q_state.index], tma_bar_ptr=bar)
-                cute.copy(tma_atom_do, tOgO[None, m_block], tOsO[None, q_state.index], tma_bar_ptr=bar)
-                if const_expr(self.has_rab):
-                    cute.copy(tma_atom_rab, tRgR[None, m_block], tRsR[None, q_state.index], tma_bar_ptr=bar)
-                q_state = advanced(q_state)
-                if const_expr(kv_after_q):
-                    if kv_pending != 0:
-                        self.load_kv(tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state)
-                        kv_pending = Int32(0)
-        if const_expr(kv_after_q):
-            if kv_pending != 0:  # no m-block sees this n-block: its consumers still wait for K/V
-                self.load_kv(tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state)
-        return advanced(kv_state), q_state
-
-    @cute.jit
-    def load_kv(self, tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state):
-        pipe_kv.producer_acquire(kv_state)
-        cute.copy(tma_atom_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-        cute.copy(tma_atom_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+            states = (pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
+                      pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages))
+        self.for_each_tile(walk, seqinfo, self.produce_key_block, loads, states)
 
     @cute.jit
     def consume(self, tidx: Int32, mdK, mdV, sK, sV, sQ, sdO, sRab, sdS, sdQ, tma_atom_dq, tma_dq, pipe_kv,
-                pipe_q, tiled_mma_s, tiled_mma_d, tiled_mma_dq, zero_copy, alpha: Float32, inv_scale: Float32,
-                walk, seqinfo):
+                pipe_q, alpha: Float32, inv_scale: Float32, walk, seqinfo):
         D = self.head_dim
+        tiled_mma_s, tiled_mma_d, tiled_mma_dq = self.tiled_mma_s, self.tiled_mma_d, self.tiled_mma_dq
         spec = self.mask
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_mma_s = tiled_mma_s.get_slice(tidx)
@@ -376,28 +212,9 @@ class HstuBackwardDkDvSm90:
         # Counts m-blocks over all of this CTA's tiles: its parity picks the sdS buffer and the
         # dQ owner, and the alternating barrier ids must keep alternating across tiles.
         blocks_done = Int32(0)
-        tiles = TileScheduler(walk)
-        tile_args = (tidx, mdK, mdV, sK, sQ, sdO, tma_atom_dq, tma_dq, pipe_kv, pipe_q, tiled_mma_s, tiled_mma_d,
-                     tiled_mma_dq, zero_copy, alpha, inv_scale, tSrK, tSrV, tSrQ, tSrdO, tDrQt, tDrdOt, tScS, tSsRabT,
-                     sdS, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, dq_col_block)
-        if const_expr(self.persistent):
-            num_tiles, next_tile = tiles.num_tiles, tiles.next
-            tile = tiles.first()
-            while tile < num_tiles:
-                n_block, head, batch, q_start, k_start, seq, live, m_lo, m_hi = self.tile_problem(tiles, seqinfo,
-                                                                                                  tile)
-                if live:
-                    q_state, kv_state, blocks_done = self.consume_tile(
-                        *tile_args, q_state, kv_state, blocks_done, n_block, head, q_start, k_start, seq, m_lo, m_hi)
-                tile = next_tile(tile)
-        else:
-            # One tile per CTA, no tile loop (the fused default: around its m-block loop a tile
-            # loop made that loop slower, H100 D128 402-418 TF against 443-448).
-            n_block, head, batch, q_start, k_start, seq, live, m_lo, m_hi = self.tile_problem(
-                tiles, seqinfo, tiles.first())
-            if live:
-                self.consume_tile(*tile_args, q_state, kv_state, blocks_done, n_block, head, q_start, k_start, seq,
-                                  m_lo, m_hi)
+        tile_args = (tidx, mdK, mdV, sK, sQ, sdO, tma_atom_dq, tma_dq, pipe_kv, pipe_q, alpha, inv_scale, tSrK,
+                     tSrV, tSrQ, tSrdO, tDrQt, tDrdOt, tScS, tSsRabT, sdS, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, dq_col_block)
+        self.for_each_tile(walk, seqinfo, self.consume_tile, tile_args, (q_state, kv_state, blocks_done))
         if const_expr(self.fuse_dq):
             # The last reduce-adds must have read sdQ before the CTA's smem goes away (their
             # writes land before the grid completes).
@@ -405,14 +222,16 @@ class HstuBackwardDkDvSm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def consume_tile(self, tidx: Int32, mdK, mdV, sK, sQ, sdO, tma_atom_dq, tma_dq, pipe_kv, pipe_q, tiled_mma_s,
-                     tiled_mma_d, tiled_mma_dq, zero_copy, alpha: Float32, inv_scale: Float32, tSrK, tSrV, tSrQ, tSrdO,
-                     tDrQt, tDrdOt, tScS, tSsRabT, sdS, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, dq_col_block,
-                     q_state, kv_state, blocks_done: Int32, n_block: Int32, head: Int32, q_start: Int32,
-                     k_start: Int32, seq, m_lo: Int32, m_hi: Int32):
+    def consume_tile(self, tidx: Int32, mdK, mdV, sK, sQ, sdO, tma_atom_dq, tma_dq, pipe_kv, pipe_q,
+                     alpha: Float32, inv_scale: Float32, tSrK, tSrV, tSrQ, tSrdO, tDrQt, tDrdOt, tScS, tSsRabT, sdS,
+                     tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, dq_col_block, n_block: Int32, head: Int32, batch: Int32,
+                     q_start: Int32, k_start: Int32, seq, m_lo: Int32, m_hi: Int32, q_state, kv_state,
+                     blocks_done: Int32):
         """One n-block: dK and dV (and dQ's reduce-adds) of its keys. Returns the advanced
         pipeline states and the m-block count."""
         D = self.head_dim
+        tiled_mma_s, tiled_mma_d, tiled_mma_dq = self.tiled_mma_s, self.tiled_mma_d, self.tiled_mma_dq
+        zero_copy = self.zero_copy
         spec = self.mask
         wg = cute.arch.make_warp_uniform(tidx // 128)
         tid_in_wg = tidx % 128
@@ -491,7 +310,6 @@ class HstuBackwardDkDvSm90:
         store_dk_dv(thr_mma_d, acc_dK, acc_dV, mdK, mdV, self.dtype, self.tile_n, D, k_start, head, n_block, k_rows)
         return q_state, advanced(kv_state), blocks_done
 
-
     def ds_buffer(self, blocks_done: Int32):
         return 0 if const_expr(self.dq_split) else blocks_done % 2
 
@@ -535,7 +353,7 @@ class HstuBackwardDkDvSm90:
                 cute.arch.cp_async_bulk_commit_group()
 
 
-class HstuBackwardDqSm90:
+class HstuBackwardDqSm90(HstuBackwardSm90Base):
     """dQ kernel (no drab: with ``has_drab`` the sm80 dQ kernel runs). Tiles are (m-block, head,
     batch), longest causal rows first: one CTA per tile, or with ``persistent`` one CTA per SM
     walking them in a snake order (Q and dO then load after the tile's first K/V stage). A CTA
@@ -553,152 +371,86 @@ class HstuBackwardDqSm90:
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
                  num_stages: int, fast_silu: bool, persistent: bool = False):
-        self.persistent = persistent
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.mask = mask
-        self.has_rab = has_rab
-        self.tile_m = tile_m
-        self.tile_n = tile_n
-        self.num_stages = num_stages
-        self.fast_silu = fast_silu
-        self.unscaled_grad = fast_silu  # see _silu_and_grad
-        self.num_mma_wg = tile_m // 64
-        self.num_threads = 128 * (1 + self.num_mma_wg)
-        self.num_mma_threads = 128 * self.num_mma_wg
-        self.producer_regs, self.mma_regs = sm90_register_split(self.num_mma_wg)
+        super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, tile_m // 64,
+                         persistent)
         assert tile_m % 64 == 0 and tile_n % 16 == 0
 
     @cute.jit
-    def __call__(self, mQ, mK, mV, mdO, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
-                 mNumTargets, mRab, alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32,
-                 group_size: Int32, is_delta_q: Int32, num_m_blocks: Int32, num_sms: Int32, stream):
+    def __call__(self, mQ, mK, mV, mdO, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets,
+                 mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks, num_sms,
+                 stream):
         D = self.head_dim
-        sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, None)
-        sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, self.num_stages)
-        sRab_layout = None
-        if const_expr(self.has_rab):
-            sRab_layout = sm90_smem_layout(self.dtype, self.tile_m, self.tile_n, self.num_stages)
-        tiled_mma_s = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_n),
-        )
-        tiled_mma_dq = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, D), a_source=warpgroup.OperandSource.RMEM,
-        )
-        (tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
-         tma_rab) = _token_load_atoms(mQ, mK, mV, mdO, mRab, sQ_layout, cute.slice_(sK_layout, (None, None, 0)),
-                                      sRab_layout, self.tile_m, self.tile_n)
+        self.sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, None)
+        self.sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, self.num_stages)
+        self.sRab_layout = self.rab_ring_layout()
+        self.tiled_mma_s = trivial_mma(self.dtype, self.tile_n, False, self.num_mma_wg)
+        self.tiled_mma_dq = trivial_mma(self.dtype, D, True, self.num_mma_wg, a_in_registers=True)
+        loads = self.token_load_atoms(mQ, mK, mV, mdO, mRab, self.sQ_layout,
+                                      cute.slice_(self.sK_layout, (None, None, 0)), self.sRab_layout)
         elem = self.dtype.width // 8
         self.q_bytes = 2 * self.tile_m * D * elem
         self.kv_bytes = 2 * self.tile_n * D * elem + (self.tile_m * self.tile_n * elem if const_expr(self.has_rab) else 0)
-        zero_copy = rows_zero_copy(self.dtype, D)
-        stages = self.num_stages
-        rab_elems = cute.cosize(sRab_layout) if const_expr(self.has_rab) else 8
-
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sRab: cute.struct.Align[cute.struct.MemRange[self.dtype, rab_elems], 1024]
-
+        self.zero_copy = rows_zero_copy(self.dtype, D)
+        tile = (self.dtype, cute.cosize(self.sQ_layout))
+        ring = (self.dtype, cute.cosize(self.sK_layout))
+        self.shared_storage = shared_storage(
+            dict(mbar_q=2, mbar_kv=2 * self.num_stages),
+            dict(sQ=tile, sdO=tile, sK=ring, sV=ring, sRab=(self.dtype, self.smem_elems(self.sRab_layout))))
         num_ctas = num_m_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
         if const_expr(self.persistent):
             num_ctas = cutlass.min(num_ctas, num_sms)
-        self.kernel(
-            tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab,
-            mQ, mK, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
-            alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks,
-            sQ_layout, sK_layout, sRab_layout, tiled_mma_s, tiled_mma_dq, zero_copy, SharedStorage,
-        ).launch(
-            grid=[num_ctas, 1, 1],
-            block=[self.num_threads, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
-            min_blocks_per_mp=1,
-        )
+        # The producer takes Q, dO once and K, V per n-block: the atoms in that order.
+        k_v, q_do, rab = loads[0:4], loads[4:8], loads[8:10]
+        self.launch(*q_do, *k_v, *rab, mQ, mK, mdQ,
+                    SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
+                    ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_m_blocks,
+                    grid=[num_ctas, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab,
-               tma_rab, mQ, mK, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
-               alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32, group_size: Int32,
-               is_delta_q: Int32, num_m_blocks: Int32, sQ_layout, sK_layout, sRab_layout, tiled_mma_s, tiled_mma_dq,
-               zero_copy, SharedStorage: cutlass.Constexpr):
-        tidx, _, _ = cute.arch.thread_idx()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == 0:
-            for atom in (tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_rab):
-                if const_expr(atom is not None):
-                    cpasync.prefetch_descriptor(atom)
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
+               tma_rab, mQ, mK, mdQ, seqs, mRab, scalars, num_m_blocks: Int32):
+        tidx, warp_idx = self.prologue(tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_rab)
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         pipe_q, pipe_kv = sm90_bwd_pipelines(storage.mbar_q, storage.mbar_kv, self.q_bytes,
                                               self.kv_bytes, self.num_stages, self.num_mma_threads)
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sRab = None
-        if const_expr(self.has_rab):
-            sRab = storage.sRab.get_tensor(sRab_layout.outer, swizzle=sRab_layout.inner)
-        walk = BlockMajorWalk(num_m_blocks, mQ.shape[1], mOffsetsQ.shape[0] - 1, reverse=True)
-        seqinfo = SequenceInfo(
-            self.mask, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets),
-            ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), mQ.shape[0],
-            mK.shape[0])
+        s = smem_tensors(storage, dict(sQ=self.sQ_layout, sdO=self.sQ_layout, sK=self.sK_layout, sV=self.sK_layout,
+                                       sRab=self.sRab_layout))
+        walk = BlockMajorWalk(num_m_blocks, mQ.shape[1], seqs.mOffsetsQ.shape[0] - 1, reverse=True)
+        seqinfo = self.sequence_info(seqs, scalars, mQ, mK)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.produce(tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
-                             tma_atom_rab, tma_rab, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, mRab, walk, seqinfo)
+                self.produce((tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
+                              tma_atom_rab, tma_rab, s["sQ"], s["sdO"], s["sK"], s["sV"], s["sRab"], pipe_q, pipe_kv,
+                              mRab), walk, seqinfo)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self.consume(tidx - 128, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, tiled_mma_s, tiled_mma_dq,
-                         zero_copy, alpha, inv_scale, walk, seqinfo)
+            self.consume(tidx - 128, mdQ, s["sQ"], s["sdO"], s["sK"], s["sV"], s["sRab"], pipe_q, pipe_kv,
+                         scalars.alpha, scalars.inv_scale, walk, seqinfo)
 
     @cute.jit
     def tile_problem(self, tiles, seqinfo, tile: Int32):
-        """(m_block, head, batch, q_start, k_start, seq, live, n-block schedule) of a linear tile;
+        """(live, (m_block, head, batch, q_start, k_start, seq, n-block schedule)) of a linear tile;
         ``live``: the m-block starts inside its sequence (else the tile is skipped)."""
         m_block, head, batch = tiles.coords(tile)
         q_start, k_start, seq = seqinfo.at(batch)
         sched = masks.n_block_schedule(self.mask, seq, m_block, self.tile_m, self.tile_n, KERNEL_OPS)
         live = m_block * self.tile_m < seq.seqlen_q
-        return m_block, head, batch, q_start, k_start, seq, live, sched
+        return live, (m_block, head, batch, q_start, k_start, seq, sched)
 
     @cute.jit
-    def produce(self, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab,
-                tma_rab, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, mRab, walk, seqinfo):
-        loads = (tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab,
-                 sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, mRab)
-        tiles = TileScheduler(walk)
+    def produce(self, loads, walk, seqinfo):
+        states = ()
         if const_expr(self.persistent):
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-            num_tiles, next_tile = tiles.num_tiles, tiles.next  # no method call on a loop-carried name
-            tile = tiles.first()
-            while tile < num_tiles:
-                m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(tiles, seqinfo, tile)
-                if live:
-                    q_state, kv_state = self.produce_query_block(*loads, q_start, k_start, head, batch, m_block, seq,
-                                                                 sched, q_state, kv_state)
-                tile = next_tile(tile)
-        else:
-            m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(
-                tiles, seqinfo, tiles.first())
-            if live:
-                self.produce_query_block(*loads, q_start, k_start, head, batch, m_block, seq, sched)
+            states = (pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
+                      pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages))
+        self.for_each_tile(walk, seqinfo, self.produce_query_block, loads, states)
 
     @cute.jit
     def produce_query_block(self, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
-                            tma_atom_rab, tma_rab, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, mRab, q_start: Int32,
-                            k_start: Int32, head: Int32, batch: Int32, m_block: Int32, seq, sched, q_state=None,
+                            tma_atom_rab, tma_rab, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, mRab, m_block: Int32,
+                            head: Int32, batch: Int32, q_start: Int32, k_start: Int32, seq, sched, q_state=None,
                             kv_state=None):
         """TMA loads of one m-block: Q and dO (1-stage pipeline) and K, V (and rab) of its n-block
         schedule into the ring. Returns the advanced pipeline states. Without states (one m-block
@@ -762,34 +514,22 @@ class HstuBackwardDqSm90:
         cute.copy(tma_atom_do, tOgO, tOsO, tma_bar_ptr=bar_q)
 
     @cute.jit
-    def consume(self, tidx: Int32, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, tiled_mma_s, tiled_mma_dq,
-                zero_copy, alpha: Float32, inv_scale: Float32, walk, seqinfo):
-        block_args = (tidx, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, tiled_mma_s, tiled_mma_dq, zero_copy, alpha,
-                      inv_scale)
-        tiles = TileScheduler(walk)
+    def consume(self, tidx: Int32, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, alpha: Float32, inv_scale: Float32,
+                walk, seqinfo):
+        block_args = (tidx, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, alpha, inv_scale)
+        states = ()
         if const_expr(self.persistent):
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-            num_tiles, next_tile = tiles.num_tiles, tiles.next  # no method call on a loop-carried name
-            tile = tiles.first()
-            while tile < num_tiles:
-                m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(tiles, seqinfo, tile)
-                if live:
-                    q_state, kv_state = self.consume_query_block(*block_args, q_start, head, m_block, seq, sched,
-                                                                 q_state, kv_state)
-                tile = next_tile(tile)
-        else:
-            m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(
-                tiles, seqinfo, tiles.first())
-            if live:
-                self.consume_query_block(*block_args, q_start, head, m_block, seq, sched)
+            states = (pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
+                      pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages))
+        self.for_each_tile(walk, seqinfo, self.consume_query_block, block_args, states)
 
     @cute.jit
-    def consume_query_block(self, tidx: Int32, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, tiled_mma_s,
-                            tiled_mma_dq, zero_copy, alpha: Float32, inv_scale: Float32, q_start: Int32, head: Int32,
-                            m_block: Int32, seq, sched, q_state=None, kv_state=None):
+    def consume_query_block(self, tidx: Int32, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, alpha: Float32,
+                            inv_scale: Float32, m_block: Int32, head: Int32, batch: Int32, q_start: Int32,
+                            k_start: Int32, seq, sched, q_state=None, kv_state=None):
         """dQ of one m-block; returns the advanced pipeline states (persistent CTAs pass theirs)."""
         persistent = q_state is not None
+        tiled_mma_s, tiled_mma_dq, zero_copy = self.tiled_mma_s, self.tiled_mma_dq, self.zero_copy
         D = self.head_dim
         spec = self.mask
         n_lo, hole_lo, hole_size, n_count = sched

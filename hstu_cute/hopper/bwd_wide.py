@@ -6,17 +6,28 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 
 from .. import masks
 from ..common.barriers import NamedBarrier
 from ..common.mask_apply import KERNEL_OPS, apply_mask_key_major
-from ..common.seqinfo import ScoreScalars, SequenceArgs, SequenceInfo
+from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import silu_and_grad
-from ..common.sm90 import advanced, red_add_f32, rows_zero_copy, sm90_bwd_pipelines, sm90_register_split, sm90_smem_layout, wgmma, zero_smem_rows_past
-from .bwd import HstuBackwardDkDvSm90, store_dk_dv
+from ..common.sm90 import (
+    advanced,
+    prefetch_tma_descriptors,
+    red_add_f32,
+    rows_zero_copy,
+    shared_storage,
+    sm90_bwd_pipelines,
+    sm90_smem_layout,
+    smem_tensors,
+    trivial_mma,
+    wgmma,
+    zero_smem_rows_past,
+)
+from .bwd_base import HstuBackwardSm90Base, KeyBlockProducer, store_dk_dv
 
 SMEM_LIMIT = 227 * 1024
 
@@ -30,7 +41,7 @@ def wide_smem_bytes(elem_bytes: int, head_dim: int, tile_m: int, tile_n: int, nu
     return kv + q_do + rab + p_ds + 1024  # barriers and 1024-byte alignment
 
 
-class HstuBackwardWideSm90:
+class HstuBackwardWideSm90(KeyBlockProducer, HstuBackwardSm90Base):
     """dK, dV (and drab) at head dims where one warpgroup cannot hold dK and dV of 64 keys
     (D = 256: 2 x 128 fp32 registers per thread). One CTA per (n-block of ``tile_n`` = 64 keys,
     head, batch), the n-blocks of one sequence and head adjacent in launch order (they read the
@@ -58,29 +69,13 @@ class HstuBackwardWideSm90:
     512, and beside the dQ kernel (which recomputes S and dP) the pair reaches 356.
     """
 
-    load_atoms = HstuBackwardDkDvSm90.load_atoms
-    produce = HstuBackwardDkDvSm90.produce_key_block
-    load_kv = HstuBackwardDkDvSm90.load_kv
-
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, has_drab: bool,
                  rab_sum_heads: bool, tile_m: int, tile_n: int, num_stages: int, fast_silu: bool):
         assert tile_n == 64 and tile_m % 64 == 0 and head_dim % 128 == 0, (tile_m, tile_n, head_dim)
         assert has_rab or not has_drab
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.mask = mask
-        self.has_rab = has_rab
+        super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, 2)
         self.has_drab = has_drab
         self.rab_sum_heads = rab_sum_heads
-        self.tile_m = tile_m
-        self.tile_n = tile_n
-        self.num_stages = num_stages
-        self.fast_silu = fast_silu
-        self.unscaled_grad = fast_silu  # as in the dK/dV kernel: the scales applied per tile
-        self.num_mma_wg = 2
-        self.num_threads = 384
-        self.num_mma_threads = 256
-        self.producer_regs, self.mma_regs = sm90_register_split(self.num_mma_wg)
         elem = dtype.width // 8
         self.pds_buffers = 2
         if wide_smem_bytes(elem, head_dim, tile_m, tile_n, num_stages, has_rab, 2) > SMEM_LIMIT:
@@ -88,115 +83,77 @@ class HstuBackwardWideSm90:
         assert wide_smem_bytes(elem, head_dim, tile_m, tile_n, num_stages, has_rab, self.pds_buffers) <= SMEM_LIMIT
 
     @cute.jit
-    def __call__(self, mQ, mK, mV, mdO, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK,
-                 mNumContexts, mNumTargets, mRab, mdRab, alpha: Float32, inv_scale: Float32, window_left: Int32,
-                 window_right: Int32, group_size: Int32, is_delta_q: Int32, num_n_blocks: Int32, stream):
+    def __call__(self, mQ, mK, mV, mdO, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
+                 mNumTargets, mRab, mdRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
+                 num_n_blocks, stream):
         D = self.head_dim
-        sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, None)
-        sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, self.num_stages)
-        sP_layout = sm90_smem_layout(self.dtype, self.tile_n, self.tile_m, self.pds_buffers)
-        sRab_layout = None
-        if const_expr(self.has_rab):
-            sRab_layout = sm90_smem_layout(self.dtype, self.tile_m, self.tile_n, self.num_stages)
+        self.sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, None)
+        self.sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, self.num_stages)
+        self.sP_layout = sm90_smem_layout(self.dtype, self.tile_n, self.tile_m, self.pds_buffers)
+        self.sRab_layout = self.rab_ring_layout()
         # S^T / dP^T (keys, queries): the two warpgroups split the queries (N).
-        tiled_mma_s = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            atom_layout_mnk=(1, 2, 1), tiler_mn=(64, self.tile_m // 2),
-        )
+        self.tiled_mma_s = trivial_mma(self.dtype, self.tile_m // 2, False, 1, atom_layout=(1, 2, 1))
         # dV / dK (keys, D) += P^T / G^T (smem, K-major) x dO / Q (smem, MN-major): split along D.
-        tiled_mma_dkv = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(1, 2, 1), tiler_mn=(64, D // 2),
-        )
-        (tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
-         tma_rab) = self.load_atoms(mQ, mK, mV, mdO, mRab, sK_layout, sQ_layout, sRab_layout)
-        zero_copy = rows_zero_copy(self.dtype, D)
-        stages = self.num_stages
-        rab_elems = cute.cosize(sRab_layout) if const_expr(self.has_rab) else 8
-
-        @cute.struct
-        class SharedStorage:
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
-            sRab: cute.struct.Align[cute.struct.MemRange[self.dtype, rab_elems], 1024]
-
-        self.kernel(
-            tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab, tma_rab,
-            mQ, mK, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
-            mdRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
-            sK_layout, sQ_layout, sP_layout, sRab_layout, tiled_mma_s, tiled_mma_dkv, zero_copy,
-            SharedStorage,
-        ).launch(
-            grid=[num_n_blocks, mQ.shape[1], mOffsetsQ.shape[0] - 1],
-            block=[self.num_threads, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
-            min_blocks_per_mp=1,
-        )
+        self.tiled_mma_dkv = trivial_mma(self.dtype, D // 2, True, 1, atom_layout=(1, 2, 1))
+        self.key_block_bytes()
+        loads = self.token_load_atoms(mQ, mK, mV, mdO, mRab, cute.slice_(self.sQ_layout, (None, None, 0)),
+                                      self.sK_layout, self.sRab_layout)
+        self.zero_copy = rows_zero_copy(self.dtype, D)
+        tile = (self.dtype, cute.cosize(self.sK_layout))
+        ring = (self.dtype, cute.cosize(self.sQ_layout))
+        p_ds = (self.dtype, cute.cosize(self.sP_layout))
+        self.shared_storage = shared_storage(
+            dict(mbar_kv=2, mbar_q=2 * self.num_stages),
+            dict(sK=tile, sV=tile, sQ=ring, sdO=ring, sP=p_ds, sdS=p_ds,
+                 sRab=(self.dtype, self.smem_elems(self.sRab_layout))))
+        self.launch(*loads, mQ, mK, mdK, mdV,
+                    SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
+                    mdRab, ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q),
+                    grid=[num_n_blocks, mQ.shape[1], mOffsetsQ.shape[0] - 1], stream=stream)
 
     @cute.kernel
     def kernel(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
-               tma_rab, mQ, mK, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
-               mNumTargets, mRab, mdRab, alpha: Float32, inv_scale: Float32, window_left: Int32,
-               window_right: Int32, group_size: Int32, is_delta_q: Int32, sK_layout, sQ_layout, sP_layout,
-               sRab_layout, tiled_mma_s, tiled_mma_dkv, zero_copy, SharedStorage: cutlass.Constexpr):
+               tma_rab, mQ, mK, mdK, mdV, seqs, mRab, mdRab, scalars):
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         n_block, head, batch = cute.arch.block_idx()
-        seqinfo = SequenceInfo(
-            self.mask, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets),
-            ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), mQ.shape[0],
-            mK.shape[0])
+        seqinfo = self.sequence_info(seqs, scalars, mQ, mK)
         q_start, k_start, seqlen_q, seqlen_k = seqinfo.bounds(batch)
-        mask_of = seqinfo.mask  # a method call on a name inside a runtime `if` makes it loop-carried
+        mask_of = seqinfo.mask  # a method call on a name inside a runtime `if` makes it branch-carried
         # Uniform over the CTA, before any barrier is initialized.
         if n_block * self.tile_n < seqlen_k:
             if warp_idx == 0:
-                for atom in (tma_atom_k, tma_atom_v, tma_atom_q, tma_atom_do, tma_atom_rab):
-                    if const_expr(atom is not None):
-                        cpasync.prefetch_descriptor(atom)
+                prefetch_tma_descriptors(tma_atom_k, tma_atom_v, tma_atom_q, tma_atom_do, tma_atom_rab)
             spec = self.mask
             seq = mask_of(batch, seqlen_q, seqlen_k)
             m_lo, m_hi = masks.m_block_range(spec, seq, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
 
-            smem = cutlass.memory.SmemAllocator()
-            storage = smem.allocate(SharedStorage)
+            storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
             pipe_kv, pipe_q = sm90_bwd_pipelines(storage.mbar_kv, storage.mbar_q, self.kv_bytes, self.q_bytes,
                                                  self.num_stages, self.num_mma_threads)
-            sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-            sV = storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-            sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-            sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-            sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-            sdS = storage.sdS.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-            sRab = None
-            if const_expr(self.has_rab):
-                sRab = storage.sRab.get_tensor(sRab_layout.outer, swizzle=sRab_layout.inner)
+            s = smem_tensors(storage, dict(sK=self.sK_layout, sV=self.sK_layout, sQ=self.sQ_layout,
+                                           sdO=self.sQ_layout, sP=self.sP_layout, sdS=self.sP_layout,
+                                           sRab=self.sRab_layout))
 
             if warp_idx < 4:
                 cute.arch.setmaxregister_decrease(self.producer_regs)
                 if warp_idx == 0:
-                    self.produce(tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do,
-                                 tma_atom_rab, tma_rab, sK, sV, sQ, sdO, sRab, pipe_kv, pipe_q, mRab, q_start,
-                                 k_start, head, batch, n_block, seq, m_lo, m_hi)
+                    self.produce_key_block(tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do,
+                                           tma_do, tma_atom_rab, tma_rab, s["sK"], s["sV"], s["sQ"], s["sdO"],
+                                           s["sRab"], pipe_kv, pipe_q, mRab, n_block, head, batch, q_start, k_start,
+                                           seq, m_lo, m_hi)
             else:
                 cute.arch.setmaxregister_increase(self.mma_regs)
-                self.consume(tidx - 128, mdK, mdV, mdRab, sK, sV, sQ, sdO, sP, sdS, sRab, pipe_kv,
-                             pipe_q, tiled_mma_s, tiled_mma_dkv, zero_copy, alpha, inv_scale, q_start,
-                             k_start, head, batch, n_block, seq, m_lo, m_hi)
+                self.consume(tidx - 128, mdK, mdV, mdRab, s["sK"], s["sV"], s["sQ"], s["sdO"], s["sP"], s["sdS"],
+                             s["sRab"], pipe_kv, pipe_q, scalars.alpha, scalars.inv_scale, q_start, k_start, head,
+                             batch, n_block, seq, m_lo, m_hi)
 
     @cute.jit
     def consume(self, tidx: Int32, mdK, mdV, mdRab, sK, sV, sQ, sdO, sP, sdS, sRab, pipe_kv, pipe_q,
-                tiled_mma_s, tiled_mma_dkv, zero_copy, alpha: Float32, inv_scale: Float32,
-                q_start: Int32, k_start: Int32, head: Int32, batch: Int32, n_block: Int32, seq, m_lo: Int32,
-                m_hi: Int32):
+                alpha: Float32, inv_scale: Float32, q_start: Int32, k_start: Int32, head: Int32, batch: Int32,
+                n_block: Int32, seq, m_lo: Int32, m_hi: Int32):
         D = self.head_dim
+        tiled_mma_s, tiled_mma_dkv, zero_copy = self.tiled_mma_s, self.tiled_mma_dkv, self.zero_copy
         spec = self.mask
         wg = cute.arch.make_warp_uniform(tidx // 128)
         tid_in_wg = tidx % 128

@@ -1,0 +1,208 @@
+"""What the sm90 backward kernels share: static config, TMA load atoms, the kernel prologue, the
+tile loop, and the key-block producer of the dK/dV kernels.
+
+Every sm90 backward kernel runs one producer warp (warpgroup 0, warp 0; TMA loads) and
+``num_mma_wg`` consumer warpgroups, with two TMA pipelines: a 1-stage one for the tiles the CTA
+owns (K+V in the dK/dV kernels, Q+dO in the dQ kernel) and a ``num_stages`` ring for the tiles it
+walks. Host-side objects the kernel body only reads (smem layouts, tiled MMAs, tiled copies, the
+shared-storage struct) are kept on ``self`` by ``__call__``; the kernel parameters are the TMA
+atoms and the runtime tensors and scalars.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
+
+from .. import masks
+from ..common.mask_apply import KERNEL_OPS
+from ..common.seqinfo import SequenceInfo
+from ..common.sm90 import (
+    advanced,
+    prefetch_tma_descriptors,
+    sm90_register_split,
+    sm90_smem_layout,
+    sm90_tma_atom_rab,
+    sm90_tma_atom_tokens,
+    store_acc_rows,
+    wgmma_acc_rows_cols,
+)
+from ..common.tile_scheduler import TileScheduler
+
+
+@cute.jit
+def store_dk_dv(thr_mma, acc_dK, acc_dV, mdK, mdV, dtype: cutlass.Constexpr, tile_n: cutlass.Constexpr,
+                head_dim: cutlass.Constexpr, k_start: Int32, head: Int32, n_block: Int32, k_rows: Int32):
+    """dK and dV of one n-block from WGMMA accumulators (this thread's slice of ``thr_mma``) to
+    (T_k, H, D) global memory, key rows at and past ``k_rows`` skipped."""
+    tKcK = thr_mma.partition_C(cute.make_identity_tensor((tile_n, head_dim)))
+    tKcK_rc = cute.make_tensor(tKcK.iterator, wgmma_acc_rows_cols(tKcK.layout))
+    for acc, mOut in ((acc_dK, mdK), (acc_dV, mdV)):
+        rOut = cute.make_rmem_tensor(acc.layout, dtype)
+        rOut.store(acc.load().to(dtype))
+        gOut = cute.local_tile(cute.domain_offset((k_start, 0), mOut[None, head, None]), (tile_n, head_dim),
+                               (n_block, 0))
+        store_acc_rows(rOut, thr_mma.partition_C(gOut), tKcK_rc, k_rows)
+
+
+class HstuBackwardSm90Base:
+    """Static config (the compile key's fields) and shared plumbing of the sm90 backward kernels."""
+
+    def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
+                 num_stages: int, fast_silu: bool, num_mma_wg: int, persistent: bool = False):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.mask = mask
+        self.has_rab = has_rab
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.num_stages = num_stages
+        self.fast_silu = fast_silu
+        # bf16 (tanh SiLU): P and G unscaled in the block loop, the scales applied per tile
+        # (common.silu.silu_and_grad).
+        self.unscaled_grad = fast_silu
+        self.persistent = persistent
+        self.num_mma_wg = num_mma_wg
+        self.num_threads = 128 * (1 + num_mma_wg)
+        self.num_mma_threads = 128 * num_mma_wg
+        self.producer_regs, self.mma_regs = sm90_register_split(num_mma_wg)
+
+    # ------------------------------------------------------------------------------------------
+    # Host side (called from __call__ while tracing)
+    # ------------------------------------------------------------------------------------------
+    def rab_ring_layout(self):
+        """The staged smem layout of rab tiles (queries, keys), or None without rab."""
+        if const_expr(self.has_rab):
+            return sm90_smem_layout(self.dtype, self.tile_m, self.tile_n, self.num_stages)
+        return None
+
+    def smem_elems(self, layout) -> int:
+        """Elements of a smem tile; an absent tile keeps a small placeholder field."""
+        return cute.cosize(layout) if layout is not None else 8
+
+    def token_load_atoms(self, mQ, mK, mV, mdO, mRab, sQ_tile, sK_tile, sRab_layout):
+        """TMA load atoms: K and V tiles of ``tile_n`` keys into ``sK_tile``, Q and dO tiles of
+        ``tile_m`` queries into ``sQ_tile`` (one stage each), rab tiles with ``sRab_layout``.
+        Returns (atom, tensor) pairs k, v, q, do, rab flattened."""
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_k, tma_k = sm90_tma_atom_tokens(tma_load, mK, sK_tile, self.tile_n)
+        tma_atom_v, tma_v = sm90_tma_atom_tokens(tma_load, mV, sK_tile, self.tile_n)
+        tma_atom_q, tma_q = sm90_tma_atom_tokens(tma_load, mQ, sQ_tile, self.tile_m)
+        tma_atom_do, tma_do = sm90_tma_atom_tokens(tma_load, mdO, sQ_tile, self.tile_m)
+        tma_atom_rab, tma_rab = None, None
+        if sRab_layout is not None:
+            tma_atom_rab, tma_rab = sm90_tma_atom_rab(mRab, sRab_layout, self.tile_m, self.tile_n)
+        return tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab, tma_rab
+
+    def launch(self, *kernel_args, grid, stream):
+        self.kernel(*kernel_args).launch(grid=grid, block=[self.num_threads, 1, 1],
+                                         smem=self.shared_storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def prologue(self, *tma_atoms):
+        """(tidx, warp_idx): warp 0 prefetches the TMA descriptors."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            prefetch_tma_descriptors(*tma_atoms)
+        return tidx, warp_idx
+
+    def sequence_info(self, seqs, scalars, mQ, mK) -> SequenceInfo:
+        return SequenceInfo(self.mask, seqs, scalars, mQ.shape[0], mK.shape[0])
+
+    @cute.jit
+    def for_each_tile(self, walk, seqinfo, visit, args, states):
+        """``visit(*args, *tile, *states)`` on each live tile of this CTA (``tile``: what
+        ``tile_problem`` returns beside ``live``). Persistent CTAs thread the states (pipeline
+        states, counters) returned by ``visit`` from tile to tile. One tile per CTA: no tile loop
+        (around the fused kernel's m-block loop a tile loop made that loop slower, H100 D128
+        402-418 TF against 443-448)."""
+        tiles = TileScheduler(walk)
+        if const_expr(self.persistent):
+            num_tiles, next_tile = tiles.num_tiles, tiles.next  # no method call on a loop-carried name
+            tile = tiles.first()
+            while tile < num_tiles:
+                live, coords = self.tile_problem(tiles, seqinfo, tile)
+                if live:
+                    states = visit(*args, *coords, *states)
+                tile = next_tile(tile)
+        else:
+            live, coords = self.tile_problem(tiles, seqinfo, tiles.first())
+            if live:
+                visit(*args, *coords, *states)
+
+
+class KeyBlockProducer:
+    """The producer of the dK/dV kernels: K and V of one n-block (1-stage pipeline ``pipe_kv``),
+    then Q, dO (and rab) of every m-block that sees it into the ring ``pipe_q``."""
+
+    def key_block_bytes(self):
+        """Transaction bytes of the two pipelines: ``kv_bytes`` (K+V), ``q_bytes`` (Q+dO+rab)."""
+        D = self.head_dim
+        elem = self.dtype.width // 8
+        self.kv_bytes = 2 * self.tile_n * D * elem
+        self.q_bytes = 2 * self.tile_m * D * elem + (self.tile_m * self.tile_n * elem if const_expr(self.has_rab) else 0)
+
+    @cute.jit
+    def produce_key_block(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do,
+                          tma_atom_rab, tma_rab, sK, sV, sQ, sdO, sRab, pipe_kv, pipe_q, mRab, n_block: Int32,
+                          head: Int32, batch: Int32, q_start: Int32, k_start: Int32, seq, m_lo: Int32, m_hi: Int32,
+                          kv_state=None, q_state=None):
+        """TMA loads of one n-block. Returns the advanced pipeline states. Without states (a CTA
+        with one n-block) K and V go first; a persistent CTA passes its states and loads K and V
+        after the first Q/dO: the previous n-block's consumers read sK/sV until their last
+        m-block, and a Q/dO stage frees up earlier."""
+        D = self.head_dim
+        one = cute.make_layout(1)
+        kv_after_q = kv_state is not None
+        if const_expr(not kv_after_q):
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_k[None, None, head]), (self.tile_n, D), (n_block, 0))
+        gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_v[None, None, head]), (self.tile_n, D), (n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_q[None, None, head]), (self.tile_m, D), (None, 0))
+        gdO = cute.local_tile(cute.domain_offset((q_start, 0), tma_do[None, None, head]), (self.tile_m, D), (None, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tOsO, tOgO = cpasync.tma_partition(tma_atom_do, 0, one, cute.group_modes(sdO, 0, 2),
+                                           cute.group_modes(gdO, 0, 2))
+        tRsR = tRgR = None
+        if const_expr(self.has_rab):
+            rab_head = cutlass.select_(mRab.shape[1] > 1, head, Int32(0))
+            gRab = cute.local_tile(cute.domain_offset((seq.row_offset, 0), tma_rab[None, None, rab_head, batch]),
+                                   (self.tile_m, self.tile_n), (None, n_block))
+            tRsR, tRgR = cpasync.tma_partition(tma_atom_rab, 0, one, cute.group_modes(sRab, 0, 2),
+                                               cute.group_modes(gRab, 0, 2))
+        kv_pending = Int32(1)
+        if const_expr(not kv_after_q):
+            self.load_kv(tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state)
+        for m_block in cutlass.range(m_lo, m_hi, unroll=1):
+            if masks.tile_nonempty(self.mask, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
+                pipe_q.producer_acquire(q_state)
+                bar = pipe_q.producer_get_barrier(q_state)
+                cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, q_state.index], tma_bar_ptr=bar)
+                cute.copy(tma_atom_do, tOgO[None, m_block], tOsO[None, q_state.index], tma_bar_ptr=bar)
+                if const_expr(self.has_rab):
+                    cute.copy(tma_atom_rab, tRgR[None, m_block], tRsR[None, q_state.index], tma_bar_ptr=bar)
+                q_state = advanced(q_state)
+                if const_expr(kv_after_q):
+                    if kv_pending != 0:
+                        self.load_kv(tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state)
+                        kv_pending = Int32(0)
+        if const_expr(kv_after_q):
+            if kv_pending != 0:  # no m-block sees this n-block: its consumers still wait for K/V
+                self.load_kv(tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state)
+        return advanced(kv_state), q_state
+
+    @cute.jit
+    def load_kv(self, tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state):
+        pipe_kv.producer_acquire(kv_state)
+        cute.copy(tma_atom_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        cute.copy(tma_atom_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))

@@ -96,6 +96,19 @@ def _gpu_status() -> tuple[Any, str]:
     return None, why
 
 
+def _gpu_kernel_path(console, dev) -> tuple[str, str] | None:
+    """(kernel path, cubin arch) of the GPU ``dev`` for the demo and bench, or None after printing
+    why no kernel path serves it."""
+    from .arch import device_arch, kernel_path
+
+    try:
+        path = kernel_path(dev)
+    except (NotImplementedError, ValueError) as exc:
+        console.print(f"[red]{type(exc).__name__}[/]: {_esc(exc)}")
+        return None
+    return path, device_arch(dev)
+
+
 def _mask_window(mask: str, window: tuple[int, int]) -> tuple[int, int]:
     return {"none": (-1, -1), "causal": (-1, 0), "target": (-1, 0)}.get(mask, window)
 
@@ -473,17 +486,14 @@ def _demo_gpu(args, console, dev, name: str) -> int:
     from rich.table import Table
 
     from .api import hstu_attn_varlen_func
-    from .arch import device_arch, kernel_path
     from .bench import flops, time_cuda
     from .cache import default_cache
     from .reference import hstu_attn_reference, ratio_check
 
-    try:
-        path = kernel_path(dev)
-    except (NotImplementedError, ValueError) as exc:
-        console.print(f"[red]{type(exc).__name__}[/]: {_esc(exc)}")
+    served = _gpu_kernel_path(console, dev)
+    if served is None:
         return 1
-    arch = device_arch(dev)
+    path, arch = served
     console.print(f"GPU: [bold]{name}[/] ({arch}, kernel path {path})")
     with torch.cuda.device(dev):
         kw = _demo_inputs(args, dev)
@@ -536,14 +546,11 @@ def _bench_gpu(args, console, dev, name: str) -> int:
     from rich.progress import Progress
 
     from . import __version__, bench
-    from .arch import device_arch, kernel_path
 
-    try:
-        path = kernel_path(dev)
-    except (NotImplementedError, ValueError) as exc:
-        console.print(f"[red]{type(exc).__name__}[/]: {_esc(exc)}")
+    served = _gpu_kernel_path(console, dev)
+    if served is None:
         return 1
-    arch = device_arch(dev)
+    path, arch = served
     workloads = [bench.headline()] if args.grid == "headline" else bench.default_grid()
     if args.limit is not None:
         workloads = workloads[: args.limit]

@@ -24,6 +24,7 @@ Random inputs for the oracle and ``hstu_attn_varlen_func`` come from
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -208,63 +209,54 @@ def hstu_attn_reference(
     return torch.cat(pieces, dim=0)
 
 
-def reference_grads(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    seq_offsets_q: torch.Tensor,
-    seq_offsets_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    num_contexts: torch.Tensor | None = None,
-    num_targets: torch.Tensor | None = None,
-    target_group_size: int = 1,
-    window_size: tuple[int, int] = (-1, -1),
-    alpha: float = 1.0,
-    rab: torch.Tensor | None = None,
-    is_delta_q: bool = False,
-    *,
-    dout: torch.Tensor,
-    scaling_seqlen: int = -1,
-    seqused_q: torch.Tensor | None = None,
-    seqused_k: torch.Tensor | None = None,
-    compute_dtype: torch.dtype | None = torch.float32,
-    has_drab: bool = False,
-) -> dict[str, torch.Tensor | None]:
+def reference_grads(*args, dout: torch.Tensor, **kwargs) -> dict[str, torch.Tensor | None]:
     """Autograd gradients of :func:`hstu_attn_reference` for upstream gradient ``dout``.
 
+    Takes the oracle's arguments (positional or keyword, same names and defaults: the signature
+    below is the oracle's with ``dout`` added) plus the keyword-only ``dout``.
     Runs on fresh leaf copies (the caller's tensors are untouched). For the upcast variant the
     leaves are in ``compute_dtype`` (so the fp32 oracle's gradients are not rounded back to 16
     bits); for the same-dtype variant they are in the input dtype, and the gradients come back in
     it. Returns ``dict(out, dq, dk, dv, drab)``; ``drab`` is None when ``rab`` is None.
     """
+    call = _ORACLE_SIGNATURE.bind(*args, **kwargs)
+    call.apply_defaults()
+    arguments = call.arguments
+    q, compute_dtype = arguments["q"], arguments["compute_dtype"]
     same_dtype = compute_dtype is None or compute_dtype == q.dtype
     leaf_dtype = q.dtype if same_dtype else compute_dtype
 
-    def leaf(t):
-        return t.detach().to(leaf_dtype).clone().requires_grad_(True)
-
-    ql, kl, vl = leaf(q), leaf(k), leaf(v)
-    rl = leaf(rab) if rab is not None else None
-    out = hstu_attn_reference(
-        ql, kl, vl, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
-        num_contexts, num_targets, target_group_size, window_size, alpha, rl, is_delta_q,
-        scaling_seqlen=scaling_seqlen, seqused_q=seqused_q, seqused_k=seqused_k,
-        compute_dtype=compute_dtype,
-    )  # fmt: skip
-    inputs = [ql, kl, vl] + ([rl] if rl is not None else [])
+    # The differentiable inputs, replaced by leaves in the oracle's arguments.
+    leaves = {
+        name: arguments[name].detach().to(leaf_dtype).clone().requires_grad_(True)
+        for name in ("q", "k", "v", "rab")
+        if arguments[name] is not None
+    }
+    arguments.update(leaves)
+    out = hstu_attn_reference(*call.args, **call.kwargs)
+    inputs = list(leaves.values())
     if out.requires_grad:
         grads = torch.autograd.grad(out, inputs, dout.to(out.dtype), allow_unused=True)
     else:  # nothing attends (e.g. an empty batch)
         grads = [None] * len(inputs)
-    grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, grads)]
-    return {
-        "out": out.detach(),
-        "dq": grads[0],
-        "dk": grads[1],
-        "dv": grads[2],
-        "drab": grads[3] if rl is not None else None,
-    }
+    grads = {name: torch.zeros_like(x) if g is None else g for (name, x), g in zip(leaves.items(), grads)}
+    return {"out": out.detach(), "dq": grads["q"], "dk": grads["k"], "dv": grads["v"], "drab": grads.get("rab")}
+
+
+_ORACLE_SIGNATURE = inspect.signature(hstu_attn_reference)
+
+
+def _with_dout(signature: inspect.Signature) -> inspect.Signature:
+    """The oracle's signature with ``reference_grads``'s keyword-only ``dout`` before its other
+    keyword-only parameters (what ``help`` and IDEs show for :func:`reference_grads`)."""
+    params = list(signature.parameters.values())
+    at = next(i for i, p in enumerate(params) if p.kind is inspect.Parameter.KEYWORD_ONLY)
+    dout = inspect.Parameter("dout", inspect.Parameter.KEYWORD_ONLY, annotation="torch.Tensor")
+    return signature.replace(parameters=params[:at] + [dout] + params[at:],
+                             return_annotation="dict[str, torch.Tensor | None]")
+
+
+reference_grads.__signature__ = _with_dout(_ORACLE_SIGNATURE)
 
 
 def ratio_check(

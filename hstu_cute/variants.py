@@ -36,8 +36,19 @@ __all__ = [
 ]
 
 
-class _KeyBase:
-    """Shared by the compile keys: the mask of the variant and a one-line description."""
+@dataclass(frozen=True)
+class _Variant:
+    """The fields every compile key has, in this order (after a backward key's ``role``: see
+    :class:`_BwdVariant`), the mask of the variant and a one-line description. A key's repr, which
+    lists its fields in order, is its cache key: reordering them invalidates every cached module."""
+
+    arch: str  # "sm_80", "sm_89", "sm_90a", ... (the Hopper keys: "sm_90a")
+    dtype: str  # "bfloat16" | "float16"
+    head_dim: int
+    mask_kind: int = int(MaskKind.NONE)
+    has_context: bool = False
+    has_target: bool = False
+    has_rab: bool = False
 
     @property
     def mask(self) -> MaskSpec:
@@ -54,26 +65,41 @@ def _fast_silu(dtype: str) -> bool:
     return dtype == "bfloat16"
 
 
-def _mask_fields(kind, context_target: bool) -> dict:
-    return dict(mask_kind=int(kind), has_context=context_target, has_target=context_target)
+def _variant_fields(arch, dtype, head_dim, kind, context_target: bool, has_rab: bool) -> dict:
+    """The :class:`_Variant` fields of a key (and its ``fast_silu``) from the key factories' arguments."""
+    return dict(arch=arch, dtype=dtype, head_dim=head_dim, mask_kind=int(kind), has_context=context_target,
+                has_target=context_target, has_rab=has_rab, fast_silu=_fast_silu(dtype))
+
+
+@dataclass(frozen=True)
+class _Role:
+    role: str
+
+
+@dataclass(frozen=True)
+class _BwdVariant(_Variant, _Role):
+    """The fields of a backward key: ``role`` first (dataclasses take the fields of the bases in
+    reverse MRO order: :class:`_Role`'s, then :class:`_Variant`'s), then these two."""
+
+    kernel_family: ClassVar[str]
+
+    has_drab: bool = False
+    rab_sum_heads: bool = False  # drab of one rab head for all heads (summed over the heads)
+
+    @property
+    def kernel_name(self) -> str:
+        return f"{self.kernel_family}_{self.role}"
 
 
 # ---------------------------------------------------------------------------------------------
 # sm80 (mma.sync): hstu_cute.ampere
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class AmpereFwdKey(_KeyBase):
+class AmpereFwdKey(_Variant):
     """Compile key of :class:`~hstu_cute.ampere.fwd.HstuForwardSm80`."""
 
     kernel_name: ClassVar[str] = "ampere_fwd"
 
-    arch: str  # "sm_80", "sm_89", "sm_90a", ...
-    dtype: str  # "bfloat16" | "float16"
-    head_dim: int
-    mask_kind: int = int(MaskKind.NONE)
-    has_context: bool = False
-    has_target: bool = False
-    has_rab: bool = False
     rab_vec: int = 8  # elements per rab load: 8 (16-byte aligned rows) or 1 (any layout)
     tile_m: int = 128
     tile_n: int = 64
@@ -108,27 +134,19 @@ def default_fwd_tiles(head_dim: int) -> dict:
 
 def make_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, rab_vec, tiles=None) -> AmpereFwdKey:
     return AmpereFwdKey(
-        arch=arch, dtype=dtype, head_dim=head_dim, **_mask_fields(kind, context_target), has_rab=has_rab,
-        rab_vec=rab_vec if has_rab else 8, fast_silu=_fast_silu(dtype),
+        **_variant_fields(arch, dtype, head_dim, kind, context_target, has_rab), rab_vec=rab_vec if has_rab else 8,
         **(tiles or dict(default_fwd_tiles(head_dim), lpt_grid=MaskKind(kind) == MaskKind.CAUSAL)),
     )
 
 
 @dataclass(frozen=True)
-class AmpereBwdKey(_KeyBase):
-    """Compile key shared by the two sm80 backward kernels (:mod:`hstu_cute.ampere.bwd`). rab is
+class AmpereBwdKey(_BwdVariant):
+    """Compile key shared by the two sm80 backward kernels (:mod:`hstu_cute.ampere.bwd`): role
+    "dq" (dQ and drab; with ``rab_sum_heads`` its CTAs loop over the heads) or "dkdv". rab is
     always read with 16-byte loads: the launcher pads its rows when they are not aligned."""
 
-    role: str  # "dq" (dQ and drab) or "dkdv"
-    arch: str
-    dtype: str
-    head_dim: int
-    mask_kind: int = int(MaskKind.NONE)
-    has_context: bool = False
-    has_target: bool = False
-    has_rab: bool = False
-    has_drab: bool = False
-    rab_sum_heads: bool = False  # one rab head for all heads: dq CTAs loop over heads
+    kernel_family: ClassVar[str] = "ampere_bwd"
+
     tile_m: int = 64
     tile_n: int = 64
     num_warps: int = 4
@@ -138,10 +156,6 @@ class AmpereBwdKey(_KeyBase):
     warps_d: int = 1
     fast_silu: bool = True
     ptxas_opt: int = 2
-
-    @property
-    def kernel_name(self) -> str:
-        return f"ampere_bwd_{self.role}"
 
     def describe(self) -> str:
         rab = (["rab" + ("+drab" if self.has_drab else "") + ("(sum)" if self.rab_sum_heads else "")]
@@ -169,8 +183,7 @@ def default_bwd_tiles(role: str, head_dim: int) -> dict:
 
 def make_bwd_keys(arch, dtype, head_dim, kind, context_target, has_rab, has_drab, rab_sum_heads):
     """(dq key, dkdv key) of one sm80 backward call."""
-    common = dict(arch=arch, dtype=dtype, head_dim=head_dim, **_mask_fields(kind, context_target), has_rab=has_rab,
-                  fast_silu=_fast_silu(dtype))
+    common = _variant_fields(arch, dtype, head_dim, kind, context_target, has_rab)
     dq = AmpereBwdKey(role="dq", has_drab=has_drab, rab_sum_heads=has_drab and rab_sum_heads, **common,
                       **default_bwd_tiles("dq", head_dim))
     dkdv = AmpereBwdKey(role="dkdv", **common, **default_bwd_tiles("dkdv", head_dim))
@@ -181,19 +194,12 @@ def make_bwd_keys(arch, dtype, head_dim, kind, context_target, has_rab, has_drab
 # sm90 (TMA + WGMMA): hstu_cute.hopper
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class HopperFwdKey(_KeyBase):
+class HopperFwdKey(_Variant):
     """Compile key of :class:`~hstu_cute.hopper.fwd.HstuForwardSm90`. rab always has 16-byte
     aligned rows here: TMA needs them, the launcher pads rab when they are not."""
 
     kernel_name: ClassVar[str] = "hopper_fwd"
 
-    arch: str  # "sm_90a"
-    dtype: str
-    head_dim: int
-    mask_kind: int = int(MaskKind.NONE)
-    has_context: bool = False
-    has_target: bool = False
-    has_rab: bool = False
     tile_m: int = 128  # 64 rows per consumer warpgroup
     tile_n: int = 128
     num_stages: int = 2
@@ -222,40 +228,28 @@ def default_hopper_fwd_tiles(head_dim: int, has_rab: bool) -> dict:
 
 
 def make_hopper_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, tiles=None) -> HopperFwdKey:
-    return HopperFwdKey(
-        arch=arch, dtype=dtype, head_dim=head_dim, **_mask_fields(kind, context_target), has_rab=has_rab,
-        fast_silu=_fast_silu(dtype), **(tiles or default_hopper_fwd_tiles(head_dim, has_rab)),
-    )
+    return HopperFwdKey(**_variant_fields(arch, dtype, head_dim, kind, context_target, has_rab),
+                        **(tiles or default_hopper_fwd_tiles(head_dim, has_rab)))
 
 
 @dataclass(frozen=True)
-class HopperBwdKey(_KeyBase):
+class HopperBwdKey(_BwdVariant):
     """Compile key of the sm90 backward kernels: role "fused"
     (:class:`~hstu_cute.hopper.bwd.HstuBackwardDkDvSm90` with its dQ reduction: the default at
     D128), or the deterministic pair "dkdv" + "dq" (:class:`~hstu_cute.hopper.bwd.HstuBackwardDqSm90`,
     calls without drab; with drab the sm80 dQ kernel pairs with "dkdv"); at head dim 256 role
-    "wide" (:class:`~hstu_cute.hopper.bwd_wide.HstuBackwardWideSm90`: dK, dV and drab) + "dq"."""
+    "wide" (:class:`~hstu_cute.hopper.bwd_wide.HstuBackwardWideSm90`: dK, dV and drab) + "dq".
+    ``has_drab`` and ``rab_sum_heads`` (drab of one rab head summed over H > 1 heads) are set for
+    role "wide" only: the others leave drab to the sm80 dQ kernel."""
 
-    role: str
-    arch: str
-    dtype: str
-    head_dim: int
-    mask_kind: int = int(MaskKind.NONE)
-    has_context: bool = False
-    has_target: bool = False
-    has_rab: bool = False
-    has_drab: bool = False  # role "wide" only (the others leave drab to the sm80 dQ kernel)
-    rab_sum_heads: bool = False  # role "wide": drab of one rab head summed over H > 1 heads
+    kernel_family: ClassVar[str] = "hopper_bwd"
+
     tile_m: int = 64  # queries per m-block (dq: per CTA, 64 per consumer warpgroup)
     tile_n: int = 128  # keys per CTA (dkdv: 64 per consumer warpgroup; dq: per n-block)
     num_stages: int = 2
     fast_silu: bool = True
     ptxas_opt: int = 3
     persistent: bool = False  # roles "dkdv" / "fused" / "dq": one CTA per SM walking the tiles
-
-    @property
-    def kernel_name(self) -> str:
-        return f"hopper_bwd_{self.role}"
 
     def describe(self) -> str:
         extras = (["rab"] if self.has_rab else []) + (["drab"] if self.has_drab else []) + (
@@ -278,8 +272,9 @@ _BWD_TILES_D256 = {"dq": dict(tile_m=128, tile_n=48, num_stages=2, persistent=Tr
 _BWD_TILES_D256_RAB = {"dq": dict(tile_m=128, tile_n=32, num_stages=2, persistent=True)}
 # Head dims of the wide dK/dV/drab kernel; it pairs with the dQ kernel there.
 HOPPER_WIDE_HEAD_DIMS = (256,)
-# (has_rab, has_drab, rab_sum_heads) of the wide kernel's variants.
-_WIDE_RAB = ((False, False, False), (True, False, False), (True, True, False), (True, True, True))
+# (has_rab, has_drab, rab_sum_heads) of the shipped backward variants: the sm80 kernels and the
+# Hopper wide kernel ship all four, the other Hopper roles (no drab) the first two.
+_BWD_RAB = ((False, False, False), (True, False, False), (True, True, False), (True, True, True))
 # Head dims where the fused kernel is the default (no drab, not deterministic, keys of at least
 # FUSED_MIN_SEQLEN_K tokens). H200, B8 N4096 causal bf16, same run (docs/perf-log.md
 # 2026-11-21): D128 fused 431 vs pair 404 TF; D64 fused 252 vs pair 280 (at D64 the per-m-block
@@ -302,8 +297,8 @@ def hopper_bwd_tiles(role: str, head_dim: int, has_rab: bool) -> dict:
 
 def make_hopper_bwd_key(role, arch, dtype, head_dim, kind, context_target, has_rab, tiles=None, has_drab=False,
                         rab_sum_heads=False) -> HopperBwdKey:
-    return HopperBwdKey(role=role, arch=arch, dtype=dtype, head_dim=head_dim, **_mask_fields(kind, context_target),
-                        has_rab=has_rab, has_drab=has_drab, rab_sum_heads=rab_sum_heads, fast_silu=_fast_silu(dtype),
+    return HopperBwdKey(role=role, **_variant_fields(arch, dtype, head_dim, kind, context_target, has_rab),
+                        has_drab=has_drab, rab_sum_heads=rab_sum_heads,
                         **(tiles or hopper_bwd_tiles(role, head_dim, has_rab)))
 
 
@@ -319,44 +314,35 @@ KEY_CLASSES = {cls.__name__: cls for cls in (AmpereFwdKey, AmpereBwdKey, HopperF
 # ---------------------------------------------------------------------------------------------
 # Shipped lists
 # ---------------------------------------------------------------------------------------------
+def _shipped_variants(dtypes, head_dims) -> list[tuple]:
+    """(dtype, head_dim, mask kind, context_target) of every shipped variant, in the lists' order:
+    the leading arguments (after arch) of every key factory."""
+    return [(dtype, head_dim, kind, context_target)
+            for dtype in dtypes for head_dim in head_dims for kind, context_target in SHIPPED_MASKS]
+
+
 def shipped_ampere_fwd_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[AmpereFwdKey]:
-    return [make_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, rab_vec)
-            for dtype in dtypes for head_dim in head_dims for kind, context_target in SHIPPED_MASKS
+    return [make_fwd_key(arch, *variant, has_rab, rab_vec) for variant in _shipped_variants(dtypes, head_dims)
             for has_rab, rab_vec in ((False, 8), (True, 8), (True, 1))]
 
 
 def shipped_ampere_bwd_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[AmpereBwdKey]:
-    keys = []
-    for dtype in dtypes:
-        for head_dim in head_dims:
-            for kind, context_target in SHIPPED_MASKS:
-                for has_rab, has_drab, sum_heads in ((False, False, False), (True, False, False),
-                                                     (True, True, False), (True, True, True)):
-                    dq, dkdv = make_bwd_keys(arch, dtype, head_dim, kind, context_target, has_rab, has_drab,
-                                             sum_heads)
-                    keys.append(dq)
-                    if dkdv not in keys:
-                        keys.append(dkdv)
-    return keys
+    # Each call's (dq, dkdv) pair; the dkdv key does not depend on drab, so it is listed once.
+    return list(dict.fromkeys(key for variant in _shipped_variants(dtypes, head_dims) for rab in _BWD_RAB
+                              for key in make_bwd_keys(arch, *variant, *rab)))
 
 
 def shipped_hopper_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[HopperFwdKey]:
-    return [make_hopper_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab)
-            for dtype in dtypes for head_dim in head_dims for kind, context_target in SHIPPED_MASKS
+    return [make_hopper_fwd_key(arch, *variant, has_rab) for variant in _shipped_variants(dtypes, head_dims)
             for has_rab in (False, True)]
 
 
 def shipped_hopper_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[HopperBwdKey]:
     return [
-        make_hopper_bwd_key(role, arch, dtype, head_dim, kind, context_target, has_rab, has_drab=has_drab,
-                            rab_sum_heads=sum_heads)
+        make_hopper_bwd_key(role, arch, *variant, has_rab, has_drab=has_drab, rab_sum_heads=sum_heads)
         for role in HOPPER_BWD_ROLES
-        for dtype in dtypes
-        for head_dim in head_dims
-        if _hopper_role_serves(role, head_dim)
-        for kind, context_target in SHIPPED_MASKS
-        for has_rab, has_drab, sum_heads in (_WIDE_RAB if role == "wide" else ((False, False, False),
-                                                                               (True, False, False)))
+        for variant in _shipped_variants(dtypes, [d for d in head_dims if _hopper_role_serves(role, d)])
+        for has_rab, has_drab, sum_heads in (_BWD_RAB if role == "wide" else _BWD_RAB[:2])
     ]
 
 

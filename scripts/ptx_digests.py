@@ -36,13 +36,19 @@ def _worker_init(dump_root: str) -> None:
 
 
 def _digest_one(key) -> tuple[str, str]:
+    from hstu_cute import cache
     from hstu_cute.compile import build
 
     dump = Path(os.environ["CUTE_DSL_DUMP_DIR"])
     for stale in dump.glob("*.ptx"):
         stale.unlink()
     os.environ["CUTE_DSL_ARCH"] = key.arch
-    build(key)
+    # Compile as the module cache does (export mode, no JIT engine): that path verifies the IR.
+    token = cache._BUILDING_FOR_EXPORT.set(True)
+    try:
+        build(key)
+    finally:
+        cache._BUILDING_FOR_EXPORT.reset(token)
     ptx_files = sorted(dump.glob("*.ptx"))
     if not ptx_files:
         raise RuntimeError(f"{key.describe()}: the DSL wrote no PTX")

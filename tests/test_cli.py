@@ -344,6 +344,29 @@ def test_unexpected_error_traceback_has_no_ansi(monkeypatch, capsys):
     assert ANSI not in err, repr(err)
 
 
+def test_gpu_commands_stop_where_no_kernel_path_serves_the_gpu(monkeypatch):
+    """demo and bench share the GPU prologue: a GPU no kernel path serves is one red line and
+    exit status 1, before anything runs on it (the GPU is never touched, so this runs on CPU)."""
+    import io
+
+    from rich.console import Console
+
+    from hstu_cute import arch, cli
+
+    def refuse(dev):
+        raise NotImplementedError(f"no kernels for {dev} [sm_75]")
+
+    monkeypatch.setattr(arch, "kernel_path", refuse)
+    for body, argv in ((cli._demo_gpu, ["demo"]), (cli._bench_gpu, ["bench"])):
+        stream = io.StringIO()
+        console = Console(file=stream, width=200, color_system=None)
+        assert body(cli.build_parser().parse_args(argv), console, "cuda:0", "Old GPU") == 1
+        assert stream.getvalue() == "NotImplementedError: no kernels for cuda:0 [sm_75]\n", stream.getvalue()
+    monkeypatch.setattr(arch, "kernel_path", lambda dev: "hopper")
+    monkeypatch.setattr(arch, "device_arch", lambda dev: "sm_90a")
+    assert cli._gpu_kernel_path(Console(file=io.StringIO()), "cuda:0") == ("hopper", "sm_90a")
+
+
 def test_piped_output_has_no_ansi_codes(tmp_path):
     # FORCE_COLOR / TTY_COMPATIBLE make rich colour a pipe; NO_COLOR unset: the pipe alone decides.
     env = {"FORCE_COLOR": "1", "TTY_COMPATIBLE": "1", "NO_COLOR": ""}

@@ -341,6 +341,33 @@ def test_reference_empty_batch_grads_are_zero():
     assert torch.all(g["drab"] == 0)
 
 
+def test_reference_grads_takes_the_oracles_arguments():
+    """reference_grads shares the oracle's parameter list: positional and keyword calls agree,
+    its signature is the oracle's plus the keyword-only dout, and unknown or missing arguments
+    are refused like a plain function's."""
+    import inspect
+
+    kw = make_case("delta_causal_rab_H")
+    dout = torch.rand(kw["q"].shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    names = list(inspect.signature(hstu_attn_reference).parameters)
+    positional = [kw.pop(n) for n in names[:14]]  # q .. is_delta_q, the oracle's positional parameters
+    by_position = reference_grads(*positional, dout=dout, compute_dtype=torch.float64, **kw)
+    by_name = reference_grads(**dict(zip(names, positional)), **kw, dout=dout, compute_dtype=torch.float64,
+                              has_drab=True)
+    for n in ("out", "dq", "dk", "dv", "drab"):
+        assert torch.equal(by_position[n], by_name[n]), n
+    assert by_position["drab"] is not None and positional[0].grad is None  # the caller's tensors untouched
+    params = dict(inspect.signature(reference_grads).parameters)
+    assert params.pop("dout").kind is inspect.Parameter.KEYWORD_ONLY
+    assert list(params.values()) == list(inspect.signature(hstu_attn_reference).parameters.values())
+    with pytest.raises(TypeError, match="dout"):
+        reference_grads(*positional, **kw)
+    with pytest.raises(TypeError, match="bogus"):
+        reference_grads(*positional, dout=dout, bogus=1, **kw)
+    with pytest.raises(TypeError):
+        reference_grads(*positional, dout, **kw)  # dout is keyword-only
+
+
 def test_has_drab_kwarg_is_accepted():
     kw = make_case("rab_h1")
     a = hstu_attn_reference(**kw, has_drab=True)

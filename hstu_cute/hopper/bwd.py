@@ -120,11 +120,16 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
         self.launch(*loads, tma_atom_dq, tma_dq, mQ, mK, mdK, mdV,
                     SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
                     ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_n_blocks,
+                    statics=dict(sK_layout=self.sK_layout, sQ_layout=self.sQ_layout, sRab_layout=self.sRab_layout,
+                                 sdS_layout=self.sdS_layout, sdQ_layout=self.sdQ_layout, tiled_mma_s=self.tiled_mma_s,
+                                 tiled_mma_d=self.tiled_mma_d, tiled_mma_dq=self.tiled_mma_dq,
+                                 zero_copy=self.zero_copy),
                     grid=[num_ctas, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
-               tma_rab, tma_atom_dq, tma_dq, mQ, mK, mdK, mdV, seqs, mRab, scalars, num_n_blocks: Int32):
+               tma_rab, tma_atom_dq, tma_dq, mQ, mK, mdK, mdV, seqs, mRab, scalars, num_n_blocks: Int32, statics):
+        self.bind(statics)
         tidx, warp_idx = self.prologue(tma_atom_k, tma_atom_v, tma_atom_q, tma_atom_do, tma_atom_rab, tma_atom_dq)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         pipe_kv, pipe_q = sm90_bwd_pipelines(storage.mbar_kv, storage.mbar_q, self.kv_bytes,
@@ -404,11 +409,15 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         self.launch(*q_do, *k_v, *rab, mQ, mK, mdQ,
                     SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
                     ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_m_blocks,
+                    statics=dict(sQ_layout=self.sQ_layout, sK_layout=self.sK_layout, sRab_layout=self.sRab_layout,
+                                 tiled_mma_s=self.tiled_mma_s, tiled_mma_dq=self.tiled_mma_dq,
+                                 zero_copy=self.zero_copy),
                     grid=[num_ctas, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab,
-               tma_rab, mQ, mK, mdQ, seqs, mRab, scalars, num_m_blocks: Int32):
+               tma_rab, mQ, mK, mdQ, seqs, mRab, scalars, num_m_blocks: Int32, statics):
+        self.bind(statics)
         tidx, warp_idx = self.prologue(tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_rab)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         pipe_q, pipe_kv = sm90_bwd_pipelines(storage.mbar_q, storage.mbar_kv, self.q_bytes,

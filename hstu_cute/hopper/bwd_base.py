@@ -4,12 +4,14 @@ tile loop, and the key-block producer of the dK/dV kernels.
 Every sm90 backward kernel runs one producer warp (warpgroup 0, warp 0; TMA loads) and
 ``num_mma_wg`` consumer warpgroups, with two TMA pipelines: a 1-stage one for the tiles the CTA
 owns (K+V in the dK/dV kernels, Q+dO in the dQ kernel) and a ``num_stages`` ring for the tiles it
-walks. Host-side objects the kernel body only reads (smem layouts, tiled MMAs, tiled copies, the
-shared-storage struct) are kept on ``self`` by ``__call__``; the kernel parameters are the TMA
-atoms and the runtime tensors and scalars.
+walks. The host-built objects the kernel body reads (smem layouts, tiled MMAs, tiled copies) go to
+the kernel as one bundle parameter (:meth:`HstuBackwardSm90Base.launch`) and are bound back to
+``self`` inside it; the shared-storage struct type stays on ``self``.
 """
 
 from __future__ import annotations
+
+from collections import namedtuple
 
 import cutlass
 import cutlass.cute as cute
@@ -97,9 +99,20 @@ class HstuBackwardSm90Base:
             tma_atom_rab, tma_rab = sm90_tma_atom_rab(mRab, sRab_layout, self.tile_m, self.tile_n)
         return tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab, tma_rab
 
-    def launch(self, *kernel_args, grid, stream):
-        self.kernel(*kernel_args).launch(grid=grid, block=[self.num_threads, 1, 1],
-                                         smem=self.shared_storage.size_in_bytes(), stream=stream, min_blocks_per_mp=1)
+    def launch(self, *kernel_args, statics: dict, grid, stream):
+        """Launch ``self.kernel(*kernel_args, statics)``. ``statics``: the host-built objects the
+        kernel body reads (smem layouts, tiled MMAs and copies), by attribute name; they travel as
+        the last kernel parameter, since values of the host function cannot be used inside the
+        kernel, and :meth:`bind` puts them back on ``self`` there."""
+        bundle = namedtuple("KernelStatics", list(statics))(**statics)
+        self.kernel(*kernel_args, bundle).launch(grid=grid, block=[self.num_threads, 1, 1],
+                                                 smem=self.shared_storage.size_in_bytes(), stream=stream,
+                                                 min_blocks_per_mp=1)
+
+    def bind(self, statics):
+        """Inside the kernel: the kernel-side values of the host-built objects, as attributes."""
+        for name, value in zip(statics._fields, statics):
+            setattr(self, name, value)
 
     # ------------------------------------------------------------------------------------------
     # Device side

@@ -109,11 +109,15 @@ class HstuBackwardWideSm90(KeyBlockProducer, HstuBackwardSm90Base):
         self.launch(*loads, mQ, mK, mdK, mdV,
                     SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
                     mdRab, ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q),
+                    statics=dict(sK_layout=self.sK_layout, sQ_layout=self.sQ_layout, sP_layout=self.sP_layout,
+                                 sRab_layout=self.sRab_layout, tiled_mma_s=self.tiled_mma_s,
+                                 tiled_mma_dkv=self.tiled_mma_dkv, zero_copy=self.zero_copy),
                     grid=[num_n_blocks, mQ.shape[1], mOffsetsQ.shape[0] - 1], stream=stream)
 
     @cute.kernel
     def kernel(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
-               tma_rab, mQ, mK, mdK, mdV, seqs, mRab, mdRab, scalars):
+               tma_rab, mQ, mK, mdK, mdV, seqs, mRab, mdRab, scalars, statics):
+        self.bind(statics)
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         n_block, head, batch = cute.arch.block_idx()

@@ -29,17 +29,24 @@ def _blocks_fastest(tile, num_blocks, num_heads):
     return block, rest - batch * num_heads, batch
 
 
-class BlockMajorWalk:
+class _Walk:
+    """``num_blocks`` x ``num_heads`` x ``num_batch`` tiles; subclasses order them (``coords``)."""
+
+    def __init__(self, num_blocks, num_heads, num_batch):
+        self.num_blocks = num_blocks
+        self.num_heads = num_heads
+        self.num_batch = num_batch
+        self.num_tiles = num_blocks * num_heads * num_batch
+
+
+class BlockMajorWalk(_Walk):
     """Heads vary fastest, blocks slowest, from 0 up or (``reverse``) down. With causal masks both
     put the heaviest tiles first: key block 0 is seen by the most queries (dK/dV kernels), the
     last query block sees the most keys (dQ kernel)."""
 
     def __init__(self, num_blocks, num_heads, num_batch, reverse: bool = False):
-        self.num_blocks = num_blocks
-        self.num_heads = num_heads
-        self.num_batch = num_batch
+        super().__init__(num_blocks, num_heads, num_batch)
         self.reverse = reverse
-        self.num_tiles = num_blocks * num_heads * num_batch
 
     def coords(self, tile):
         # The block is reversed before the head is formed: this op order is what the shipped PTX
@@ -53,26 +60,23 @@ class BlockMajorWalk:
         return block, rest - batch * self.num_heads, batch
 
 
-class LongestFirstOrLocalWalk:
-    """The forward's walk, chosen at run time. With ``lpt`` m-blocks vary slowest and in reverse
-    (the longest causal rows first across all heads and sequences), else fastest and in reverse
-    (the tiles running together share one sequence's K/V in L2: B1024 N256 jagged causal on the
-    H100, 144 TF vs 115 with lpt, 2026-11-21)."""
+class LongestFirstOrLocalWalk(_Walk):
+    """The forward's walk over m-blocks, chosen at run time. With ``lpt`` m-blocks vary slowest
+    and in reverse (the longest causal rows first across all heads and sequences), else fastest
+    and in reverse (the tiles running together share one sequence's K/V in L2: B1024 N256 jagged
+    causal on the H100, 144 TF vs 115 with lpt, 2026-11-21)."""
 
     def __init__(self, lpt, num_m_blocks, num_heads, num_batch):
+        super().__init__(num_m_blocks, num_heads, num_batch)
         self.lpt = lpt
-        self.num_m_blocks = num_m_blocks
-        self.num_heads = num_heads
-        self.num_batch = num_batch
-        self.num_tiles = num_m_blocks * num_heads * num_batch
 
     def coords(self, tile):
         lpt_m_rev, lpt_head, lpt_batch = _blocks_slowest(tile, self.num_heads, self.num_batch)
-        l2_m_rev, l2_head, l2_batch = _blocks_fastest(tile, self.num_m_blocks, self.num_heads)
+        l2_m_rev, l2_head, l2_batch = _blocks_fastest(tile, self.num_blocks, self.num_heads)
         m_block_rev = cutlass.select_(self.lpt, lpt_m_rev, l2_m_rev)
         head = cutlass.select_(self.lpt, lpt_head, l2_head)
         batch = cutlass.select_(self.lpt, lpt_batch, l2_batch)
-        return self.num_m_blocks - 1 - m_block_rev, head, batch
+        return self.num_blocks - 1 - m_block_rev, head, batch
 
 
 def snake_next(tile, cta, grid):

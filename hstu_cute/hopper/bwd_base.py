@@ -1,17 +1,7 @@
-"""What the sm90 backward kernels share: static config, TMA load atoms, the kernel prologue, the
-tile loop, and the key-block producer of the dK/dV kernels.
-
-Every sm90 backward kernel runs one producer warp (warpgroup 0, warp 0; TMA loads) and
-``num_mma_wg`` consumer warpgroups, with two TMA pipelines: a 1-stage one for the tiles the CTA
-owns (K+V in the dK/dV kernels, Q+dO in the dQ kernel) and a ``num_stages`` ring for the tiles it
-walks. The host-built objects the kernel body reads (smem layouts, tiled MMAs, tiled copies) go to
-the kernel as one bundle parameter (:meth:`HstuBackwardSm90Base.launch`) and are bound back to
-``self`` inside it; the shared-storage struct type stays on ``self``.
-"""
+"""What the sm90 backward kernels share beyond :mod:`hstu_cute.hopper.base`: TMA load atoms of Q,
+dO, K, V and rab, the dK/dV store, and the key-block producer of the dK/dV kernels."""
 
 from __future__ import annotations
-
-from collections import namedtuple
 
 import cutlass
 import cutlass.cute as cute
@@ -21,18 +11,8 @@ from cutlass.cute.nvgpu import cpasync
 
 from .. import masks
 from ..common.mask_apply import KERNEL_OPS
-from ..common.seqinfo import SequenceInfo
-from ..common.sm90 import (
-    advanced,
-    prefetch_tma_descriptors,
-    sm90_register_split,
-    sm90_smem_layout,
-    sm90_tma_atom_rab,
-    sm90_tma_atom_tokens,
-    store_acc_rows,
-    wgmma_acc_rows_cols,
-)
-from ..common.tile_scheduler import TileScheduler
+from ..common.sm90 import advanced, sm90_tma_atom_rab, sm90_tma_atom_tokens, store_acc_rows, wgmma_acc_rows_cols
+from .base import HstuSm90Base
 
 
 @cute.jit
@@ -50,40 +30,16 @@ def store_dk_dv(thr_mma, acc_dK, acc_dV, mdK, mdV, dtype: cutlass.Constexpr, til
         store_acc_rows(rOut, thr_mma.partition_C(gOut), tKcK_rc, k_rows)
 
 
-class HstuBackwardSm90Base:
-    """Static config (the compile key's fields) and shared plumbing of the sm90 backward kernels."""
+class HstuBackwardSm90Base(HstuSm90Base):
+    """The sm90 backward kernels: two TMA pipelines, a 1-stage one for the tiles the CTA owns
+    (K+V in the dK/dV kernels, Q+dO in the dQ kernel) and a ``num_stages`` ring for the tiles it
+    walks; P and G unscaled in the block loop on the tanh SiLU path."""
 
-    def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
-                 num_stages: int, fast_silu: bool, num_mma_wg: int, persistent: bool = False):
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.mask = mask
-        self.has_rab = has_rab
-        self.tile_m = tile_m
-        self.tile_n = tile_n
-        self.num_stages = num_stages
-        self.fast_silu = fast_silu
+    def __init__(self, *config, **kw):
+        super().__init__(*config, **kw)
         # bf16 (tanh SiLU): P and G unscaled in the block loop, the scales applied per tile
         # (common.silu.silu_and_grad).
-        self.unscaled_grad = fast_silu
-        self.persistent = persistent
-        self.num_mma_wg = num_mma_wg
-        self.num_threads = 128 * (1 + num_mma_wg)
-        self.num_mma_threads = 128 * num_mma_wg
-        self.producer_regs, self.mma_regs = sm90_register_split(num_mma_wg)
-
-    # ------------------------------------------------------------------------------------------
-    # Host side (called from __call__ while tracing)
-    # ------------------------------------------------------------------------------------------
-    def rab_ring_layout(self):
-        """The staged smem layout of rab tiles (queries, keys), or None without rab."""
-        if const_expr(self.has_rab):
-            return sm90_smem_layout(self.dtype, self.tile_m, self.tile_n, self.num_stages)
-        return None
-
-    def smem_elems(self, layout) -> int:
-        """Elements of a smem tile; an absent tile keeps a small placeholder field."""
-        return cute.cosize(layout) if layout is not None else 8
+        self.unscaled_grad = self.fast_silu
 
     def token_load_atoms(self, mQ, mK, mV, mdO, mRab, sQ_tile, sK_tile, sRab_layout):
         """TMA load atoms: K and V tiles of ``tile_n`` keys into ``sK_tile``, Q and dO tiles of
@@ -98,57 +54,6 @@ class HstuBackwardSm90Base:
         if sRab_layout is not None:
             tma_atom_rab, tma_rab = sm90_tma_atom_rab(mRab, sRab_layout, self.tile_m, self.tile_n)
         return tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab, tma_rab
-
-    def launch(self, *kernel_args, statics: dict, grid, stream):
-        """Launch ``self.kernel(*kernel_args, statics)``. ``statics``: the host-built objects the
-        kernel body reads (smem layouts, tiled MMAs and copies), by attribute name; they travel as
-        the last kernel parameter, since values of the host function cannot be used inside the
-        kernel, and :meth:`bind` puts them back on ``self`` there."""
-        bundle = namedtuple("KernelStatics", list(statics))(**statics)
-        self.kernel(*kernel_args, bundle).launch(grid=grid, block=[self.num_threads, 1, 1],
-                                                 smem=self.shared_storage.size_in_bytes(), stream=stream,
-                                                 min_blocks_per_mp=1)
-
-    def bind(self, statics):
-        """Inside the kernel: the kernel-side values of the host-built objects, as attributes."""
-        for name, value in zip(statics._fields, statics):
-            setattr(self, name, value)
-
-    # ------------------------------------------------------------------------------------------
-    # Device side
-    # ------------------------------------------------------------------------------------------
-    @cute.jit
-    def prologue(self, *tma_atoms):
-        """(tidx, warp_idx): warp 0 prefetches the TMA descriptors."""
-        tidx, _, _ = cute.arch.thread_idx()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == 0:
-            prefetch_tma_descriptors(*tma_atoms)
-        return tidx, warp_idx
-
-    def sequence_info(self, seqs, scalars, mQ, mK) -> SequenceInfo:
-        return SequenceInfo(self.mask, seqs, scalars, mQ.shape[0], mK.shape[0])
-
-    @cute.jit
-    def for_each_tile(self, walk, seqinfo, visit, args, states):
-        """``visit(*args, *tile, *states)`` on each live tile of this CTA (``tile``: what
-        ``tile_problem`` returns beside ``live``). Persistent CTAs thread the states (pipeline
-        states, counters) returned by ``visit`` from tile to tile. One tile per CTA: no tile loop
-        (around the fused kernel's m-block loop a tile loop made that loop slower, H100 D128
-        402-418 TF against 443-448)."""
-        tiles = TileScheduler(walk)
-        if const_expr(self.persistent):
-            num_tiles, next_tile = tiles.num_tiles, tiles.next  # no method call on a loop-carried name
-            tile = tiles.first()
-            while tile < num_tiles:
-                live, coords = self.tile_problem(tiles, seqinfo, tile)
-                if live:
-                    states = visit(*args, *coords, *states)
-                tile = next_tile(tile)
-        else:
-            live, coords = self.tile_problem(tiles, seqinfo, tiles.first())
-            if live:
-                visit(*args, *coords, *states)
 
 
 class KeyBlockProducer:

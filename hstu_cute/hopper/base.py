@@ -1,0 +1,103 @@
+"""What every sm90 kernel shares: static config, the statics bundle, the kernel prologue and the
+tile loop over single or persistent CTAs."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import cutlass.cute as cute
+from cutlass import const_expr
+
+from .. import masks
+from ..common.seqinfo import SequenceInfo
+from ..common.sm90 import prefetch_tma_descriptors, sm90_register_split, sm90_smem_layout
+from ..common.tile_scheduler import TileScheduler
+
+
+class HstuSm90Base:
+    """Static config (the compile key's fields) and shared plumbing of the sm90 kernels: one
+    producer warp (warpgroup 0, warp 0; TMA loads) and ``num_mma_wg`` consumer warpgroups.
+
+    The host-built objects a kernel body reads (smem layouts, tiled MMAs and copies) go to the
+    kernel as one bundle parameter (:meth:`launch`) and are bound back to ``self`` inside it
+    (:meth:`bind`): values of the host function cannot be used inside the kernel. The
+    shared-storage struct type stays on ``self``."""
+
+    def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
+                 num_stages: int, fast_silu: bool, num_mma_wg: int, persistent: bool = False):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.mask = mask
+        self.has_rab = has_rab
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.num_stages = num_stages
+        self.fast_silu = fast_silu
+        self.persistent = persistent
+        self.num_mma_wg = num_mma_wg
+        self.num_threads = 128 * (1 + num_mma_wg)
+        self.num_mma_threads = 128 * num_mma_wg
+        self.producer_regs, self.mma_regs = sm90_register_split(num_mma_wg)
+
+    # ------------------------------------------------------------------------------------------
+    # Host side (called from __call__ while tracing)
+    # ------------------------------------------------------------------------------------------
+    def rab_ring_layout(self):
+        """The staged smem layout of rab tiles (queries, keys), or None without rab."""
+        if const_expr(self.has_rab):
+            return sm90_smem_layout(self.dtype, self.tile_m, self.tile_n, self.num_stages)
+        return None
+
+    def smem_elems(self, layout) -> int:
+        """Elements of a smem tile; an absent tile keeps a small placeholder field."""
+        return cute.cosize(layout) if layout is not None else 8
+
+    def launch(self, *kernel_args, statics: dict, grid, stream):
+        """Launch ``self.kernel(*kernel_args, statics)`` (``statics``: the host-built objects the
+        kernel body reads, by attribute name; see the class docstring)."""
+        bundle = namedtuple("KernelStatics", list(statics))(**statics)
+        self.kernel(*kernel_args, bundle).launch(grid=grid, block=[self.num_threads, 1, 1],
+                                                 smem=self.shared_storage.size_in_bytes(), stream=stream,
+                                                 min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------
+    def bind(self, statics):
+        """Inside the kernel: the kernel-side values of the host-built objects, as attributes."""
+        for name, value in zip(statics._fields, statics):
+            setattr(self, name, value)
+
+    @cute.jit
+    def prologue(self, *tma_atoms):
+        """(tidx, warp_idx): warp 0 prefetches the TMA descriptors."""
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            prefetch_tma_descriptors(*tma_atoms)
+        return tidx, warp_idx
+
+    def sequence_info(self, seqs, scalars, mQ, mK) -> SequenceInfo:
+        return SequenceInfo(self.mask, seqs, scalars, mQ.shape[0], mK.shape[0])
+
+    @cute.jit
+    def for_each_tile(self, walk, seqinfo, visit, args, states, problem=None):
+        """``visit(*args, *tile, *states)`` on each live tile of this CTA (``live, tile`` as
+        ``problem`` returns them; default :meth:`tile_problem`). Persistent CTAs thread the
+        states (pipeline states, counters) returned by ``visit`` from tile to tile. One tile per
+        CTA: no tile loop (around the fused backward's m-block loop a tile loop made that loop
+        slower, H100 D128 402-418 TF against 443-448)."""
+        problem = problem if problem is not None else self.tile_problem
+        tiles = TileScheduler(walk)
+        if const_expr(self.persistent):
+            num_tiles, next_tile = tiles.num_tiles, tiles.next  # no method call on a loop-carried name
+            tile = tiles.first()
+            while tile < num_tiles:
+                live, coords = problem(tiles, seqinfo, tile)
+                if live:
+                    states = visit(*args, *coords, *states)
+                tile = next_tile(tile)
+        else:
+            live, coords = problem(tiles, seqinfo, tiles.first())
+            if live:
+                visit(*args, *coords, *states)

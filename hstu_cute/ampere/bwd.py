@@ -13,77 +13,70 @@ nothing):
 
 With Z = alpha * S, P = silu(Z) / S_len and G = alpha * silu'(Z) * dP / S_len on allowed
 entries (spec section 2); masked entries are selected to exact zeros.
+
+Both kernels share one shape (:class:`_BackwardBase`): the CTA owns two tiles of one side (Q and
+dO, or K and V) and double-buffers the two tiles (and rab) of the other side, one cp.async group
+per block; per block the two score GEMMs (S and dP, A from the owned side), SiLU and its gradient,
+the mask, then the GEMMs into the head-dim-wide outputs (B from the streamed side).
 """
 
 
-# No ``from __future__ import annotations`` here: _smem_plan's @cute.struct needs its field
+# No ``from __future__ import annotations`` here: _plan's @cute.struct needs its field
 # annotations evaluated, not kept as strings.
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warp
 
 from .. import masks
 from ..common.mask_apply import KERNEL_OPS
-from ..common.seqinfo import sequence_bounds, sequence_mask
+from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import silu_and_grad_inplace
-from ..common.sm80 import acc_to_operand_a, gemm_rs, gemm_ss, ldmatrix_copies, scores_init, smem_layout_atom
+from ..common.sm80 import (acc_to_operand_a, gemm_rs, gemm_ss, ldmatrix_copies, scores_init, smem_layout_atom,
+                           smem_operands, transposed_view)
+from .base import Sm80Kernel
 
 
-class _BackwardBase:
+class _ScoreOperands(NamedTuple):
+    """The score GEMMs' operands (S and dP): A from the owned tiles, B from stage 0 of the
+    streamed ones (``parts_b`` cover every stage)."""
+
+    thr_mma: object
+    copy_a: object
+    copy_b: object
+    copy_c: object  # ldmatrix into the accumulator layout (rab)
+    frags_a: list
+    frags_b: list
+    parts_a: list
+    parts_b: list
+
+
+class _OutputOperands(NamedTuple):
+    """The B operands (MN-major views of the streamed tiles) of the GEMMs into the head-dim-wide
+    outputs; with ``warps_d`` > 1 also the 16-bit score tiles in smem that are their A operands
+    (``score_smem``: the 32-bit store copy, its destinations, the A fragments and partitions)."""
+
+    thr_mma: object
+    copy_a: object
+    copy_bt: object
+    frags_b: list
+    parts_b: list
+    score_smem: object
+
+
+class _BackwardBase(Sm80Kernel):
     # rab elements per cp.async: the launcher pads rab rows to 16 bytes, so always 8.
     rab_vec = 8
 
-    def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, has_drab: bool, rab_sum_heads: bool, tile_m: int, tile_n: int, num_warps: int,
-                 fast_silu: bool, warps_d: int = 1):
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.mask = mask
-        self.has_rab = has_rab
-        self.has_drab = has_drab
-        self.rab_sum_heads = rab_sum_heads
-        self.tile_m = tile_m
-        self.tile_n = tile_n
-        self.num_warps = num_warps
-        self.num_threads = num_warps * 32
-        self.fast_silu = fast_silu
-        self.warps_d = warps_d
+    def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, has_drab: bool, rab_sum_heads: bool,
+                 tile_m: int, tile_n: int, num_warps: int, fast_silu: bool, warps_d: int = 1):
+        super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_warps, fast_silu)
+        self.has_drab, self.rab_sum_heads, self.warps_d = has_drab, rab_sum_heads, warps_d
 
-    def _mma(self, warps_m: int, warps_n: int):
-        # Each warp covers 16 x 16 of the tile per step (two n8 atoms), so ldmatrix x4 feeds it.
-        return cute.make_tiled_mma(
-            warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)),
-            (warps_m, warps_n, 1),
-            permutation_mnk=(warps_m * 16, warps_n * 16, 16),
-        )
-
-    def _atoms(self):
-        D = self.head_dim
-        atom = smem_layout_atom(self.dtype, D)
-        vec = 128 // self.dtype.width
-        copy_g2s = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype, num_bits_per_copy=128
-        )
-        threads_per_row = atom.outer.shape[1] // vec
-        thr_layout = cute.make_ordered_layout((self.num_threads // threads_per_row, threads_per_row), order=(1, 0))
-        gmem_copy = cute.make_tiled_copy_tv(copy_g2s, thr_layout, cute.make_layout((1, vec)))
-        copy_r2g = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
-        gmem_store = cute.make_tiled_copy_tv(copy_r2g, thr_layout, cute.make_layout((1, vec)))
-        gmem_copy_rab = None
-        if const_expr(self.has_rab):
-            rab_atom = cute.make_copy_atom(
-                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), self.dtype,
-                num_bits_per_copy=self.rab_vec * self.dtype.width,
-            )
-            rab_threads_per_row = min(self.tile_n // self.rab_vec, self.num_threads)
-            gmem_copy_rab = cute.make_tiled_copy_tv(
-                rab_atom,
-                cute.make_ordered_layout((self.num_threads // rab_threads_per_row, rab_threads_per_row), order=(1, 0)),
-                cute.make_layout((1, self.rab_vec)),
-            )
-        tiled_mma = self._mma(self.num_warps, 1)
-        return atom, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma
-
+    # ------------------------------------------------------------------------------------------
+    # Host side
+    # ------------------------------------------------------------------------------------------
     def _split_mmas(self, tiled_mma, score_rows: int, score_cols: int):
         """(tiled MMA of the score tiles S/dP, tiled MMA of the head-dim-wide outputs, smem layout
         of a 16-bit score tile or None). With ``warps_d`` > 1 the outputs are split over warps
@@ -96,23 +89,18 @@ class _BackwardBase:
         return (self._mma(warps_m, self.num_warps // warps_m),
                 self._mma(self.num_warps // self.warps_d, self.warps_d), score_layout)
 
-    def _smem_plan(self, atom, q_stages: int, kv_stages: int, score_layout=None, score_tiles: int = 1):
-        """Layouts of the Q/dO tiles (tile_m rows), K/V tiles (tile_n rows) and the rab tile
-        (always two stages), and the SharedStorage struct that holds them (with G, and P when
-        ``score_tiles`` is 2, in ``score_layout`` tiles when given)."""
-
-        def tiles(rows, stages):
-            if stages == 1:
-                return cute.tile_to_shape(atom, (rows, self.head_dim), (0, 1))
-            return cute.tile_to_shape(atom, (rows, self.head_dim, stages), (0, 1, 2))
-
-        sQ_layout, sK_layout = tiles(self.tile_m, q_stages), tiles(self.tile_n, kv_stages)
-        sRab_layout = None
-        rab_elems = 8
-        if const_expr(self.has_rab):
-            sRab_layout = cute.tile_to_shape(smem_layout_atom(self.dtype, self.tile_n),
-                                             (self.tile_m, self.tile_n, 2), (0, 1, 2))
-            rab_elems = cute.cosize(sRab_layout)
+    def _plan(self, score_rows: int, score_cols: int, q_stages, kv_stages, score_tiles: int = 1):
+        """The kernel's static arguments: (sQ_layout, sK_layout, sRab_layout, score_layout,
+        gmem_copy, gmem_store, gmem_copy_rab, tiled_mma, tiled_mma_out, SharedStorage). Q/dO
+        tiles have tile_m rows, K/V tiles tile_n (``*_stages`` None: a single, unstaged tile),
+        rab always two stages; SharedStorage holds them, with G (and P when ``score_tiles`` is 2)
+        in ``score_layout`` tiles when the outputs are split (``warps_d`` > 1)."""
+        atom, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma = self._atoms()
+        tiled_mma, tiled_mma_out, score_layout = self._split_mmas(tiled_mma, score_rows, score_cols)
+        sQ_layout = self._tile_layout(atom, self.tile_m, q_stages)
+        sK_layout = self._tile_layout(atom, self.tile_n, kv_stages)
+        sRab_layout = self._rab_layout(2)
+        rab_elems = cute.cosize(sRab_layout) if const_expr(self.has_rab) else 8
 
         @cute.struct
         class SharedStorage:
@@ -126,51 +114,104 @@ class _BackwardBase:
                 if score_tiles == 2:
                     sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(score_layout)], 1024]
 
-        return sQ_layout, sK_layout, sRab_layout, SharedStorage
+        return (sQ_layout, sK_layout, sRab_layout, score_layout, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma,
+                tiled_mma_out, SharedStorage)
+
+    # ------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------
+    def _smem_tiles(self, SharedStorage, sQ_layout, sK_layout):
+        """(storage, sQ, sdO, sK, sV)."""
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        return (storage, storage.sQ.get_tensor(sQ_layout), storage.sdO.get_tensor(sQ_layout),
+                storage.sK.get_tensor(sK_layout), storage.sV.get_tensor(sK_layout))
+
+    def _score_operands(self, tiled_mma, tidx, a_tiles, b_tiles) -> _ScoreOperands:
+        thr_mma = tiled_mma.get_slice(tidx)
+        copy_a, copy_b, _, copy_c = ldmatrix_copies(self.dtype, tiled_mma, tidx)
+        operands = smem_operands(thr_mma, copy_a, copy_b, a_tiles, b_tiles)
+        return _ScoreOperands(thr_mma, copy_a, copy_b, copy_c, *operands)
+
+    def _output_operands(self, tiled_mma, tiled_mma_out, tidx, b_tiles, storage, score_layout,
+                         score_fields) -> _OutputOperands:
+        """``b_tiles``: staged MN-major views; ``score_fields``: the SharedStorage fields of the
+        score tiles, in the order of the scores passed to :meth:`output_gemms`."""
+        thr_mma = tiled_mma_out.get_slice(tidx)
+        copy_a, _, copy_bt, _ = ldmatrix_copies(self.dtype, tiled_mma_out, tidx)
+        _, frags_b, _, parts_b = smem_operands(thr_mma, copy_a, copy_bt, [], b_tiles)
+        score_smem = None
+        if const_expr(self.warps_d > 1):
+            tiles = [getattr(storage, field).get_tensor(score_layout) for field in score_fields]
+            frags_a, _, parts_a, _ = smem_operands(thr_mma, copy_a, copy_bt, tiles, [])
+            # Two adjacent accumulator columns per 32-bit store.
+            store = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma
+            ).get_slice(tidx)
+            score_smem = (store, [store.partition_D(t) for t in tiles], frags_a, parts_a)
+        return _OutputOperands(thr_mma, copy_a, copy_bt, frags_b, parts_b, score_smem)
 
     @cute.jit
-    def load_rows(self, gmem_copy, tXgX, tXsX, tXcX, row_limit: Int32, zero_fill: cutlass.Constexpr[bool]):
-        """Rows < row_limit of a tile; the others zero-filled (finite) or left alone."""
-        for m in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
-            if tXcX[0, m, 0][0] < row_limit:
-                cute.copy(gmem_copy, tXgX[None, m, None], tXsX[None, m, None])
-            elif const_expr(zero_fill):
-                tXsX[None, m, None].fill(0)
+    def load_block(self, gmem_copy, gmem_copy_rab, tiles, tXcX, tRgR, tRsR, tRcR, block: Int32, stage: Int32,
+                   seqlen: Int32, along_keys: cutlass.Constexpr[bool], rab_limits):
+        """Block ``block`` (of keys, or of queries) of the streamed side into smem stage
+        ``stage``: each ``(tXgX, tXsX, zero_fill)`` of ``tiles`` (rows past ``seqlen``
+        zero-filled or left alone) and its rab tile (``rab_limits(block)``: its row and column
+        limits, a callable so that they are traced here, after the tile loads)."""
+        tile = self.tile_n if const_expr(along_keys) else self.tile_m
+        rows = seqlen - block * tile
+        for tXgX, tXsX, zero_fill in tiles:
+            self.load_rows(gmem_copy, tXgX[None, None, None, block], tXsX[None, None, None, stage], tXcX, rows,
+                           zero_fill)
+        if const_expr(self.has_rab):
+            # Out-of-range chunks are zero-filled: in the dK/dV kernel a query row past seqlen_q
+            # is only neutralized by its zero dO row, and 0 * (stale NaN) would not be 0.
+            self.load_rab(gmem_copy_rab, tRgR[None, None, None, block], tRsR[None, None, None, stage], tRcR,
+                          *rab_limits(block), True)
+
+    def score_grads(self, tiled_mma, ops: _ScoreOperands, acc_S, stage, shape_mn, scalars) -> cute.Tensor:
+        """S += A0 B0 on ``acc_S`` (rab or zeros), dP = A1 B1, then S -> P and dP -> G in place.
+        Returns dP (now G)."""
+        gemm_ss(tiled_mma, acc_S, ops.frags_a[0], ops.frags_b[0], ops.parts_a[0],
+                ops.parts_b[0][None, None, None, stage], ops.copy_a, ops.copy_b)
+        acc_dP = cute.make_rmem_tensor(ops.thr_mma.partition_shape_C(shape_mn), Float32)
+        acc_dP.fill(0.0)
+        gemm_ss(tiled_mma, acc_dP, ops.frags_a[1], ops.frags_b[1], ops.parts_a[1],
+                ops.parts_b[1][None, None, None, stage], ops.copy_a, ops.copy_b)
+        silu_and_grad_inplace(acc_S, acc_dP, scalars.alpha, scalars.inv_scale, self.fast_silu)
+        return acc_dP
 
     @cute.jit
-    def load_rab(self, gmem_copy, tRgR, tRsR, tRcR, row_limit: Int32, col_limit: Int32):
-        # Out-of-range chunks are zero-filled: in the dK/dV kernel a query row past seqlen_q
-        # is only neutralized by its zero dO row, and 0 * (stale NaN) would not be 0.
-        if row_limit < self.tile_m or col_limit < self.tile_n:
-            for m in cutlass.range_constexpr(cute.size(tRsR.shape[1])):
-                for n in cutlass.range_constexpr(cute.size(tRsR.shape[2])):
-                    if tRcR[0, m, n][0] < row_limit and tRcR[0, m, n][1] < col_limit:
-                        cute.copy(gmem_copy, tRgR[None, m, n], tRsR[None, m, n])
-                    else:
-                        tRsR[None, m, n].fill(0)
+    def mask_tile(self, seq, m_block: Int32, n_block: Int32, row_first: Int32, col0: Int32, tScS,
+                  key_major: cutlass.Constexpr[bool], accs):
+        """Zero the masked elements of each accumulator of ``accs`` unless the tile is full.
+        ``tScS``: each element's tile coordinate, (query, key), or (key, query) when key-major."""
+        spec = self.mask
+        is_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
+        if not is_full:
+            for i in cutlass.range(cute.size(accs[0]), unroll_full=True):
+                if const_expr(key_major):
+                    keep = masks.allowed(spec, seq, row_first + tScS[i][1], col0 + tScS[i][0], KERNEL_OPS)
+                else:
+                    keep = masks.allowed(spec, seq, row_first + tScS[i][0], col0 + tScS[i][1], KERNEL_OPS)
+                for acc in accs:
+                    acc[i] = cutlass.select_(keep, acc[i], Float32(0.0))
+
+    def output_gemms(self, tiled_mma, tiled_mma_out, out: _OutputOperands, stage, scores, accs):
+        """accs[i] += scores[i] (in dtype) @ B_i. With ``warps_d`` > 1 the scores go through smem
+        first: every warp's rows are there before any warp reads them, and the next overwrite
+        waits for the barrier at the top of the next block."""
+        if const_expr(self.warps_d > 1):
+            store, dsts, frags_a, parts_a = out.score_smem
+            regs = [self._to_dtype(s) for s in scores]
+            for r, dst in zip(regs, dsts):
+                cute.copy(store, store.retile(r), dst)
+            cute.arch.barrier()
+            for acc, fa, pa, fb, pb in zip(accs, frags_a, parts_a, out.frags_b, out.parts_b):
+                gemm_ss(tiled_mma_out, acc, fa, fb, pa, pb[None, None, None, stage], out.copy_a, out.copy_bt)
         else:
-            cute.copy(gmem_copy, tRgR, tRsR)
-
-    @cute.jit
-    def store_rows(self, gmem_store, tiled_mma, acc, sStage, gOut, tidx, row_limit: Int32):
-        """acc (fp32, C layout) -> dtype -> smem staging -> 128-bit stores of rows < row_limit.
-        The caller barriers before (sStage free) and after (sStage reusable)."""
-        rO = cute.make_fragment_like(acc, self.dtype)
-        rO.store(acc.load().to(self.dtype))
-        smem_copy = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), tiled_mma
-        ).get_slice(tidx)
-        cute.copy(smem_copy, smem_copy.retile(rO), smem_copy.partition_D(sStage))
-        cute.arch.barrier()
-        thr = gmem_store.get_slice(tidx)
-        tOsO = thr.partition_S(sStage)
-        tOgO = thr.partition_D(gOut)
-        tOcO = thr.partition_D(cute.make_identity_tensor(gOut.shape))
-        tOrO = cute.make_fragment_like(tOgO, self.dtype)
-        cute.copy(gmem_store, tOsO, tOrO)
-        for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
-            if tOcO[0, m, 0][0] < row_limit:
-                cute.copy(gmem_store, tOrO[None, m, None], tOgO[None, m, None])
+            for acc, s, fb, pb in zip(accs, scores, out.frags_b, out.parts_b):
+                gemm_rs(tiled_mma, acc, acc_to_operand_a(self._to_dtype(s)), fb, pb[None, None, None, stage],
+                        out.copy_bt)
 
 
 class HstuBackwardDqSm80(_BackwardBase):
@@ -190,89 +231,38 @@ class HstuBackwardDqSm80(_BackwardBase):
                  mNumTargets, mRab, mdRab, mdRabAccum, alpha: Float32, inv_scale: Float32,
                  window_left: Int32, window_right: Int32, group_size: Int32, is_delta_q: Int32,
                  num_m_blocks: Int32, stream):
-        atom, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma = self._atoms()
-        tiled_mma, tiled_mma_dq, sdS_layout = self._split_mmas(tiled_mma, self.tile_m, self.tile_n)
         # K, V (and rab) are double-buffered: the next n-block loads while this one computes.
-        sQ_layout, sK_layout, sRab_layout, SharedStorage = self._smem_plan(atom, q_stages=1, kv_stages=2,
-                                                                           score_layout=sdS_layout)
-
+        plan = self._plan(self.tile_m, self.tile_n, q_stages=None, kv_stages=2)
         heads_in_grid = 1 if const_expr(self.rab_sum_heads) else mQ.shape[1]
-        self.kernel(
-            mQ, mK, mV, mdO, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
-            mdRab, mdRabAccum, alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
-            sQ_layout, sK_layout, sRab_layout, sdS_layout, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma,
-            tiled_mma_dq, SharedStorage,
-        ).launch(
-            grid=[heads_in_grid, mOffsetsQ.shape[0] - 1, num_m_blocks],
-            block=[self.num_threads, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
+        self._launch(
+            mQ, mK, mV, mdO, mdQ, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets),
+            mRab, mdRab, mdRabAccum, ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q),
+            *plan, grid=[heads_in_grid, mOffsetsQ.shape[0] - 1, num_m_blocks], stream=stream,
         )
 
-    @cute.jit
-    def load_k_v(self, gmem_copy, gmem_copy_rab, tKgK, tKsK, tVgV, tVsV, tKVcKV, tRgR, tRsR, tRcR,
-                 n_block: Int32, stage: Int32, seqlen_k: Int32, rab_rows: Int32, rab_cols: Int32):
-        k_rows = seqlen_k - n_block * self.tile_n
-        # K is dQ's B operand: rows past seqlen_k must be finite (G is 0 there).
-        self.load_rows(gmem_copy, tKgK[None, None, None, n_block], tKsK[None, None, None, stage], tKVcKV, k_rows, True)
-        self.load_rows(gmem_copy, tVgV[None, None, None, n_block], tVsV[None, None, None, stage], tKVcKV, k_rows,
-                       False)
-        if const_expr(self.has_rab):
-            self.load_rab(gmem_copy_rab, tRgR[None, None, None, n_block], tRsR[None, None, None, stage], tRcR,
-                          rab_rows, rab_cols - n_block * self.tile_n)
-
     @cute.kernel
-    def kernel(self, mQ, mK, mV, mdO, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets,
-               mRab, mdRab, mdRabAccum, alpha: Float32, inv_scale: Float32, window_left: Int32,
-               window_right: Int32, group_size: Int32, is_delta_q: Int32, sQ_layout, sK_layout, sRab_layout,
-               sdS_layout, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma, tiled_mma_dq,
+    def kernel(self, mQ, mK, mV, mdO, mdQ, seqs, mRab, mdRab, mdRabAccum, scalars, sQ_layout, sK_layout,
+               sRab_layout, sdS_layout, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma, tiled_mma_dq,
                SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         head_idx, batch, m_block_rev = cute.arch.block_idx()
         _, _, num_m_blocks = cute.arch.grid_dim()
         m_block = num_m_blocks - 1 - m_block_rev
-        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
-            mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mQ.shape[0], mK.shape[0], batch)
+        q_start, k_start, seqlen_q, seqlen_k, mask_of = self._sequence(seqs, scalars, mQ, mK, batch)
         if m_block * self.tile_m < seqlen_q:
             spec = self.mask
-            seq = sequence_mask(spec, seqlen_q, seqlen_k, mNumContexts, mNumTargets, batch, window_left,
-                                window_right, group_size, is_delta_q)
+            seq = mask_of(batch, seqlen_q, seqlen_k)
             n_lo, hole_lo, hole_size, n_count = masks.n_block_schedule(
                 spec, seq, m_block, self.tile_m, self.tile_n, KERNEL_OPS)
             row_first = seq.row_offset + m_block * self.tile_m
             q_rows = seqlen_q - m_block * self.tile_m
 
-            smem = cutlass.memory.SmemAllocator()
-            storage = smem.allocate(SharedStorage)
-            sQ = storage.sQ.get_tensor(sQ_layout)
-            sdO = storage.sdO.get_tensor(sQ_layout)
-            sK = storage.sK.get_tensor(sK_layout)
-            sV = storage.sV.get_tensor(sK_layout)
-            sKt = cute.composition(sK, cute.make_layout((self.head_dim, self.tile_n, 2),
-                                                        stride=(self.tile_n, 1, self.tile_n * self.head_dim)))
-
-            thr_mma = tiled_mma.get_slice(tidx)
-            copy_a, copy_b, _, copy_c = ldmatrix_copies(self.dtype, tiled_mma, tidx)
-            tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
-            tSrdO = thr_mma.make_fragment_A(thr_mma.partition_A(sdO))
-            tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
-            tSrV = thr_mma.make_fragment_B(thr_mma.partition_B(sV[None, None, 0]))
-            tSsQ, tSsdO = copy_a.partition_S(sQ), copy_a.partition_S(sdO)
-            tSsK, tSsV = copy_b.partition_S(sK), copy_b.partition_S(sV)
+            storage, sQ, sdO, sK, sV = self._smem_tiles(SharedStorage, sQ_layout, sK_layout)
+            sKt = transposed_view(sK, self.tile_n, self.head_dim, 2)
+            ops = self._score_operands(tiled_mma, tidx, [sQ, sdO], [sK, sV])
+            thr_mma, copy_c = ops.thr_mma, ops.copy_c
             # dQ += G K (the same tiled MMA as S unless split).
-            thr_mma_dq = tiled_mma_dq.get_slice(tidx)
-            copy_dq_a, _, copy_dq_bt, _ = ldmatrix_copies(self.dtype, tiled_mma_dq, tidx)
-            tQrKt = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(sKt[None, None, 0]))
-            tQsKt = copy_dq_bt.partition_S(sKt)
-            if const_expr(self.warps_d > 1):
-                sdS = storage.sdS.get_tensor(sdS_layout)
-                tQrdS = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sdS))
-                tQsdS = copy_dq_a.partition_S(sdS)
-                # Two adjacent accumulator columns per 32-bit store.
-                g_store = cute.make_tiled_copy_C(
-                    cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma
-                ).get_slice(tidx)
-                tGsdS = g_store.partition_D(sdS)
+            out = self._output_operands(tiled_mma, tiled_mma_dq, tidx, [sKt], storage, sdS_layout, ["sdS"])
             cS = cute.make_identity_tensor((self.tile_m, self.tile_n))
             tScS = thr_mma.partition_C(cS)
             thr_copy = gmem_copy.get_slice(tidx)
@@ -289,6 +279,7 @@ class HstuBackwardDqSm80(_BackwardBase):
             else:
                 tRsR = tRcR = None
                 rab_rows = rab_cols = Int32(0)
+            rab_limits = lambda n_block: (rab_rows, rab_cols - n_block * self.tile_n)  # noqa: E731
 
             head_begin = head_idx
             head_end = head_idx + 1
@@ -296,41 +287,26 @@ class HstuBackwardDqSm80(_BackwardBase):
                 head_begin = Int32(0)
                 head_end = mQ.shape[1]
             for head in cutlass.range(head_begin, head_end, unroll=1):
-                gQ = cute.local_tile(cute.domain_offset((q_start, 0), mQ[None, head, None]),
-                                     (self.tile_m, self.head_dim), (m_block, 0))
-                gdO = cute.local_tile(cute.domain_offset((q_start, 0), mdO[None, head, None]),
-                                      (self.tile_m, self.head_dim), (m_block, 0))
-                gdQ = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]),
-                                      (self.tile_m, self.head_dim), (m_block, 0))
-                gK = cute.local_tile(cute.domain_offset((k_start, 0), mK[None, head, None]),
-                                     (self.tile_n, self.head_dim), (None, 0))
-                gV = cute.local_tile(cute.domain_offset((k_start, 0), mV[None, head, None]),
-                                     (self.tile_n, self.head_dim), (None, 0))
-                tKgK, tKsK = thr_copy.partition_S(gK), thr_copy.partition_D(sK)
-                tVgV, tVsV = thr_copy.partition_S(gV), thr_copy.partition_D(sV)
+                gQ, gdO, gdQ = [self._head_tile(t, q_start, head, self.tile_m, m_block) for t in (mQ, mdO, mdQ)]
+                gK, gV = [self._head_tile(t, k_start, head, self.tile_n, None) for t in (mK, mV)]
+                # K is dQ's B operand: rows past seqlen_k must be finite (G is 0 there).
+                kv_tiles = ((thr_copy.partition_S(gK), thr_copy.partition_D(sK), True),
+                            (thr_copy.partition_S(gV), thr_copy.partition_D(sV), False))
                 self.load_rows(gmem_copy, thr_copy.partition_S(gQ), thr_copy.partition_D(sQ), tQcQ, q_rows, False)
                 self.load_rows(gmem_copy, thr_copy.partition_S(gdO), thr_copy.partition_D(sdO), tQcQ, q_rows, False)
+                tRgR = None
                 if const_expr(self.has_rab):
-                    rab_head = cutlass.select_(mRab.shape[1] > 1, head, Int32(0))
-                    gRab = cute.local_tile(cute.domain_offset((seq.row_offset, 0), mRab[batch, rab_head, None, None]),
-                                           (self.tile_m, self.tile_n), (m_block, None))
+                    gRab = self._rab_tiles(self._rab_slab(mRab, batch, head), seq.row_offset, (m_block, None))
                     tRgR = thr_copy_rab.partition_S(gRab)
-                else:
-                    tRgR = None
                 if const_expr(self.has_drab):
-                    drab_head = cutlass.select_(mdRab.shape[1] > 1, head, Int32(0))
-                    gdRab = cute.local_tile(cute.domain_offset((seq.row_offset, 0), mdRab[batch, drab_head, None, None]),
-                                            (self.tile_m, self.tile_n), (m_block, None))
+                    gdRab = self._rab_tiles(self._rab_slab(mdRab, batch, head), seq.row_offset, (m_block, None))
                     if const_expr(self.rab_sum_heads):
-                        gdRabAcc = cute.local_tile(
-                            cute.domain_offset((seq.row_offset, 0), mdRabAccum[batch, None, None]),
-                            (self.tile_m, self.tile_n), (m_block, None))
-                acc_dQ = cute.make_rmem_tensor(thr_mma_dq.partition_shape_C((self.tile_m, self.head_dim)), Float32)
-                acc_dQ.fill(0.0)
+                        gdRabAcc = self._rab_tiles(mdRabAccum[batch, None, None], seq.row_offset, (m_block, None))
+                acc_dQ = self._zero_acc(out.thr_mma, (self.tile_m, self.head_dim))
                 if n_count > 0:
-                    self.load_k_v(gmem_copy, gmem_copy_rab, tKgK, tKsK, tVgV, tVsV, tKVcKV, tRgR, tRsR, tRcR,
-                                  masks.n_block_at(n_count - 1, n_lo, hole_lo, hole_size, KERNEL_OPS), 0, seqlen_k,
-                                  rab_rows, rab_cols)
+                    self.load_block(gmem_copy, gmem_copy_rab, kv_tiles, tKVcKV, tRgR, tRsR, tRcR,
+                                    masks.n_block_at(n_count - 1, n_lo, hole_lo, hole_size, KERNEL_OPS), 0, seqlen_k,
+                                    True, rab_limits)
                 cute.arch.cp_async_commit_group()
                 for it in cutlass.range(n_count, unroll=1):
                     stage = it % 2
@@ -339,26 +315,18 @@ class HstuBackwardDqSm80(_BackwardBase):
                     cute.arch.cp_async_wait_group(0)
                     cute.arch.barrier()
                     if it + 1 < n_count:
-                        self.load_k_v(gmem_copy, gmem_copy_rab, tKgK, tKsK, tVgV, tVsV, tKVcKV, tRgR, tRsR, tRcR,
-                                      masks.n_block_at(n_count - 2 - it, n_lo, hole_lo, hole_size, KERNEL_OPS),
-                                      1 - stage, seqlen_k, rab_rows, rab_cols)
+                        self.load_block(gmem_copy, gmem_copy_rab, kv_tiles, tKVcKV, tRgR, tRsR, tRcR,
+                                        masks.n_block_at(n_count - 2 - it, n_lo, hole_lo, hole_size, KERNEL_OPS),
+                                        1 - stage, seqlen_k, True, rab_limits)
                     cute.arch.cp_async_commit_group()
 
                     acc_S = scores_init(
                         thr_mma, (self.tile_m, self.tile_n), self.dtype, copy_c,
                         tSsRab[None, None, None, stage] if const_expr(self.has_rab) else None,
                     )
-                    gemm_ss(tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSsK[None, None, None, stage], copy_a, copy_b)
-                    acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-                    acc_dP.fill(0.0)
-                    gemm_ss(tiled_mma, acc_dP, tSrdO, tSrV, tSsdO, tSsV[None, None, None, stage], copy_a, copy_b)
-                    silu_and_grad_inplace(acc_S, acc_dP, alpha, inv_scale, self.fast_silu)
+                    acc_dP = self.score_grads(tiled_mma, ops, acc_S, stage, (self.tile_m, self.tile_n), scalars)
                     col0 = n_block * self.tile_n
-                    is_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
-                    if not is_full:
-                        for i in cutlass.range(cute.size(acc_dP), unroll_full=True):
-                            keep = masks.allowed(spec, seq, row_first + tScS[i][0], col0 + tScS[i][1], KERNEL_OPS)
-                            acc_dP[i] = cutlass.select_(keep, acc_dP[i], Float32(0.0))
+                    self.mask_tile(seq, m_block, n_block, row_first, col0, tScS, False, [acc_dP])
                     if const_expr(self.has_drab):
                         tCgdR = thr_mma.partition_C(gdRab[None, None, n_block])
                         if const_expr(self.rab_sum_heads):
@@ -372,18 +340,7 @@ class HstuBackwardDqSm80(_BackwardBase):
                                         tCgdR[i] = total.to(self.dtype)
                                 else:
                                     tCgdR[i] = acc_dP[i].to(self.dtype)
-                    rG = cute.make_fragment_like(acc_dP, self.dtype)
-                    rG.store(acc_dP.load().to(self.dtype))
-                    if const_expr(self.warps_d > 1):
-                        cute.copy(g_store, g_store.retile(rG), tGsdS)
-                        # Every warp's rows of G are in smem before any warp reads them; the next
-                        # overwrite waits for the barrier at the top of the next n-block.
-                        cute.arch.barrier()
-                        gemm_ss(tiled_mma_dq, acc_dQ, tQrdS, tQrKt, tQsdS, tQsKt[None, None, None, stage], copy_dq_a,
-                                copy_dq_bt)
-                    else:
-                        gemm_rs(tiled_mma, acc_dQ, acc_to_operand_a(rG), tQrKt, tQsKt[None, None, None, stage],
-                                copy_dq_bt)
+                    self.output_gemms(tiled_mma, tiled_mma_dq, out, stage, [acc_dP], [acc_dQ])
                 # Drain every group (with no n-block, the Q/dO loads too) before staging in sQ.
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.barrier()
@@ -399,85 +356,50 @@ class HstuBackwardDkDvSm80(_BackwardBase):
     barrier, compute, barrier. Barriers: bar 0 only.
 
     With ``warps_d`` > 1 (head dim 256) the dK/dV accumulators are split over warps along the
-    head dim: no warp then holds whole rows of P^T and G^T, so they are written to smem (sPt,
-    sdSt) and read back as the A operand, one more CTA barrier per m-block.
+    head dim: no warp then holds whole rows of P^T and G^T, so they are written to smem (sP,
+    sdS) and read back as the A operand, one more CTA barrier per m-block.
     """
 
     @cute.jit
     def __call__(self, mQ, mK, mV, mdO, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
                  mNumTargets, mRab, alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32,
                  group_size: Int32, is_delta_q: Int32, num_n_blocks: Int32, stream):
-        atom, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma = self._atoms()
-        tiled_mma, tiled_mma_dkv, sP_layout = self._split_mmas(tiled_mma, self.tile_n, self.tile_m)
         # Q, dO (and rab) are double-buffered: the next m-block loads while this one computes.
-        sQ_layout, sK_layout, sRab_layout, SharedStorage = self._smem_plan(atom, q_stages=2, kv_stages=1,
-                                                                           score_layout=sP_layout, score_tiles=2)
-
-        self.kernel(
-            mQ, mK, mV, mdO, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
-            alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
-            sQ_layout, sK_layout, sRab_layout, sP_layout, gmem_copy, gmem_store, gmem_copy_rab, tiled_mma,
-            tiled_mma_dkv, SharedStorage,
-        ).launch(
-            grid=[mQ.shape[1], mOffsetsQ.shape[0] - 1, num_n_blocks],
-            block=[self.num_threads, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
+        plan = self._plan(self.tile_n, self.tile_m, q_stages=2, kv_stages=None, score_tiles=2)
+        self._launch(
+            mQ, mK, mV, mdO, mdK, mdV, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
+                                                    mNumTargets),
+            mRab, ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q),
+            *plan, grid=[mQ.shape[1], mOffsetsQ.shape[0] - 1, num_n_blocks], stream=stream,
         )
 
-    @cute.jit
-    def load_q_do(self, gmem_copy, gmem_copy_rab, tQgQ, tQsQ, tQgdO, tQsdO, tQcQ, tRgR, tRsR, tRcR,
-                  m_block: Int32, stage: Int32, seqlen_q: Int32, row_offset: Int32, rab_row_end: Int32,
-                  rab_cols: Int32):
-        # Q and dO rows past seqlen_q are zero-filled: then their dP (hence G) and their dO are 0,
-        # so they add nothing to dK and dV.
-        q_rows = seqlen_q - m_block * self.tile_m
-        self.load_rows(gmem_copy, tQgQ[None, None, None, m_block], tQsQ[None, None, None, stage], tQcQ, q_rows, True)
-        self.load_rows(gmem_copy, tQgdO[None, None, None, m_block], tQsdO[None, None, None, stage], tQcQ, q_rows,
-                       True)
-        if const_expr(self.has_rab):
-            self.load_rab(gmem_copy_rab, tRgR[None, None, None, m_block], tRsR[None, None, None, stage], tRcR,
-                          rab_row_end - row_offset - m_block * self.tile_m, rab_cols)
-
     @cute.kernel
-    def kernel(self, mQ, mK, mV, mdO, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
-               mNumTargets, mRab, alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32,
-               group_size: Int32, is_delta_q: Int32, sQ_layout, sK_layout, sRab_layout, sP_layout, gmem_copy,
-               gmem_store, gmem_copy_rab, tiled_mma, tiled_mma_dkv, SharedStorage: cutlass.Constexpr):
+    def kernel(self, mQ, mK, mV, mdO, mdK, mdV, seqs, mRab, scalars, sQ_layout, sK_layout, sRab_layout, sP_layout,
+               gmem_copy, gmem_store, gmem_copy_rab, tiled_mma, tiled_mma_dkv, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         head, batch, n_block = cute.arch.block_idx()
-        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(
-            mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mQ.shape[0], mK.shape[0], batch)
+        q_start, k_start, seqlen_q, seqlen_k, mask_of = self._sequence(seqs, scalars, mQ, mK, batch)
         if n_block * self.tile_n < seqlen_k:
             spec = self.mask
-            seq = sequence_mask(spec, seqlen_q, seqlen_k, mNumContexts, mNumTargets, batch, window_left,
-                                window_right, group_size, is_delta_q)
+            seq = mask_of(batch, seqlen_q, seqlen_k)
             m_lo, m_hi = masks.m_block_range(spec, seq, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
             k_rows = seqlen_k - n_block * self.tile_n
             col0 = n_block * self.tile_n  # key coordinate of this CTA's first key
 
-            smem = cutlass.memory.SmemAllocator()
-            storage = smem.allocate(SharedStorage)
-            sQ = storage.sQ.get_tensor(sQ_layout)
-            sdO = storage.sdO.get_tensor(sQ_layout)
-            sK = storage.sK.get_tensor(sK_layout)
-            sV = storage.sV.get_tensor(sK_layout)
-            qt_view = cute.make_layout((self.head_dim, self.tile_m, 2), stride=(self.tile_m, 1, self.tile_m * self.head_dim))
-            sQt = cute.composition(sQ, qt_view)
-            sdOt = cute.composition(sdO, qt_view)
+            storage, sQ, sdO, sK, sV = self._smem_tiles(SharedStorage, sQ_layout, sK_layout)
+            sQt = transposed_view(sQ, self.tile_m, self.head_dim, 2)
+            sdOt = transposed_view(sdO, self.tile_m, self.head_dim, 2)
 
-            gK = cute.local_tile(cute.domain_offset((k_start, 0), mK[None, head, None]), (self.tile_n, self.head_dim), (n_block, 0))
-            gV = cute.local_tile(cute.domain_offset((k_start, 0), mV[None, head, None]), (self.tile_n, self.head_dim), (n_block, 0))
-            gdK = cute.local_tile(cute.domain_offset((k_start, 0), mdK[None, head, None]), (self.tile_n, self.head_dim), (n_block, 0))
-            gdV = cute.local_tile(cute.domain_offset((k_start, 0), mdV[None, head, None]), (self.tile_n, self.head_dim), (n_block, 0))
-            gQ = cute.local_tile(cute.domain_offset((q_start, 0), mQ[None, head, None]), (self.tile_m, self.head_dim), (None, 0))
-            gdO = cute.local_tile(cute.domain_offset((q_start, 0), mdO[None, head, None]), (self.tile_m, self.head_dim), (None, 0))
+            gK, gV, gdK, gdV = [self._head_tile(t, k_start, head, self.tile_n, n_block) for t in (mK, mV, mdK, mdV)]
+            gQ, gdO = [self._head_tile(t, q_start, head, self.tile_m, None) for t in (mQ, mdO)]
 
             thr_copy = gmem_copy.get_slice(tidx)
             tKVcKV = thr_copy.partition_S(cute.make_identity_tensor((self.tile_n, self.head_dim)))
             tQcQ = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.head_dim)))
-            tQgQ, tQsQ = thr_copy.partition_S(gQ), thr_copy.partition_D(sQ)
-            tQgdO, tQsdO = thr_copy.partition_S(gdO), thr_copy.partition_D(sdO)
+            # Q and dO rows past seqlen_q are zero-filled: then their dP (hence G) and their dO
+            # are 0, so they add nothing to dK and dV.
+            qdo_tiles = ((thr_copy.partition_S(gQ), thr_copy.partition_D(sQ), True),
+                         (thr_copy.partition_S(gdO), thr_copy.partition_D(sdO), True))
             # K/V rows past seqlen_k only feed dK/dV rows that are never stored.
             self.load_rows(gmem_copy, thr_copy.partition_S(gK), thr_copy.partition_D(sK), tKVcKV, k_rows, False)
             self.load_rows(gmem_copy, thr_copy.partition_S(gV), thr_copy.partition_D(sV), tKVcKV, k_rows, False)
@@ -485,60 +407,36 @@ class HstuBackwardDkDvSm80(_BackwardBase):
             # without queries) these loads would otherwise land in the dK/dV staging buffers.
             cute.arch.cp_async_commit_group()
 
-            thr_mma = tiled_mma.get_slice(tidx)
-            copy_a, copy_b, _, _ = ldmatrix_copies(self.dtype, tiled_mma, tidx)
-            tSrK = thr_mma.make_fragment_A(thr_mma.partition_A(sK))
-            tSrV = thr_mma.make_fragment_A(thr_mma.partition_A(sV))
-            tSrQ = thr_mma.make_fragment_B(thr_mma.partition_B(sQ[None, None, 0]))
-            tSrdO = thr_mma.make_fragment_B(thr_mma.partition_B(sdO[None, None, 0]))
-            tSsK, tSsV = copy_a.partition_S(sK), copy_a.partition_S(sV)
-            tSsQ, tSsdO = copy_b.partition_S(sQ), copy_b.partition_S(sdO)
+            ops = self._score_operands(tiled_mma, tidx, [sK, sV], [sQ, sdO])
+            thr_mma = ops.thr_mma
             # dV += P^T dO and dK += G^T Q (the same tiled MMA as S^T unless split).
-            thr_mma_dkv = tiled_mma_dkv.get_slice(tidx)
-            copy_dkv_a, _, copy_dkv_bt, _ = ldmatrix_copies(self.dtype, tiled_mma_dkv, tidx)
-            tDrQt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(sQt[None, None, 0]))
-            tDrdOt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(sdOt[None, None, 0]))
-            tDsQt, tDsdOt = copy_dkv_bt.partition_S(sQt), copy_dkv_bt.partition_S(sdOt)
-            if const_expr(self.warps_d > 1):
-                sPt = storage.sP.get_tensor(sP_layout)
-                sdSt = storage.sdS.get_tensor(sP_layout)
-                tDrPt = thr_mma_dkv.make_fragment_A(thr_mma_dkv.partition_A(sPt))
-                tDrdSt = thr_mma_dkv.make_fragment_A(thr_mma_dkv.partition_A(sdSt))
-                tDsPt, tDsdSt = copy_dkv_a.partition_S(sPt), copy_dkv_a.partition_S(sdSt)
-                # Two adjacent accumulator columns per 32-bit store.
-                p_store = cute.make_tiled_copy_C(
-                    cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32), tiled_mma
-                ).get_slice(tidx)
-                tPsPt, tPsdSt = p_store.partition_D(sPt), p_store.partition_D(sdSt)
+            out = self._output_operands(tiled_mma, tiled_mma_dkv, tidx, [sdOt, sQt], storage, sP_layout,
+                                        ["sP", "sdS"])
             # Transposed orientation: accumulator rows are keys, columns are queries.
             cST = cute.make_identity_tensor((self.tile_n, self.tile_m))
             tScST = thr_mma.partition_C(cST)
             if const_expr(self.has_rab):
                 sRab = storage.sRab.get_tensor(sRab_layout)
-                sRabT = cute.composition(sRab, cute.make_layout((self.tile_n, self.tile_m, 2),
-                                                                stride=(self.tile_m, 1, self.tile_m * self.tile_n)))
+                sRabT = transposed_view(sRab, self.tile_m, self.tile_n, 2)
                 thr_copy_rab = gmem_copy_rab.get_slice(tidx)
                 tRsR = thr_copy_rab.partition_D(sRab)
                 tRcR = thr_copy_rab.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-                rab_head = cutlass.select_(mRab.shape[1] > 1, head, Int32(0))
-                gRab = cute.local_tile(cute.domain_offset((seq.row_offset, 0), mRab[batch, rab_head, None, None]),
-                                       (self.tile_m, self.tile_n), (None, n_block))
+                gRab = self._rab_tiles(self._rab_slab(mRab, batch, head), seq.row_offset, (None, n_block))
                 tRgR = thr_copy_rab.partition_S(gRab)
                 rab_cols = cutlass.min(seqlen_k, mRab.shape[3]) - col0
             else:
                 tRgR = tRsR = tRcR = None
                 rab_cols = Int32(0)
 
-            acc_dK = cute.make_rmem_tensor(thr_mma_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
-            acc_dV = cute.make_rmem_tensor(thr_mma_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
-            acc_dK.fill(0.0)
-            acc_dV.fill(0.0)
+            acc_dK = self._zero_acc(out.thr_mma, (self.tile_n, self.head_dim))
+            acc_dV = self._zero_acc(out.thr_mma, (self.tile_n, self.head_dim))
             rab_row_end = Int32(0)
             if const_expr(self.has_rab):
                 rab_row_end = cutlass.min(seq.row_offset + seqlen_q, mRab.shape[2])
+            rab_limits = lambda m_block: (rab_row_end - seq.row_offset - m_block * self.tile_m, rab_cols)  # noqa: E731
             if m_lo < m_hi:
-                self.load_q_do(gmem_copy, gmem_copy_rab, tQgQ, tQsQ, tQgdO, tQsdO, tQcQ, tRgR, tRsR, tRcR, m_lo, 0,
-                               seqlen_q, seq.row_offset, rab_row_end, rab_cols)
+                self.load_block(gmem_copy, gmem_copy_rab, qdo_tiles, tQcQ, tRgR, tRsR, tRcR, m_lo, 0, seqlen_q,
+                                False, rab_limits)
             cute.arch.cp_async_commit_group()
             for m_block in cutlass.range(m_lo, m_hi, unroll=1):
                 stage = (m_block - m_lo) % 2
@@ -546,8 +444,8 @@ class HstuBackwardDkDvSm80(_BackwardBase):
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.barrier()
                 if m_block + 1 < m_hi:
-                    self.load_q_do(gmem_copy, gmem_copy_rab, tQgQ, tQsQ, tQgdO, tQsdO, tQcQ, tRgR, tRsR, tRcR,
-                                   m_block + 1, 1 - stage, seqlen_q, seq.row_offset, rab_row_end, rab_cols)
+                    self.load_block(gmem_copy, gmem_copy_rab, qdo_tiles, tQcQ, tRgR, tRsR, tRcR, m_block + 1,
+                                    1 - stage, seqlen_q, False, rab_limits)
                 cute.arch.cp_async_commit_group()
                 if masks.tile_nonempty(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
                     row_first = seq.row_offset + m_block * self.tile_m
@@ -559,38 +457,9 @@ class HstuBackwardDkDvSm80(_BackwardBase):
                             acc_S[i] = tSsRabT[i].to(Float32)
                     else:
                         acc_S.fill(0.0)
-                    gemm_ss(tiled_mma, acc_S, tSrK, tSrQ, tSsK, tSsQ[None, None, None, stage], copy_a, copy_b)
-                    acc_dP = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_n, self.tile_m)), Float32)
-                    acc_dP.fill(0.0)
-                    gemm_ss(tiled_mma, acc_dP, tSrV, tSrdO, tSsV, tSsdO[None, None, None, stage], copy_a, copy_b)
-                    silu_and_grad_inplace(acc_S, acc_dP, alpha, inv_scale, self.fast_silu)
-                    is_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
-                    if not is_full:
-                        for i in cutlass.range(cute.size(acc_S), unroll_full=True):
-                            keep = masks.allowed(spec, seq, row_first + tScST[i][1], col0 + tScST[i][0], KERNEL_OPS)
-                            acc_S[i] = cutlass.select_(keep, acc_S[i], Float32(0.0))
-                            acc_dP[i] = cutlass.select_(keep, acc_dP[i], Float32(0.0))
-                    rP = cute.make_fragment_like(acc_S, self.dtype)
-                    rP.store(acc_S.load().to(self.dtype))
-                    if const_expr(self.warps_d > 1):
-                        rG = cute.make_fragment_like(acc_dP, self.dtype)
-                        rG.store(acc_dP.load().to(self.dtype))
-                        cute.copy(p_store, p_store.retile(rP), tPsPt)
-                        cute.copy(p_store, p_store.retile(rG), tPsdSt)
-                        # Every warp's rows of P^T and G^T are in smem before any warp reads them;
-                        # the next overwrite waits for the barrier at the top of the next m-block.
-                        cute.arch.barrier()
-                        gemm_ss(tiled_mma_dkv, acc_dV, tDrPt, tDrdOt, tDsPt, tDsdOt[None, None, None, stage],
-                                copy_dkv_a, copy_dkv_bt)
-                        gemm_ss(tiled_mma_dkv, acc_dK, tDrdSt, tDrQt, tDsdSt, tDsQt[None, None, None, stage],
-                                copy_dkv_a, copy_dkv_bt)
-                    else:
-                        gemm_rs(tiled_mma, acc_dV, acc_to_operand_a(rP), tDrdOt, tDsdOt[None, None, None, stage],
-                                copy_dkv_bt)
-                        rG = cute.make_fragment_like(acc_dP, self.dtype)
-                        rG.store(acc_dP.load().to(self.dtype))
-                        gemm_rs(tiled_mma, acc_dK, acc_to_operand_a(rG), tDrQt, tDsQt[None, None, None, stage],
-                                copy_dkv_bt)
+                    acc_dP = self.score_grads(tiled_mma, ops, acc_S, stage, (self.tile_n, self.tile_m), scalars)
+                    self.mask_tile(seq, m_block, n_block, row_first, col0, tScST, True, [acc_S, acc_dP])
+                    self.output_gemms(tiled_mma, tiled_mma_dkv, out, stage, [acc_S, acc_dP], [acc_dV, acc_dK])
             # No m-block may have run: drain the K/V group before sK/sV become staging buffers.
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()

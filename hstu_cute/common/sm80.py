@@ -36,6 +36,15 @@ def ldmatrix_copies(dtype, tiled_mma, tidx):
         cute.make_tiled_copy_C(ldsm, tiled_mma).get_slice(tidx),
     )
 
+def smem_operands(thr_mma, copy_a, copy_b, a_tiles, b_tiles):
+    """([A fragment per a_tiles tile], [B fragment per b_tiles tile, shaped as its stage 0],
+    [ldmatrix source partition per a_tiles tile], [the same per b_tiles tile, every stage]).
+    Every fragment is made before the first partition: the kernels' PTX follows this order."""
+    return ([thr_mma.make_fragment_A(thr_mma.partition_A(t)) for t in a_tiles],
+            [thr_mma.make_fragment_B(thr_mma.partition_B(t[None, None, 0])) for t in b_tiles],
+            [copy_a.partition_S(t) for t in a_tiles],
+            [copy_b.partition_S(t) for t in b_tiles])
+
 def scores_init(thr_mma, shape_mn, dtype, smem_copy_rab=None, tSsRab=None) -> cute.Tensor:
     """A fresh fp32 score accumulator: the rab tile read from smem (ldmatrix into the accumulator
     layout), or zeros without rab -- Q K^T is then accumulated on top (spec: scores include rab)."""
@@ -82,3 +91,8 @@ def acc_to_operand_a(rP: cute.Tensor) -> cute.Tensor:
         stride=((divided.stride[0], divided.stride[2][0]), divided.stride[1], divided.stride[2][1]),
     )
     return cute.make_tensor(rP.iterator, layout)
+
+def transposed_view(tile: cute.Tensor, rows: int, cols: int, stages: int) -> cute.Tensor:
+    """The (cols, rows, stages) view of a (rows, cols, stages) smem tile: an MN-major
+    operand (V for P V, K for G K, Q and dO for the dK/dV GEMMs) or a key-major score tile."""
+    return cute.composition(tile, cute.make_layout((cols, rows, stages), stride=(rows, 1, rows * cols)))

@@ -5,19 +5,34 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .. import masks
 from ..common.mask_apply import KERNEL_OPS, apply_mask_rows_cols
 from ..common.barriers import NamedBarrier
-from ..common.seqinfo import ScoreScalars, SequenceArgs, SequenceInfo
+from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import silu_scaled_inplace
 from ..common.tile_scheduler import LongestFirstOrLocalWalk, TileScheduler
-from ..common.sm90 import advanced, rows_zero_copy, sm90_register_split, sm90_smem_layout, sm90_tma_atom_rab, sm90_tma_atom_tokens, store_acc_rows, wgmma, wgmma_acc_as_operand_a, wgmma_acc_rows_cols, wgmma_replace_operand_a, zero_smem_rows_past
+from .base import HstuSm90Base
+from ..common.sm90 import (
+    advanced,
+    rows_zero_copy,
+    shared_storage,
+    sm90_smem_layout,
+    sm90_tma_atom_rab,
+    sm90_tma_atom_tokens,
+    smem_tensors,
+    store_acc_rows,
+    trivial_mma,
+    wgmma,
+    wgmma_acc_as_operand_a,
+    wgmma_acc_rows_cols,
+    wgmma_replace_operand_a,
+    zero_smem_rows_past,
+)
 
-class HstuForwardSm90:
+class HstuForwardSm90(HstuSm90Base):
     """Forward kernel: out = sum_j mask(silu(alpha * (q.k + rab))) v / S over one jagged batch.
 
     Tiles: (m-block, head, batch) in the order the runtime ``lpt_order`` picks (longest causal rows
@@ -37,96 +52,41 @@ class HstuForwardSm90:
     before P.V of block i and SiLU of block i+1 runs while the tensor cores do P.V of block i.
     Barriers: named barriers 2/3 (``pingpong``) make the two consumer warpgroups alternate GEMM
     issue, so one warpgroup's SiLU overlaps the other's GEMMs; 4/5 after zeroing the V rows past
-    seqlen_k (TMA reads the next sequence there: P is 0 for them, but 0 * NaN would be NaN);
-    1 before sQ is reused to stage the output. Epilogue: 1/S folded into the fp32 -> bf16
-    conversion, stmatrix to smem, 128-bit predicated stores (rows past seqlen_q are not written).
+    seqlen_k (TMA reads the next sequence there: P is 0 for them, but 0 * NaN would be NaN).
+    Epilogue: 1/S folded into the fp32 -> bf16 conversion, stored from registers two columns at
+    a time (rows past seqlen_q are not written).
     """
 
-    def __init__(
-        self,
-        dtype,
-        head_dim: int,
-        mask: masks.MaskSpec,
-        has_rab: bool,
-        tile_m: int,
-        tile_n: int,
-        num_stages: int,
-        fast_silu: bool,
-        intra_wg_overlap: bool = True,
-        pingpong: bool = True,
-        persistent: bool = True,
-    ):
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.mask = mask
-        self.has_rab = has_rab
-        self.tile_m = tile_m
-        self.tile_n = tile_n
-        self.num_stages = num_stages
-        self.fast_silu = fast_silu
+    def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
+                 num_stages: int, fast_silu: bool, intra_wg_overlap: bool = True, pingpong: bool = True,
+                 persistent: bool = True):
+        # The CTA launches with 168 x 384 registers; setmaxnreg moves them between roles, so the
+        # consumers' 240 must come out of that pool (common.sm90.sm90_register_split).
+        super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, tile_m // 64,
+                         persistent)
         # fp16 stores the next P through an operand fence: with a plain store ptxas serializes every
         # WGMMA of the fp16 variants (C7513). H200 fp16 B8 N4096 causal: D128 484 vs 378 TF, D256
         # 620 vs 366, D64 290 vs 268. bf16 keeps the plain store (the fence cost it D64 461 -> 427).
         self.operand_fence = dtype == cutlass.Float16
         self.intra_wg_overlap = intra_wg_overlap
-        self.num_mma_wg = tile_m // 64
         self.pingpong = pingpong and self.num_mma_wg == 2
-        self.persistent = persistent
-        self.num_threads = 128 * (1 + self.num_mma_wg)
-        self.num_mma_threads = 128 * self.num_mma_wg
-        # The CTA launches with 168 x 384 registers; setmaxnreg moves them between roles, so the
-        # consumers' 240 must come out of that pool: (64512 - 24 * 128) / 256 = 240 exactly (with
-        # a 32-register producer the consumers' increase never completes: a deadlock, seen on the H100).
-        self.producer_regs, self.mma_regs = sm90_register_split(self.num_mma_wg)
         assert tile_m % 64 == 0 and tile_n % 16 == 0 and head_dim % 16 == 0
 
     # ------------------------------------------------------------------------------------------
-    # Host side: layouts, TMA atoms, launch
+    # Host side: layouts, TMA atoms, launch (arguments: hstu_cute.kernel_args.SPECS["hopper_fwd"])
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # (T_q, H, D)
-        mK: cute.Tensor,  # (T_k, H, D)
-        mV: cute.Tensor,  # (T_k, H, D)
-        mO: cute.Tensor,  # (T_q, H, D)
-        mOffsetsQ: cute.Tensor,  # (B + 1,) int32
-        mOffsetsK: cute.Tensor,  # (B + 1,) int32
-        mSeqUsedQ: cute.Tensor,  # (B,) int32 valid prefix (INT32_MAX when unused)
-        mSeqUsedK: cute.Tensor,  # (B,) int32
-        mNumContexts,  # (B,) int32 or None
-        mNumTargets,  # (B,) int32 or None
-        mRab,  # (B, H_rab, L, L) or None; rows 16-byte aligned (the launcher pads them)
-        alpha: Float32,
-        inv_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        group_size: Int32,
-        is_delta_q: Int32,
-        num_m_blocks: Int32,
-        num_sms: Int32,
-        lpt_order: Int32,  # 1: longest causal rows first; 0: a sequence's m-blocks together (L2)
-        stream,
-    ):
+    def __call__(self, mQ, mK, mV, mO, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
+                 alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks, num_sms,
+                 lpt_order, stream):
         D = self.head_dim
         sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, None)
         sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, self.num_stages)
-        sV_layout = sK_layout
-        sRab_layout = sm90_smem_layout(self.dtype, self.tile_m, self.tile_n, self.num_stages) if const_expr(self.has_rab) else None
-
-        tiled_mma_qk = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, self.tile_n),
-        )
-        tiled_mma_pv = sm90_helpers.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(self.num_mma_wg, 1, 1), tiler_mn=(64, D), a_source=warpgroup.OperandSource.RMEM,
-        )
-
+        sRab_layout = self.rab_ring_layout()
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_q, tma_q = sm90_tma_atom_tokens(tma_load, mQ, sQ_layout, self.tile_m)
         tma_atom_k, tma_k = sm90_tma_atom_tokens(tma_load, mK, cute.slice_(sK_layout, (None, None, 0)), self.tile_n)
-        tma_atom_v, tma_v = sm90_tma_atom_tokens(tma_load, mV, cute.slice_(sV_layout, (None, None, 0)), self.tile_n)
+        tma_atom_v, tma_v = sm90_tma_atom_tokens(tma_load, mV, cute.slice_(sK_layout, (None, None, 0)), self.tile_n)
         tma_atom_rab, tma_rab = None, None
         if const_expr(self.has_rab):
             tma_atom_rab, tma_rab = sm90_tma_atom_rab(mRab, sRab_layout, self.tile_m, self.tile_n)
@@ -135,226 +95,166 @@ class HstuForwardSm90:
         self.q_bytes = self.tile_m * D * elem_bytes
         self.kv_bytes = self.tile_n * D * elem_bytes
         self.rab_bytes = self.tile_m * self.tile_n * elem_bytes
+        kv = (self.dtype, cute.cosize(sK_layout))
+        self.shared_storage = shared_storage(
+            dict(mbar_q=2, mbar_k=2 * self.num_stages, mbar_v=2 * self.num_stages, mbar_rab=2 * self.num_stages),
+            dict(sQ=(self.dtype, cute.cosize(sQ_layout)), sK=kv, sV=kv, sRab=(self.dtype, self.smem_elems(sRab_layout))))
 
-        zero_copy_v = rows_zero_copy(self.dtype, D)  # V rows past seqlen_k, per consumer warpgroup
-
-        stages = self.num_stages
-        rab_elems = cute.cosize(sRab_layout) if const_expr(self.has_rab) else 8
-
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            mbar_rab: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
-            sRab: cute.struct.Align[cute.struct.MemRange[self.dtype, rab_elems], 1024]
-
-        num_batch = mOffsetsQ.shape[0] - 1
-        num_tiles = num_m_blocks * mQ.shape[1] * num_batch
+        num_tiles = num_m_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
         # Persistent: one CTA per SM (smem allows no second one) walking the tiles; the producer
         # runs ahead into the next tile while the consumers finish the current one.
         grid = [cutlass.min(num_tiles, num_sms) if const_expr(self.persistent) else num_tiles, 1, 1]
-        self.kernel(
-            tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab,
-            mQ, mO, mK, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
-            alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks, lpt_order,
-            sQ_layout, sK_layout, sV_layout, sRab_layout, tiled_mma_qk, tiled_mma_pv, zero_copy_v,
-            SharedStorage,
-        ).launch(
-            grid=grid,
-            block=[self.num_threads, 1, 1],
-            smem=SharedStorage.size_in_bytes(),
-            stream=stream,
-            min_blocks_per_mp=1,
+        self.launch(
+            tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, mQ, mO, mK,
+            SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
+            ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_m_blocks, lpt_order,
+            statics=dict(
+                sQ_layout=sQ_layout, sK_layout=sK_layout, sV_layout=sK_layout, sRab_layout=sRab_layout,
+                tiled_mma_qk=trivial_mma(self.dtype, self.tile_n, False, self.num_mma_wg),
+                # P (registers) x V: V is (n, D) with D contiguous, an MN-major B operand.
+                tiled_mma_pv=trivial_mma(self.dtype, D, True, self.num_mma_wg, a_in_registers=True),
+                zero_copy_v=rows_zero_copy(self.dtype, D),  # V rows past seqlen_k, per consumer warpgroup
+            ),
+            grid=grid, stream=stream,
         )
 
     # ------------------------------------------------------------------------------------------
     # Device side
     # ------------------------------------------------------------------------------------------
     @cute.kernel
-    def kernel(
-        self,
-        tma_atom_q: cute.CopyAtom,
-        tma_q: cute.Tensor,
-        tma_atom_k: cute.CopyAtom,
-        tma_k: cute.Tensor,
-        tma_atom_v: cute.CopyAtom,
-        tma_v: cute.Tensor,
-        tma_atom_rab,
-        tma_rab,
-        mQ: cute.Tensor,
-        mO: cute.Tensor,
-        mK: cute.Tensor,
-        mOffsetsQ: cute.Tensor,
-        mOffsetsK: cute.Tensor,
-        mSeqUsedQ: cute.Tensor,
-        mSeqUsedK: cute.Tensor,
-        mNumContexts,
-        mNumTargets,
-        mRab,
-        alpha: Float32,
-        inv_scale: Float32,
-        window_left: Int32,
-        window_right: Int32,
-        group_size: Int32,
-        is_delta_q: Int32,
-        num_m_blocks: Int32,
-        lpt_order: Int32,
-        sQ_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
-        sRab_layout,
-        tiled_mma_qk: cute.TiledMma,
-        tiled_mma_pv: cute.TiledMma,
-        zero_copy_v: cute.TiledCopy,
-        SharedStorage: cutlass.Constexpr,
-    ):
-        tidx, _, _ = cute.arch.thread_idx()
-        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if warp_idx == 0:
-            for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_rab):
-                if const_expr(atom is not None):
-                    cpasync.prefetch_descriptor(atom)
-
-        smem = cutlass.memory.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
+    def kernel(self, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, mQ, mO, mK,
+               seqs, mRab, scalars, num_m_blocks: Int32, lpt_order: Int32, statics):
+        self.bind(statics)
+        tidx, warp_idx = self.prologue(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_rab)
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
-        pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer,
-            consumer_group=consumers, tx_count=self.q_bytes, defer_sync=True,
-        )
-        pipe_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages, producer_group=producer,
-            consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
-        )
-        pipe_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages, producer_group=producer,
-            consumer_group=consumers, tx_count=self.kv_bytes, defer_sync=True,
-        )
+
+        def tma_pipeline(mbar, stages, tx_count):
+            return pipeline.PipelineTmaAsync.create(barrier_storage=mbar.data_ptr(), num_stages=stages,
+                                                    producer_group=producer, consumer_group=consumers,
+                                                    tx_count=tx_count, defer_sync=True)
+
+        pipe_q = tma_pipeline(storage.mbar_q, 1, self.q_bytes)
+        pipe_k = tma_pipeline(storage.mbar_k, self.num_stages, self.kv_bytes)
+        pipe_v = tma_pipeline(storage.mbar_v, self.num_stages, self.kv_bytes)
         pipe_rab = None
         if const_expr(self.has_rab):
-            pipe_rab = pipeline.PipelineTmaAsync.create(
-                barrier_storage=storage.mbar_rab.data_ptr(), num_stages=self.num_stages,
-                producer_group=producer, consumer_group=consumers, tx_count=self.rab_bytes, defer_sync=True,
-            )
+            pipe_rab = tma_pipeline(storage.mbar_rab, self.num_stages, self.rab_bytes)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
-        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
-        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sRab = None
-        if const_expr(self.has_rab):
-            sRab = storage.sRab.get_tensor(sRab_layout.outer, swizzle=sRab_layout.inner)
-        walk = LongestFirstOrLocalWalk(lpt_order != 0, num_m_blocks, mQ.shape[1], mOffsetsQ.shape[0] - 1)
-        seqinfo = SequenceInfo(
-            self.mask, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets),
-            ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), mQ.shape[0],
-            mK.shape[0])
+        s = smem_tensors(storage, dict(sQ=self.sQ_layout, sK=self.sK_layout, sV=self.sV_layout,
+                                       sRab=self.sRab_layout))
+        walk = LongestFirstOrLocalWalk(lpt_order != 0, num_m_blocks, mQ.shape[1], seqs.mOffsetsQ.shape[0] - 1)
+        seqinfo = self.sequence_info(seqs, scalars, mQ, mK)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.produce(tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab,
-                             sQ, sK, sV, sRab, pipe_q, pipe_k, pipe_v, pipe_rab, mRab, walk, seqinfo)
+                self.produce((tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, s["sQ"],
+                              s["sK"], s["sV"], s["sRab"], pipe_q, pipe_k, pipe_v, pipe_rab, mRab), walk, seqinfo)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
-            self.consume(tidx - 128, mO, sQ, sK, sV, sRab, pipe_q, pipe_k, pipe_v, pipe_rab, tiled_mma_qk,
-                         tiled_mma_pv, zero_copy_v, alpha, inv_scale, walk, seqinfo)
+            self.consume(tidx - 128, mO, s["sQ"], s["sK"], s["sV"], s["sRab"], pipe_q, pipe_k, pipe_v, pipe_rab,
+                         scalars.alpha, scalars.inv_scale, walk, seqinfo)
 
     @cute.jit
     def tile_problem(self, tiles, seqinfo, tile: Int32):
-        """(m_block, head, batch, q_start, k_start, seq, live, n-block schedule) of a linear tile;
+        """(live, (m_block, head, batch, q_start, k_start, seq, n-block schedule)) of a linear tile;
         ``live``: the m-block starts inside its sequence (else the tile is skipped)."""
         m_block, head, batch = tiles.coords(tile)
         q_start, k_start, seq = seqinfo.at(batch)
-        n_lo, hole_lo, hole_size, n_count = masks.n_block_schedule(
-            self.mask, seq, m_block, self.tile_m, self.tile_n, KERNEL_OPS
-        )
+        sched = masks.n_block_schedule(self.mask, seq, m_block, self.tile_m, self.tile_n, KERNEL_OPS)
         live = m_block * self.tile_m < seq.seqlen_q
-        return m_block, head, batch, q_start, k_start, seq, live, (n_lo, hole_lo, hole_size, n_count)
+        return live, (m_block, head, batch, q_start, k_start, seq, sched)
+
+    @cute.jit
+    def tile_to_load(self, tiles, seqinfo, tile: Int32):
+        """:meth:`tile_problem` for the producer: a tile without n-blocks loads nothing."""
+        live, coords = self.tile_problem(tiles, seqinfo, tile)
+        n_lo, hole_lo, hole_size, n_count = coords[6]
+        return live & (n_count > 0), coords
 
     # ------------------------------------------------------------------------------------------
     # Producer warp
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def produce(self, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, sQ, sK, sV,
-                sRab, pipe_q, pipe_k, pipe_v, pipe_rab, mRab, walk, seqinfo):
+    def produce(self, loads, walk, seqinfo):
+        states = (pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
+                  pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages),
+                  pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages))
+        self.for_each_tile(walk, seqinfo, self.produce_tile, loads, states, problem=self.tile_to_load)
+
+    @cute.jit
+    def produce_tile(self, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, sQ, sK,
+                     sV, sRab, pipe_q, pipe_k, pipe_v, pipe_rab, mRab, m_block: Int32, head: Int32, batch: Int32,
+                     q_start: Int32, k_start: Int32, seq, sched, q_state, k_state, v_state):
+        """TMA loads of one tile: Q, then K (and rab) of each n-block ahead of V of the one before.
+        Returns the advanced pipeline states."""
         D = self.head_dim
         no_mcast = cute.make_layout(1)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        tiles = TileScheduler(walk)
-        num_tiles, next_tile = tiles.num_tiles, tiles.next  # no method call on a loop-carried name
-        tile = tiles.first()
-        while tile < num_tiles:
-            m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(tiles, seqinfo, tile)
-            n_lo, hole_lo, hole_size, n_count = sched
-            if live & (n_count > 0):
-                gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_q[None, None, head]), (self.tile_m, D),
-                                     (m_block, 0))
-                tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, no_mcast, cute.group_modes(sQ, 0, 2),
-                                                   cute.group_modes(gQ, 0, 2))
-                gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_k[None, None, head]), (self.tile_n, D),
-                                     (None, 0))
-                tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, no_mcast, cute.group_modes(sK, 0, 2),
-                                                   cute.group_modes(gK, 0, 2))
-                gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_v[None, None, head]), (self.tile_n, D),
-                                     (None, 0))
-                tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, no_mcast, cute.group_modes(sV, 0, 2),
-                                                   cute.group_modes(gV, 0, 2))
-                tRsR = tRgR = None
-                if const_expr(self.has_rab):
-                    rab_head = cutlass.select_(mRab.shape[1] > 1, head, Int32(0))
-                    # rab rows are key coordinates: query i reads row row_offset + i.
-                    gRab = cute.local_tile(
-                        cute.domain_offset((seq.row_offset, 0), tma_rab[None, None, rab_head, batch]),
-                        (self.tile_m, self.tile_n), (m_block, None),
-                    )
-                    tRsR, tRgR = cpasync.tma_partition(
-                        tma_atom_rab, 0, no_mcast, cute.group_modes(sRab, 0, 2), cute.group_modes(gRab, 0, 2)
-                    )
+        n_lo, hole_lo, hole_size, n_count = sched
+        gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_q[None, None, head]), (self.tile_m, D),
+                             (m_block, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, no_mcast, cute.group_modes(sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_k[None, None, head]), (self.tile_n, D),
+                             (None, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, no_mcast, cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_v[None, None, head]), (self.tile_n, D),
+                             (None, 0))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, no_mcast, cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+        tRsR = tRgR = None
+        if const_expr(self.has_rab):
+            rab_head = cutlass.select_(mRab.shape[1] > 1, head, Int32(0))
+            # rab rows are key coordinates: query i reads row row_offset + i.
+            gRab = cute.local_tile(
+                cute.domain_offset((seq.row_offset, 0), tma_rab[None, None, rab_head, batch]),
+                (self.tile_m, self.tile_n), (m_block, None),
+            )
+            tRsR, tRgR = cpasync.tma_partition(
+                tma_atom_rab, 0, no_mcast, cute.group_modes(sRab, 0, 2), cute.group_modes(gRab, 0, 2)
+            )
 
-                pipe_q.producer_acquire(q_state)
-                cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-                q_state = advanced(q_state)
-                # K (and rab) of block i+1 go out before V of block i: the consumers issue QK^T of
-                # block i+1 before P.V of block i.
-                for it in cutlass.range(n_count, unroll=1):
-                    n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
-                    pipe_k.producer_acquire(k_state)
-                    cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, k_state.index],
-                              tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
-                    if const_expr(self.has_rab):
-                        pipe_rab.producer_acquire(k_state)
-                        cute.copy(tma_atom_rab, tRgR[None, n_block], tRsR[None, k_state.index],
-                                  tma_bar_ptr=pipe_rab.producer_get_barrier(k_state))
-                    k_state = advanced(k_state)
-                    if it > 0:
-                        n_prev = masks.n_block_at(n_count - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
-                        pipe_v.producer_acquire(v_state)
-                        cute.copy(tma_atom_v, tVgV[None, n_prev], tVsV[None, v_state.index],
-                                  tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
-                        v_state = advanced(v_state)
-                n_last = masks.n_block_at(Int32(0), n_lo, hole_lo, hole_size, KERNEL_OPS)
+        pipe_q.producer_acquire(q_state)
+        cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        q_state = advanced(q_state)
+        # K (and rab) of block i+1 go out before V of block i: the consumers issue QK^T of
+        # block i+1 before P.V of block i.
+        for it in cutlass.range(n_count, unroll=1):
+            n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
+            pipe_k.producer_acquire(k_state)
+            cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, k_state.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
+            if const_expr(self.has_rab):
+                pipe_rab.producer_acquire(k_state)
+                cute.copy(tma_atom_rab, tRgR[None, n_block], tRsR[None, k_state.index],
+                          tma_bar_ptr=pipe_rab.producer_get_barrier(k_state))
+            k_state = advanced(k_state)
+            if it > 0:
+                n_prev = masks.n_block_at(n_count - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
                 pipe_v.producer_acquire(v_state)
-                cute.copy(tma_atom_v, tVgV[None, n_last], tVsV[None, v_state.index],
+                cute.copy(tma_atom_v, tVgV[None, n_prev], tVsV[None, v_state.index],
                           tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
                 v_state = advanced(v_state)
-            tile = next_tile(tile)
+        n_last = masks.n_block_at(Int32(0), n_lo, hole_lo, hole_size, KERNEL_OPS)
+        pipe_v.producer_acquire(v_state)
+        cute.copy(tma_atom_v, tVgV[None, n_last], tVsV[None, v_state.index],
+                  tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+        v_state = advanced(v_state)
+        return q_state, k_state, v_state
 
     # ------------------------------------------------------------------------------------------
     # Consumer warpgroups
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def consume(self, tidx: Int32, mO, sQ, sK, sV, sRab, pipe_q, pipe_k, pipe_v, pipe_rab, tiled_mma_qk, tiled_mma_pv,
-                zero_copy_v, alpha: Float32, inv_scale: Float32, walk, seqinfo):
+    def consume(self, tidx: Int32, mO, sQ, sK, sV, sRab, pipe_q, pipe_k, pipe_v, pipe_rab, alpha: Float32,
+                inv_scale: Float32, walk, seqinfo):
         D = self.head_dim
+        tiled_mma_qk, tiled_mma_pv = self.tiled_mma_qk, self.tiled_mma_pv
         spec = self.mask
         wg = cute.arch.make_warp_uniform(tidx // 128)
         wg_thread0 = wg * 128
@@ -389,11 +289,14 @@ class HstuForwardSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        zero_copy_v = self.zero_copy_v
+        # Always the tile loop (one tile per CTA leaves it after the first step): the consumer's
+        # pipeline states stay in this scope, which keeps the shipped PTX's register order.
         tiles = TileScheduler(walk)
         num_tiles, next_tile = tiles.num_tiles, tiles.next  # no method call on a loop-carried name
         tile = tiles.first()
         while tile < num_tiles:
-            m_block, head, batch, q_start, k_start, seq, live, sched = self.tile_problem(tiles, seqinfo, tile)
+            live, (m_block, head, batch, q_start, k_start, seq, sched) = self.tile_problem(tiles, seqinfo, tile)
             n_lo, hole_lo, hole_size, n_count = sched
             if live:
                 row_first = seq.row_offset + m_block * self.tile_m

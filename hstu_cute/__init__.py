@@ -1,7 +1,7 @@
 """hstu-cute: HSTU (SiLU, jagged) attention for NVIDIA GPUs in the CUTLASS CuTe DSL.
 
-``hstu_attn_varlen_func`` is the FBGEMM-compatible entry point (spec: section 1 of
-shared/spec/hstu-attention.md); ``warmup`` precompiles kernel variants into the module cache
+``hstu_attn_varlen_func`` is the FBGEMM-compatible entry point (the contract:
+docs/operator.md); ``warmup`` precompiles kernel variants into the module cache
 (works without a GPU). ``python -m hstu_cute --help`` lists the command-line tools.
 
 Importing this package is cheap: torch and the CuTe DSL (cutlass) are imported on first use.

@@ -1,6 +1,6 @@
-"""Benchmarks: the workload grid of shared/perf/README.md with reference lines timed in the same run.
+"""Benchmarks: the workload grid of docs/operator.md with reference lines timed in the same run.
 
-FLOP counts (the peers' convention, shared/perf/README.md):
+FLOP counts (the peers' convention, docs/operator.md):
   * ``causal``: ``2 * H * D * sum(n^2)`` for causal-family masks (context/target included), no
     subtraction of masked entries;
   * ``dense``: twice that (no mask);

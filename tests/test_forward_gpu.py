@@ -14,7 +14,7 @@ import zlib
 import pytest
 import torch
 
-from hstu_cute import hstu_attn_varlen_func, launch, reference, validation
+from hstu_cute import hstu_attn_varlen_func, launch, reference, validation, variants
 from hstu_cute.testing import random_jagged_batch
 
 pytestmark = [
@@ -34,7 +34,7 @@ MASKS = {
     "ctx+tgt g222": dict(window_size=(-1, 0), num_contexts=333, num_targets=1111, target_group_size=222),
 }
 DTYPES = [torch.bfloat16, torch.float16]
-HEAD_DIMS = [32, 64, 128, 256]
+HEAD_DIMS = list(variants.HEAD_DIMS)
 RABS = [None, 1, "H"]
 
 

@@ -17,7 +17,7 @@ import zlib
 import pytest
 import torch
 
-from hstu_cute import api, arch, hstu_attn_varlen_func, reference, validation
+from hstu_cute import api, arch, hstu_attn_varlen_func, reference, validation, variants
 from hstu_cute.testing import random_jagged_batch
 
 pytestmark = [
@@ -325,7 +325,7 @@ def test_backward_d128_default_repeats_agree(path, fused_any_length):
             torch.testing.assert_close(got[n], want[n], rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize("head_dim", variants.HEAD_DIMS)
 def test_backward_head_dims_fp16(head_dim, path):
     b = random_jagged_batch(3, H, head_dim, 130, device="cuda", dtype=torch.float16, lengths=[130, 17, 1],
                             window_size=(-1, 0), num_targets=9, target_group_size=2, rab_heads=1, seed=7)

@@ -79,7 +79,7 @@ def compute(archs: list[str], workers: int, every_arch_pair: bool = False, only:
 
 
 def compare(before: Path, after: Path) -> int:
-    a, b = before.read_text().splitlines(), after.read_text().splitlines()
+    a, b = ([line for line in p.read_text().splitlines() if line and not line.startswith("#")] for p in (before, after))
     if len(a) != len(b):
         print(f"variant count differs: {len(a)} vs {len(b)}")
         return 1

@@ -163,37 +163,57 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
                       lpt_order=int(p.mask.kind == masks.MaskKind.CAUSAL and max_seqlen_q > 4 * key.tile_m))
     # The launch goes to the current device's current stream (TVM-FFI env stream); switching
     # devices costs ~10 us, so only do it when q lives elsewhere.
-    if device.index == torch.cuda.current_device():
+    with _on_device(device):
         _launch(key, compiled, values)
-    else:
-        with torch.cuda.device(device):
-            _launch(key, compiled, values)
     return out
 
 
 # ---------------------------------------------------------------------------------------------
 # Backward
 # ---------------------------------------------------------------------------------------------
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+class _SideStream:
+    """A device's side stream and the two events that fork it from, and join it back into, the
+    current stream. Reused across calls: a wait captures the event's state when it is issued, so
+    recording the event again later is safe (CUDA-graph capture included)."""
+
+    def __init__(self, device):
+        self.stream = torch.cuda.Stream(device)
+        self.fork = torch.cuda.Event()
+        self.join = torch.cuda.Event()
+
+
+_SIDE_STREAMS: dict[int, _SideStream] = {}
 
 
 @contextlib.contextmanager
 def _beside(device):
     """Launches in the body go to a side stream forked from, and joined back into, the current
     stream (CUDA-graph capture included): the dK/dV and dQ kernels are independent, so the second
-    fills the SMs the first leaves idle in its last wave."""
-    main = torch.cuda.current_stream(device)
+    fills the SMs the first leaves idle in its last wave. Events and stream are reused and the
+    stream is switched with ``torch.cuda.set_stream``: the ``wait_stream`` / ``torch.cuda.stream``
+    pair cost 23 us of CPU per call on the H100 host (scripts/host_breakdown.py)."""
     side = _SIDE_STREAMS.get(device.index)
     if side is None:
         if torch.cuda.is_current_stream_capturing():
             # No stream creation inside a CUDA-graph capture: this call runs in line.
             yield
             return
-        side = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
+        side = _SIDE_STREAMS[device.index] = _SideStream(device)
+    main = torch.cuda.current_stream(device)
+    side.fork.record(main)
+    side.stream.wait_event(side.fork)
+    torch.cuda.set_stream(side.stream)
+    try:
         yield
-    main.wait_stream(side)
+    finally:
+        torch.cuda.set_stream(main)
+        side.join.record(side.stream)
+        main.wait_event(side.join)
+
+
+def _on_device(device):
+    """The device's context, or nothing when it is already current (switching costs ~2 us)."""
+    return contextlib.nullcontext() if device.index == torch.cuda.current_device() else torch.cuda.device(device)
 
 
 def backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
@@ -242,7 +262,7 @@ def backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seql
                                    num_targets, context_target),
                   **_scalar_args(p, alpha, target_group_size))
     common = (device_arch(device), DTYPE_NAMES[p.dtype], p.head_dim, p.mask.kind, context_target, rab is not None)
-    with torch.cuda.device(device):
+    with _on_device(device):
         if path == "hopper" and p.head_dim in HOPPER_WIDE_HEAD_DIMS:
             _backward_wide(values, common, device, rab, drab, sum_heads, has_drab, deterministic, p,
                            max_seqlen_q, max_seqlen_k, tiles_dq, tiles_dkdv)

@@ -11,7 +11,14 @@ import tvm_ffi  # noqa: F401  (the kernels' calling convention; importing it her
 #                  one-time cost out of the first call, e.g. out of a disk-cache load)
 
 from .launch import backward, forward
-from .validation import check_device_data, device_checks_enabled, fail, problem_of_op_args, validate
+from .validation import (
+    check_device_data,
+    device_checks_enabled,
+    fail,
+    problem_of_op_args,
+    validate,
+    validate_memoized,
+)
 
 __all__ = ["hstu_attn_varlen_func", "fwd_op", "bwd_op"]
 
@@ -253,10 +260,11 @@ def hstu_attn_varlen_func(
     """
     if not isinstance(deterministic, bool):
         fail(TypeError, "deterministic", "a bool", type(deterministic).__name__)
-    p = validate(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-                 target_group_size, window_size, alpha, rab, has_drab, is_delta_q, descale_q, descale_k,
-                 descale_v, descale_do, quant_mode, scaling_seqlen, seqused_q, seqused_k)
     eager = _eager(q)
+    p = (validate_memoized if eager else validate)(
+        q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+        target_group_size, window_size, alpha, rab, has_drab, is_delta_q, descale_q, descale_k, descale_v, descale_do,
+        quant_mode, scaling_seqlen, seqused_q, seqused_k)
     if eager:
         _check_data(p, q, k, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
                     seqused_q, seqused_k)

@@ -225,6 +225,38 @@ def check_device_data(p: Problem, seq_offsets_q, seq_offsets_k, max_seqlen_q, ma
                   f"c={c.tolist()[:16]} t={t.tolist()[:16]}")
 
 
+_VALIDATED: dict = {}
+
+
+def _signature(x):
+    """What :func:`validate` reads of one argument: a tensor's type, dtype, shape, strides and
+    device; a sequence's items; any other value with its type (``True`` and ``1`` differ)."""
+    if isinstance(x, torch.Tensor):
+        return (type(x), x.dtype, x.shape, x.stride(), x.device)
+    if x is None:
+        return None
+    if isinstance(x, (tuple, list)):
+        return (type(x), tuple(_signature(e) for e in x))
+    return (type(x), x)
+
+
+def validate_memoized(*args) -> Problem:
+    """:func:`validate`, run once per argument signature (eager calls: plain tensors with concrete
+    shapes). A repeated signature skips the ~15 us of checks (H100 host, scripts/host_breakdown.py);
+    failures are never memoized, so a bad call raises every time."""
+    try:
+        signature = tuple(map(_signature, args))
+        p = _VALIDATED.get(signature)
+    except TypeError:  # an unhashable argument: check it the long way (it will likely fail)
+        return validate(*args)
+    if p is None:
+        p = validate(*args)
+        if len(_VALIDATED) >= 1024:
+            _VALIDATED.clear()
+        _VALIDATED[signature] = p
+    return p
+
+
 _PROBLEMS: dict = {}
 
 

@@ -448,3 +448,44 @@ def test_device_data_checks(case):
     with pytest.raises(ValueError) as info:
         _device_check(**over)
     _check_message(info.value, name, expected, actual)
+
+
+# ---------------------------------------------------------------------------------------------
+# validate_memoized: the eager path checks each argument signature once
+# ---------------------------------------------------------------------------------------------
+def _meta_args(**override):
+    T, H, D = 10, 2, 64
+    q, k, v = (torch.empty(T, H, D, dtype=BF16, device="meta") for _ in range(3))
+    off = torch.empty(3, dtype=torch.int32, device="meta")
+    args = dict(q=q, k=k, v=v, seq_offsets_q=off, seq_offsets_k=off, max_seqlen_q=8, max_seqlen_k=8, num_contexts=None,
+                num_targets=None, target_group_size=1, window_size=(-1, 0), alpha=0.5, rab=None, has_drab=False,
+                is_delta_q=False, descale_q=None, descale_k=None, descale_v=None, descale_do=None, quant_mode=-1,
+                scaling_seqlen=-1, seqused_q=None, seqused_k=None)
+    args.update(override)
+    return tuple(args.values())
+
+
+def test_validate_memoized_checks_a_signature_once(monkeypatch):
+    calls = []
+    real = validation.validate
+    monkeypatch.setattr(validation, "validate", lambda *a: calls.append(1) or real(*a))
+    validation._VALIDATED.clear()
+    p1 = validation.validate_memoized(*_meta_args())
+    p2 = validation.validate_memoized(*_meta_args())  # new tensors, same signature
+    assert p1 is p2 and len(calls) == 1
+    validation.validate_memoized(*_meta_args(alpha=0.25))  # another scalar: checked again
+    wide = torch.empty(10, 2, 128, dtype=BF16, device="meta")[..., :64]  # other strides, same shape
+    validation.validate_memoized(*_meta_args(q=wide))
+    assert len(calls) == 3
+
+
+def test_validate_memoized_never_caches_a_failure():
+    validation._VALIDATED.clear()
+    validation.validate_memoized(*_meta_args())
+    for _ in range(2):  # True == 1 and hash(True) == hash(1): the type is part of the signature
+        with pytest.raises(TypeError, match="target_group_size"):
+            validation.validate_memoized(*_meta_args(target_group_size=True))
+    bad_dtype = torch.empty(10, 2, 64, dtype=torch.float32, device="meta")
+    for _ in range(2):
+        with pytest.raises(TypeError, match="q: expected dtype"):
+            validation.validate_memoized(*_meta_args(q=bad_dtype))

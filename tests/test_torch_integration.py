@@ -383,6 +383,7 @@ def oracle_kernels(monkeypatch):
         return validate(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args])
 
     monkeypatch.setattr(api, "validate", validate_on_meta)
+    monkeypatch.setattr(api, "validate_memoized", validate_on_meta)  # the eager path's entry
     monkeypatch.setattr(api, "forward", _oracle_forward)
     monkeypatch.setattr(api, "backward", _oracle_backward)
     CALLS.clear()

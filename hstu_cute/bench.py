@@ -283,11 +283,25 @@ def run_workload_bwd(w: Workload, sets: int = 3, tiles_dq: dict | None = None, t
     return row
 
 
+def host_us_per_call(fn, calls: int, warmup: int = 20) -> float:
+    """CPU microseconds per ``fn()`` over ``calls`` calls queued with no sync inside the loop (the
+    GPU work of a tiny problem is negligible, so this is the host path)."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
 def host_overhead_us(n: int = 2000) -> dict:
     """Host time per call on a tiny problem (no sync inside the loop): the public API, its
     validation alone, and the bare compiled launch with prepared arguments."""
-    import time
-
     from . import api, arch, launch, validation
     from .cache import default_cache
     from .compile import build
@@ -309,14 +323,7 @@ def host_overhead_us(n: int = 2000) -> dict:
         num_m_blocks=1))
 
     def per_call(fn):
-        fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        return (t1 - t0) / n * 1e6
+        return host_us_per_call(fn, n)
 
     return {
         "api_us": per_call(lambda: api.hstu_attn_varlen_func(**kw)),

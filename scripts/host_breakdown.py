@@ -14,7 +14,8 @@ import torch
 from hstu_cute import arch, hstu_attn_varlen_func, launch, validation
 from hstu_cute.kernel_args import ordered
 
-from profile_host import _inputs, per_call_us
+from hstu_cute.bench import host_us_per_call as per_call_us
+from profile_host import _inputs
 
 
 class _Empty(torch.autograd.Function):

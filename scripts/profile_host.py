@@ -11,11 +11,11 @@ import argparse
 import cProfile
 import io
 import pstats
-import time
 
 import torch
 
 from hstu_cute import hstu_attn_varlen_func
+from hstu_cute.bench import host_us_per_call as per_call_us
 
 
 def _inputs(head_dim: int, requires_grad: bool):
@@ -26,18 +26,6 @@ def _inputs(head_dim: int, requires_grad: bool):
                for _ in range(3))
     return dict(q=q, k=k, v=v, seq_offsets_q=offsets, seq_offsets_k=offsets, max_seqlen_q=max(lengths),
                 max_seqlen_k=max(lengths), window_size=(-1, 0), alpha=0.125)
-
-
-def per_call_us(fn, calls: int) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
 
 
 def main(argv=None) -> None:

@@ -266,16 +266,6 @@ def prefetch_tma_descriptors(*atoms):
             cpasync.prefetch_descriptor(atom)
 
 
-def tma_token_tiles(atom, tma_x, sX, start: Int32, head: Int32, tile_shape, coord):
-    """(smem, gmem) TMA partitions of the ``tile_shape`` tiles of head ``head`` of a token tensor
-    (``tma_x`` as made by :func:`sm90_tma_atom_tokens`) from token ``start`` on, at tile ``coord``
-    (None in a mode keeps that mode as the tile index)."""
-    from cutlass.cute.nvgpu import cpasync
-
-    gX = cute.local_tile(cute.domain_offset((start, 0), tma_x[None, None, head]), tile_shape, coord)
-    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
-
-
 def trivial_mma(dtype, n: int, b_mn_major: bool, num_mma_wg: int, atom_layout=None, a_in_registers: bool = False,
                 a_mn_major: bool = False):
     """A warpgroup tiled MMA with 64-row atoms and ``n`` columns: A K-major (or ``a_mn_major``) in

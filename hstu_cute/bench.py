@@ -24,7 +24,7 @@ class Workload:
     max_len: int
     heads: int = 4
     head_dim: int = 128
-    lengths: str = "full"  # full | uniform90 | zipf
+    lengths: str = "full"  # full | uniform90 (uniform [0.9 N, N)) | uniform1 (uniform [1, N]) | zipf
     window: tuple = (-1, 0)
     contexts: int | None = None
     targets: int | None = None
@@ -55,6 +55,20 @@ def default_grid() -> list[Workload]:
     return g
 
 
+def recsys_grid() -> list[Workload]:
+    """Where recommenders live: short full-length batches and jagged user histories with targets
+    (D128 bf16 causal, H4). On jagged rows the SDPA line runs the padded dense batch: what a user
+    pays by padding, as effective TFLOP/s on the jagged FLOPs."""
+    return [
+        Workload("full B1024 N256", 1024, 256, sdpa=True),
+        Workload("full B128 N512", 128, 512, sdpa=True),
+        Workload("full B32 N1024", 32, 1024, sdpa=True),
+        Workload("jagged u[1,N] B128 N2048 tgt32", 128, 2048, lengths="uniform1", targets=32, sdpa=True),
+        Workload("short jagged u[1,256] B4096 tgt8", 4096, 256, lengths="uniform1", targets=8, sdpa=True),
+        Workload("zipf B512 N1024 ctx8 tgt16", 512, 1024, lengths="zipf", contexts=8, targets=16, sdpa=True),
+    ]
+
+
 def headline() -> Workload:
     return Workload("full B8 N4096 D128", 8, 4096, head_dim=128, sdpa=True)
 
@@ -65,6 +79,8 @@ def _lengths(w: Workload, gen: torch.Generator) -> list[int]:
     if w.lengths == "uniform90":
         lo = int(0.9 * w.max_len)
         return torch.randint(lo, w.max_len, (w.batch,), generator=gen).tolist()
+    if w.lengths == "uniform1":
+        return torch.randint(1, w.max_len + 1, (w.batch,), generator=gen).tolist()
     if w.lengths == "zipf":
         # Zipf(1.2) over 1..max_len by inverse-CDF sampling of the truncated distribution.
         ranks = torch.arange(1, w.max_len + 1, dtype=torch.float64)
@@ -176,9 +192,41 @@ def gemm_tflops() -> float:
     return 2 * 8192**3 / ms / 1e9
 
 
-def sdpa_tflops(w: Workload, backend: str, backward: bool = False) -> float | None:
-    """torch SDPA (softmax) on the dense shape of ``w``: the reference lines. ``backward``: the
-    gradient pass alone (q, k, v from a saved forward), FLOPs 2.5 x the forward's."""
+def _flush_l2():
+    """A buffer whose zeroing evicts the 50 MB L2 (H100) before a timed sample."""
+    global _L2_FLUSH
+    if _L2_FLUSH is None:
+        _L2_FLUSH = torch.empty(64 * 2**20, dtype=torch.int32, device="cuda")
+    return _L2_FLUSH
+
+
+_L2_FLUSH = None
+
+
+def time_flushed(fns, warmup: int = 3, reps: int = 20) -> tuple[float, float]:
+    """Median and IQR (ms) of samples rotating over ``fns``, L2 flushed before each sample (outside
+    the events), launches queued with no host sync inside the loop."""
+    flush = _flush_l2()
+    for i in range(warmup):
+        fns[i % len(fns)]()
+    torch.cuda.synchronize()
+    events = []
+    for i in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fns[i % len(fns)]()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(end) for start, end in events)
+    return statistics.median(times), times[(3 * len(times)) // 4] - times[len(times) // 4]
+
+
+def sdpa_ms(w: Workload, backend: str, mode: str = "fwd") -> float | None:
+    """torch SDPA (softmax) on the dense (padded) shape of ``w``, in ms: ``fwd``, ``bwd`` (the
+    gradient pass alone, from a saved forward) or ``step`` (autograd forward + backward, L2
+    flushed before each sample). None where the backend cannot run the shape."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
@@ -190,18 +238,49 @@ def sdpa_tflops(w: Workload, backend: str, backward: bool = False) -> float | No
         with sdpa_kernel([be]):
             for _ in range(3):
                 q, k, v = (torch.randn(w.batch, w.heads, w.max_len, w.head_dim, device="cuda", dtype=dtype,
-                                       requires_grad=backward) for _ in range(3))
-                if backward:
+                                       requires_grad=mode != "fwd") for _ in range(3))
+                if mode == "bwd":
                     out = sdpa(q, k, v, is_causal=causal)
                     fns.append(lambda out=out, q=q, k=k, v=v, dout=torch.randn_like(out): torch.autograd.grad(
                         out, (q, k, v), dout, retain_graph=True))
+                elif mode == "step":
+                    fns.append(lambda q=q, k=k, v=v, dout=torch.randn_like(q): torch.autograd.grad(
+                        sdpa(q, k, v, is_causal=causal), (q, k, v), dout))
                 else:
                     fns.append(lambda q=q, k=k, v=v: sdpa(q, k, v, is_causal=causal))
-            ms, _ = time_cuda(fns)
+            ms, _ = time_flushed(fns) if mode == "step" else time_cuda(fns)
     except RuntimeError:
         return None
-    f = 2.0 * w.heads * w.head_dim * w.batch * w.max_len**2 * (1 if causal else 2)
-    return (2.5 if backward else 1.0) * f / ms / 1e9
+    return ms
+
+
+_STEP_FLOPS = {"fwd": 1.0, "bwd": 2.5, "step": 3.5}
+
+
+def sdpa_tflops(w: Workload, backend: str, backward: bool = False, mode: str | None = None,
+                flop_count: float | None = None) -> float | None:
+    """TFLOP/s of :func:`sdpa_ms`: by default on the dense shape's FLOPs (the reference lines);
+    with ``flop_count`` (a jagged workload's forward FLOPs) the effective rate of padding."""
+    mode = mode or ("bwd" if backward else "fwd")
+    ms = sdpa_ms(w, backend, mode)
+    if ms is None:
+        return None
+    causal = w.window == (-1, 0)
+    f = flop_count if flop_count is not None else (
+        2.0 * w.heads * w.head_dim * w.batch * w.max_len**2 * (1 if causal else 2))
+    return _STEP_FLOPS[mode] * f / ms / 1e9
+
+
+def _sdpa_lines(w: Workload, row: dict, f: float, mode: str) -> None:
+    """The SDPA reference lines of ``row``: the dense shape, or for jagged workloads the padded
+    batch as effective TFLOP/s on the jagged FLOPs."""
+    if not w.sdpa:
+        return
+    jagged = None if w.lengths == "full" else f
+    row["sdpa_flash"] = sdpa_tflops(w, "flash", mode=mode, flop_count=jagged) if mode != "step" else None
+    row["sdpa_cudnn"] = sdpa_tflops(w, "cudnn", mode=mode, flop_count=jagged)
+    if jagged is not None:
+        row["sdpa_padded"] = True
 
 
 def run_workload(w: Workload, tiles: dict | None = None, sets: int = 3, path: str | None = None) -> dict:
@@ -228,9 +307,7 @@ def run_workload(w: Workload, tiles: dict | None = None, sets: int = 3, path: st
     f, convention = flops(w, lens_q, lens_k)
     row = dict(workload=w.name, ms=ms, iqr_ms=iqr, tflops=f / ms / 1e9, flops=convention,
                tiles=tiles or "default", path=path or arch.kernel_path(inputs[0]["q"].device))
-    if w.sdpa:
-        row["sdpa_flash"] = sdpa_tflops(w, "flash")
-        row["sdpa_cudnn"] = sdpa_tflops(w, "cudnn")
+    _sdpa_lines(w, row, f, "fwd")
     return row
 
 
@@ -277,9 +354,30 @@ def run_workload_bwd(w: Workload, sets: int = 3, tiles_dq: dict | None = None, t
         tiles += " deterministic"
     row = dict(workload=w.name + " bwd", ms=ms, iqr_ms=iqr, tflops=2.5 * f / ms / 1e9, flops=convention + " x2.5",
                tiles=tiles, path=path or arch.kernel_path(torch.device("cuda")))
-    if w.sdpa:
-        row["sdpa_flash"] = sdpa_tflops(w, "flash", backward=True)
-        row["sdpa_cudnn"] = sdpa_tflops(w, "cudnn", backward=True)
+    _sdpa_lines(w, row, f, "bwd")
+    return row
+
+
+def run_training_step(w: Workload, sets: int = 3) -> dict:
+    """A training step as a model runs it: autograd forward + backward of the public call per
+    sample (gradients of q, k, v), L2 flushed before each sample, launches queued with no host
+    sync inside; FLOPs 3.5 x the forward's."""
+    from .api import hstu_attn_varlen_func
+
+    calls = []
+    for s in range(sets):
+        full = make_inputs(w, seed=s)
+        kw = {k: v for k, v in full.items() if not k.startswith("_")}
+        for name in ("q", "k", "v"):
+            kw[name].requires_grad_(True)
+        dout = torch.rand_like(kw["q"])
+        calls.append(lambda kw=kw, dout=dout: torch.autograd.grad(hstu_attn_varlen_func(**kw),
+                                                                  (kw["q"], kw["k"], kw["v"]), dout))
+    ms, iqr = time_flushed(calls)
+    f, convention = flops(w, full["_lens_q"], full["_lens_k"])
+    row = dict(workload=w.name + " step", ms=ms, iqr_ms=iqr, tflops=3.5 * f / ms / 1e9, flops=convention + " x3.5",
+               tiles="training step")
+    _sdpa_lines(w, row, f, "step")
     return row
 
 
@@ -325,8 +423,12 @@ def host_overhead_us(n: int = 2000) -> dict:
     def per_call(fn):
         return host_us_per_call(fn, n)
 
+    train = {**kw, **{n: kw[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v")}}
+    dout = torch.ones_like(kw["q"])
     return {
         "api_us": per_call(lambda: api.hstu_attn_varlen_func(**kw)),
+        "fwd_bwd_step_us": per_call(lambda: torch.autograd.grad(api.hstu_attn_varlen_func(**train),
+                                                                (train["q"], train["k"], train["v"]), dout)),
         "validate_us": per_call(lambda: validation.validate(
             kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
             kw["max_seqlen_k"], None, None, 1, kw["window_size"], 1.0, None, False, False,

@@ -551,7 +551,8 @@ def _bench_gpu(args, console, dev, name: str) -> int:
     if served is None:
         return 1
     path, arch = served
-    workloads = [bench.headline()] if args.grid == "headline" else bench.default_grid()
+    workloads = {"headline": lambda: [bench.headline()], "full": bench.default_grid,
+                 "recsys": bench.recsys_grid}[args.grid]()
     if args.limit is not None:
         workloads = workloads[: args.limit]
     meta = dict(gpu=name, arch=arch, kernel_path=path, torch=torch.__version__,
@@ -561,15 +562,20 @@ def _bench_gpu(args, console, dev, name: str) -> int:
                   f"{args.direction.replace('both', 'forward and backward')}, bf16 unless named; FLOP convention "
                   "of docs/operator.md")
 
-    both = path == "hopper"  # the sm80 kernels on the same inputs, side by side
+    # The sm80 kernels on the same inputs, side by side (not on the recsys grid: its point is the
+    # training step, which gets its own rows there).
+    both = path == "hopper" and args.grid != "recsys"
     directions = ("fwd", "bwd") if args.direction == "both" else (args.direction,)
-    rows: dict[str, list[dict]] = {"fwd": [], "bwd": []}
+    if args.grid == "recsys" and args.direction == "both":
+        directions += ("step",)
+    rows: dict[str, list[dict]] = {"fwd": [], "bwd": [], "step": []}
     with torch.cuda.device(dev):
         gemm = bench.gemm_tflops()
         with Progress(console=console, transient=True) as bar:
             for direction in directions:
                 todo = workloads
-                run = bench.run_workload if direction == "fwd" else bench.run_workload_bwd
+                run = {"fwd": bench.run_workload, "bwd": bench.run_workload_bwd,
+                       "step": bench.run_training_step}[direction]
                 task = bar.add_task(direction, total=len(todo))
                 for w in todo:
                     bar.update(task, description=f"{direction} {w.name}")
@@ -590,7 +596,8 @@ def _bench_gpu(args, console, dev, name: str) -> int:
             overhead = {"error": f"{type(exc).__name__}: {exc}"}
 
     for direction in directions:
-        title = {"fwd": "forward", "bwd": "backward (dq, dk, dv)"}[direction]
+        title = {"fwd": "forward", "bwd": "backward (dq, dk, dv)",
+                 "step": "training step (autograd forward + backward, L2 flushed before each sample)"}[direction]
         console.print(_bench_table(f"hstu_cute {title} on {name} ({arch}, {path} kernels)", rows[direction], gemm,
                                    both))
     if "api_us" in overhead:
@@ -602,7 +609,10 @@ def _bench_gpu(args, console, dev, name: str) -> int:
     console.print("SDPA lines: torch scaled_dot_product_attention (softmax) on the same dense shapes, timed in this "
                   "run (backward: the gradient pass alone, FLOPs 2.5x the forward's); '-' where a workload has no "
                   "dense equivalent or the backend is unavailable.")
-    all_rows = rows["fwd"] + rows["bwd"]
+    if any(r.get("sdpa_padded") for direction in directions for r in rows[direction]):
+        console.print("Jagged rows: the SDPA lines run the padded dense batch (B, H, N, D), shown as effective "
+                      "TFLOP/s on the jagged FLOPs: what a user pays by padding.")
+    all_rows = rows["fwd"] + rows["bwd"] + rows["step"]
     if args.out:
         with open(args.out, "a", encoding="utf-8") as fh:
             for row in all_rows:
@@ -737,8 +747,9 @@ def build_parser() -> argparse.ArgumentParser:
             "Time the kernels on the benchmark workloads, with the bf16 GEMM peak and torch SDPA (flash, "
             "cuDNN) timed in the same run as reference lines; FLOPs by the convention of docs/operator.md. "
             "Needs a GPU (without one it says so and exits 0).")
-    p.add_argument("--grid", choices=("headline", "full"), default="headline",
-                   help="headline: B8 N4096 D128 causal; full: the whole workload grid (docs/operator.md)")
+    p.add_argument("--grid", choices=("headline", "full", "recsys"), default="headline",
+                   help="headline: B8 N4096 D128 causal; full: the whole workload grid (docs/operator.md); recsys: "
+                        "short and jagged recommender shapes with a training-step row each")
     p.add_argument("--direction", choices=("fwd", "bwd", "both"), default="both",
                    help="time the forward, the backward or both")
     p.add_argument("--out", default=None, metavar="FILE",

@@ -257,11 +257,9 @@ def sdpa_ms(w: Workload, backend: str, mode: str = "fwd") -> float | None:
 _STEP_FLOPS = {"fwd": 1.0, "bwd": 2.5, "step": 3.5}
 
 
-def sdpa_tflops(w: Workload, backend: str, backward: bool = False, mode: str | None = None,
-                flop_count: float | None = None) -> float | None:
+def sdpa_tflops(w: Workload, backend: str, mode: str = "fwd", flop_count: float | None = None) -> float | None:
     """TFLOP/s of :func:`sdpa_ms`: by default on the dense shape's FLOPs (the reference lines);
     with ``flop_count`` (a jagged workload's forward FLOPs) the effective rate of padding."""
-    mode = mode or ("bwd" if backward else "fwd")
     ms = sdpa_ms(w, backend, mode)
     if ms is None:
         return None

@@ -64,7 +64,7 @@ def compute(archs: list[str], workers: int, every_arch_pair: bool = False, only:
         # The sm80 kernels' PTX for sm_90a differs from their sm_80 PTX only in the target line:
         # with both archs asked for, each kernel family is digested once (as CI compiles them).
         keys += [k for k in shipped_keys(arch)
-                 if not (every_arch_pair is False and arch.startswith("sm_90") and "sm_80" in archs
+                 if not (not every_arch_pair and arch.startswith("sm_90") and "sm_80" in archs
                          and k.kernel_name.startswith("ampere"))]
     if only:
         keys = [k for k in keys if any(re.search(pattern, k.describe()) for pattern in only)]

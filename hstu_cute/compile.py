@@ -39,7 +39,8 @@ def _hopper_fwd(key):
     from .hopper.fwd import HstuForwardSm90
 
     return HstuForwardSm90(_dsl_dtype(key.dtype), key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n,
-                           key.num_stages, key.fast_silu, key.intra_wg_overlap, key.pingpong, key.persistent)
+                           key.num_stages, key.fast_silu, key.intra_wg_overlap, key.pingpong, key.persistent,
+                           key.q_stages)
 
 
 def _hopper_bwd(key):

@@ -148,6 +148,8 @@ _DQ = Arg("mdQ", _tokens("tokens_q"))
 _TMA_RAB = Arg("mRab", _slab(4, 8, last_stride_64=True), _has_rab)  # rows 16-byte aligned (TMA)
 _SM80_RAB16 = Arg("mRab", _slab(4, 8), _has_rab)  # the backward pads rab rows to 16 bytes
 _NUM_SMS = Arg("num_sms", _i32)
+# (batch, head) pairs per section of the tile walk (common.tile_scheduler.SectionWalk)
+_BH_PER_SECTION = Arg("bh_per_section", _i32)
 
 
 def _wide_drab(s: FakeShapes):
@@ -169,9 +171,9 @@ SPECS: dict[str, tuple[Arg, ...]] = {
                       *_SCALARS, Arg("num_m_blocks", _i32)),
     "ampere_bwd_dkdv": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _SM80_RAB16, *_SCALARS, Arg("num_n_blocks", _i32)),
     "hopper_fwd": (_Q, _K, _V, Arg("mO", _tokens("tokens_q")), *_SEQUENCES, _TMA_RAB, *_SCALARS,
-                   Arg("num_m_blocks", _i32), _NUM_SMS,
-                   Arg("lpt_order", _i32)),  # 1: longest causal rows first; 0: a sequence's m-blocks together
-    "hopper_bwd_dq": (_Q, _K, _V, _DO, _DQ, *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS),
+                   Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION),
+    "hopper_bwd_dq": (_Q, _K, _V, _DO, _DQ, *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS,
+                      _BH_PER_SECTION),
     "hopper_bwd_wide": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _TMA_RAB,
                         Arg("mdRab", _wide_drab, lambda key: key.has_drab), *_SCALARS, Arg("num_n_blocks", _i32)),
 }
@@ -179,7 +181,7 @@ SPECS: dict[str, tuple[Arg, ...]] = {
 # TMA reduce-adds into (16-byte strides).
 SPECS["hopper_bwd_dkdv"] = SPECS["hopper_bwd_fused"] = (
     _Q, _K, _V, _DO, _DK, _DV, Arg("mdQaccum", _tokens("tokens_q", "Float32", 4), lambda key: key.role == "fused"),
-    *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_n_blocks", _i32), _NUM_SMS,
+    *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_n_blocks", _i32), _NUM_SMS, _BH_PER_SECTION,
 )
 
 

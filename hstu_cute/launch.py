@@ -14,7 +14,6 @@ import dataclasses
 
 import torch
 
-from . import masks
 from .arch import device_arch, kernel_path, num_sms
 from .cache import default_cache
 from .compile import build
@@ -157,15 +156,34 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
                                    num_targets, key.has_context),
                   **_scalar_args(p, alpha, target_group_size))
     if path == "hopper":
-        # Longest-first tile order pays for long causal rows; for short sequences (a few m-blocks
-        # each) keeping a sequence's m-blocks together wins through L2 (B1024 N256: 144 vs 115 TF).
-        values.update(num_sms=num_sms(device),
-                      lpt_order=int(p.mask.kind == masks.MaskKind.CAUSAL and max_seqlen_q > 4 * key.tile_m))
+        values.update(num_sms=num_sms(device), bh_per_section=bh_per_section(p, k.shape[0], max_seqlen_k, key.persistent))
     # The launch goes to the current device's current stream (TVM-FFI env stream); switching
     # devices costs ~10 us, so only do it when q lives elsewhere.
     with _on_device(device):
         _launch(key, compiled, values)
     return out
+
+
+# The part of the H100's 50 MB L2 that one section of a kernel's tile walk may fill with the
+# operands its tiles share (common.tile_scheduler.SectionWalk). H100 sweep, session 9 (docs/perf-log.md):
+# 8 MB is best or near it on jagged batches (B128 N2048 forward 355 TF against 281 with one
+# section, Zipf B512 N1024 84 against 54 with one pair per section).
+L2_SECTION_BYTES = 8 * 2**20
+
+
+def bh_per_section(p: Problem, shared_tokens: int, max_seqlen: int, persistent: bool) -> int:
+    """(batch, head) pairs per section of the tile walk. Persistent kernels on a batch of full
+    sequences (``shared_tokens`` == batch x ``max_seqlen``: known without reading the offsets)
+    take one pair per section: their static snake order stays balanced (the heaviest CTA within
+    3% of the mean), where other sections can leave one CTA 1.5-1.7x the mean (B8 N4096 forward
+    434 TF with 4 pairs per section, 667 with one). Otherwise as many pairs as fit their two
+    shared operands of an average sequence (K and V for the forward and dQ kernels, Q and dO
+    for the dK/dV kernels) in :data:`L2_SECTION_BYTES`."""
+    pairs = p.batch * p.heads
+    if persistent and shared_tokens == p.batch * max_seqlen:
+        return 1
+    per_pair = 2 * p.head_dim * p.dtype.itemsize * max(shared_tokens // max(p.batch, 1), 1)
+    return max(1, min(L2_SECTION_BYTES // per_pair, pairs))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,6 +279,8 @@ def backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seql
                   **_sequence_args(p, device, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
                                    num_targets, context_target),
                   **_scalar_args(p, alpha, target_group_size))
+    if path == "hopper":
+        values.update(num_sms=num_sms(device))
     common = (device_arch(device), DTYPE_NAMES[p.dtype], p.head_dim, p.mask.kind, context_target, rab is not None)
     with _on_device(device):
         if path == "hopper" and p.head_dim in HOPPER_WIDE_HEAD_DIMS:
@@ -270,9 +290,10 @@ def backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seql
             fused = (path == "hopper" and not has_drab and not deterministic
                      and p.head_dim in HOPPER_FUSED_HEAD_DIMS and max_seqlen_k >= FUSED_MIN_SEQLEN_K)
             if fused:
-                return _backward_fused(values, common, device, q, max_seqlen_k, tiles_dkdv), dk, dv, None
-            _backward_pair(values, common, device, path, rab, drab, sum_heads, has_drab, max_seqlen_q, max_seqlen_k,
-                           tiles_dq, tiles_dkdv)
+                dq = _backward_fused(values, common, device, q, p, max_seqlen_q, max_seqlen_k, tiles_dkdv)
+                return dq, dk, dv, None
+            _backward_pair(values, common, device, path, rab, drab, sum_heads, has_drab, p, max_seqlen_q,
+                           max_seqlen_k, tiles_dq, tiles_dkdv)
     return dq, dk, dv, (drab_view if drab_view is not None else drab)
 
 
@@ -290,25 +311,26 @@ def _backward_wide(values, common, device, rab, drab, sum_heads, has_drab, deter
         drab_out = torch.zeros((rab.shape[0], rab.shape[2], rab.shape[3]), dtype=torch.float32, device=device)
     elif sum_heads:
         drab_out = torch.zeros((rab.shape[0], p.heads, rab.shape[2], rab.shape[3]), dtype=rab.dtype, device=device)
-    sms = num_sms(device)
     _launch(key_kv, fn_kv, dict(values, mdRab=drab_out, num_n_blocks=-(-max_seqlen_k // key_kv.tile_n)))
     with _beside(device):
-        _launch(key_q, fn_q, dict(values, num_m_blocks=-(-max_seqlen_q // key_q.tile_m), num_sms=sms))
+        _launch(key_q, fn_q, dict(values, num_m_blocks=-(-max_seqlen_q // key_q.tile_m),
+                                  bh_per_section=bh_per_section(p, values["mK"].shape[0], max_seqlen_k,
+                                                                 key_q.persistent)))
     if sum_heads:
         drab[:, 0].copy_(drab_out if atomic_sum else drab_out.float().sum(1))
 
 
-def _backward_fused(values, common, device, q, max_seqlen_k, tiles_dkdv) -> torch.Tensor:
+def _backward_fused(values, common, device, q, p, max_seqlen_q, max_seqlen_k, tiles_dkdv) -> torch.Tensor:
     """D128 on sm90: one kernel for dK, dV and dQ (reduce-added into fp32); returns dq."""
     key = make_hopper_bwd_key("fused", *common, tiles_dkdv)
     fn = _compiled(key)
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=device)
     _launch(key, fn, dict(values, mdQaccum=dq_accum, num_n_blocks=-(-max_seqlen_k // key.tile_n),
-                          num_sms=num_sms(device)))
+                          bh_per_section=bh_per_section(p, q.shape[0], max_seqlen_q, key.persistent)))
     return dq_accum.to(q.dtype)
 
 
-def _backward_pair(values, common, device, path, rab, drab, sum_heads, has_drab, max_seqlen_q, max_seqlen_k,
+def _backward_pair(values, common, device, path, rab, drab, sum_heads, has_drab, p, max_seqlen_q, max_seqlen_k,
                    tiles_dq, tiles_dkdv) -> None:
     """The deterministic pair: a dK/dV kernel and a dQ(+drab) kernel beside it."""
     key_dq, key_dkdv = make_bwd_keys(*common, has_drab, sum_heads)
@@ -326,8 +348,11 @@ def _backward_pair(values, common, device, path, rab, drab, sum_heads, has_drab,
     drab_accum = None
     if sum_heads:
         drab_accum = torch.zeros((rab.shape[0], rab.shape[2], rab.shape[3]), dtype=torch.float32, device=device)
-    sms = num_sms(device) if path == "hopper" else None
-    _launch(key_dkdv, fn_dkdv, dict(values, num_n_blocks=-(-max_seqlen_k // key_dkdv.tile_n), num_sms=sms))
+    _launch(key_dkdv, fn_dkdv, dict(values, num_n_blocks=-(-max_seqlen_k // key_dkdv.tile_n),
+                                    bh_per_section=bh_per_section(p, values["mQ"].shape[0], max_seqlen_q,
+                                                                  getattr(key_dkdv, "persistent", False))))
     with _beside(device):
         _launch(key_dq, fn_dq, dict(values, mdRab=drab, mdRabAccum=drab_accum,
-                                    num_m_blocks=-(-max_seqlen_q // key_dq.tile_m), num_sms=sms))
+                                    num_m_blocks=-(-max_seqlen_q // key_dq.tile_m),
+                                    bh_per_section=bh_per_section(p, values["mK"].shape[0], max_seqlen_k,
+                                                                  getattr(key_dq, "persistent", False))))

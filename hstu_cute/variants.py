@@ -210,10 +210,13 @@ class HopperFwdKey(_Variant):
     # plain stride lost to one tile per CTA, 465 vs 533 TF; the snake order won, D256 612 vs 544).
     persistent: bool = True
     ptxas_opt: int = 3
+    # Q tiles in smem: with 2 the producer loads the next tile's Q while the consumers still
+    # read this one's (persistent CTAs on short sequences, where a tile has few n-blocks).
+    q_stages: int = 1
 
     def describe(self) -> str:
         flags = ("o" if self.intra_wg_overlap else "") + ("p" if self.pingpong else "") + (
-            "P" if self.persistent else "")
+            "P" if self.persistent else "") + (f"q{self.q_stages}" if self.q_stages != 1 else "")
         return self._describe(f"{self.tile_m}x{self.tile_n}s{self.num_stages}{flags}",
                               ["rab"] if self.has_rab else [])
 
@@ -223,7 +226,9 @@ def default_hopper_fwd_tiles(head_dim: int, has_rab: bool) -> dict:
     H100, B8 N4096 causal (2026-11-21): D128 persistent -O2 565.6 TF vs -O3 462.3; tile_n 176 and
     3 stages were slower; D256 128x64 612 vs 128x80 582."""
     if head_dim <= 128:
-        return dict(tile_m=128, tile_n=128, num_stages=2, ptxas_opt=2)
+        # A second Q stage (smem 192 KB at D128; with the rab ring it would not fit): B32 N1024
+        # 400 vs 359 TF, B128 N512 292 vs 279, elsewhere within noise (H100, session 9).
+        return dict(tile_m=128, tile_n=128, num_stages=2, ptxas_opt=2, q_stages=1 if has_rab else 2)
     return dict(tile_m=128, tile_n=64, num_stages=2, ptxas_opt=3)
 
 

@@ -34,7 +34,7 @@ from ..common.sm90 import (
     wgmma_acc_rows_cols,
     zero_smem_rows_past,
 )
-from ..common.tile_scheduler import BlockMajorWalk
+from ..common.tile_scheduler import SectionWalk
 from .bwd_base import HstuBackwardSm90Base, KeyBlockProducer, store_dk_dv
 
 
@@ -86,7 +86,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
     @cute.jit
     def __call__(self, mQ, mK, mV, mdO, mdK, mdV, mdQaccum, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK,
                  mNumContexts, mNumTargets, mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
-                 num_n_blocks, num_sms, stream):
+                 num_n_blocks, num_sms, bh_per_section, stream):
         D = self.head_dim
         self.sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, None)
         self.sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, self.num_stages)
@@ -120,7 +120,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
         self.launch(*loads, tma_atom_dq, tma_dq, mQ, mK, mdK, mdV,
                     SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
                     ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_n_blocks,
-                    statics=dict(sK_layout=self.sK_layout, sQ_layout=self.sQ_layout, sRab_layout=self.sRab_layout,
+                    bh_per_section, statics=dict(sK_layout=self.sK_layout, sQ_layout=self.sQ_layout, sRab_layout=self.sRab_layout,
                                  sdS_layout=self.sdS_layout, sdQ_layout=self.sdQ_layout, tiled_mma_s=self.tiled_mma_s,
                                  tiled_mma_d=self.tiled_mma_d, tiled_mma_dq=self.tiled_mma_dq,
                                  zero_copy=self.zero_copy),
@@ -128,7 +128,8 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
 
     @cute.kernel
     def kernel(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
-               tma_rab, tma_atom_dq, tma_dq, mQ, mK, mdK, mdV, seqs, mRab, scalars, num_n_blocks: Int32, statics):
+               tma_rab, tma_atom_dq, tma_dq, mQ, mK, mdK, mdV, seqs, mRab, scalars, num_n_blocks: Int32,
+               bh_per_section: Int32, statics):
         self.bind(statics)
         tidx, warp_idx = self.prologue(tma_atom_k, tma_atom_v, tma_atom_q, tma_atom_do, tma_atom_rab, tma_atom_dq)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
@@ -136,7 +137,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
                                               self.q_bytes, self.num_stages, self.num_mma_threads)
         s = smem_tensors(storage, dict(sK=self.sK_layout, sV=self.sK_layout, sQ=self.sQ_layout, sdO=self.sQ_layout,
                                        sRab=self.sRab_layout, sdS=self.sdS_layout, sdQ=self.sdQ_layout))
-        walk = BlockMajorWalk(num_n_blocks, mQ.shape[1], seqs.mOffsetsQ.shape[0] - 1)
+        walk = SectionWalk(num_n_blocks, mQ.shape[1], seqs.mOffsetsQ.shape[0] - 1, bh_per_section, reverse=False)
         seqinfo = self.sequence_info(seqs, scalars, mQ, mK)
 
         if warp_idx < 4:
@@ -383,7 +384,7 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
     @cute.jit
     def __call__(self, mQ, mK, mV, mdO, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets,
                  mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks, num_sms,
-                 stream):
+                 bh_per_section, stream):
         D = self.head_dim
         self.sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, None)
         self.sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, self.num_stages)
@@ -409,14 +410,15 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         self.launch(*q_do, *k_v, *rab, mQ, mK, mdQ,
                     SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
                     ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_m_blocks,
-                    statics=dict(sQ_layout=self.sQ_layout, sK_layout=self.sK_layout, sRab_layout=self.sRab_layout,
+                    bh_per_section, statics=dict(sQ_layout=self.sQ_layout, sK_layout=self.sK_layout, sRab_layout=self.sRab_layout,
                                  tiled_mma_s=self.tiled_mma_s, tiled_mma_dq=self.tiled_mma_dq,
                                  zero_copy=self.zero_copy),
                     grid=[num_ctas, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab,
-               tma_rab, mQ, mK, mdQ, seqs, mRab, scalars, num_m_blocks: Int32, statics):
+               tma_rab, mQ, mK, mdQ, seqs, mRab, scalars, num_m_blocks: Int32,
+               bh_per_section: Int32, statics):
         self.bind(statics)
         tidx, warp_idx = self.prologue(tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_rab)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
@@ -424,7 +426,7 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
                                               self.kv_bytes, self.num_stages, self.num_mma_threads)
         s = smem_tensors(storage, dict(sQ=self.sQ_layout, sdO=self.sQ_layout, sK=self.sK_layout, sV=self.sK_layout,
                                        sRab=self.sRab_layout))
-        walk = BlockMajorWalk(num_m_blocks, mQ.shape[1], seqs.mOffsetsQ.shape[0] - 1, reverse=True)
+        walk = SectionWalk(num_m_blocks, mQ.shape[1], seqs.mOffsetsQ.shape[0] - 1, bh_per_section, reverse=True)
         seqinfo = self.sequence_info(seqs, scalars, mQ, mK)
 
         if warp_idx < 4:

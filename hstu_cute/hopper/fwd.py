@@ -13,7 +13,7 @@ from ..common.mask_apply import KERNEL_OPS, apply_mask_rows_cols
 from ..common.barriers import NamedBarrier
 from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import silu_scaled_inplace
-from ..common.tile_scheduler import LongestFirstOrLocalWalk, TileScheduler
+from ..common.tile_scheduler import SectionWalk, TileScheduler
 from .base import HstuSm90Base
 from ..common.sm90 import (
     advanced,
@@ -35,19 +35,20 @@ from ..common.sm90 import (
 class HstuForwardSm90(HstuSm90Base):
     """Forward kernel: out = sum_j mask(silu(alpha * (q.k + rab))) v / S over one jagged batch.
 
-    Tiles: (m-block, head, batch) in the order the runtime ``lpt_order`` picks (longest causal rows
-    first, or a sequence's m-blocks together); with ``persistent`` one CTA per SM walks them in a
-    snake order, else one CTA per tile. Tiles past a sequence's end are skipped.
+    Tiles: (m-block, head, batch), last m-block first within sections of ``bh_per_section``
+    (batch, head) pairs (common.tile_scheduler.SectionWalk); with ``persistent`` one CTA per SM
+    walks them in a snake order, else one CTA per tile. Tiles past a sequence's end are skipped.
 
     Warp roles (``128 * (1 + tile_m / 64)`` threads):
-      * warpgroup 0, warp 0: producer. Issues TMA loads of Q (once), then K(+rab) and V per
+      * warpgroup 0, warp 0: producer. Issues TMA loads of Q (once per tile), then K(+rab) and V per
         n-block into ``num_stages``-deep smem rings; 24 registers after ``setmaxnreg``.
         Warps 1-3 of warpgroup 0 only lower their registers.
       * warpgroups 1..: consumers, 64 query rows each, 240 registers. S = Q K^T (SS WGMMA),
         S += rab, SiLU, mask (partial tiles only), P = bf16(S) stays in registers and feeds
         O += P V as the register A operand (RS WGMMA).
 
-    Pipelines (mbarrier, TMA transaction counts): Q (1 stage), K, V and rab (``num_stages`` each).
+    Pipelines (mbarrier, TMA transaction counts): Q (``q_stages``: with 2 the next tile's Q loads
+    while this one's is read), K, V and rab (``num_stages`` each).
     K and V have separate rings so that, with ``intra_wg_overlap``, QK^T of block i+1 is issued
     before P.V of block i and SiLU of block i+1 runs while the tensor cores do P.V of block i.
     Barriers: named barriers 2/3 (``pingpong``) make the two consumer warpgroups alternate GEMM
@@ -59,7 +60,7 @@ class HstuForwardSm90(HstuSm90Base):
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
                  num_stages: int, fast_silu: bool, intra_wg_overlap: bool = True, pingpong: bool = True,
-                 persistent: bool = True):
+                 persistent: bool = True, q_stages: int = 1):
         # The CTA launches with 168 x 384 registers; setmaxnreg moves them between roles, so the
         # consumers' 240 must come out of that pool (common.sm90.sm90_register_split).
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, tile_m // 64,
@@ -70,6 +71,7 @@ class HstuForwardSm90(HstuSm90Base):
         self.operand_fence = dtype == cutlass.Float16
         self.intra_wg_overlap = intra_wg_overlap
         self.pingpong = pingpong and self.num_mma_wg == 2
+        self.q_stages = q_stages
         assert tile_m % 64 == 0 and tile_n % 16 == 0 and head_dim % 16 == 0
 
     # ------------------------------------------------------------------------------------------
@@ -78,13 +80,13 @@ class HstuForwardSm90(HstuSm90Base):
     @cute.jit
     def __call__(self, mQ, mK, mV, mO, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
                  alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks, num_sms,
-                 lpt_order, stream):
+                 bh_per_section, stream):
         D = self.head_dim
-        sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, None)
+        sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, self.q_stages)
         sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, self.num_stages)
         sRab_layout = self.rab_ring_layout()
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_q, tma_q = sm90_tma_atom_tokens(tma_load, mQ, sQ_layout, self.tile_m)
+        tma_atom_q, tma_q = sm90_tma_atom_tokens(tma_load, mQ, cute.slice_(sQ_layout, (None, None, 0)), self.tile_m)
         tma_atom_k, tma_k = sm90_tma_atom_tokens(tma_load, mK, cute.slice_(sK_layout, (None, None, 0)), self.tile_n)
         tma_atom_v, tma_v = sm90_tma_atom_tokens(tma_load, mV, cute.slice_(sK_layout, (None, None, 0)), self.tile_n)
         tma_atom_rab, tma_rab = None, None
@@ -97,7 +99,7 @@ class HstuForwardSm90(HstuSm90Base):
         self.rab_bytes = self.tile_m * self.tile_n * elem_bytes
         kv = (self.dtype, cute.cosize(sK_layout))
         self.shared_storage = shared_storage(
-            dict(mbar_q=2, mbar_k=2 * self.num_stages, mbar_v=2 * self.num_stages, mbar_rab=2 * self.num_stages),
+            dict(mbar_q=2 * self.q_stages, mbar_k=2 * self.num_stages, mbar_v=2 * self.num_stages, mbar_rab=2 * self.num_stages),
             dict(sQ=(self.dtype, cute.cosize(sQ_layout)), sK=kv, sV=kv, sRab=(self.dtype, self.smem_elems(sRab_layout))))
 
         num_tiles = num_m_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
@@ -107,7 +109,7 @@ class HstuForwardSm90(HstuSm90Base):
         self.launch(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, mQ, mO, mK,
             SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
-            ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_m_blocks, lpt_order,
+            ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_m_blocks, bh_per_section,
             statics=dict(
                 sQ_layout=sQ_layout, sK_layout=sK_layout, sV_layout=sK_layout, sRab_layout=sRab_layout,
                 tiled_mma_qk=trivial_mma(self.dtype, self.tile_n, False, self.num_mma_wg),
@@ -123,7 +125,7 @@ class HstuForwardSm90(HstuSm90Base):
     # ------------------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, mQ, mO, mK,
-               seqs, mRab, scalars, num_m_blocks: Int32, lpt_order: Int32, statics):
+               seqs, mRab, scalars, num_m_blocks: Int32, bh_per_section: Int32, statics):
         self.bind(statics)
         tidx, warp_idx = self.prologue(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_rab)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
@@ -135,7 +137,7 @@ class HstuForwardSm90(HstuSm90Base):
                                                     producer_group=producer, consumer_group=consumers,
                                                     tx_count=tx_count, defer_sync=True)
 
-        pipe_q = tma_pipeline(storage.mbar_q, 1, self.q_bytes)
+        pipe_q = tma_pipeline(storage.mbar_q, self.q_stages, self.q_bytes)
         pipe_k = tma_pipeline(storage.mbar_k, self.num_stages, self.kv_bytes)
         pipe_v = tma_pipeline(storage.mbar_v, self.num_stages, self.kv_bytes)
         pipe_rab = None
@@ -146,7 +148,7 @@ class HstuForwardSm90(HstuSm90Base):
 
         s = smem_tensors(storage, dict(sQ=self.sQ_layout, sK=self.sK_layout, sV=self.sV_layout,
                                        sRab=self.sRab_layout))
-        walk = LongestFirstOrLocalWalk(lpt_order != 0, num_m_blocks, mQ.shape[1], seqs.mOffsetsQ.shape[0] - 1)
+        walk = SectionWalk(num_m_blocks, mQ.shape[1], seqs.mOffsetsQ.shape[0] - 1, bh_per_section, reverse=True)
         seqinfo = self.sequence_info(seqs, scalars, mQ, mK)
 
         if warp_idx < 4:
@@ -181,7 +183,7 @@ class HstuForwardSm90(HstuSm90Base):
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def produce(self, loads, walk, seqinfo):
-        states = (pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
+        states = (pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages),
                   pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages),
                   pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages))
         self.for_each_tile(walk, seqinfo, self.produce_tile, loads, states, problem=self.tile_to_load)
@@ -220,7 +222,7 @@ class HstuForwardSm90(HstuSm90Base):
             )
 
         pipe_q.producer_acquire(q_state)
-        cute.copy(tma_atom_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        cute.copy(tma_atom_q, tQgQ, tQsQ[None, q_state.index], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
         q_state = advanced(q_state)
         # K (and rab) of block i+1 go out before V of block i: the consumers issue QK^T of
         # block i+1 before P.V of block i.
@@ -286,7 +288,7 @@ class HstuForwardSm90(HstuSm90Base):
                 # Warpgroup 0 issues first: pre-arrive on its own turn barrier.
                 cute.arch.barrier_arrive(barrier_id=NamedBarrier.SCHED_WG0, number_of_threads=256)
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         zero_copy_v = self.zero_copy_v
@@ -308,7 +310,8 @@ class HstuForwardSm90(HstuSm90Base):
                     n_block = masks.n_block_at(n_count - 1, n_lo, hole_lo, hole_size, KERNEL_OPS)
                     pipe_k.consumer_wait(k_state)
                     acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-                    wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], True, 0)
+                    wgmma(tiled_mma_qk, acc_S, tSrQ[None, None, None, q_state.index],
+                          tSrK[None, None, None, k_state.index], True, 0)
                     pipe_k.consumer_release(k_state)
                     self.scores_to_p(acc_S, tOrP, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block,
                                      n_block, row_first)
@@ -320,7 +323,8 @@ class HstuForwardSm90(HstuSm90Base):
                         pipe_k.consumer_wait(k_state)
                         self.sched_wait(wg)
                         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
-                        wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, k_state.index], True, -1)
+                        wgmma(tiled_mma_qk, acc_S, tSrQ[None, None, None, q_state.index],
+                              tSrK[None, None, None, k_state.index], True, -1)
                         self.wait_v(pipe_v, v_state, sV, zero_copy_v, tidx, wg, seq, n_prev)
                         wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
                         self.sched_signal(wg)

@@ -1,0 +1,53 @@
+"""The tile walks visit every tile exactly once, in the promised order, and the launcher's section
+sizes follow its rule. The walk's arithmetic runs on Python ints here, the same code the kernels trace."""
+
+import itertools
+
+import pytest
+import torch
+
+from hstu_cute import launch, masks
+from hstu_cute.common.tile_scheduler import SectionWalk
+from hstu_cute.validation import Problem
+
+
+@pytest.mark.parametrize("blocks,heads,batch", [(8, 4, 32), (3, 2, 5), (1, 1, 1), (5, 3, 7), (16, 1, 3)])
+@pytest.mark.parametrize("section", [1, 2, 3, 4, 7, 1000])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_section_walk_is_a_bijection(blocks, heads, batch, section, reverse):
+    walk = SectionWalk(blocks, heads, batch, section, reverse)
+    seen = [walk.coords(t) for t in range(walk.num_tiles)]
+    assert sorted(seen) == sorted(itertools.product(range(blocks), range(heads), range(batch)))
+
+
+def test_section_walk_order():
+    # 2 heads x 3 sequences in sections of 4 pairs (the last one has 2): blocks slowest inside a
+    # section, heaviest (last) block first when reversed.
+    walk = SectionWalk(2, 2, 3, 4, reverse=True)
+    pairs = [(h, b) for b in range(3) for h in range(2)]
+    expected = [(1, *pairs[i]) for i in range(4)] + [(0, *pairs[i]) for i in range(4)]
+    expected += [(1, *pairs[i]) for i in (4, 5)] + [(0, *pairs[i]) for i in (4, 5)]
+    assert [walk.coords(t) for t in range(walk.num_tiles)] == expected
+
+
+def _problem(batch, heads=4, head_dim=128):
+    spec = masks.MaskSpec(masks.MaskKind.CAUSAL, False, False)
+    return Problem(batch=batch, heads=heads, head_dim=head_dim, dtype=torch.bfloat16, mask=spec, window_left=-1,
+                   window_right=0, scale_seqlen=1024, rab_heads=0)
+
+
+def test_sections_full_batches_take_one_pair_on_persistent_kernels():
+    p = _problem(32)
+    assert launch.bh_per_section(p, 32 * 1024, 1024, persistent=True) == 1
+    # One CTA per tile (the hardware hands out tiles as CTAs finish): sections sized by L2.
+    assert launch.bh_per_section(p, 32 * 1024, 1024, persistent=False) == launch.L2_SECTION_BYTES // (2 * 128 * 2 * 1024)
+
+
+def test_sections_jagged_batches_fit_l2():
+    p = _problem(128)
+    tokens = 128 * 1000  # an average sequence of 1000 tokens under max_seqlen 2048
+    per_pair = 2 * 128 * 2 * 1000
+    assert launch.bh_per_section(p, tokens, 2048, persistent=True) == launch.L2_SECTION_BYTES // per_pair
+    # Never more than every pair, never fewer than one.
+    assert launch.bh_per_section(_problem(1, heads=1), 5, 2048, persistent=True) == 1
+    assert launch.bh_per_section(p, 128 * 10**7, 10**8, persistent=True) == 1

@@ -123,27 +123,23 @@ def _dedupe(tensors: tuple) -> tuple[tuple, tuple | None]:
 
 
 class _HstuAttnFunction(torch.autograd.Function):
-    """Autograd over hstu_cute::fwd / hstu_cute::bwd.
+    """Autograd over hstu_cute::fwd / hstu_cute::bwd for traced calls (torch.compile,
+    torch.export, dispatch modes); eager calls take :class:`_HstuAttnEager`.
 
-    ``scalars`` are the op's non-tensor arguments; ``p`` (the validated Problem) is given on the
-    eager fast path and None when the call goes through the dispatcher (tracing); ``alias`` is
-    _dedupe's map (tracing only). The tensors are q, k, v, rab, seq_offsets_q, seq_offsets_k,
-    num_contexts, num_targets, seqused_q, seqused_k.
+    ``scalars`` are the op's non-tensor arguments; ``alias`` is _dedupe's map. The tensors are
+    q, k, v, rab, seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k.
     """
 
     @staticmethod
-    def forward(ctx, scalars, p, alias, *tensors):
+    def forward(ctx, scalars, alias, *tensors):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*tensors)
-        ctx.scalars, ctx.problem, ctx.alias = scalars, p, alias
+        ctx.scalars, ctx.alias = scalars, alias
         if alias is not None:
             tensors = tuple(t if a < 0 else tensors[a] for t, a in zip(tensors, alias))
         q, k, v, rab, seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = tensors
         (max_seqlen_q, max_seqlen_k, target_group_size, window_left, window_right, alpha, is_delta_q, scaling_seqlen,
          _, _) = scalars
-        if p is not None:
-            return forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
-                           num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p)
         return torch.ops.hstu_cute.fwd(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
                                        num_contexts, num_targets, target_group_size, window_left, window_right,
                                        alpha, rab, is_delta_q, scaling_seqlen, seqused_q, seqused_k)
@@ -151,29 +147,61 @@ class _HstuAttnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         if dout is None:
-            return (None,) * 13
+            return (None,) * 12
         tensors, alias = ctx.saved_tensors, ctx.alias
         if alias is not None:
             tensors = tuple(t if a < 0 else tensors[a] for t, a in zip(tensors, alias))
         q, k, v, rab, seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = tensors
         (max_seqlen_q, max_seqlen_k, target_group_size, window_left, window_right, alpha, is_delta_q, scaling_seqlen,
          has_drab, deterministic) = ctx.scalars
-        if ctx.problem is not None and _eager(dout):
-            dq, dk, dv, drab = backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
-                                        num_contexts, num_targets, target_group_size, alpha, rab, has_drab,
-                                        seqused_q, seqused_k, ctx.problem, deterministic)
-        else:
-            dq, dk, dv, drab = torch.ops.hstu_cute.bwd(
-                dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-                target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen, seqused_q,
-                seqused_k, has_drab, deterministic)
+        dq, dk, dv, drab = torch.ops.hstu_cute.bwd(
+            dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+            target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen, seqused_q,
+            seqused_k, has_drab, deterministic)
         grads = [dq, dk, dv, drab if has_drab else None]
         if alias is not None:  # a tensor given as several of q, k, v gets the sum of their gradients
             for i in (1, 2):
                 if alias[i] >= 0:
                     grads[alias[i]] = grads[alias[i]] + grads[i]
                     grads[i] = None
-        return (None, None, None, *grads) + (None,) * 6
+        return (None, None, *grads) + (None,) * 6
+
+
+class _HstuAttnEager(torch.autograd.Function):
+    """Autograd of eager calls: the launchers called directly (no dispatcher). Only q, k, v and
+    rab are inputs of the node; the rest of the call rides in ``call`` (fewer slots for autograd
+    to walk per call)."""
+
+    @staticmethod
+    def forward(ctx, call, q, k, v, rab):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, k, v, rab)
+        ctx.call = call
+        p, sequences, scalars = call
+        seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = sequences
+        max_seqlen_q, max_seqlen_k, target_group_size, alpha = scalars[0], scalars[1], scalars[2], scalars[5]
+        return forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+                       target_group_size, alpha, rab, seqused_q, seqused_k, p)
+
+    @staticmethod
+    def backward(ctx, dout):
+        if dout is None:
+            return None, None, None, None, None
+        q, k, v, rab = ctx.saved_tensors
+        p, sequences, scalars = ctx.call
+        seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = sequences
+        (max_seqlen_q, max_seqlen_k, target_group_size, window_left, window_right, alpha, is_delta_q, scaling_seqlen,
+         has_drab, deterministic) = scalars
+        if _eager(dout):
+            dq, dk, dv, drab = backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
+                                        num_contexts, num_targets, target_group_size, alpha, rab, has_drab,
+                                        seqused_q, seqused_k, p, deterministic)
+        else:  # a dispatch mode or tensor subclass is watching the backward: it must see the op
+            dq, dk, dv, drab = torch.ops.hstu_cute.bwd(
+                dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+                target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen, seqused_q,
+                seqused_k, has_drab, deterministic)
+        return None, dq, dk, dv, (drab if has_drab else None)
 
 
 def hstu_attn_varlen_func(
@@ -275,9 +303,9 @@ def hstu_attn_varlen_func(
                    scaling_seqlen, has_drab, deterministic)
         tensors = (q, k, v, rab, seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k)
         if eager:
-            return _HstuAttnFunction.apply(scalars, p, None, *tensors)
+            return _HstuAttnEager.apply((p, tensors[4:], scalars), q, k, v, rab)
         tensors, alias = _dedupe(tensors)
-        return _HstuAttnFunction.apply(scalars, None, alias, *tensors)
+        return _HstuAttnFunction.apply(scalars, alias, *tensors)
     if eager:
         return forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
                        num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p)

@@ -195,7 +195,19 @@ def fake_args(key) -> list:
     return [a.fake(shapes) if a.present(key) else None for a in spec(key)]
 
 
+_SLOTS: dict = {}
+
+
+def slots(key) -> tuple:
+    """``key``'s argument names in order, None where the argument is absent (memoized: the
+    launcher asks on every call)."""
+    names = _SLOTS.get(key)
+    if names is None:
+        names = _SLOTS[key] = tuple(a.name if a.present(key) else None for a in spec(key))
+    return names
+
+
 def ordered(key, values: dict) -> list:
     """``key``'s runtime arguments in order, from the launcher's ``values`` by name (absent
     ones as None, whatever ``values`` holds)."""
-    return [values[a.name] if a.present(key) else None for a in spec(key)]
+    return [values[name] if name is not None else None for name in slots(key)]

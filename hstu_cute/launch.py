@@ -103,6 +103,23 @@ def _compiled(key):
     return default_cache().get(key, lambda: build(key))
 
 
+_MADE_KEYS: dict = {}
+
+
+def _made(factory, *args, **kwargs):
+    """``factory(*args, **kwargs)`` for a key factory of :mod:`hstu_cute.variants`, memoized:
+    building a key dataclass costs ~3 us of CPU, the lookup a fraction. Tile overrides (dicts,
+    benchmark sweeps only) are built afresh."""
+    memo = (factory, args, tuple(kwargs.items()))
+    try:
+        key = _MADE_KEYS.get(memo)
+    except TypeError:  # a dict of tiles among the arguments
+        return factory(*args, **kwargs)
+    if key is None:
+        key = _MADE_KEYS[memo] = factory(*args, **kwargs)
+    return key
+
+
 def _launch(key, compiled, values: dict) -> None:
     compiled(*ordered(key, values))
 
@@ -303,8 +320,8 @@ def _backward_wide(values, common, device, rab, drab, sum_heads, has_drab, deter
     # drab of one rab head over H heads: atomic fp32 sums, or (deterministic) per-head drab
     # summed afterwards in a fixed order.
     atomic_sum = sum_heads and not deterministic
-    key_kv = make_hopper_bwd_key("wide", *common, tiles_dkdv, has_drab=has_drab, rab_sum_heads=atomic_sum)
-    key_q = make_hopper_bwd_key("dq", *common, tiles_dq)
+    key_kv = _made(make_hopper_bwd_key, "wide", *common, tiles_dkdv, has_drab=has_drab, rab_sum_heads=atomic_sum)
+    key_q = _made(make_hopper_bwd_key, "dq", *common, tiles_dq)
     fn_kv, fn_q = _compiled(key_kv), _compiled(key_q)
     drab_out = drab
     if atomic_sum:
@@ -322,7 +339,7 @@ def _backward_wide(values, common, device, rab, drab, sum_heads, has_drab, deter
 
 def _backward_fused(values, common, device, q, p, max_seqlen_q, max_seqlen_k, tiles_dkdv) -> torch.Tensor:
     """D128 on sm90: one kernel for dK, dV and dQ (reduce-added into fp32); returns dq."""
-    key = make_hopper_bwd_key("fused", *common, tiles_dkdv)
+    key = _made(make_hopper_bwd_key, "fused", *common, tiles_dkdv)
     fn = _compiled(key)
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=device)
     _launch(key, fn, dict(values, mdQaccum=dq_accum, num_n_blocks=-(-max_seqlen_k // key.tile_n),
@@ -333,7 +350,7 @@ def _backward_fused(values, common, device, q, p, max_seqlen_q, max_seqlen_k, ti
 def _backward_pair(values, common, device, path, rab, drab, sum_heads, has_drab, p, max_seqlen_q, max_seqlen_k,
                    tiles_dq, tiles_dkdv) -> None:
     """The deterministic pair: a dK/dV kernel and a dQ(+drab) kernel beside it."""
-    key_dq, key_dkdv = make_bwd_keys(*common, has_drab, sum_heads)
+    key_dq, key_dkdv = _made(make_bwd_keys, *common, has_drab, sum_heads)
     if tiles_dq or tiles_dkdv:  # benchmark sweeps only
         # The Hopper keys below take them whole; with drab the sm80 dQ kernel runs on that path too.
         if path != "hopper" or has_drab:
@@ -341,9 +358,9 @@ def _backward_pair(values, common, device, path, rab, drab, sum_heads, has_drab,
         if path != "hopper":
             key_dkdv = dataclasses.replace(key_dkdv, **(tiles_dkdv or {}))
     if path == "hopper":
-        key_dkdv = make_hopper_bwd_key("dkdv", *common, tiles_dkdv)
+        key_dkdv = _made(make_hopper_bwd_key, "dkdv", *common, tiles_dkdv)
         if not has_drab:  # drab (and its sum over heads) comes from the sm80 dQ kernel
-            key_dq = make_hopper_bwd_key("dq", *common, tiles_dq)
+            key_dq = _made(make_hopper_bwd_key, "dq", *common, tiles_dq)
     fn_dq, fn_dkdv = _compiled(key_dq), _compiled(key_dkdv)
     drab_accum = None
     if sum_heads:

@@ -231,13 +231,14 @@ _VALIDATED: dict = {}
 def _signature(x):
     """What :func:`validate` reads of one argument: a tensor's type, dtype, shape, strides and
     device; a sequence's items; any other value with its type (``True`` and ``1`` differ)."""
-    if isinstance(x, torch.Tensor):
-        return (type(x), x.dtype, x.shape, x.stride(), x.device)
+    kind = type(x)
     if x is None:
         return None
-    if isinstance(x, (tuple, list)):
-        return (type(x), tuple(_signature(e) for e in x))
-    return (type(x), x)
+    if kind is torch.Tensor or isinstance(x, torch.Tensor):
+        return (kind, x.dtype, x.shape, x.stride(), x.device)
+    if kind is tuple or isinstance(x, (tuple, list)):
+        return (kind, tuple(map(_signature, x)))
+    return (kind, x)
 
 
 def validate_memoized(*args) -> Problem:

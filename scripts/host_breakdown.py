@@ -47,7 +47,7 @@ def main(argv=None) -> None:
     out = torch.empty_like(q)
     values = dict(mQ=q, mK=k, mV=v, mO=out, mRab=None, num_m_blocks=-(-L // key.tile_m),
                   **launch._sequence_args(p, dev, off, off, None, None, None, None, False),
-                  **launch._scalar_args(p, 0.125, 1), num_sms=arch.num_sms(dev), lpt_order=0)
+                  **launch._scalar_args(p, 0.125, 1), num_sms=arch.num_sms(dev), bh_per_section=1)
     fwd_args = ordered(key, values)
 
     def beside():

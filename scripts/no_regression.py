@@ -1,0 +1,19 @@
+"""The headline family at B8 N4096 causal: forward and backward TF/s for bf16 and fp16 at head dims
+64, 128 and 256, SDPA cuDNN beside (same run). The no-regression check of kernel-schedule changes.
+Usage: python scripts/no_regression.py; JSON lines to $OUT/no_regression.jsonl."""
+
+import json
+import os
+
+from hstu_cute import bench
+
+out = os.path.join(os.environ.get("OUT", "."), "no_regression.jsonl")
+print(f"GEMM bf16 8192^3: {bench.gemm_tflops():.1f} TF/s", flush=True)
+for dtype in ("bfloat16", "float16"):
+    for d in (64, 128, 256):
+        w = bench.replace(bench.headline(), name=f"full B8 N4096 D{d} {dtype}", head_dim=d, dtype=dtype)
+        for run in (bench.run_workload, bench.run_workload_bwd):
+            row = run(w)
+            print(f"{row['workload']:<36} {row['tflops']:7.1f} TF/s  cuDNN {row.get('sdpa_cudnn') or 0:7.1f}", flush=True)
+            with open(out, "a") as f:
+                f.write(json.dumps(row) + "\n")

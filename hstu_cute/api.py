@@ -122,6 +122,19 @@ def _dedupe(tensors: tuple) -> tuple[tuple, tuple | None]:
     return tuple(None if a >= 0 else t for t, a in zip(tensors, alias)), tuple(alias)
 
 
+def _bwd_through_op(dout, q, k, v, rab, sequences, scalars):
+    """hstu_cute::bwd on a saved call (traced calls, or a dispatch mode watching an eager
+    backward): ``sequences`` are the six integer tensors, ``scalars`` the op's non-tensor
+    arguments, both in :class:`_HstuAttnFunction`'s order."""
+    seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = sequences
+    (max_seqlen_q, max_seqlen_k, target_group_size, window_left, window_right, alpha, is_delta_q, scaling_seqlen,
+     has_drab, deterministic) = scalars
+    return torch.ops.hstu_cute.bwd(
+        dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+        target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen, seqused_q, seqused_k,
+        has_drab, deterministic)
+
+
 class _HstuAttnFunction(torch.autograd.Function):
     """Autograd over hstu_cute::fwd / hstu_cute::bwd for traced calls (torch.compile,
     torch.export, dispatch modes); eager calls take :class:`_HstuAttnEager`.
@@ -151,13 +164,9 @@ class _HstuAttnFunction(torch.autograd.Function):
         tensors, alias = ctx.saved_tensors, ctx.alias
         if alias is not None:
             tensors = tuple(t if a < 0 else tensors[a] for t, a in zip(tensors, alias))
-        q, k, v, rab, seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = tensors
-        (max_seqlen_q, max_seqlen_k, target_group_size, window_left, window_right, alpha, is_delta_q, scaling_seqlen,
-         has_drab, deterministic) = ctx.scalars
-        dq, dk, dv, drab = torch.ops.hstu_cute.bwd(
-            dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-            target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen, seqused_q,
-            seqused_k, has_drab, deterministic)
+        q, k, v, rab = tensors[:4]
+        dq, dk, dv, drab = _bwd_through_op(dout, q, k, v, rab, tensors[4:], ctx.scalars)
+        has_drab = ctx.scalars[8]
         grads = [dq, dk, dv, drab if has_drab else None]
         if alias is not None:  # a tensor given as several of q, k, v gets the sum of their gradients
             for i in (1, 2):
@@ -179,7 +188,7 @@ class _HstuAttnEager(torch.autograd.Function):
         ctx.call = call
         p, sequences, scalars = call
         seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = sequences
-        max_seqlen_q, max_seqlen_k, target_group_size, alpha = scalars[0], scalars[1], scalars[2], scalars[5]
+        max_seqlen_q, max_seqlen_k, target_group_size, _, _, alpha, _, _, _, _ = scalars
         return forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
                        target_group_size, alpha, rab, seqused_q, seqused_k, p)
 
@@ -189,18 +198,14 @@ class _HstuAttnEager(torch.autograd.Function):
             return None, None, None, None, None
         q, k, v, rab = ctx.saved_tensors
         p, sequences, scalars = ctx.call
-        seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = sequences
-        (max_seqlen_q, max_seqlen_k, target_group_size, window_left, window_right, alpha, is_delta_q, scaling_seqlen,
-         has_drab, deterministic) = scalars
+        max_seqlen_q, max_seqlen_k, target_group_size, _, _, alpha, _, _, has_drab, deterministic = scalars
         if _eager(dout):
+            seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = sequences
             dq, dk, dv, drab = backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
                                         num_contexts, num_targets, target_group_size, alpha, rab, has_drab,
                                         seqused_q, seqused_k, p, deterministic)
         else:  # a dispatch mode or tensor subclass is watching the backward: it must see the op
-            dq, dk, dv, drab = torch.ops.hstu_cute.bwd(
-                dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-                target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen, seqused_q,
-                seqused_k, has_drab, deterministic)
+            dq, dk, dv, drab = _bwd_through_op(dout, q, k, v, rab, sequences, scalars)
         return None, dq, dk, dv, (drab if has_drab else None)
 
 

@@ -127,24 +127,14 @@ def _launch(key, compiled, values: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------------------------
-_KEYS: dict = {}
-
-
 def fwd_key(p: Problem, arch: str, rab, tiles: dict | None = None, path: str = "ampere"):
-    """The forward compile key of this call (memoized: building the dataclass costs more than the lookup)."""
-    vec = rab_vec(rab) if rab is not None else 0
+    """The forward compile key of this call (memoized by :func:`_made`)."""
     context_target = p.mask.has_context or p.mask.has_target
-    memo = (path, arch, p.dtype, p.head_dim, p.mask.kind, context_target, vec,
-            tuple(sorted(tiles.items())) if tiles else None)
-    key = _KEYS.get(memo)
-    if key is None:
-        dtype = DTYPE_NAMES[p.dtype]
-        if path == "hopper":
-            key = make_hopper_fwd_key(arch, dtype, p.head_dim, p.mask.kind, context_target, rab is not None, tiles)
-        else:
-            key = make_fwd_key(arch, dtype, p.head_dim, p.mask.kind, context_target, rab is not None, vec or 8, tiles)
-        key = _KEYS[memo] = key
-    return key
+    dtype = DTYPE_NAMES[p.dtype]
+    if path == "hopper":
+        return _made(make_hopper_fwd_key, arch, dtype, p.head_dim, p.mask.kind, context_target, rab is not None, tiles)
+    vec = rab_vec(rab) if rab is not None else 8
+    return _made(make_fwd_key, arch, dtype, p.head_dim, p.mask.kind, context_target, rab is not None, vec, tiles)
 
 
 def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
@@ -173,7 +163,7 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
                                    num_targets, key.has_context),
                   **_scalar_args(p, alpha, target_group_size))
     if path == "hopper":
-        values.update(num_sms=num_sms(device), bh_per_section=bh_per_section(p, k.shape[0], max_seqlen_k, key.persistent))
+        values.update(num_sms=num_sms(device), **_walk_args(key, p, k.shape[0], max_seqlen_k))
     # The launch goes to the current device's current stream (TVM-FFI env stream); switching
     # devices costs ~10 us, so only do it when q lives elsewhere.
     with _on_device(device):
@@ -201,6 +191,14 @@ def bh_per_section(p: Problem, shared_tokens: int, max_seqlen: int, persistent: 
         return 1
     per_pair = 2 * p.head_dim * p.dtype.itemsize * max(shared_tokens // max(p.batch, 1), 1)
     return max(1, min(L2_SECTION_BYTES // per_pair, pairs))
+
+
+def _walk_args(key, p: Problem, shared_tokens: int, max_seqlen: int) -> dict:
+    """The tile-walk argument of a persistent sm90 kernel's launch (:func:`bh_per_section`);
+    the sm80 kernels take none."""
+    if not key.kernel_name.startswith("hopper"):
+        return {}
+    return dict(bh_per_section=bh_per_section(p, shared_tokens, max_seqlen, key.persistent))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,8 +329,7 @@ def _backward_wide(values, common, device, rab, drab, sum_heads, has_drab, deter
     _launch(key_kv, fn_kv, dict(values, mdRab=drab_out, num_n_blocks=-(-max_seqlen_k // key_kv.tile_n)))
     with _beside(device):
         _launch(key_q, fn_q, dict(values, num_m_blocks=-(-max_seqlen_q // key_q.tile_m),
-                                  bh_per_section=bh_per_section(p, values["mK"].shape[0], max_seqlen_k,
-                                                                 key_q.persistent)))
+                                  **_walk_args(key_q, p, values["mK"].shape[0], max_seqlen_k)))
     if sum_heads:
         drab[:, 0].copy_(drab_out if atomic_sum else drab_out.float().sum(1))
 
@@ -343,7 +340,7 @@ def _backward_fused(values, common, device, q, p, max_seqlen_q, max_seqlen_k, ti
     fn = _compiled(key)
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=device)
     _launch(key, fn, dict(values, mdQaccum=dq_accum, num_n_blocks=-(-max_seqlen_k // key.tile_n),
-                          bh_per_section=bh_per_section(p, q.shape[0], max_seqlen_q, key.persistent)))
+                          **_walk_args(key, p, q.shape[0], max_seqlen_q)))
     return dq_accum.to(q.dtype)
 
 
@@ -366,10 +363,8 @@ def _backward_pair(values, common, device, path, rab, drab, sum_heads, has_drab,
     if sum_heads:
         drab_accum = torch.zeros((rab.shape[0], rab.shape[2], rab.shape[3]), dtype=torch.float32, device=device)
     _launch(key_dkdv, fn_dkdv, dict(values, num_n_blocks=-(-max_seqlen_k // key_dkdv.tile_n),
-                                    bh_per_section=bh_per_section(p, values["mQ"].shape[0], max_seqlen_q,
-                                                                  getattr(key_dkdv, "persistent", False))))
+                                    **_walk_args(key_dkdv, p, values["mQ"].shape[0], max_seqlen_q)))
     with _beside(device):
         _launch(key_dq, fn_dq, dict(values, mdRab=drab, mdRabAccum=drab_accum,
                                     num_m_blocks=-(-max_seqlen_q // key_dq.tile_m),
-                                    bh_per_section=bh_per_section(p, values["mK"].shape[0], max_seqlen_k,
-                                                                  getattr(key_dq, "persistent", False))))
+                                    **_walk_args(key_dq, p, values["mK"].shape[0], max_seqlen_k)))

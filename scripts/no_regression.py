@@ -14,6 +14,7 @@ for dtype in ("bfloat16", "float16"):
         w = bench.replace(bench.headline(), name=f"full B8 N4096 D{d} {dtype}", head_dim=d, dtype=dtype)
         for run in (bench.run_workload, bench.run_workload_bwd):
             row = run(w)
-            print(f"{row['workload']:<36} {row['tflops']:7.1f} TF/s  cuDNN {row.get('sdpa_cudnn') or 0:7.1f}", flush=True)
+            cudnn = row.get("sdpa_cudnn") or 0
+            print(f"{row['workload']:<36} {row['tflops']:7.1f} TF/s  cuDNN {cudnn:7.1f}", flush=True)
             with open(out, "a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -202,6 +202,22 @@ def rel_err(a: torch.Tensor, b: torch.Tensor, rows: torch.Tensor) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
+def tune_and_time(m, name: str, fns, label: str):
+    """Precompile ``m.<name>``'s autotune configs, let its autotuner pick one on ``fns[0]``, then
+    time ``fns`` (rotated): (ms, iqr_ms, config index, config, autotune s, precompile s)."""
+    pc = precompile(m, name, fns[0])
+    log(f"{label}: Triton precompile {pc:.1f}s ({len(getattr(m, name).configs)} configs)")
+    t = time.time()
+    fns[0]()
+    torch.cuda.synchronize()
+    tune_s = time.time() - t
+    idx, cfg = config_index(m, name)
+    log(f"{label}: Triton autotune {tune_s:.1f}s -> config #{idx}: {cfg}")
+    ms, iqr = bench.time_cuda(fns)
+    log(f"{label}: Triton {ms:.4f} ms")
+    return ms, iqr, idx, cfg, tune_s, pc
+
+
 def forward_row(m, w) -> dict:
     from hstu_cute import hstu_attn_varlen_func
 
@@ -214,17 +230,7 @@ def forward_row(m, w) -> dict:
     log(f"{w.name}: inputs {time.time() - t_w:.1f}s (T={inputs[0]['q'].shape[0]})")
 
     with torch.no_grad():
-        pc = precompile(m, "_hstu_attn_fwd", fns[0])
-        log(f"{w.name}: Triton fwd precompile {pc:.1f}s ({len(m._hstu_attn_fwd.configs)} configs)")
-        t = time.time()
-        fns[0]()
-        torch.cuda.synchronize()
-        tune_s = time.time() - t
-        idx, cfg = config_index(m, "_hstu_attn_fwd")
-        log(f"{w.name}: Triton fwd autotune {tune_s:.1f}s -> config #{idx}: {cfg}")
-        t = time.time()
-        tri_ms, tri_iqr = bench.time_cuda(fns)
-        log(f"{w.name}: Triton fwd timed {time.time() - t:.1f}s: {tri_ms:.4f} ms")
+        tri_ms, tri_iqr, idx, cfg, tune_s, pc = tune_and_time(m, "_hstu_attn_fwd", fns, f"{w.name} fwd")
 
         # Output check on input set 0: Triton vs our public call (alpha 1.0, S = max_seqlen_q).
         kw = {k: v for k, v in inputs[0].items() if not k.startswith("_")}
@@ -284,16 +290,7 @@ def backward_child(wi: int, fwd_cfg: int | None) -> None:
         return torch.autograd.grad(out, (kw["q"], kw["k"], kw["v"]), dout, retain_graph=True)
 
     fns = [lambda s=s: grad(*s) for s in sets]
-    pc = precompile(m, "_hstu_attn_bwd", fns[0])
-    log(f"{w.name} bwd: Triton precompile {pc:.1f}s ({len(m._hstu_attn_bwd.configs)} configs)")
-    t = time.time()
-    fns[0]()
-    torch.cuda.synchronize()
-    tune_s = time.time() - t
-    idx, cfg = config_index(m, "_hstu_attn_bwd")
-    log(f"{w.name} bwd: Triton autotune {tune_s:.1f}s -> config #{idx}: {cfg}")
-    ms, iqr = bench.time_cuda(fns)
-    log(f"{w.name} bwd: Triton {ms:.4f} ms")
+    ms, iqr, idx, cfg, tune_s, pc = tune_and_time(m, "_hstu_attn_bwd", fns, f"{w.name} bwd")
     row = dict(triton_ms=ms, triton_iqr_ms=iqr, triton_tflops=2.5 * f / ms / 1e9, flops=convention + " x2.5",
                triton_config_index=idx, triton_config=cfg, triton_autotune_s=tune_s, triton_precompile_s=pc,
                child_elapsed_s=time.time() - t_w)

@@ -40,7 +40,8 @@ def test_sections_full_batches_take_one_pair_on_persistent_kernels():
     p = _problem(32)
     assert launch.bh_per_section(p, 32 * 1024, 1024, persistent=True) == 1
     # One CTA per tile (the hardware hands out tiles as CTAs finish): sections sized by L2.
-    assert launch.bh_per_section(p, 32 * 1024, 1024, persistent=False) == launch.L2_SECTION_BYTES // (2 * 128 * 2 * 1024)
+    per_pair = 2 * 128 * 2 * 1024  # K and V (or Q and dO) of one sequence, bf16
+    assert launch.bh_per_section(p, 32 * 1024, 1024, persistent=False) == launch.L2_SECTION_BYTES // per_pair
 
 
 def test_sections_jagged_batches_fit_l2():

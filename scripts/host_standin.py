@@ -1,0 +1,91 @@
+"""Host time of the eager path on a machine without a GPU: CPU tensors, with the kernel launches,
+streams and device queries stubbed, so only our Python and PyTorch's autograd are timed (the CPU
+stand-in rows of docs/perf-log.md, session 9). The H100 host reads 2-5x these numbers; compare
+rows of one run only.
+
+    python scripts/host_standin.py            # us per call: validate, launchers, public call, step
+    python scripts/host_standin.py profile    # cProfile of the forward + backward step
+"""
+
+import contextlib
+import sys
+import time
+
+import torch
+
+import hstu_cute.api as api
+import hstu_cute.launch as launch
+import hstu_cute.validation as validation
+
+api._eager = lambda t: type(t) is torch.Tensor and not torch.compiler.is_compiling()
+launch.kernel_path = lambda device: "hopper"
+launch.device_arch = lambda device: "sm_90a"
+launch.num_sms = lambda device: 132
+launch._compiled = lambda key: (lambda *args: None)
+launch._beside = lambda device: contextlib.nullcontext()
+launch._on_device = lambda device: contextlib.nullcontext()
+# Validation insists on CUDA tensors: it runs once per signature, on meta stand-ins.
+_validate = validation.validate
+validation.validate = lambda *a: _validate(*[x.to("meta") if isinstance(x, torch.Tensor) else x for x in a])
+
+B, N, H, D = 2, 114, 2, 64  # the tiny problem of scripts/host_breakdown.py
+q, k, v = (torch.randn(B * N, H, D, dtype=torch.bfloat16) for _ in range(3))
+offsets = torch.tensor([0, N, B * N], dtype=torch.int32)
+kw = dict(seq_offsets_q=offsets, seq_offsets_k=offsets, max_seqlen_q=N, max_seqlen_k=N, window_size=(-1, 0))
+qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+dout = torch.ones_like(q)
+args = (q, k, v, offsets, offsets, N, N, None, None, 1, (-1, 0), 1.0, None, False, False, None, None, None, None, -1,
+        -1, None, None)
+p = validation.validate_memoized(*args)
+
+
+class _Floor(torch.autograd.Function):
+    """An autograd node that only allocates: PyTorch's own cost of a forward + backward step."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.empty_like(g), torch.empty_like(g), torch.empty_like(g)
+
+
+def step():
+    torch.autograd.grad(api.hstu_attn_varlen_func(qg, kg, vg, **kw), (qg, kg, vg), dout)
+
+
+ROWS = {
+    "validate (memo hit)": lambda: validation.validate_memoized(*args),
+    "launch.forward": lambda: launch.forward(q, k, v, offsets, offsets, N, N, None, None, 1, 1.0, None, None, None, p),
+    "launch.backward": lambda: launch.backward(dout, q, k, v, offsets, offsets, N, N, None, None, 1, 1.0, None, False,
+                                               None, None, p),
+    "public forward": lambda: api.hstu_attn_varlen_func(q, k, v, **kw),
+    "forward + backward step": step,
+    "floor: allocating autograd.Function step": lambda: torch.autograd.grad(_Floor.apply(qg, kg, vg), (qg, kg, vg),
+                                                                            dout),
+}
+
+
+def us_per_call(fn, calls: int = 3000) -> float:
+    for _ in range(200):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["profile"]:
+        import cProfile
+        import pstats
+
+        for _ in range(200):
+            step()
+        profiler = cProfile.Profile()
+        profiler.runcall(lambda: [step() for _ in range(2000)])
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    else:
+        for name, fn in ROWS.items():
+            print(f"{name:<44} {us_per_call(fn):7.1f} us")

@@ -152,6 +152,17 @@ _NUM_SMS = Arg("num_sms", _i32)
 _BH_PER_SECTION = Arg("bh_per_section", _i32)
 
 
+def _tile_counter(s: FakeShapes):
+    import cutlass
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_compact_tensor(cutlass.Int32, (2,), assumed_align=8)
+
+
+# (2,) int32, zero at launch, zero again after it (common.tile_scheduler.TileClaims)
+_TILE_COUNTER = Arg("mTileCounter", _tile_counter, lambda key: key.dynamic_tiles)
+
+
 def _wide_drab(s: FakeShapes):
     import cutlass
     import cutlass.cute as cute
@@ -171,7 +182,7 @@ SPECS: dict[str, tuple[Arg, ...]] = {
                       *_SCALARS, Arg("num_m_blocks", _i32)),
     "ampere_bwd_dkdv": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _SM80_RAB16, *_SCALARS, Arg("num_n_blocks", _i32)),
     "hopper_fwd": (_Q, _K, _V, Arg("mO", _tokens("tokens_q")), *_SEQUENCES, _TMA_RAB, *_SCALARS,
-                   Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION),
+                   Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER),
     "hopper_bwd_dq": (_Q, _K, _V, _DO, _DQ, *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS,
                       _BH_PER_SECTION),
     "hopper_bwd_wide": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _TMA_RAB,

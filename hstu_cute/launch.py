@@ -120,6 +120,24 @@ def _made(factory, *args, **kwargs):
     return key
 
 
+_TILE_COUNTERS: dict = {}
+
+
+def tile_counter(device) -> torch.Tensor:
+    """The (2,) int32 tile counter of a kernel that claims its tiles (common.tile_scheduler.TileClaims):
+    zero at launch, and the kernel leaves it zero. One per (device, stream): launches on one
+    stream run one after another, so they share it. A CUDA-graph capture gets a fresh zeroed one
+    per launch instead (the memset is captured too; the allocator reuses its memory only for
+    later work in stream order), so replays never share a counter with other streams."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
+    counter = _TILE_COUNTERS.get(key)
+    if counter is None:
+        counter = _TILE_COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counter
+
+
 def _launch(key, compiled, values: dict) -> None:
     compiled(*ordered(key, values))
 
@@ -163,7 +181,7 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
                                    num_targets, key.has_context),
                   **_scalar_args(p, alpha, target_group_size))
     if path == "hopper":
-        values.update(num_sms=num_sms(device), **_walk_args(key, p, k.shape[0], max_seqlen_k))
+        values.update(num_sms=num_sms(device), **_walk_args(key, p, k.shape[0], max_seqlen_k, device))
     # The launch goes to the current device's current stream (TVM-FFI env stream); switching
     # devices costs ~10 us, so only do it when q lives elsewhere.
     with _on_device(device):
@@ -178,27 +196,32 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
 L2_SECTION_BYTES = 8 * 2**20
 
 
-def bh_per_section(p: Problem, shared_tokens: int, max_seqlen: int, persistent: bool) -> int:
+def bh_per_section(p: Problem, shared_tokens: int, max_seqlen: int, persistent: bool, dynamic: bool = False) -> int:
     """(batch, head) pairs per section of the tile walk. Persistent kernels on a batch of full
     sequences (``shared_tokens`` == batch x ``max_seqlen``: known without reading the offsets)
     take one pair per section: their static snake order stays balanced (the heaviest CTA within
     3% of the mean), where other sections can leave one CTA 1.5-1.7x the mean (B8 N4096 forward
     434 TF with 4 pairs per section, 667 with one). Otherwise as many pairs as fit their two
     shared operands of an average sequence (K and V for the forward and dQ kernels, Q and dO
-    for the dK/dV kernels) in :data:`L2_SECTION_BYTES`."""
+    for the dK/dV kernels) in :data:`L2_SECTION_BYTES`. Kernels that claim their tiles
+    (``dynamic``) balance any section size, so they always take the L2-sized sections."""
     pairs = p.batch * p.heads
-    if persistent and shared_tokens == p.batch * max_seqlen:
+    if persistent and not dynamic and shared_tokens == p.batch * max_seqlen:
         return 1
     per_pair = 2 * p.head_dim * p.dtype.itemsize * max(shared_tokens // max(p.batch, 1), 1)
     return max(1, min(L2_SECTION_BYTES // per_pair, pairs))
 
 
-def _walk_args(key, p: Problem, shared_tokens: int, max_seqlen: int) -> dict:
+def _walk_args(key, p: Problem, shared_tokens: int, max_seqlen: int, device) -> dict:
     """The tile-walk argument of a persistent sm90 kernel's launch (:func:`bh_per_section`);
     the sm80 kernels take none."""
     if not key.kernel_name.startswith("hopper"):
         return {}
-    return dict(bh_per_section=bh_per_section(p, shared_tokens, max_seqlen, key.persistent))
+    dynamic = getattr(key, "dynamic_tiles", False)
+    args = dict(bh_per_section=bh_per_section(p, shared_tokens, max_seqlen, key.persistent, dynamic))
+    if dynamic:
+        args["mTileCounter"] = tile_counter(device)
+    return args
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,7 +352,7 @@ def _backward_wide(values, common, device, rab, drab, sum_heads, has_drab, deter
     _launch(key_kv, fn_kv, dict(values, mdRab=drab_out, num_n_blocks=-(-max_seqlen_k // key_kv.tile_n)))
     with _beside(device):
         _launch(key_q, fn_q, dict(values, num_m_blocks=-(-max_seqlen_q // key_q.tile_m),
-                                  **_walk_args(key_q, p, values["mK"].shape[0], max_seqlen_k)))
+                                  **_walk_args(key_q, p, values["mK"].shape[0], max_seqlen_k, device)))
     if sum_heads:
         drab[:, 0].copy_(drab_out if atomic_sum else drab_out.float().sum(1))
 
@@ -340,7 +363,7 @@ def _backward_fused(values, common, device, q, p, max_seqlen_q, max_seqlen_k, ti
     fn = _compiled(key)
     dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=device)
     _launch(key, fn, dict(values, mdQaccum=dq_accum, num_n_blocks=-(-max_seqlen_k // key.tile_n),
-                          **_walk_args(key, p, q.shape[0], max_seqlen_q)))
+                          **_walk_args(key, p, q.shape[0], max_seqlen_q, device)))
     return dq_accum.to(q.dtype)
 
 
@@ -363,8 +386,8 @@ def _backward_pair(values, common, device, path, rab, drab, sum_heads, has_drab,
     if sum_heads:
         drab_accum = torch.zeros((rab.shape[0], rab.shape[2], rab.shape[3]), dtype=torch.float32, device=device)
     _launch(key_dkdv, fn_dkdv, dict(values, num_n_blocks=-(-max_seqlen_k // key_dkdv.tile_n),
-                                    **_walk_args(key_dkdv, p, values["mQ"].shape[0], max_seqlen_q)))
+                                    **_walk_args(key_dkdv, p, values["mQ"].shape[0], max_seqlen_q, device)))
     with _beside(device):
         _launch(key_dq, fn_dq, dict(values, mdRab=drab, mdRabAccum=drab_accum,
                                     num_m_blocks=-(-max_seqlen_q // key_dq.tile_m),
-                                    **_walk_args(key_dq, p, values["mK"].shape[0], max_seqlen_k)))
+                                    **_walk_args(key_dq, p, values["mK"].shape[0], max_seqlen_k, device)))

@@ -213,10 +213,14 @@ class HopperFwdKey(_Variant):
     # Q tiles in smem: with 2 the producer loads the next tile's Q while the consumers still
     # read this one's (persistent CTAs on short sequences, where a tile has few n-blocks).
     q_stages: int = 1
+    # Persistent CTAs claim tiles from a global counter instead of walking a static snake
+    # (common.tile_scheduler.TileClaims): jagged batches balance whatever their lengths.
+    dynamic_tiles: bool = False
 
     def describe(self) -> str:
         flags = ("o" if self.intra_wg_overlap else "") + ("p" if self.pingpong else "") + (
-            "P" if self.persistent else "") + (f"q{self.q_stages}" if self.q_stages != 1 else "")
+            "P" if self.persistent else "") + (f"q{self.q_stages}" if self.q_stages != 1 else "") + (
+            "d" if self.dynamic_tiles else "")
         return self._describe(f"{self.tile_m}x{self.tile_n}s{self.num_stages}{flags}",
                               ["rab"] if self.has_rab else [])
 
@@ -228,8 +232,9 @@ def default_hopper_fwd_tiles(head_dim: int, has_rab: bool) -> dict:
     if head_dim <= 128:
         # A second Q stage (smem 192 KB at D128; with the rab ring it would not fit): B32 N1024
         # 400 vs 359 TF, B128 N512 292 vs 279, elsewhere within noise (H100, session 9).
-        return dict(tile_m=128, tile_n=128, num_stages=2, ptxas_opt=2, q_stages=1 if has_rab else 2)
-    return dict(tile_m=128, tile_n=64, num_stages=2, ptxas_opt=3)
+        return dict(tile_m=128, tile_n=128, num_stages=2, ptxas_opt=2, q_stages=1 if has_rab else 2,
+                    dynamic_tiles=True)
+    return dict(tile_m=128, tile_n=64, num_stages=2, ptxas_opt=3, dynamic_tiles=True)
 
 
 def make_hopper_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, tiles=None) -> HopperFwdKey:

@@ -136,6 +136,32 @@ def test_large_batch_short_sequences(path):
     _run(path, 3000, torch.bfloat16, 4, heads=1, head_dim=32, max_seqlen_q=9, window_size=(-1, 0))
 
 
+def test_claimed_tiles_across_launches_and_streams(path):
+    """The Hopper forward's CTAs claim tiles from a per-stream counter that each launch must leave
+    at zero: many launches in a row, and launches on two streams at once, all give the first
+    (oracle-checked) output bitwise, on a jagged batch of thousands of tiles (lengths 0 to 700,
+    so most CTAs claim several tiles and some claims land past the sequences' ends)."""
+    if path != "hopper":
+        pytest.skip("tile claims are a Hopper forward feature")
+    b, first = _run(path, 600, torch.bfloat16, 11, heads=4, head_dim=128, max_seqlen_q=700,
+                    window_size=(-1, 0), num_targets=16)
+    kw = {k: v for k, v in b.items() if k in ("seq_offsets_q", "seq_offsets_k", "max_seqlen_q", "max_seqlen_k",
+                                             "num_targets", "window_size", "alpha")}
+    outs = [hstu_attn_varlen_func(b["q"], b["k"], b["v"], **kw) for _ in range(8)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    for _ in range(4):
+        for s in streams:
+            with torch.cuda.stream(s):
+                outs.append(hstu_attn_varlen_func(b["q"], b["k"], b["v"], **kw))
+    torch.cuda.synchronize()
+    for i, out in enumerate(outs):
+        torch.testing.assert_close(out, first, rtol=0, atol=0, msg=f"launch {i}")
+    counters = [c for c in launch._TILE_COUNTERS.values()]
+    assert counters and all(int(c.abs().sum()) == 0 for c in counters), counters
+
+
 def test_public_api_matches_forward(path):
     b = random_jagged_batch(4, 2, 128, 200, device="cuda", window_size=(-1, 0), seed=3)
     out = hstu_attn_varlen_func(**b)

@@ -240,11 +240,13 @@ def advanced(state):
     return nxt
 
 
-def shared_storage(barriers: dict, buffers: dict):
+def shared_storage(barriers: dict, buffers: dict, words: dict | None = None):
     """The CTA's shared memory as a ``cute.struct``: the mbarrier arrays (name -> count of Int64),
+    small Int32 arrays (``words``: name -> count; they share the barriers' first 1024 bytes),
     then the tiles (name -> (element type, elements)), each 1024-byte aligned (the 128-byte
     swizzle repeats every 8 rows of 128 bytes), in the order given."""
     fields = {name: cute.struct.MemRange[cutlass.Int64, count] for name, count in barriers.items()}
+    fields.update({name: cute.struct.MemRange[cutlass.Int32, count] for name, count in (words or {}).items()})
     fields.update({name: cute.struct.Align[cute.struct.MemRange[elem, count], 1024]
                    for name, (elem, count) in buffers.items()})
     return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 
+from .sm90 import advanced
+
 
 class SectionWalk:
     """``num_blocks`` x ``num_heads`` x ``num_batch`` tiles in sections of ``section`` (batch,
@@ -70,3 +72,92 @@ class TileScheduler:
 
     def coords(self, tile):
         return self.walk.coords(tile)
+
+    # The consumer side of a tile loop, shaped like :class:`TileClaims`' (the token is unused).
+    def consumer_first(self):
+        return self.first(), cutlass.Int32(0)
+
+    def consumer_next(self, tile, token):
+        return self.next(tile), token
+
+
+# Tiles a producer may publish ahead of the consumers (smem ring of tile indices).
+TILE_RING_STAGES = 4
+
+
+class TileClaims:
+    """Persistent CTAs that claim their tiles from a global counter instead of a static snake:
+    a CTA starts at its own index and then takes whichever tile of ``walk`` comes next when it is
+    free, so jagged batches balance whatever their lengths (host simulation of the jagged recsys
+    rows, 132 CTAs: the heaviest CTA at 1.26-1.31x the mean with the static snake, within 3% with
+    claims).
+
+    ``mCounter``: (2,) int32 in global memory, zero at launch: tiles claimed past the grid, then
+    CTAs done. The last CTA to finish sets both back to zero, so the next launch on the same
+    stream finds them zeroed (the launcher keeps one pair per stream; CUDA-graph captures take a
+    fresh zeroed pair per launch).
+
+    The producer warp claims (:meth:`claim`, :meth:`claimed`) and publishes each tile the
+    consumers must visit into a small smem ring (:meth:`publish`), then ``num_tiles`` to stop
+    them; the consumers read it back (:meth:`consumer_next`)."""
+
+    def __init__(self, walk, mCounter, ring, sRing):
+        self.walk = walk
+        self.num_tiles = walk.num_tiles
+        self.counter = mCounter
+        self.ring = ring
+        self.sRing = sRing
+        self.cta, _, _ = cute.arch.block_idx()
+        self.grid, _, _ = cute.arch.grid_dim()
+
+    def coords(self, tile):
+        return self.walk.coords(tile)
+
+    def first(self):
+        return self.cta
+
+    @cute.jit
+    def claim(self):
+        """Lane 0 of the calling warp claims the next tile; :meth:`claimed` reads it out (the
+        atomic's latency hides behind whatever the warp issues in between)."""
+        ticket, counter = cutlass.Int32(0), self.counter
+        if cute.arch.lane_idx() == 0:
+            ticket = cute.arch.atomic_add(counter.iterator, cutlass.Int32(1), sem="relaxed", scope="gpu")
+        return ticket
+
+    def claimed(self, ticket):
+        return self.grid + cute.arch.shuffle_sync(ticket, 0)
+
+    @cute.jit
+    def finish(self):
+        """After the warp's last claim: the last CTA of the launch zeroes the counters."""
+        counter, last = self.counter, self.grid - 1
+        if cute.arch.lane_idx() == 0:
+            done = cute.arch.atomic_add(counter.iterator + 1, cutlass.Int32(1), sem="acq_rel", scope="gpu")
+            if done == last:
+                counter[0] = cutlass.Int32(0)
+                counter[1] = cutlass.Int32(0)
+
+    @cute.jit
+    def publish(self, state, tile):
+        """The whole producer warp: tile -> ring slot (``state``), returns the advanced state."""
+        self.ring.producer_acquire(state)
+        slots = self.sRing
+        if cute.arch.lane_idx() == 0:
+            slots[state.index] = tile
+        self.ring.producer_commit(state)
+        return advanced(state)
+
+    def consumer_first(self):
+        """Every consumer thread: (first tile, ring state)."""
+        import cutlass.pipeline as pipeline
+
+        return self.consumer_next(None, pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                                     TILE_RING_STAGES))
+
+    def consumer_next(self, tile, state):
+        """Every consumer thread: (the next tile the producer published, advanced ring state)."""
+        self.ring.consumer_wait(state)
+        nxt = self.sRing[state.index]
+        self.ring.consumer_release(state)
+        return nxt, advanced(state)

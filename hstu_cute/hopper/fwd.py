@@ -13,7 +13,7 @@ from ..common.mask_apply import KERNEL_OPS, apply_mask_rows_cols
 from ..common.barriers import NamedBarrier
 from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import silu_scaled_inplace
-from ..common.tile_scheduler import SectionWalk, TileScheduler
+from ..common.tile_scheduler import TILE_RING_STAGES, SectionWalk, TileClaims, TileScheduler
 from .base import HstuSm90Base
 from ..common.sm90 import (
     advanced,
@@ -37,7 +37,9 @@ class HstuForwardSm90(HstuSm90Base):
 
     Tiles: (m-block, head, batch), last m-block first within sections of ``bh_per_section``
     (batch, head) pairs (common.tile_scheduler.SectionWalk); with ``persistent`` one CTA per SM
-    walks them in a snake order, else one CTA per tile. Tiles past a sequence's end are skipped.
+    walks them in a snake order, or (``dynamic_tiles``) claims the next one from a global counter
+    whenever it is free (common.tile_scheduler.TileClaims), else one CTA per tile. Tiles past a
+    sequence's end are skipped.
 
     Warp roles (``128 * (1 + tile_m / 64)`` threads):
       * warpgroup 0, warp 0: producer. Issues TMA loads of Q (once per tile), then K(+rab) and V per
@@ -47,7 +49,8 @@ class HstuForwardSm90(HstuSm90Base):
         S += rab, SiLU, mask (partial tiles only), P = bf16(S) stays in registers and feeds
         O += P V as the register A operand (RS WGMMA).
 
-    Pipelines (mbarrier, TMA transaction counts): Q (``q_stages``: with 2 the next tile's Q loads
+    Pipelines (mbarrier, TMA transaction counts): with ``dynamic_tiles`` a ring of claimed tile
+    indices (producer warp -> consumers, ``TILE_RING_STAGES``); Q (``q_stages``: with 2 the next tile's Q loads
     while this one's is read), K, V and rab (``num_stages`` each).
     K and V have separate rings so that, with ``intra_wg_overlap``, QK^T of block i+1 is issued
     before P.V of block i and SiLU of block i+1 runs while the tensor cores do P.V of block i.
@@ -60,7 +63,7 @@ class HstuForwardSm90(HstuSm90Base):
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
                  num_stages: int, fast_silu: bool, intra_wg_overlap: bool = True, pingpong: bool = True,
-                 persistent: bool = True, q_stages: int = 1):
+                 persistent: bool = True, q_stages: int = 1, dynamic_tiles: bool = False):
         # The CTA launches with 168 x 384 registers; setmaxnreg moves them between roles, so the
         # consumers' 240 must come out of that pool (common.sm90.sm90_register_split).
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, tile_m // 64,
@@ -72,6 +75,7 @@ class HstuForwardSm90(HstuSm90Base):
         self.intra_wg_overlap = intra_wg_overlap
         self.pingpong = pingpong and self.num_mma_wg == 2
         self.q_stages = q_stages
+        self.dynamic_tiles = dynamic_tiles and persistent
         assert tile_m % 64 == 0 and tile_n % 16 == 0 and head_dim % 16 == 0
 
     # ------------------------------------------------------------------------------------------
@@ -80,7 +84,7 @@ class HstuForwardSm90(HstuSm90Base):
     @cute.jit
     def __call__(self, mQ, mK, mV, mO, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
                  alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks, num_sms,
-                 bh_per_section, stream):
+                 bh_per_section, mTileCounter, stream):
         D = self.head_dim
         sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, self.q_stages)
         sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, self.num_stages)
@@ -98,9 +102,12 @@ class HstuForwardSm90(HstuSm90Base):
         self.kv_bytes = self.tile_n * D * elem_bytes
         self.rab_bytes = self.tile_m * self.tile_n * elem_bytes
         kv = (self.dtype, cute.cosize(sK_layout))
+        ring = TILE_RING_STAGES if const_expr(self.dynamic_tiles) else 1
         self.shared_storage = shared_storage(
-            dict(mbar_q=2 * self.q_stages, mbar_k=2 * self.num_stages, mbar_v=2 * self.num_stages, mbar_rab=2 * self.num_stages),
-            dict(sQ=(self.dtype, cute.cosize(sQ_layout)), sK=kv, sV=kv, sRab=(self.dtype, self.smem_elems(sRab_layout))))
+            dict(mbar_q=2 * self.q_stages, mbar_k=2 * self.num_stages, mbar_v=2 * self.num_stages, mbar_rab=2 * self.num_stages,
+                 mbar_tile=2 * ring),
+            dict(sQ=(self.dtype, cute.cosize(sQ_layout)), sK=kv, sV=kv, sRab=(self.dtype, self.smem_elems(sRab_layout))),
+            words=dict(sTile=ring))
 
         num_tiles = num_m_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
         # Persistent: one CTA per SM (smem allows no second one) walking the tiles; the producer
@@ -110,7 +117,7 @@ class HstuForwardSm90(HstuSm90Base):
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, mQ, mO, mK,
             SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
             ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_m_blocks, bh_per_section,
-            statics=dict(
+            mTileCounter, statics=dict(
                 sQ_layout=sQ_layout, sK_layout=sK_layout, sV_layout=sK_layout, sRab_layout=sRab_layout,
                 tiled_mma_qk=trivial_mma(self.dtype, self.tile_n, False, self.num_mma_wg),
                 # P (registers) x V: V is (n, D) with D contiguous, an MN-major B operand.
@@ -125,7 +132,7 @@ class HstuForwardSm90(HstuSm90Base):
     # ------------------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, mQ, mO, mK,
-               seqs, mRab, scalars, num_m_blocks: Int32, bh_per_section: Int32, statics):
+               seqs, mRab, scalars, num_m_blocks: Int32, bh_per_section: Int32, mTileCounter, statics):
         self.bind(statics)
         tidx, warp_idx = self.prologue(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_rab)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
@@ -143,6 +150,12 @@ class HstuForwardSm90(HstuSm90Base):
         pipe_rab = None
         if const_expr(self.has_rab):
             pipe_rab = tma_pipeline(storage.mbar_rab, self.num_stages, self.rab_bytes)
+        ring = None
+        if const_expr(self.dynamic_tiles):
+            ring = pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar_tile.data_ptr(), num_stages=TILE_RING_STAGES,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads), defer_sync=True)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -150,16 +163,20 @@ class HstuForwardSm90(HstuSm90Base):
                                        sRab=self.sRab_layout))
         walk = SectionWalk(num_m_blocks, mQ.shape[1], seqs.mOffsetsQ.shape[0] - 1, bh_per_section, reverse=True)
         seqinfo = self.sequence_info(seqs, scalars, mQ, mK)
+        claims = None
+        if const_expr(self.dynamic_tiles):
+            claims = TileClaims(walk, mTileCounter, ring, storage.sTile.get_tensor(cute.make_layout(TILE_RING_STAGES)))
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.produce((tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, s["sQ"],
-                              s["sK"], s["sV"], s["sRab"], pipe_q, pipe_k, pipe_v, pipe_rab, mRab), walk, seqinfo)
+                              s["sK"], s["sV"], s["sRab"], pipe_q, pipe_k, pipe_v, pipe_rab, mRab), walk, seqinfo,
+                             claims)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(tidx - 128, mO, s["sQ"], s["sK"], s["sV"], s["sRab"], pipe_q, pipe_k, pipe_v, pipe_rab,
-                         scalars.alpha, scalars.inv_scale, walk, seqinfo)
+                         scalars.alpha, scalars.inv_scale, walk, seqinfo, claims)
 
     @cute.jit
     def tile_problem(self, tiles, seqinfo, tile: Int32):
@@ -182,11 +199,34 @@ class HstuForwardSm90(HstuSm90Base):
     # Producer warp
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def produce(self, loads, walk, seqinfo):
+    def produce(self, loads, walk, seqinfo, claims):
         states = (pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages),
                   pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages),
                   pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages))
-        self.for_each_tile(walk, seqinfo, self.produce_tile, loads, states, problem=self.tile_to_load)
+        if const_expr(self.dynamic_tiles):
+            self.produce_claimed(loads, claims, seqinfo, states)
+        else:
+            self.for_each_tile(walk, seqinfo, self.produce_tile, loads, states, problem=self.tile_to_load)
+
+    @cute.jit
+    def produce_claimed(self, loads, claims, seqinfo, states):
+        """Claim tiles until none is left; publish each live one to the consumers and load it.
+        The next claim goes out before this tile's loads so its latency hides behind them."""
+        ring_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TILE_RING_STAGES)
+        # No method call on a loop-carried name: the bound methods are taken out first.
+        num_tiles, claim, claimed, publish, walk = (claims.num_tiles, claims.claim, claims.claimed, claims.publish,
+                                                     claims.walk)
+        tile = claims.first()
+        while tile < num_tiles:
+            ticket = claim()
+            live, coords = self.tile_problem(walk, seqinfo, tile)
+            if live:
+                ring_state = publish(ring_state, tile)
+                if coords[6][3] > 0:
+                    states = self.produce_tile(*loads, *coords, *states)
+            tile = claimed(ticket)
+        publish(ring_state, num_tiles)
+        claims.finish()
 
     @cute.jit
     def produce_tile(self, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, sQ, sK,
@@ -254,7 +294,7 @@ class HstuForwardSm90(HstuSm90Base):
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def consume(self, tidx: Int32, mO, sQ, sK, sV, sRab, pipe_q, pipe_k, pipe_v, pipe_rab, alpha: Float32,
-                inv_scale: Float32, walk, seqinfo):
+                inv_scale: Float32, walk, seqinfo, claims):
         D = self.head_dim
         tiled_mma_qk, tiled_mma_pv = self.tiled_mma_qk, self.tiled_mma_pv
         spec = self.mask
@@ -294,9 +334,9 @@ class HstuForwardSm90(HstuSm90Base):
         zero_copy_v = self.zero_copy_v
         # Always the tile loop (one tile per CTA leaves it after the first step): the consumer's
         # pipeline states stay in this scope, which keeps the shipped PTX's register order.
-        tiles = TileScheduler(walk)
-        num_tiles, next_tile = tiles.num_tiles, tiles.next  # no method call on a loop-carried name
-        tile = tiles.first()
+        tiles = claims if const_expr(self.dynamic_tiles) else TileScheduler(walk)
+        num_tiles, next_tile = tiles.num_tiles, tiles.consumer_next  # no method call on a loop-carried name
+        tile, tile_token = tiles.consumer_first()
         while tile < num_tiles:
             live, (m_block, head, batch, q_start, k_start, seq, sched) = self.tile_problem(tiles, seqinfo, tile)
             n_lo, hole_lo, hole_size, n_count = sched
@@ -358,7 +398,7 @@ class HstuForwardSm90(HstuSm90Base):
                                      (m_block, 0))
                 tOgO = thr_mma_pv.partition_C(gO)
                 store_acc_rows(rO, tOgO, tOcO_rc, seq.seqlen_q - m_block * self.tile_m)
-            tile = next_tile(tile)
+            tile, tile_token = next_tile(tile, tile_token)
 
     @cute.jit
     def sched_wait(self, wg: Int32):

@@ -53,9 +53,11 @@ def _hopper_bwd(key):
                                     key.tile_m, key.tile_n, key.num_stages, key.fast_silu)
     if key.role == "dq":
         return HstuBackwardDqSm90(dtype, key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n,
-                                  key.num_stages, key.fast_silu, persistent=key.persistent)
+                                  key.num_stages, key.fast_silu, persistent=key.persistent,
+                                  dynamic_tiles=key.dynamic_tiles)
     return HstuBackwardDkDvSm90(dtype, key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n, key.num_stages,
-                                key.fast_silu, fuse_dq=key.role == "fused", persistent=key.persistent)
+                                key.fast_silu, fuse_dq=key.role == "fused", persistent=key.persistent,
+                                dynamic_tiles=key.dynamic_tiles)
 
 
 KERNELS = {"ampere_fwd": _ampere_fwd, "ampere_bwd_dq": _ampere_bwd, "ampere_bwd_dkdv": _ampere_bwd,

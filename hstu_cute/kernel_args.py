@@ -184,7 +184,7 @@ SPECS: dict[str, tuple[Arg, ...]] = {
     "hopper_fwd": (_Q, _K, _V, Arg("mO", _tokens("tokens_q")), *_SEQUENCES, _TMA_RAB, *_SCALARS,
                    Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER),
     "hopper_bwd_dq": (_Q, _K, _V, _DO, _DQ, *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS,
-                      _BH_PER_SECTION),
+                      _BH_PER_SECTION, _TILE_COUNTER),
     "hopper_bwd_wide": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _TMA_RAB,
                         Arg("mdRab", _wide_drab, lambda key: key.has_drab), *_SCALARS, Arg("num_n_blocks", _i32)),
 }
@@ -192,7 +192,7 @@ SPECS: dict[str, tuple[Arg, ...]] = {
 # TMA reduce-adds into (16-byte strides).
 SPECS["hopper_bwd_dkdv"] = SPECS["hopper_bwd_fused"] = (
     _Q, _K, _V, _DO, _DK, _DV, Arg("mdQaccum", _tokens("tokens_q", "Float32", 4), lambda key: key.role == "fused"),
-    *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_n_blocks", _i32), _NUM_SMS, _BH_PER_SECTION,
+    *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_n_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER,
 )
 
 

@@ -134,7 +134,19 @@ def tile_counter(device) -> torch.Tensor:
     key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
     counter = _TILE_COUNTERS.get(key)
     if counter is None:
-        counter = _TILE_COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+        counter = _TILE_COUNTERS[key] = _new_tile_counter(device)
+    return counter
+
+
+def _new_tile_counter(device) -> torch.Tensor:
+    """A zeroed counter allocated from a stream of its own: allocations on the current stream may
+    go to a CUDA-graph pool (torch.compile's cudagraph trees warm up inside theirs and reject a
+    live tensor there that is not an output), and this one outlives the call."""
+    current = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        counter = torch.zeros(2, dtype=torch.int32, device=device)
+    current.wait_stream(side)
     return counter
 
 
@@ -194,6 +206,11 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
 # 8 MB is best or near it on jagged batches (B128 N2048 forward 355 TF against 281 with one
 # section, Zipf B512 N1024 84 against 54 with one pair per section).
 L2_SECTION_BYTES = 8 * 2**20
+# Sections of kernels that claim their tiles hold at least this many pairs. H100 forward, full
+# batches, three interleaved repeats (docs/perf-log.md session 10): 16 pairs match the static
+# snake with one pair (B16 N2048 547-551 vs 547-555 TF, B8 N4096 649-664 vs 642-667) where the
+# 8 MB rule's 4-8 pairs lose (518-521, 586-602).
+CLAIM_MIN_PAIRS = 16
 
 
 def bh_per_section(p: Problem, shared_tokens: int, max_seqlen: int, persistent: bool, dynamic: bool = False) -> int:
@@ -204,12 +221,13 @@ def bh_per_section(p: Problem, shared_tokens: int, max_seqlen: int, persistent: 
     434 TF with 4 pairs per section, 667 with one). Otherwise as many pairs as fit their two
     shared operands of an average sequence (K and V for the forward and dQ kernels, Q and dO
     for the dK/dV kernels) in :data:`L2_SECTION_BYTES`. Kernels that claim their tiles
-    (``dynamic``) balance any section size, so they always take the L2-sized sections."""
+    (``dynamic``) balance any section, so they always take the L2-sized ones, of at least
+    :data:`CLAIM_MIN_PAIRS` pairs."""
     pairs = p.batch * p.heads
     if persistent and not dynamic and shared_tokens == p.batch * max_seqlen:
         return 1
     per_pair = 2 * p.head_dim * p.dtype.itemsize * max(shared_tokens // max(p.batch, 1), 1)
-    return max(1, min(L2_SECTION_BYTES // per_pair, pairs))
+    return max(1, min(max(L2_SECTION_BYTES // per_pair, CLAIM_MIN_PAIRS if dynamic else 1), pairs))
 
 
 def _walk_args(key, p: Problem, shared_tokens: int, max_seqlen: int, device) -> dict:

@@ -260,26 +260,27 @@ class HopperBwdKey(_BwdVariant):
     fast_silu: bool = True
     ptxas_opt: int = 3
     persistent: bool = False  # roles "dkdv" / "fused" / "dq": one CTA per SM walking the tiles
+    dynamic_tiles: bool = False  # persistent CTAs claim their tiles (HopperFwdKey.dynamic_tiles)
 
     def describe(self) -> str:
         extras = (["rab"] if self.has_rab else []) + (["drab"] if self.has_drab else []) + (
             ["sum_heads"] if self.rab_sum_heads else [])
-        return self._describe(f"{self.tile_m}x{self.tile_n}s{self.num_stages}{'P' if self.persistent else ''}",
-                              extras)
+        flags = ("P" if self.persistent else "") + ("d" if self.dynamic_tiles else "")
+        return self._describe(f"{self.tile_m}x{self.tile_n}s{self.num_stages}{flags}", extras)
 
 
 HOPPER_BWD_ROLES = ("fused", "dkdv", "dq", "wide")
 # Persistent dK/dV and dQ kernels (H100 B8 N4096 causal, docs/perf-log.md session 6): D128 pair
 # 437.6 vs 422.4 TF, D64 322-324 vs 304-306; the fused kernel stays one CTA per n-block (a tile
 # loop slows its m-block loop: 402-418 vs 443-448).
-_BWD_TILES = {"dkdv": dict(tile_m=64, tile_n=128, persistent=True),
+_BWD_TILES = {"dkdv": dict(tile_m=64, tile_n=128, persistent=True, dynamic_tiles=True),
               "fused": dict(tile_m=64, tile_n=128),
-              "dq": dict(tile_m=128, tile_n=64, persistent=True), "wide": dict(tile_m=64, tile_n=64)}
+              "dq": dict(tile_m=128, tile_n=64, persistent=True, dynamic_tiles=True), "wide": dict(tile_m=64, tile_n=64)}
 # dQ at D256: Q and dO (2 x 64 KB) stay resident, so K/V tiles of 48 keys (32 beside rab's ring)
 # keep two stages in smem (H100 B8 N4096 causal, with the wide kernel: 369.4 TF at 128 x 48,
 # 359.5-363.5 at 128 x 32, 331.6 at 128 x 64 with one stage).
-_BWD_TILES_D256 = {"dq": dict(tile_m=128, tile_n=48, num_stages=2, persistent=True)}
-_BWD_TILES_D256_RAB = {"dq": dict(tile_m=128, tile_n=32, num_stages=2, persistent=True)}
+_BWD_TILES_D256 = {"dq": dict(tile_m=128, tile_n=48, num_stages=2, persistent=True, dynamic_tiles=True)}
+_BWD_TILES_D256_RAB = {"dq": dict(tile_m=128, tile_n=32, num_stages=2, persistent=True, dynamic_tiles=True)}
 # Head dims of the wide dK/dV/drab kernel; it pairs with the dQ kernel there.
 HOPPER_WIDE_HEAD_DIMS = (256,)
 # (has_rab, has_drab, rab_sum_heads) of the shipped backward variants: the sm80 kernels and the

@@ -52,3 +52,23 @@ def test_sections_jagged_batches_fit_l2():
     # Never more than every pair, never fewer than one.
     assert launch.bh_per_section(_problem(1, heads=1), 5, 2048, persistent=True) == 1
     assert launch.bh_per_section(p, 128 * 10**7, 10**8, persistent=True) == 1
+
+
+def test_sections_of_claiming_kernels_hold_at_least_the_minimum():
+    """Kernels that claim their tiles take L2-sized sections on full batches too, never fewer than
+    CLAIM_MIN_PAIRS pairs (nor more than every pair)."""
+    p = _problem(8)  # B8 N4096: the L2 rule alone gives 4 pairs
+    assert launch.L2_SECTION_BYTES // (2 * 128 * 2 * 4096) < launch.CLAIM_MIN_PAIRS
+    assert launch.bh_per_section(p, 8 * 4096, 4096, persistent=True, dynamic=True) == launch.CLAIM_MIN_PAIRS
+    p = _problem(1024)  # B1024 N256: 64 pairs fit the L2 budget
+    assert launch.bh_per_section(p, 1024 * 256, 256, persistent=True, dynamic=True) == 64
+    assert launch.bh_per_section(_problem(2, heads=2), 2 * 4096, 4096, persistent=True, dynamic=True) == 4
+
+
+def test_claims_are_the_hopper_forward_default():
+    """The shipped Hopper forward keys claim their tiles; the launcher hands them a counter."""
+    from hstu_cute import kernel_args, variants
+
+    keys = variants.shipped_hopper_fwd_keys("sm_90a")
+    assert keys and all(k.dynamic_tiles and k.persistent for k in keys)
+    assert all("mTileCounter" in kernel_args.slots(k) for k in keys)

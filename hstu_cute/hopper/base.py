@@ -6,12 +6,13 @@ from __future__ import annotations
 from collections import namedtuple
 
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 from cutlass import const_expr
 
 from .. import masks
 from ..common.seqinfo import SequenceInfo
 from ..common.sm90 import prefetch_tma_descriptors, sm90_register_split, sm90_smem_layout
-from ..common.tile_scheduler import TileScheduler
+from ..common.tile_scheduler import TILE_RING_STAGES, TileClaims, TileScheduler
 
 
 class HstuSm90Base:
@@ -24,7 +25,8 @@ class HstuSm90Base:
     shared-storage struct type stays on ``self``."""
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
-                 num_stages: int, fast_silu: bool, num_mma_wg: int, persistent: bool = False):
+                 num_stages: int, fast_silu: bool, num_mma_wg: int, persistent: bool = False,
+                 dynamic_tiles: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.mask = mask
@@ -34,6 +36,8 @@ class HstuSm90Base:
         self.num_stages = num_stages
         self.fast_silu = fast_silu
         self.persistent = persistent
+        # Persistent CTAs claim their tiles (common.tile_scheduler.TileClaims) instead of the snake.
+        self.dynamic_tiles = dynamic_tiles and persistent
         self.num_mma_wg = num_mma_wg
         self.num_threads = 128 * (1 + num_mma_wg)
         self.num_mma_threads = 128 * num_mma_wg
@@ -47,6 +51,12 @@ class HstuSm90Base:
         if const_expr(self.has_rab):
             return sm90_smem_layout(self.dtype, self.tile_m, self.tile_n, self.num_stages)
         return None
+
+    def tile_ring_storage(self) -> tuple[dict, dict]:
+        """(barriers, words) of the claimed-tile ring for :func:`common.sm90.shared_storage` (a
+        one-slot placeholder without claims)."""
+        stages = TILE_RING_STAGES if const_expr(self.dynamic_tiles) else 1
+        return dict(mbar_tile=2 * stages), dict(sTile=stages)
 
     def smem_elems(self, layout) -> int:
         """Elements of a smem tile; an absent tile keeps a small placeholder field."""
@@ -77,17 +87,44 @@ class HstuSm90Base:
             prefetch_tma_descriptors(*tma_atoms)
         return tidx, warp_idx
 
+    def tile_claims(self, storage, walk, mTileCounter):
+        """Every thread, before the warp roles split: the :class:`TileClaims` of this CTA (None
+        without claims). Initializes the ring's mbarriers and syncs the CTA."""
+        if const_expr(not self.dynamic_tiles):
+            return None
+        ring = pipeline.PipelineAsync.create(
+            barrier_storage=storage.mbar_tile.data_ptr(), num_stages=TILE_RING_STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads))
+        return TileClaims(walk, mTileCounter, ring, storage.sTile.get_tensor(cute.make_layout(TILE_RING_STAGES)))
+
     def sequence_info(self, seqs, scalars, mQ, mK) -> SequenceInfo:
         return SequenceInfo(self.mask, seqs, scalars, mQ.shape[0], mK.shape[0])
 
     @cute.jit
-    def for_each_tile(self, walk, seqinfo, visit, args, states, problem=None):
+    def for_each_tile(self, walk, seqinfo, visit, args, states, problem=None, claims=None, producer=False,
+                      visit_if=None):
         """``visit(*args, *tile, *states)`` on each live tile of this CTA (``live, tile`` as
         ``problem`` returns them; default :meth:`tile_problem`). Persistent CTAs thread the
         states (pipeline states, counters) returned by ``visit`` from tile to tile. One tile per
         CTA: no tile loop (around the fused backward's m-block loop a tile loop made that loop
-        slower, H100 D128 402-418 TF against 443-448)."""
+        slower, H100 D128 402-418 TF against 443-448).
+
+        With ``claims`` (:class:`TileClaims`) the ``producer`` warp claims the tiles and publishes
+        the live ones (by :meth:`tile_problem`), visiting those for which ``visit_if(tile)`` holds
+        (default: all); the consumers visit what it publishes."""
         problem = problem if problem is not None else self.tile_problem
+        if const_expr(claims is not None):
+            if const_expr(producer):
+                self.claim_tiles(claims, seqinfo, visit, args, states, visit_if)
+            else:
+                num_tiles, next_tile, walk = claims.num_tiles, claims.consumer_next, claims.walk
+                tile, ring_state = claims.consumer_first()
+                while tile < num_tiles:
+                    live, coords = problem(walk, seqinfo, tile)
+                    states = visit(*args, *coords, *states)
+                    tile, ring_state = next_tile(tile, ring_state)
+            return
         tiles = TileScheduler(walk)
         if const_expr(self.persistent):
             num_tiles, next_tile = tiles.num_tiles, tiles.next  # no method call on a loop-carried name
@@ -101,3 +138,26 @@ class HstuSm90Base:
             live, coords = problem(tiles, seqinfo, tiles.first())
             if live:
                 visit(*args, *coords, *states)
+
+    @cute.jit
+    def claim_tiles(self, claims, seqinfo, visit, args, states, visit_if=None):
+        """The producer warp's side of :meth:`for_each_tile` with claims: the next claim goes out
+        before this tile's loads, so its latency hides behind them."""
+        ring_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TILE_RING_STAGES)
+        # No method call on a loop-carried name: the bound methods are taken out first.
+        num_tiles, claim, claimed, publish, walk = (claims.num_tiles, claims.claim, claims.claimed, claims.publish,
+                                                     claims.walk)
+        tile = claims.first()
+        while tile < num_tiles:
+            ticket = claim()
+            live, coords = self.tile_problem(walk, seqinfo, tile)
+            if live:
+                ring_state = publish(ring_state, tile)
+                if const_expr(visit_if is None):
+                    states = visit(*args, *coords, *states)
+                else:
+                    if visit_if(coords):
+                        states = visit(*args, *coords, *states)
+            tile = claimed(ticket)
+        publish(ring_state, num_tiles)
+        claims.finish()

@@ -72,9 +72,10 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
     """
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
-                 num_stages: int, fast_silu: bool, fuse_dq: bool = False, persistent: bool = False):
+                 num_stages: int, fast_silu: bool, fuse_dq: bool = False, persistent: bool = False,
+                 dynamic_tiles: bool = False):
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, tile_n // 64,
-                         persistent)
+                         persistent, dynamic_tiles)
         self.fuse_dq = fuse_dq
         # Column halves only where smem is short (rab ring) and a half is whole 128-byte swizzle atoms.
         self.dq_split = fuse_dq and has_rab and head_dim >= 128
@@ -86,7 +87,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
     @cute.jit
     def __call__(self, mQ, mK, mV, mdO, mdK, mdV, mdQaccum, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK,
                  mNumContexts, mNumTargets, mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
-                 num_n_blocks, num_sms, bh_per_section, stream):
+                 num_n_blocks, num_sms, bh_per_section, mTileCounter, stream):
         D = self.head_dim
         self.sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, None)
         self.sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, self.num_stages)
@@ -110,17 +111,19 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
         self.zero_copy = rows_zero_copy(self.dtype, D)
         tile = (self.dtype, cute.cosize(self.sK_layout))
         ring = (self.dtype, cute.cosize(self.sQ_layout))
+        ring_barriers, ring_words = self.tile_ring_storage()
         self.shared_storage = shared_storage(
-            dict(mbar_kv=2, mbar_q=2 * self.num_stages),
+            dict(mbar_kv=2, mbar_q=2 * self.num_stages, **ring_barriers),
             dict(sK=tile, sV=tile, sQ=ring, sdO=ring, sRab=(self.dtype, self.smem_elems(self.sRab_layout)),
-                 sdS=(self.dtype, self.smem_elems(self.sdS_layout)), sdQ=(Float32, self.smem_elems(self.sdQ_layout))))
+                 sdS=(self.dtype, self.smem_elems(self.sdS_layout)), sdQ=(Float32, self.smem_elems(self.sdQ_layout))),
+            words=ring_words)
         num_ctas = num_n_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
         if const_expr(self.persistent):
             num_ctas = cutlass.min(num_ctas, num_sms)
         self.launch(*loads, tma_atom_dq, tma_dq, mQ, mK, mdK, mdV,
                     SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
                     ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_n_blocks,
-                    bh_per_section,
+                    bh_per_section, mTileCounter,
                     statics=dict(sK_layout=self.sK_layout, sQ_layout=self.sQ_layout, sRab_layout=self.sRab_layout,
                                  sdS_layout=self.sdS_layout, sdQ_layout=self.sdQ_layout, tiled_mma_s=self.tiled_mma_s,
                                  tiled_mma_d=self.tiled_mma_d, tiled_mma_dq=self.tiled_mma_dq,
@@ -130,7 +133,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
     @cute.kernel
     def kernel(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
                tma_rab, tma_atom_dq, tma_dq, mQ, mK, mdK, mdV, seqs, mRab, scalars, num_n_blocks: Int32,
-               bh_per_section: Int32, statics):
+               bh_per_section: Int32, mTileCounter, statics):
         self.bind(statics)
         tidx, warp_idx = self.prologue(tma_atom_k, tma_atom_v, tma_atom_q, tma_atom_do, tma_atom_rab, tma_atom_dq)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
@@ -140,17 +143,19 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
                                        sRab=self.sRab_layout, sdS=self.sdS_layout, sdQ=self.sdQ_layout))
         walk = SectionWalk(num_n_blocks, mQ.shape[1], seqs.mOffsetsQ.shape[0] - 1, bh_per_section, reverse=False)
         seqinfo = self.sequence_info(seqs, scalars, mQ, mK)
+        claims = self.tile_claims(storage, walk, mTileCounter)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.produce((tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do,
                               tma_atom_rab, tma_rab, s["sK"], s["sV"], s["sQ"], s["sdO"], s["sRab"], pipe_kv, pipe_q,
-                              mRab), walk, seqinfo)
+                              mRab), walk, seqinfo, claims)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(tidx - 128, mdK, mdV, s["sK"], s["sV"], s["sQ"], s["sdO"], s["sRab"], s["sdS"], s["sdQ"],
-                         tma_atom_dq, tma_dq, pipe_kv, pipe_q, scalars.alpha, scalars.inv_scale, walk, seqinfo)
+                         tma_atom_dq, tma_dq, pipe_kv, pipe_q, scalars.alpha, scalars.inv_scale, walk, seqinfo,
+                         claims)
 
     @cute.jit
     def tile_problem(self, tiles, seqinfo, tile: Int32):
@@ -163,16 +168,16 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
         return live, (n_block, head, batch, q_start, k_start, seq, m_lo, m_hi)
 
     @cute.jit
-    def produce(self, loads, walk, seqinfo):
+    def produce(self, loads, walk, seqinfo, claims):
         states = ()
         if const_expr(self.persistent):
             states = (pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
                       pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages))
-        self.for_each_tile(walk, seqinfo, self.produce_key_block, loads, states)
+        self.for_each_tile(walk, seqinfo, self.produce_key_block, loads, states, claims=claims, producer=True)
 
     @cute.jit
     def consume(self, tidx: Int32, mdK, mdV, sK, sV, sQ, sdO, sRab, sdS, sdQ, tma_atom_dq, tma_dq, pipe_kv,
-                pipe_q, alpha: Float32, inv_scale: Float32, walk, seqinfo):
+                pipe_q, alpha: Float32, inv_scale: Float32, walk, seqinfo, claims):
         D = self.head_dim
         tiled_mma_s, tiled_mma_d, tiled_mma_dq = self.tiled_mma_s, self.tiled_mma_d, self.tiled_mma_dq
         spec = self.mask
@@ -221,7 +226,8 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
         blocks_done = Int32(0)
         tile_args = (tidx, mdK, mdV, sK, sQ, sdO, tma_atom_dq, tma_dq, pipe_kv, pipe_q, alpha, inv_scale, tSrK,
                      tSrV, tSrQ, tSrdO, tDrQt, tDrdOt, tScS, tSsRabT, sdS, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, dq_col_block)
-        self.for_each_tile(walk, seqinfo, self.consume_tile, tile_args, (q_state, kv_state, blocks_done))
+        self.for_each_tile(walk, seqinfo, self.consume_tile, tile_args, (q_state, kv_state, blocks_done),
+                           claims=claims)
         if const_expr(self.fuse_dq):
             # The last reduce-adds must have read sdQ before the CTA's smem goes away (their
             # writes land before the grid completes).
@@ -377,15 +383,15 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
     """
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
-                 num_stages: int, fast_silu: bool, persistent: bool = False):
+                 num_stages: int, fast_silu: bool, persistent: bool = False, dynamic_tiles: bool = False):
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, tile_m // 64,
-                         persistent)
+                         persistent, dynamic_tiles)
         assert tile_m % 64 == 0 and tile_n % 16 == 0
 
     @cute.jit
     def __call__(self, mQ, mK, mV, mdO, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets,
                  mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks, num_sms,
-                 bh_per_section, stream):
+                 bh_per_section, mTileCounter, stream):
         D = self.head_dim
         self.sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, None)
         self.sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, self.num_stages)
@@ -400,9 +406,11 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         self.zero_copy = rows_zero_copy(self.dtype, D)
         tile = (self.dtype, cute.cosize(self.sQ_layout))
         ring = (self.dtype, cute.cosize(self.sK_layout))
+        ring_barriers, ring_words = self.tile_ring_storage()
         self.shared_storage = shared_storage(
-            dict(mbar_q=2, mbar_kv=2 * self.num_stages),
-            dict(sQ=tile, sdO=tile, sK=ring, sV=ring, sRab=(self.dtype, self.smem_elems(self.sRab_layout))))
+            dict(mbar_q=2, mbar_kv=2 * self.num_stages, **ring_barriers),
+            dict(sQ=tile, sdO=tile, sK=ring, sV=ring, sRab=(self.dtype, self.smem_elems(self.sRab_layout))),
+            words=ring_words)
         num_ctas = num_m_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
         if const_expr(self.persistent):
             num_ctas = cutlass.min(num_ctas, num_sms)
@@ -411,7 +419,7 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         self.launch(*q_do, *k_v, *rab, mQ, mK, mdQ,
                     SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
                     ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_m_blocks,
-                    bh_per_section,
+                    bh_per_section, mTileCounter,
                     statics=dict(sQ_layout=self.sQ_layout, sK_layout=self.sK_layout, sRab_layout=self.sRab_layout,
                                  tiled_mma_s=self.tiled_mma_s, tiled_mma_dq=self.tiled_mma_dq,
                                  zero_copy=self.zero_copy),
@@ -420,7 +428,7 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
     @cute.kernel
     def kernel(self, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab,
                tma_rab, mQ, mK, mdQ, seqs, mRab, scalars, num_m_blocks: Int32,
-               bh_per_section: Int32, statics):
+               bh_per_section: Int32, mTileCounter, statics):
         self.bind(statics)
         tidx, warp_idx = self.prologue(tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_rab)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
@@ -430,17 +438,18 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
                                        sRab=self.sRab_layout))
         walk = SectionWalk(num_m_blocks, mQ.shape[1], seqs.mOffsetsQ.shape[0] - 1, bh_per_section, reverse=True)
         seqinfo = self.sequence_info(seqs, scalars, mQ, mK)
+        claims = self.tile_claims(storage, walk, mTileCounter)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.produce((tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
                               tma_atom_rab, tma_rab, s["sQ"], s["sdO"], s["sK"], s["sV"], s["sRab"], pipe_q, pipe_kv,
-                              mRab), walk, seqinfo)
+                              mRab), walk, seqinfo, claims)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(tidx - 128, mdQ, s["sQ"], s["sdO"], s["sK"], s["sV"], s["sRab"], pipe_q, pipe_kv,
-                         scalars.alpha, scalars.inv_scale, walk, seqinfo)
+                         scalars.alpha, scalars.inv_scale, walk, seqinfo, claims)
 
     @cute.jit
     def tile_problem(self, tiles, seqinfo, tile: Int32):
@@ -453,12 +462,12 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         return live, (m_block, head, batch, q_start, k_start, seq, sched)
 
     @cute.jit
-    def produce(self, loads, walk, seqinfo):
+    def produce(self, loads, walk, seqinfo, claims):
         states = ()
         if const_expr(self.persistent):
             states = (pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
                       pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages))
-        self.for_each_tile(walk, seqinfo, self.produce_query_block, loads, states)
+        self.for_each_tile(walk, seqinfo, self.produce_query_block, loads, states, claims=claims, producer=True)
 
     @cute.jit
     def produce_query_block(self, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
@@ -528,13 +537,13 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
 
     @cute.jit
     def consume(self, tidx: Int32, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, alpha: Float32, inv_scale: Float32,
-                walk, seqinfo):
+                walk, seqinfo, claims):
         block_args = (tidx, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, alpha, inv_scale)
         states = ()
         if const_expr(self.persistent):
             states = (pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
                       pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages))
-        self.for_each_tile(walk, seqinfo, self.consume_query_block, block_args, states)
+        self.for_each_tile(walk, seqinfo, self.consume_query_block, block_args, states, claims=claims)
 
     @cute.jit
     def consume_query_block(self, tidx: Int32, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, alpha: Float32,

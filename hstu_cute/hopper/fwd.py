@@ -13,7 +13,7 @@ from ..common.mask_apply import KERNEL_OPS, apply_mask_rows_cols
 from ..common.barriers import NamedBarrier
 from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import silu_scaled_inplace
-from ..common.tile_scheduler import TILE_RING_STAGES, SectionWalk, TileClaims, TileScheduler
+from ..common.tile_scheduler import SectionWalk, TileScheduler
 from .base import HstuSm90Base
 from ..common.sm90 import (
     advanced,
@@ -67,7 +67,7 @@ class HstuForwardSm90(HstuSm90Base):
         # The CTA launches with 168 x 384 registers; setmaxnreg moves them between roles, so the
         # consumers' 240 must come out of that pool (common.sm90.sm90_register_split).
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, tile_m // 64,
-                         persistent)
+                         persistent, dynamic_tiles)
         # fp16 stores the next P through an operand fence: with a plain store ptxas serializes every
         # WGMMA of the fp16 variants (C7513). H200 fp16 B8 N4096 causal: D128 484 vs 378 TF, D256
         # 620 vs 366, D64 290 vs 268. bf16 keeps the plain store (the fence cost it D64 461 -> 427).
@@ -75,7 +75,6 @@ class HstuForwardSm90(HstuSm90Base):
         self.intra_wg_overlap = intra_wg_overlap
         self.pingpong = pingpong and self.num_mma_wg == 2
         self.q_stages = q_stages
-        self.dynamic_tiles = dynamic_tiles and persistent
         assert tile_m % 64 == 0 and tile_n % 16 == 0 and head_dim % 16 == 0
 
     # ------------------------------------------------------------------------------------------
@@ -102,12 +101,12 @@ class HstuForwardSm90(HstuSm90Base):
         self.kv_bytes = self.tile_n * D * elem_bytes
         self.rab_bytes = self.tile_m * self.tile_n * elem_bytes
         kv = (self.dtype, cute.cosize(sK_layout))
-        ring = TILE_RING_STAGES if const_expr(self.dynamic_tiles) else 1
+        ring_barriers, ring_words = self.tile_ring_storage()
         self.shared_storage = shared_storage(
             dict(mbar_q=2 * self.q_stages, mbar_k=2 * self.num_stages, mbar_v=2 * self.num_stages, mbar_rab=2 * self.num_stages,
-                 mbar_tile=2 * ring),
+                 **ring_barriers),
             dict(sQ=(self.dtype, cute.cosize(sQ_layout)), sK=kv, sV=kv, sRab=(self.dtype, self.smem_elems(sRab_layout))),
-            words=dict(sTile=ring))
+            words=ring_words)
 
         num_tiles = num_m_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
         # Persistent: one CTA per SM (smem allows no second one) walking the tiles; the producer
@@ -150,12 +149,6 @@ class HstuForwardSm90(HstuSm90Base):
         pipe_rab = None
         if const_expr(self.has_rab):
             pipe_rab = tma_pipeline(storage.mbar_rab, self.num_stages, self.rab_bytes)
-        ring = None
-        if const_expr(self.dynamic_tiles):
-            ring = pipeline.PipelineAsync.create(
-                barrier_storage=storage.mbar_tile.data_ptr(), num_stages=TILE_RING_STAGES,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads), defer_sync=True)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -163,9 +156,7 @@ class HstuForwardSm90(HstuSm90Base):
                                        sRab=self.sRab_layout))
         walk = SectionWalk(num_m_blocks, mQ.shape[1], seqs.mOffsetsQ.shape[0] - 1, bh_per_section, reverse=True)
         seqinfo = self.sequence_info(seqs, scalars, mQ, mK)
-        claims = None
-        if const_expr(self.dynamic_tiles):
-            claims = TileClaims(walk, mTileCounter, ring, storage.sTile.get_tensor(cute.make_layout(TILE_RING_STAGES)))
+        claims = self.tile_claims(storage, walk, mTileCounter)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -203,30 +194,9 @@ class HstuForwardSm90(HstuSm90Base):
         states = (pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages),
                   pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages),
                   pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages))
-        if const_expr(self.dynamic_tiles):
-            self.produce_claimed(loads, claims, seqinfo, states)
-        else:
-            self.for_each_tile(walk, seqinfo, self.produce_tile, loads, states, problem=self.tile_to_load)
-
-    @cute.jit
-    def produce_claimed(self, loads, claims, seqinfo, states):
-        """Claim tiles until none is left; publish each live one to the consumers and load it.
-        The next claim goes out before this tile's loads so its latency hides behind them."""
-        ring_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TILE_RING_STAGES)
-        # No method call on a loop-carried name: the bound methods are taken out first.
-        num_tiles, claim, claimed, publish, walk = (claims.num_tiles, claims.claim, claims.claimed, claims.publish,
-                                                     claims.walk)
-        tile = claims.first()
-        while tile < num_tiles:
-            ticket = claim()
-            live, coords = self.tile_problem(walk, seqinfo, tile)
-            if live:
-                ring_state = publish(ring_state, tile)
-                if coords[6][3] > 0:
-                    states = self.produce_tile(*loads, *coords, *states)
-            tile = claimed(ticket)
-        publish(ring_state, num_tiles)
-        claims.finish()
+        # A tile whose mask leaves it no key loads nothing (its consumers write zeros).
+        self.for_each_tile(walk, seqinfo, self.produce_tile, loads, states, problem=self.tile_to_load, claims=claims,
+                           producer=True, visit_if=lambda coords: coords[6][3] > 0)
 
     @cute.jit
     def produce_tile(self, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, sQ, sK,

@@ -139,15 +139,29 @@ def tile_counter(device) -> torch.Tensor:
 
 
 def _new_tile_counter(device) -> torch.Tensor:
-    """A zeroed counter allocated from a stream of its own: allocations on the current stream may
-    go to a CUDA-graph pool (torch.compile's cudagraph trees warm up inside theirs and reject a
-    live tensor there that is not an output), and this one outlives the call."""
-    current = torch.cuda.current_stream(device)
-    side = torch.cuda.Stream(device)
-    with torch.cuda.stream(side):
-        counter = torch.zeros(2, dtype=torch.int32, device=device)
-    current.wait_stream(side)
-    return counter
+    """A zeroed counter in memory of its own (cudaMalloc, never freed), outside torch's caching
+    allocator: torch.compile's cudagraph trees route the current thread's allocations to their
+    pool while they warm up and reject a live tensor there that is not an output, and this one
+    outlives the call. Zeroed on the current stream, ahead of the kernel that first uses it."""
+    from cuda.bindings import runtime as cudart
+
+    with torch.cuda.device(device):
+        err, ptr = cudart.cudaMalloc(8)
+        if err != cudart.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"cudaMalloc of the tile counter failed: {err}")
+        stream = cudart.cudaStream_t(torch.cuda.current_stream(device).cuda_stream)
+        (err,) = cudart.cudaMemsetAsync(ptr, 0, 8, stream)
+        if err != cudart.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"cudaMemsetAsync of the tile counter failed: {err}")
+    return torch.as_tensor(_DeviceWords(int(ptr), 2), device=device)
+
+
+class _DeviceWords:
+    """``count`` int32 at ``ptr`` in device memory, seen by ``torch.as_tensor`` without a copy."""
+
+    def __init__(self, ptr: int, count: int):
+        self.__cuda_array_interface__ = {"shape": (count,), "typestr": "<i4", "data": (ptr, False), "version": 3,
+                                         "strides": None}
 
 
 def _launch(key, compiled, values: dict) -> None:

@@ -1,10 +1,37 @@
-"""Tile claims on full batches, H100: forward TF/s of the static snake (one pair per section)
-against claims with 16 (batch, head) pairs per section and with the L2 rule (launch.bh_per_section),
-interleaved over three repeats (machines of the pool differ by up to 30% on some shapes)."""
+"""Tile claims by section size, H100: forward (and with ``jagged``, backward) TF/s.
+
+    python scripts/sweep_claim_sections.py          # full batches: the static snake (one pair per
+                                                    # section) against claims with 16 pairs and with
+                                                    # the 8 MB rule, three interleaved repeats
+    python scripts/sweep_claim_sections.py jagged   # jagged rows of the recsys grid: claims with the
+                                                    # launcher's rule against fixed 32/64/128/all pairs
+"""
+
+import sys
 
 from hstu_cute import bench, launch, variants
 
 orig = launch.bh_per_section
+
+
+def fixed(pairs):
+    return lambda p, *a, **k: min(pairs, p.batch * p.heads) if pairs else p.batch * p.heads
+
+
+if sys.argv[1:] == ["jagged"]:
+    for w in [w for w in bench.recsys_grid() if w.lengths != "full"]:
+        w = bench.replace(w, sdpa=False)
+        cells = []
+        for name, rule in (("rule", orig), ("32", fixed(32)), ("64", fixed(64)), ("128", fixed(128)),
+                           ("all", fixed(0))):
+            launch.bh_per_section = rule
+            f = bench.run_workload(w)["tflops"]
+            b = bench.run_workload_bwd(w)["tflops"]
+            cells.append(f"{name}: {f:.1f}/{b:.1f}")
+        launch.bh_per_section = orig
+        print(f"{w.name:<36} fwd/bwd " + " | ".join(cells), flush=True)
+    sys.exit()
+
 SHAPES = [bench.Workload("full B1024 N256", 1024, 256), bench.Workload("full B128 N512", 128, 512),
           bench.Workload("full B32 N1024", 32, 1024), bench.Workload("full B16 N2048", 16, 2048), bench.headline(),
           bench.Workload("full B8 N4096 D256", 8, 4096, head_dim=256)]
@@ -14,7 +41,7 @@ for w in SHAPES:
     res = {"static": [], "claims16": [], "claimsL2": []}
     for _ in range(3):
         for name in res:
-            launch.bh_per_section = (lambda p, *a, **k: min(16, p.batch * p.heads)) if name == "claims16" else orig
+            launch.bh_per_section = fixed(16) if name == "claims16" else orig
             row = bench.run_workload(w, dict(base, dynamic_tiles=name != "static"))
             res[name].append(row["tflops"])
     launch.bh_per_section = orig

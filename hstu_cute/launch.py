@@ -225,6 +225,11 @@ L2_SECTION_BYTES = 8 * 2**20
 # snake with one pair (B16 N2048 547-551 vs 547-555 TF, B8 N4096 649-664 vs 642-667) where the
 # 8 MB rule's 4-8 pairs lose (518-521, 586-602).
 CLAIM_MIN_PAIRS = 16
+# ... and at most this many: on jagged rows of short average length the 8 MB rule gives hundreds.
+# H100, forward / backward TF/s, rule vs 64 pairs (session 10): Zipf B512 N1024 105.7 / 103.4 vs
+# 117.5 / 107.2; short jagged u[1,256] B4096 92.1 / 79.7 vs 94.4 / 81.0; one section over all
+# pairs is worst everywhere (102.5 / 99.3, 87.9 / 76.5).
+CLAIM_MAX_PAIRS = 64
 
 
 def bh_per_section(p: Problem, shared_tokens: int, max_seqlen: int, persistent: bool, dynamic: bool = False) -> int:
@@ -235,13 +240,16 @@ def bh_per_section(p: Problem, shared_tokens: int, max_seqlen: int, persistent: 
     434 TF with 4 pairs per section, 667 with one). Otherwise as many pairs as fit their two
     shared operands of an average sequence (K and V for the forward and dQ kernels, Q and dO
     for the dK/dV kernels) in :data:`L2_SECTION_BYTES`. Kernels that claim their tiles
-    (``dynamic``) balance any section, so they always take the L2-sized ones, of at least
-    :data:`CLAIM_MIN_PAIRS` pairs."""
+    (``dynamic``) balance any section, so they always take the L2-sized ones, between
+    :data:`CLAIM_MIN_PAIRS` and :data:`CLAIM_MAX_PAIRS` pairs."""
     pairs = p.batch * p.heads
     if persistent and not dynamic and shared_tokens == p.batch * max_seqlen:
         return 1
     per_pair = 2 * p.head_dim * p.dtype.itemsize * max(shared_tokens // max(p.batch, 1), 1)
-    return max(1, min(max(L2_SECTION_BYTES // per_pair, CLAIM_MIN_PAIRS if dynamic else 1), pairs))
+    fit = L2_SECTION_BYTES // per_pair
+    if dynamic:
+        fit = min(max(fit, CLAIM_MIN_PAIRS), CLAIM_MAX_PAIRS)
+    return max(1, min(fit, pairs))
 
 
 def _walk_args(key, p: Problem, shared_tokens: int, max_seqlen: int, device) -> dict:

@@ -54,15 +54,18 @@ def test_sections_jagged_batches_fit_l2():
     assert launch.bh_per_section(p, 128 * 10**7, 10**8, persistent=True) == 1
 
 
-def test_sections_of_claiming_kernels_hold_at_least_the_minimum():
+def test_sections_of_claiming_kernels_stay_within_their_bounds():
     """Kernels that claim their tiles take L2-sized sections on full batches too, never fewer than
-    CLAIM_MIN_PAIRS pairs (nor more than every pair)."""
+    CLAIM_MIN_PAIRS pairs nor more than CLAIM_MAX_PAIRS (nor more than every pair)."""
     p = _problem(8)  # B8 N4096: the L2 rule alone gives 4 pairs
     assert launch.L2_SECTION_BYTES // (2 * 128 * 2 * 4096) < launch.CLAIM_MIN_PAIRS
     assert launch.bh_per_section(p, 8 * 4096, 4096, persistent=True, dynamic=True) == launch.CLAIM_MIN_PAIRS
     p = _problem(1024)  # B1024 N256: 64 pairs fit the L2 budget
     assert launch.bh_per_section(p, 1024 * 256, 256, persistent=True, dynamic=True) == 64
     assert launch.bh_per_section(_problem(2, heads=2), 2 * 4096, 4096, persistent=True, dynamic=True) == 4
+    p = _problem(4096)  # short jagged: 128 tokens on average, the L2 rule alone gives 128 pairs
+    assert launch.bh_per_section(p, 4096 * 128, 256, persistent=True, dynamic=True) == launch.CLAIM_MAX_PAIRS
+    assert launch.bh_per_section(p, 4096 * 128, 256, persistent=True) == 128
 
 
 def test_claims_are_the_hopper_forward_default():

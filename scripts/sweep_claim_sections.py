@@ -3,6 +3,7 @@
     python scripts/sweep_claim_sections.py          # full batches: the static snake (one pair per
                                                     # section) against claims with 16 pairs and with
                                                     # the 8 MB rule, three interleaved repeats
+    python scripts/sweep_claim_sections.py family   # B8 N4096 D64-256 bf16/fp16: static vs claims
     python scripts/sweep_claim_sections.py jagged   # jagged rows of the recsys grid: claims with the
                                                     # launcher's rule against fixed 32/64/128/all pairs
 """
@@ -30,6 +31,20 @@ if sys.argv[1:] == ["jagged"]:
             cells.append(f"{name}: {f:.1f}/{b:.1f}")
         launch.bh_per_section = orig
         print(f"{w.name:<36} fwd/bwd " + " | ".join(cells), flush=True)
+    sys.exit()
+
+if sys.argv[1:] == ["family"]:
+    # The headline family (B8 N4096, D64-256, bf16 and fp16): static snake vs claims, two repeats.
+    for dtype in ("bfloat16", "float16"):
+        for d in (64, 128, 256):
+            w = bench.Workload(f"full B8 N4096 D{d} {dtype}", 8, 4096, head_dim=d, dtype=dtype)
+            base = variants.default_hopper_fwd_tiles(d, False)
+            res = {"static": [], "claims": []}
+            for _ in range(2):
+                for name in res:
+                    res[name].append(bench.run_workload(w, dict(base, dynamic_tiles=name == "claims"))["tflops"])
+            print(f"{w.name:<32} " + " | ".join(f"{n} " + " ".join(f"{t:.1f}" for t in v) for n, v in res.items()),
+                  flush=True)
     sys.exit()
 
 SHAPES = [bench.Workload("full B1024 N256", 1024, 256), bench.Workload("full B128 N512", 128, 512),

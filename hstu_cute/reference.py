@@ -73,6 +73,7 @@ def hstu_attn_reference(
     seqused_k: torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = torch.float32,
     has_drab: bool = False,
+    p_round=None,
 ) -> torch.Tensor:
     """HSTU attention forward, spec section 2, differentiable w.r.t. q, k, v and rab.
 
@@ -83,6 +84,8 @@ def hstu_attn_reference(
 
     ``has_drab`` is accepted (and ignored) only so that the same keyword dict can be passed to
     this oracle and to ``hstu_attn_varlen_func``: the oracle always carries rab's gradient.
+    ``p_round`` (upcast variant only): a function applied to each sequence's (H, Lq, Lk) P before
+    P.V, the FP8 emulation's re-quantization of P (:func:`hstu_attn_fp8_emulation`).
     """
     del has_drab
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -198,6 +201,8 @@ def hstu_attn_reference(
                 o = torch.matmul(p, vb.to(acc_dtype)) / S
                 o = o.to(in_dtype)
             else:
+                if p_round is not None:
+                    p = p_round(p)
                 o = torch.matmul(p, vb.to(acc_dtype)) / S
             pieces.append(o.transpose(0, 1))
         if eq - sq - Lq > 0:
@@ -299,3 +304,49 @@ def ratio_check(
         and kernel_err <= factor * ref_err + eps
     )
     return ok, kernel_err, ref_err
+
+
+# Rows x keys of one group of P's dynamic re-quantization in the FP8 forward (FBGEMM's choice:
+# 16 rows by the key tile).
+P_GROUP = (16, 128)
+
+
+def round_p_e4m3(p: torch.Tensor, groups: tuple[int, int] | None = P_GROUP) -> torch.Tensor:
+    """P (H, Lq, Lk) through e4m3 and back: with ``groups`` (rows, keys) each group scaled by its
+    amax / 448 (the kernel's dynamic re-quantization, modes >= 1), else a plain saturating cast
+    (the pre-quantized entry point)."""
+    from .quantize import E4M3, E4M3_MAX, SCALE_FLOOR
+
+    if groups is None:
+        return p.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).to(p.dtype)
+    h, rows, keys = p.shape
+    gr, gk = groups
+    padded = torch.nn.functional.pad(p, (0, -keys % gk, 0, -rows % gr))
+    blocks = padded.reshape(h, padded.shape[1] // gr, gr, padded.shape[2] // gk, gk)
+    scale = (blocks.abs().amax(dim=(2, 4), keepdim=True) / E4M3_MAX).clamp(min=SCALE_FLOOR)
+    rounded = (blocks / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).to(p.dtype) * scale
+    return rounded.reshape(padded.shape)[:, :rows, :keys]
+
+
+def hstu_attn_fp8_emulation(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, *args,
+                            quant_mode: int, round_p: bool = True, **kwargs) -> torch.Tensor:
+    """The FP8 oracle (docs/operator.md, FP8 section): q, k, v quantized with ``quant_mode``'s
+    groups (:mod:`hstu_cute.quantize`) and dequantized, then the fp32 oracle, with P re-quantized
+    per :data:`P_GROUP` when ``round_p`` (mode 0: a plain cast). Mode 1 reads V from its
+    token-contiguous copy, as the kernel's P.V does. Its error against the fp32 oracle on the
+    unquantized inputs is the yardstick of the FP8 kernels' (spec: within 2x)."""
+    from .quantize import QuantMode, dequantize, quantize
+
+    def emulate(x, offsets, max_seqlen, token_contiguous=False):
+        qx = quantize(x, quant_mode, offsets, max_seqlen)
+        return dequantize(qx, quant_mode, offsets, max_seqlen, token_contiguous=token_contiguous)
+
+    qe = emulate(q, seq_offsets_q, max_seqlen_q)
+    ke = emulate(k, seq_offsets_k, max_seqlen_k)
+    ve = emulate(v, seq_offsets_k, max_seqlen_k, token_contiguous=quant_mode == QuantMode.TWO_DIRECTION)
+    p_round = None
+    if round_p:
+        groups = None if quant_mode == QuantMode.CAST else P_GROUP
+        p_round = lambda p: round_p_e4m3(p, groups)  # noqa: E731
+    return hstu_attn_reference(qe, ke, ve, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, *args,
+                               compute_dtype=torch.float32, p_round=p_round, **kwargs)

@@ -58,12 +58,15 @@ class HstuForwardSm90(HstuSm90Base):
     issue, so one warpgroup's SiLU overlaps the other's GEMMs; 4/5 after zeroing the V rows past
     seqlen_k (TMA reads the next sequence there: P is 0 for them, but 0 * NaN would be NaN).
     Epilogue: 1/S folded into the fp32 -> bf16 conversion, stored from registers two columns at
-    a time (rows past seqlen_q are not written).
+    a time (rows past seqlen_q are not written). With ``cross_tile`` (persistent CTAs) the tiles
+    are chained: a tile's last P.V goes out with the next tile's first QK^T and its epilogue
+    follows (consume_across_tiles), so short tiles do not drain the tensor cores between them.
     """
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
                  num_stages: int, fast_silu: bool, intra_wg_overlap: bool = True, pingpong: bool = True,
-                 persistent: bool = True, q_stages: int = 1, dynamic_tiles: bool = False):
+                 persistent: bool = True, q_stages: int = 1, dynamic_tiles: bool = False,
+                 cross_tile: bool = False):
         # The CTA launches with 168 x 384 registers; setmaxnreg moves them between roles, so the
         # consumers' 240 must come out of that pool (common.sm90.sm90_register_split).
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, tile_m // 64,
@@ -75,6 +78,8 @@ class HstuForwardSm90(HstuSm90Base):
         self.intra_wg_overlap = intra_wg_overlap
         self.pingpong = pingpong and self.num_mma_wg == 2
         self.q_stages = q_stages
+        # A tile's last P.V and its epilogue go out with the next tile's first QK^T (persistent CTAs).
+        self.cross_tile = cross_tile and persistent and intra_wg_overlap
         assert tile_m % 64 == 0 and tile_n % 16 == 0 and head_dim % 16 == 0
 
     # ------------------------------------------------------------------------------------------
@@ -305,6 +310,11 @@ class HstuForwardSm90(HstuSm90Base):
         # Always the tile loop (one tile per CTA leaves it after the first step): the consumer's
         # pipeline states stay in this scope, which keeps the shipped PTX's register order.
         tiles = claims if const_expr(self.dynamic_tiles) else TileScheduler(walk)
+        if const_expr(self.cross_tile):
+            self.consume_across_tiles(tiles, seqinfo, tidx, wg, mO, sV, pipe_q, pipe_k, pipe_v, pipe_rab, alpha,
+                                      inv_scale, q_state, k_state, v_state, tSrQ, tSrK, tOrVt, tOrP, tScS_rc, tSsRab,
+                                      thr_mma_pv, tOcO_rc, acc_shape_S, acc_shape_O)
+            return
         num_tiles, next_tile = tiles.num_tiles, tiles.consumer_next  # no method call on a loop-carried name
         tile, tile_token = tiles.consumer_first()
         while tile < num_tiles:
@@ -369,6 +379,136 @@ class HstuForwardSm90(HstuSm90Base):
                 tOgO = thr_mma_pv.partition_C(gO)
                 store_acc_rows(rO, tOgO, tOcO_rc, seq.seqlen_q - m_block * self.tile_m)
             tile, tile_token = next_tile(tile, tile_token)
+
+    @cute.jit
+    def consume_across_tiles(self, tiles, seqinfo, tidx: Int32, wg: Int32, mO, sV, pipe_q, pipe_k, pipe_v, pipe_rab,
+                             alpha: Float32, inv_scale: Float32, q_state, k_state, v_state, tSrQ, tSrK, tOrVt, tOrP,
+                             tScS_rc, tSsRab, thr_mma_pv, tOcO_rc, acc_shape_S, acc_shape_O):
+        """The consumer loop with the tiles chained: a tile's last P.V goes out with the next tile's
+        first QK^T, and the finished tile's epilogue follows it; inside a tile the loop is the
+        per-tile one. ``pending``: the last P of a tile is in registers, its P.V not issued yet;
+        ``prev_*``: where that block's V rows end and the tile's output coordinates."""
+        tiled_mma_qk, tiled_mma_pv, zero_copy_v, spec = self.tiled_mma_qk, self.tiled_mma_pv, self.zero_copy_v, self.mask
+        pending = cutlass.Boolean(False)
+        prev_v_rows, prev_head, prev_q_start, prev_m_block, prev_seqlen_q = Int32(0), Int32(0), Int32(0), Int32(0), Int32(0)
+        acc_O = cute.make_rmem_tensor(acc_shape_O, Float32)
+        acc_O.fill(0.0)
+        num_tiles, next_tile = tiles.num_tiles, tiles.consumer_next  # no method call on a loop-carried name
+        tile, tile_token = tiles.consumer_first()
+        while tile < num_tiles:
+            live, (m_block, head, batch, q_start, k_start, seq, sched) = self.tile_problem(tiles, seqinfo, tile)
+            n_lo, hole_lo, hole_size, n_count = sched
+            if live:
+                row_first = seq.row_offset + m_block * self.tile_m
+                if n_count > 0:
+                    pipe_q.consumer_wait(q_state)
+                    # ---- first n-block: its QK^T goes out with the previous tile's last P.V ----
+                    n_block = masks.n_block_at(n_count - 1, n_lo, hole_lo, hole_size, KERNEL_OPS)
+                    pipe_k.consumer_wait(k_state)
+                    if pending:
+                        self.sched_wait(wg)
+                        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+                        wgmma(tiled_mma_qk, acc_S, tSrQ[None, None, None, q_state.index],
+                              tSrK[None, None, None, k_state.index], True, -1)
+                        self.wait_v_rows(pipe_v, v_state, sV, zero_copy_v, tidx, wg, prev_v_rows)
+                        wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
+                        self.sched_signal(wg)
+                        warpgroup.wait_group(1)
+                        pipe_k.consumer_release(k_state)
+                        rP = self.scores_to_p_deferred(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq,
+                                                       m_block, n_block, row_first)
+                        warpgroup.wait_group(0)
+                        pipe_v.consumer_release(v_state)
+                        v_state = advanced(v_state)
+                        if const_expr(self.operand_fence):
+                            wgmma_replace_operand_a(tOrP, rP)
+                        else:
+                            tOrP.store(rP.load())
+                        self.store_tile(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, prev_head, prev_q_start,
+                                        prev_m_block, prev_seqlen_q)
+                        acc_O.fill(0.0)
+                    else:
+                        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+                        wgmma(tiled_mma_qk, acc_S, tSrQ[None, None, None, q_state.index],
+                              tSrK[None, None, None, k_state.index], True, 0)
+                        pipe_k.consumer_release(k_state)
+                        self.scores_to_p(acc_S, tOrP, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block,
+                                         n_block, row_first)
+                    k_state = advanced(k_state)
+                    # ---- the tile's other n-blocks: the per-tile loop's body ----
+                    for it in cutlass.range(1, n_count, unroll=1):
+                        n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
+                        n_prev = masks.n_block_at(n_count - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
+                        pipe_k.consumer_wait(k_state)
+                        self.sched_wait(wg)
+                        acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
+                        wgmma(tiled_mma_qk, acc_S, tSrQ[None, None, None, q_state.index],
+                              tSrK[None, None, None, k_state.index], True, -1)
+                        self.wait_v(pipe_v, v_state, sV, zero_copy_v, tidx, wg, seq, n_prev)
+                        wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
+                        self.sched_signal(wg)
+                        warpgroup.wait_group(1)
+                        pipe_k.consumer_release(k_state)
+                        rP = self.scores_to_p_deferred(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq,
+                                                       m_block, n_block, row_first)
+                        warpgroup.wait_group(0)
+                        pipe_v.consumer_release(v_state)
+                        if const_expr(self.operand_fence):
+                            wgmma_replace_operand_a(tOrP, rP)
+                        else:
+                            tOrP.store(rP.load())
+                        k_state = advanced(k_state)
+                        v_state = advanced(v_state)
+                    # Every QK^T of this tile is complete: the producer may load the next Q.
+                    pipe_q.consumer_release(q_state)
+                    q_state = advanced(q_state)
+                    # The last P.V waits for the next tile's first QK^T.
+                    n_last = masks.n_block_at(Int32(0), n_lo, hole_lo, hole_size, KERNEL_OPS)
+                    pending = cutlass.Boolean(True)
+                    prev_v_rows = seq.seqlen_k - n_last * self.tile_n
+                    prev_head, prev_q_start, prev_m_block, prev_seqlen_q = head, q_start, m_block, seq.seqlen_q
+                else:
+                    # No key for this tile: finish the pending one, then store this tile's zeros.
+                    if pending:
+                        v_state = self.last_pv(pipe_v, v_state, sV, zero_copy_v, tidx, wg, prev_v_rows, acc_O, tOrP,
+                                               tOrVt)
+                        self.store_tile(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, prev_head, prev_q_start,
+                                        prev_m_block, prev_seqlen_q)
+                        acc_O.fill(0.0)
+                        pending = cutlass.Boolean(False)
+                    self.store_tile(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, head, q_start, m_block, seq.seqlen_q)
+            tile, tile_token = next_tile(tile, tile_token)
+        if pending:
+            v_state = self.last_pv(pipe_v, v_state, sV, zero_copy_v, tidx, wg, prev_v_rows, acc_O, tOrP, tOrVt)
+            self.store_tile(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, prev_head, prev_q_start, prev_m_block,
+                            prev_seqlen_q)
+
+    @cute.jit
+    def last_pv(self, pipe_v, v_state, sV, zero_copy_v, tidx: Int32, wg: Int32, v_rows: Int32, acc_O, tOrP, tOrVt):
+        """The P.V of the pending block alone (nothing to overlap it with); returns the V state."""
+        self.wait_v_rows(pipe_v, v_state, sV, zero_copy_v, tidx, wg, v_rows)
+        wgmma(self.tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, 0)
+        pipe_v.consumer_release(v_state)
+        return advanced(v_state)
+
+    @cute.jit
+    def store_tile(self, acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale: Float32, head: Int32, q_start: Int32,
+                   m_block: Int32, seqlen_q: Int32):
+        """Epilogue: O * (1/S) -> the input dtype, stored from registers (pairs of columns), rows
+        past seqlen_q skipped."""
+        rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
+        rO.store((acc_O.load() * inv_scale).to(self.dtype))
+        gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, head, None]), (self.tile_m, self.head_dim),
+                             (m_block, 0))
+        store_acc_rows(rO, thr_mma_pv.partition_C(gO), tOcO_rc, seqlen_q - m_block * self.tile_m)
+
+    @cute.jit
+    def wait_v_rows(self, pipe_v, v_state, sV, zero_copy_v, tidx: Int32, wg: Int32, row_limit: Int32):
+        """:meth:`wait_v` given the V block's valid rows (``seqlen_k - n_block * tile_n``)."""
+        pipe_v.consumer_wait(v_state)
+        if row_limit < self.tile_n:
+            zero_smem_rows_past(zero_copy_v, (sV[None, None, v_state.index],), (self.tile_n, self.head_dim),
+                                tidx % 128, wg, row_limit)
 
     @cute.jit
     def sched_wait(self, wg: Int32):

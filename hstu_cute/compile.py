@@ -54,7 +54,7 @@ def _hopper_bwd(key):
     if key.role == "dq":
         return HstuBackwardDqSm90(dtype, key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n,
                                   key.num_stages, key.fast_silu, persistent=key.persistent,
-                                  dynamic_tiles=key.dynamic_tiles, overlap=key.overlap)
+                                  dynamic_tiles=key.dynamic_tiles)
     return HstuBackwardDkDvSm90(dtype, key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n, key.num_stages,
                                 key.fast_silu, fuse_dq=key.role == "fused", persistent=key.persistent,
                                 dynamic_tiles=key.dynamic_tiles)

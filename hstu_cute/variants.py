@@ -266,12 +266,11 @@ class HopperBwdKey(_BwdVariant):
     ptxas_opt: int = 3
     persistent: bool = False  # roles "dkdv" / "fused" / "dq": one CTA per SM walking the tiles
     dynamic_tiles: bool = False  # persistent CTAs claim their tiles (HopperFwdKey.dynamic_tiles)
-    overlap: bool = False  # role "dq": block i's dQ GEMM in flight while block i+1's G is formed
 
     def describe(self) -> str:
         extras = (["rab"] if self.has_rab else []) + (["drab"] if self.has_drab else []) + (
             ["sum_heads"] if self.rab_sum_heads else [])
-        flags = ("P" if self.persistent else "") + ("d" if self.dynamic_tiles else "") + ("o" if self.overlap else "")
+        flags = ("P" if self.persistent else "") + ("d" if self.dynamic_tiles else "")
         return self._describe(f"{self.tile_m}x{self.tile_n}s{self.num_stages}{flags}", extras)
 
 
@@ -281,8 +280,7 @@ HOPPER_BWD_ROLES = ("fused", "dkdv", "dq", "wide")
 # loop slows its m-block loop: 402-418 vs 443-448).
 _BWD_TILES = {"dkdv": dict(tile_m=64, tile_n=128, persistent=True, dynamic_tiles=True),
               "fused": dict(tile_m=64, tile_n=128),
-              "dq": dict(tile_m=128, tile_n=64, num_stages=3, persistent=True, dynamic_tiles=True, overlap=True),
-              "wide": dict(tile_m=64, tile_n=64)}
+              "dq": dict(tile_m=128, tile_n=64, persistent=True, dynamic_tiles=True), "wide": dict(tile_m=64, tile_n=64)}
 # dQ at D256: Q and dO (2 x 64 KB) stay resident, so K/V tiles of 48 keys (32 beside rab's ring)
 # keep two stages in smem (H100 B8 N4096 causal, with the wide kernel: 369.4 TF at 128 x 48,
 # 359.5-363.5 at 128 x 32, 331.6 at 128 x 64 with one stage).

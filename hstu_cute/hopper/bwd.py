@@ -32,7 +32,6 @@ from ..common.sm90 import (
     wgmma,
     wgmma_acc_as_operand_a,
     wgmma_acc_rows_cols,
-    wgmma_replace_operand_a,
     zero_smem_rows_past,
 )
 from ..common.tile_scheduler import SectionWalk
@@ -384,14 +383,9 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
     """
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
-                 num_stages: int, fast_silu: bool, persistent: bool = False, dynamic_tiles: bool = False,
-                 overlap: bool = False):
+                 num_stages: int, fast_silu: bool, persistent: bool = False, dynamic_tiles: bool = False):
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, tile_m // 64,
                          persistent, dynamic_tiles)
-        # The dQ GEMM of n-block i runs while S, dP of block i+1 are computed and turned into G
-        # (needs a third K/V stage to keep the next block's load ahead).
-        self.overlap = overlap
-        self.operand_fence = dtype == cutlass.Float16
         assert tile_m % 64 == 0 and tile_n % 16 == 0
 
     @cute.jit
@@ -587,16 +581,7 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         if const_expr(not persistent):
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        if const_expr(self.overlap):
-            if n_count > 0:
-                pipe_q.consumer_wait(q_state)
-                kv_state = self.dq_blocks_overlapped(tidx, wg, sK, seq, m_block, row_first, n_lo, hole_lo, hole_size,
-                                                     n_count, pipe_kv, kv_state, tSrQ, tSrdO, tSrK, tSrV, tDrKt,
-                                                     tSsRab, tScS_rc, shape_S, acc_dQ, wg_mma_dq, alpha, inv_scale)
-                if const_expr(persistent):
-                    pipe_q.consumer_release(q_state)
-                    q_state = advanced(q_state)
-        elif n_count > 0:
+        if n_count > 0:
             pipe_q.consumer_wait(q_state)
             for it in cutlass.range(n_count, unroll=1):
                 n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
@@ -638,74 +623,3 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         tQc_rc = cute.make_tensor(tQc.iterator, wgmma_acc_rows_cols(tQc.layout))
         store_acc_rows(rOut, thr_mma_dq.partition_C(gOut), tQc_rc, seq.seqlen_q - m_block * self.tile_m)
         return q_state, kv_state
-
-    @cute.jit
-    def dq_issue_scores(self, tidx: Int32, wg: Int32, sK, seq, n_block: Int32, pipe_kv, kv_state, tSrQ, tSrdO, tSrK,
-                        tSrV, shape_S):
-        """Wait for K/V of ``n_block`` (zeroing K rows past seqlen_k) and issue S = Q K^T and
-        dP = dO V^T as two WGMMA groups; returns their accumulators, in flight."""
-        D = self.head_dim
-        pipe_kv.consumer_wait(kv_state)
-        k_rows = seq.seqlen_k - n_block * self.tile_n
-        if k_rows < self.tile_n:
-            zero_smem_rows_past(self.zero_copy, (sK[None, None, kv_state.index],), (self.tile_n, D), tidx % 128, wg,
-                                k_rows)
-        acc_S = cute.make_rmem_tensor(shape_S, Float32)
-        acc_dP = cute.make_rmem_tensor(shape_S, Float32)
-        wgmma(self.tiled_mma_s, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True, -1)
-        wgmma(self.tiled_mma_s, acc_dP, tSrdO, tSrV[None, None, None, kv_state.index], True, -1)
-        return acc_S, acc_dP
-
-    @cute.jit
-    def dq_scores_to_g(self, acc_S, acc_dP, seq, m_block: Int32, row_first: Int32, n_block: Int32, kv_state, tSsRab,
-                       tScS_rc, alpha: Float32, inv_scale: Float32):
-        """S, dP (retired) -> G in ``acc_dP``: + rab, SiLU and its gradient, the mask."""
-        if const_expr(self.has_rab):
-            rRab = cute.make_rmem_tensor(acc_S.layout, self.dtype)
-            cute.autovec_copy(tSsRab[None, None, None, kv_state.index], rRab)
-            acc_S.store(acc_S.load() + rRab.load().to(Float32))
-        silu_and_grad(acc_S, acc_dP, alpha, inv_scale, self.fast_silu, self.unscaled_grad)
-        if not masks.tile_is_full(self.mask, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
-            acc_rc = cute.make_tensor(acc_dP.iterator, wgmma_acc_rows_cols(acc_dP.layout))
-            apply_mask_rows_cols(acc_rc, tScS_rc, self.mask, seq, row_first, n_block * self.tile_n)
-
-    @cute.jit
-    def dq_blocks_overlapped(self, tidx: Int32, wg: Int32, sK, seq, m_block: Int32, row_first: Int32, n_lo: Int32,
-                             hole_lo: Int32, hole_size: Int32, n_count: Int32, pipe_kv, kv_state, tSrQ, tSrdO, tSrK,
-                             tSrV, tDrKt, tSsRab, tScS_rc, shape_S, acc_dQ, wg_mma_dq, alpha: Float32,
-                             inv_scale: Float32):
-        """The n-block loop of one m-block with the dQ GEMM of block i in flight while block i+1's
-        S, dP and G are computed; returns the K/V state past the m-block."""
-        shape_G = wg_mma_dq.partition_shape_A((self.tile_m, self.tile_n))
-        n_block = masks.n_block_at(n_count - 1, n_lo, hole_lo, hole_size, KERNEL_OPS)
-        acc_S, acc_G = self.dq_issue_scores(tidx, wg, sK, seq, n_block, pipe_kv, kv_state, tSrQ, tSrdO, tSrK, tSrV,
-                                            shape_S)
-        warpgroup.wait_group(0)
-        self.dq_scores_to_g(acc_S, acc_G, seq, m_block, row_first, n_block, kv_state, tSsRab, tScS_rc, alpha, inv_scale)
-        rG = wg_mma_dq.make_fragment_A(shape_G)
-        rG.store(cute.make_tensor(acc_G.iterator, wgmma_acc_as_operand_a(acc_G.layout)).load().to(self.dtype))
-        kv_prev = kv_state
-        kv_state = advanced(kv_state)
-        for it in cutlass.range(1, n_count, unroll=1):
-            n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
-            acc_S, acc_G = self.dq_issue_scores(tidx, wg, sK, seq, n_block, pipe_kv, kv_state, tSrQ, tSrdO, tSrK,
-                                                tSrV, shape_S)
-            # dQ += G K of the previous block behind them: retirement is in order, so waiting down
-            # to one group in flight retires S and dP and leaves the dQ GEMM running.
-            wgmma(self.tiled_mma_dq, acc_dQ, rG, tDrKt[None, None, None, kv_prev.index], False, -1)
-            warpgroup.wait_group(1)
-            self.dq_scores_to_g(acc_S, acc_G, seq, m_block, row_first, n_block, kv_state, tSsRab, tScS_rc, alpha,
-                                inv_scale)
-            rG_next = cute.make_rmem_tensor(rG.layout, self.dtype)
-            rG_next.store(cute.make_tensor(acc_G.iterator, wgmma_acc_as_operand_a(acc_G.layout)).load().to(self.dtype))
-            warpgroup.wait_group(0)
-            pipe_kv.consumer_release(kv_prev)
-            if const_expr(self.operand_fence):
-                wgmma_replace_operand_a(rG, rG_next)
-            else:
-                rG.store(rG_next.load())
-            kv_prev = kv_state
-            kv_state = advanced(kv_state)
-        wgmma(self.tiled_mma_dq, acc_dQ, rG, tDrKt[None, None, None, kv_prev.index], False, 0)
-        pipe_kv.consumer_release(kv_prev)
-        return kv_state

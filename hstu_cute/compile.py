@@ -40,7 +40,7 @@ def _hopper_fwd(key):
 
     return HstuForwardSm90(_dsl_dtype(key.dtype), key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n,
                            key.num_stages, key.fast_silu, key.intra_wg_overlap, key.pingpong, key.persistent,
-                           key.q_stages, key.dynamic_tiles, key.cross_tile)
+                           key.q_stages, key.dynamic_tiles)
 
 
 def _hopper_bwd(key):

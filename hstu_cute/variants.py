@@ -216,16 +216,11 @@ class HopperFwdKey(_Variant):
     # Persistent CTAs claim tiles from a global counter instead of walking a static snake
     # (common.tile_scheduler.TileClaims): jagged batches balance whatever their lengths.
     dynamic_tiles: bool = False
-    # Chained tiles: a tile's last P.V and epilogue overlap the next tile's first QK^T
-    # (HstuForwardSm90.consume_across_tiles). H100, TF/s per-tile vs chained, same run (session
-    # 10): B1024 N256 180 vs 187, B128 N512 289 vs 298, short jagged 95 vs 101, B8 N4096 D256 674
-    # vs 680, fp16 D128 491 vs 495; D128 B8 N4096, jagged and Zipf rows unchanged, D64 470 vs 465.
-    cross_tile: bool = False
 
     def describe(self) -> str:
         flags = ("o" if self.intra_wg_overlap else "") + ("p" if self.pingpong else "") + (
             "P" if self.persistent else "") + (f"q{self.q_stages}" if self.q_stages != 1 else "") + (
-            "d" if self.dynamic_tiles else "") + ("x" if self.cross_tile else "")
+            "d" if self.dynamic_tiles else "")
         return self._describe(f"{self.tile_m}x{self.tile_n}s{self.num_stages}{flags}",
                               ["rab"] if self.has_rab else [])
 
@@ -238,8 +233,8 @@ def default_hopper_fwd_tiles(head_dim: int, has_rab: bool) -> dict:
         # A second Q stage (smem 192 KB at D128; with the rab ring it would not fit): B32 N1024
         # 400 vs 359 TF, B128 N512 292 vs 279, elsewhere within noise (H100, session 9).
         return dict(tile_m=128, tile_n=128, num_stages=2, ptxas_opt=2, q_stages=1 if has_rab else 2,
-                    dynamic_tiles=True, cross_tile=True)
-    return dict(tile_m=128, tile_n=64, num_stages=2, ptxas_opt=3, dynamic_tiles=True, cross_tile=True)
+                    dynamic_tiles=True)
+    return dict(tile_m=128, tile_n=64, num_stages=2, ptxas_opt=3, dynamic_tiles=True)
 
 
 def make_hopper_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, tiles=None) -> HopperFwdKey:

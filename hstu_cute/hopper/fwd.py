@@ -338,9 +338,8 @@ class HstuForwardSm90(HstuSm90Base):
                     n_block = masks.n_block_at(n_count - 1, n_lo, hole_lo, hole_size, KERNEL_OPS)
                     pipe_k.consumer_wait(k_state)
                     if pending:
-                        self.overlapped_block(step, q_state, k_state, v_state, lambda: prev_v_rows, seq, m_block,
-                                              n_block, row_first)
-                        v_state = advanced(v_state)
+                        v_state = self.overlapped_block(step, q_state, k_state, v_state, lambda: prev_v_rows, seq,
+                                                        m_block, n_block, row_first, advance_v=True)
                         self.store_tile(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, prev_head, prev_q_start,
                                         prev_m_block, prev_seqlen_q)
                         acc_O.fill(0.0)
@@ -388,11 +387,12 @@ class HstuForwardSm90(HstuSm90Base):
 
     @cute.jit
     def overlapped_block(self, step, q_state, k_state, v_state, v_rows, seq, m_block: Int32, n_block: Int32,
-                         row_first: Int32):
+                         row_first: Int32, advance_v: cutlass.Constexpr[bool] = False):
         """One block after the first (K waited for): QK^T of this block and P.V of the previous one
         (``v_rows()``: its V rows inside the sequence) in flight together, under the ping-pong
         barrier; then this block's P replaces the previous one. Releases K and V; the caller
-        advances the states."""
+        advances the states, except V with ``advance_v`` (returned; it is advanced before the P
+        swap there, which keeps the tile-boundary step's PTX as it was measured)."""
         tidx, wg, sV, pipe_k, pipe_v, pipe_rab, alpha, tSrQ, tSrK, tOrVt, tOrP, tScS_rc, tSsRab, acc_shape_S, acc_O = step
         self.sched_wait(wg)
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
@@ -407,10 +407,13 @@ class HstuForwardSm90(HstuSm90Base):
                                        n_block, row_first)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
+        if const_expr(advance_v):
+            v_state = advanced(v_state)
         if const_expr(self.operand_fence):
             wgmma_replace_operand_a(tOrP, rP)
         else:
             tOrP.store(rP.load())
+        return v_state
 
     @cute.jit
     def last_pv(self, pipe_v, v_state, sV, zero_copy_v, tidx: Int32, wg: Int32, v_rows: Int32, acc_O, tOrP, tOrVt):

@@ -4,12 +4,15 @@ A *walk* maps a linear tile index to ``(block, head, batch)`` (``num_tiles`` of 
 kernels order tiles heaviest first within sections that fit in L2. :class:`TileScheduler` hands a
 CTA its tiles: its own index, then (persistent CTAs, one per SM) the next one in a snake order.
 With one CTA per tile the first step of the snake leaves the range, so the same loop serves both.
+:class:`TileClaims` (the sm90 default for persistent kernels) lets each CTA claim the walk's next
+tile from a global counter whenever it is free, and hands it to the consumer warps through smem.
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 
 from .sm90 import advanced
 
@@ -150,8 +153,6 @@ class TileClaims:
 
     def consumer_first(self):
         """Every consumer thread: (first tile, ring state)."""
-        import cutlass.pipeline as pipeline
-
         return self.consumer_next(None, pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                                      TILE_RING_STAGES))
 

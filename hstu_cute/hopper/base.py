@@ -111,7 +111,7 @@ class HstuSm90Base:
         slower, H100 D128 402-418 TF against 443-448).
 
         With ``claims`` (:class:`TileClaims`) the ``producer`` warp claims the tiles and publishes
-        the live ones (by :meth:`tile_problem`), visiting those for which ``visit_if(tile)`` holds
+        the live ones (by :meth:`tile_problem`), visiting those for which ``visit_if(coords)`` holds
         (default: all); the consumers visit what it publishes."""
         problem = problem if problem is not None else self.tile_problem
         if const_expr(claims is not None):

@@ -257,7 +257,7 @@ def _walk_args(key, p: Problem, shared_tokens: int, max_seqlen: int, device) -> 
     the sm80 kernels take none."""
     if not key.kernel_name.startswith("hopper"):
         return {}
-    dynamic = getattr(key, "dynamic_tiles", False)
+    dynamic = key.dynamic_tiles
     args = dict(bh_per_section=bh_per_section(p, shared_tokens, max_seqlen, key.persistent, dynamic))
     if dynamic:
         args["mTileCounter"] = tile_counter(device)

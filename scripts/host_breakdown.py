@@ -18,7 +18,9 @@ from hstu_cute.bench import host_us_per_call as per_call_us
 from profile_host import _inputs
 
 
-class _Empty(torch.autograd.Function):
+class AllocOnly(torch.autograd.Function):
+    """An autograd node that only allocates: PyTorch's own cost of a forward + backward step."""
+
     @staticmethod
     def forward(ctx, q, k, v):
         return torch.empty_like(q)
@@ -73,7 +75,7 @@ def main(argv=None) -> None:
         "torch.cuda.device(dev) (empty body)": device_context,
         "public forward, inputs requiring grad": lambda: hstu_attn_varlen_func(**train),
         "fwd + bwd step (public)": lambda: hstu_attn_varlen_func(**train).backward(dout),
-        "floor: empty autograd.Function fwd + bwd": lambda: _Empty.apply(train["q"], train["k"], train["v"]).backward(
+        "floor: empty autograd.Function fwd + bwd": lambda: AllocOnly.apply(train["q"], train["k"], train["v"]).backward(
             dout),
         "floor: torch q * 2 fwd + bwd": lambda: (train["q"] * 2).backward(dout),
     }

@@ -16,6 +16,7 @@ import torch
 import hstu_cute.api as api
 import hstu_cute.launch as launch
 import hstu_cute.validation as validation
+from host_breakdown import AllocOnly  # the floor: an autograd node that only allocates
 
 api._eager = lambda t: type(t) is torch.Tensor and not torch.compiler.is_compiling()
 launch.kernel_path = lambda device: "hopper"
@@ -41,18 +42,6 @@ args = (q, k, v, offsets, offsets, N, N, None, None, 1, (-1, 0), 1.0, None, Fals
 p = validation.validate_memoized(*args)
 
 
-class _Floor(torch.autograd.Function):
-    """An autograd node that only allocates: PyTorch's own cost of a forward + backward step."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        return torch.empty_like(q)
-
-    @staticmethod
-    def backward(ctx, g):
-        return torch.empty_like(g), torch.empty_like(g), torch.empty_like(g)
-
-
 def step():
     torch.autograd.grad(api.hstu_attn_varlen_func(qg, kg, vg, **kw), (qg, kg, vg), dout)
 
@@ -64,7 +53,7 @@ ROWS = {
                                                None, None, p),
     "public forward": lambda: api.hstu_attn_varlen_func(q, k, v, **kw),
     "forward + backward step": step,
-    "floor: allocating autograd.Function step": lambda: torch.autograd.grad(_Floor.apply(qg, kg, vg), (qg, kg, vg),
+    "floor: allocating autograd.Function step": lambda: torch.autograd.grad(AllocOnly.apply(qg, kg, vg), (qg, kg, vg),
                                                                             dout),
 }
 

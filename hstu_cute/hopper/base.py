@@ -102,18 +102,16 @@ class HstuSm90Base:
         return SequenceInfo(self.mask, seqs, scalars, mQ.shape[0], mK.shape[0])
 
     @cute.jit
-    def for_each_tile(self, walk, seqinfo, visit, args, states, problem=None, claims=None, producer=False,
-                      visit_if=None):
+    def for_each_tile(self, walk, seqinfo, visit, args, states, claims=None, producer=False, visit_if=None):
         """``visit(*args, *tile, *states)`` on each live tile of this CTA (``live, tile`` as
-        ``problem`` returns them; default :meth:`tile_problem`). Persistent CTAs thread the
-        states (pipeline states, counters) returned by ``visit`` from tile to tile. One tile per
-        CTA: no tile loop (around the fused backward's m-block loop a tile loop made that loop
-        slower, H100 D128 402-418 TF against 443-448).
+        :meth:`tile_problem` returns them) for which ``visit_if(tile)`` holds (default: all).
+        Persistent CTAs thread the states (pipeline states, counters) returned by ``visit`` from
+        tile to tile. One tile per CTA: no tile loop (around the fused backward's m-block loop a
+        tile loop made that loop slower, H100 D128 402-418 TF against 443-448).
 
         With ``claims`` (:class:`TileClaims`) the ``producer`` warp claims the tiles and publishes
-        the live ones (by :meth:`tile_problem`), visiting those for which ``visit_if(coords)`` holds
-        (default: all); the consumers visit what it publishes."""
-        problem = problem if problem is not None else self.tile_problem
+        every live one (the consumers visit what it publishes), visiting those ``visit_if`` keeps."""
+        problem = self.tile_problem
         if const_expr(claims is not None):
             if const_expr(producer):
                 self.claim_tiles(claims, seqinfo, visit, args, states, visit_if)
@@ -131,13 +129,19 @@ class HstuSm90Base:
             tile = tiles.first()
             while tile < num_tiles:
                 live, coords = problem(tiles, seqinfo, tile)
-                if live:
+                if self.kept(live, coords, visit_if):
                     states = visit(*args, *coords, *states)
                 tile = next_tile(tile)
         else:
             live, coords = problem(tiles, seqinfo, tiles.first())
-            if live:
+            if self.kept(live, coords, visit_if):
                 visit(*args, *coords, *states)
+
+    def kept(self, live, coords, visit_if):
+        """``live``, and ``visit_if(coords)`` where given."""
+        if const_expr(visit_if is None):
+            return live
+        return live & visit_if(coords)
 
     @cute.jit
     def claim_tiles(self, claims, seqinfo, visit, args, states, visit_if=None):

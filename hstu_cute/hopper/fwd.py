@@ -181,13 +181,6 @@ class HstuForwardSm90(HstuSm90Base):
         live = m_block * self.tile_m < seq.seqlen_q
         return live, (m_block, head, batch, q_start, k_start, seq, sched)
 
-    @cute.jit
-    def tile_to_load(self, tiles, seqinfo, tile: Int32):
-        """:meth:`tile_problem` for the producer: a tile without n-blocks loads nothing."""
-        live, coords = self.tile_problem(tiles, seqinfo, tile)
-        n_lo, hole_lo, hole_size, n_count = coords[6]
-        return live & (n_count > 0), coords
-
     # ------------------------------------------------------------------------------------------
     # Producer warp
     # ------------------------------------------------------------------------------------------
@@ -197,8 +190,8 @@ class HstuForwardSm90(HstuSm90Base):
                   pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages),
                   pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages))
         # A tile whose mask leaves it no key loads nothing (its consumers write zeros).
-        self.for_each_tile(walk, seqinfo, self.produce_tile, loads, states, problem=self.tile_to_load, claims=claims,
-                           producer=True, visit_if=lambda coords: coords[6][3] > 0)
+        self.for_each_tile(walk, seqinfo, self.produce_tile, loads, states, claims=claims, producer=True,
+                           visit_if=lambda coords: coords[6][3] > 0)
 
     @cute.jit
     def produce_tile(self, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, sQ, sK,

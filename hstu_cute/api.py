@@ -10,7 +10,7 @@ import torch
 import tvm_ffi  # noqa: F401  (the kernels' calling convention; importing it here keeps its ~50 ms
 #                  one-time cost out of the first call, e.g. out of a disk-cache load)
 
-from .launch import backward, forward
+from .launch import backward, forward, forward_fp8
 from .validation import (
     check_device_data,
     device_checks_enabled,
@@ -20,7 +20,7 @@ from .validation import (
     validate_memoized,
 )
 
-__all__ = ["hstu_attn_varlen_func", "fwd_op", "bwd_op"]
+__all__ = ["hstu_attn_varlen_func", "fwd_op", "bwd_op", "fwd_fp8_op"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,10 +91,34 @@ def _bwd_fake(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seq
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), drab
 
 
+# FP8: quantization (quant_mode 0..5) and the kernel in one opaque op, so that torch.compile and
+# torch.export never trace the quantizers' data-dependent work (a peer's host loops broke export).
+_FWD_FP8_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, Tensor? descale_q, Tensor? descale_k, Tensor? descale_v, "
+                   f"{_OP_ARGS}, int quant_mode) -> Tensor")
+
+
+def _fwd_fp8_impl(q, k, v, descale_q, descale_k, descale_v, seq_offsets_q, seq_offsets_k, max_seqlen_q,
+                  max_seqlen_k, num_contexts, num_targets, target_group_size, window_left, window_right, alpha, rab,
+                  is_delta_q, scaling_seqlen, seqused_q, seqused_k, quant_mode):
+    p = problem_of_op_args(q, seq_offsets_q, max_seqlen_q, max_seqlen_k, num_contexts, num_targets, window_left,
+                           window_right, rab, is_delta_q, scaling_seqlen, quant_mode)
+    _check_data(p, q, k, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+                seqused_q, seqused_k)
+    return forward_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+                       target_group_size, alpha, rab, seqused_q, seqused_k, p, descale_q, descale_k, descale_v)
+
+
+def _fwd_fp8_fake(q, *rest):
+    # bf16 out for pre-quantized e4m3 inputs, else the inputs' dtype (validation.Problem.out_dtype).
+    return q.new_empty(q.shape, dtype=torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype)
+
+
 fwd_op = torch.library.custom_op("hstu_cute::fwd", _fwd_impl, mutates_args=(), schema=_FWD_SCHEMA)
 fwd_op.register_fake(_fwd_fake)
 bwd_op = torch.library.custom_op("hstu_cute::bwd", _bwd_impl, mutates_args=(), schema=_BWD_SCHEMA)
 bwd_op.register_fake(_bwd_fake)
+fwd_fp8_op = torch.library.custom_op("hstu_cute::fwd_fp8", _fwd_fp8_impl, mutates_args=(), schema=_FWD_FP8_SCHEMA)
+fwd_fp8_op.register_fake(_fwd_fp8_fake)
 
 
 def _eager(t) -> bool:
@@ -303,6 +327,19 @@ def hstu_attn_varlen_func(
                     seqused_q, seqused_k)
     needs_grad = torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or (has_drab and rab.requires_grad))
+    if p.fp8:
+        if needs_grad or (rab is not None and rab.requires_grad and torch.is_grad_enabled()):
+            raise NotImplementedError(
+                "q/k/v.requires_grad: the FP8 path (pre-quantized inputs or quant_mode >= 0) is forward-only "
+                "so far; run it under torch.no_grad() or pass detached tensors (no silent 16-bit backward)")
+        if eager:
+            return forward_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
+                               num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p, descale_q,
+                               descale_k, descale_v)
+        return torch.ops.hstu_cute.fwd_fp8(q, k, v, descale_q, descale_k, descale_v, seq_offsets_q, seq_offsets_k,
+                                           max_seqlen_q, max_seqlen_k, num_contexts, num_targets, target_group_size,
+                                           p.window_left, p.window_right, alpha, rab, is_delta_q, scaling_seqlen,
+                                           seqused_q, seqused_k, quant_mode)
     if needs_grad:
         scalars = (max_seqlen_q, max_seqlen_k, target_group_size, p.window_left, p.window_right, alpha, is_delta_q,
                    scaling_seqlen, has_drab, deterministic)

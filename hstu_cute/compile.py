@@ -17,7 +17,7 @@ _COMPILE_LOCK = threading.Lock()  # cute.compile keeps thread-local MLIR state: 
 def _dsl_dtype(name: str):
     import cutlass
 
-    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
+    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float8_e4m3fn": cutlass.Float8E4M3FN}[name]
 
 
 def _ampere_fwd(key):
@@ -43,6 +43,14 @@ def _hopper_fwd(key):
                            key.q_stages, key.dynamic_tiles)
 
 
+def _hopper_fwd_fp8(key):
+    from .hopper.fwd import HstuForwardFp8Sm90
+
+    return HstuForwardFp8Sm90(_dsl_dtype(key.dtype), key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n,
+                              key.num_stages, key.fast_silu, key.intra_wg_overlap, key.pingpong, key.persistent,
+                              key.q_stages, key.dynamic_tiles, out_dtype=_dsl_dtype(key.out_dtype))
+
+
 def _hopper_bwd(key):
     from .hopper.bwd import HstuBackwardDkDvSm90, HstuBackwardDqSm90
     from .hopper.bwd_wide import HstuBackwardWideSm90
@@ -61,7 +69,7 @@ def _hopper_bwd(key):
 
 
 KERNELS = {"ampere_fwd": _ampere_fwd, "ampere_bwd_dq": _ampere_bwd, "ampere_bwd_dkdv": _ampere_bwd,
-           "hopper_fwd": _hopper_fwd, "hopper_bwd_dkdv": _hopper_bwd, "hopper_bwd_fused": _hopper_bwd,
+           "hopper_fwd": _hopper_fwd, "hopper_fwd_fp8": _hopper_fwd_fp8, "hopper_bwd_dkdv": _hopper_bwd, "hopper_bwd_fused": _hopper_bwd,
            "hopper_bwd_dq": _hopper_bwd, "hopper_bwd_wide": _hopper_bwd}
 
 

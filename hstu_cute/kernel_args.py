@@ -27,7 +27,10 @@ class FakeShapes:
         import cutlass.cute as cute
 
         self.key = key
-        self.dtype = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[key.dtype]
+        dtypes = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float8_e4m3fn": cutlass.Float8E4M3FN}
+        self.dtype = dtypes[key.dtype]
+        # The output's (and rab's) type: the inputs' except for FP8 keys.
+        self.out_dtype = dtypes[getattr(key, "out_dtype", key.dtype)]
         self.tokens_q, self.tokens_k, self.heads = cute.sym_int(), cute.sym_int(), cute.sym_int()
         self.batch, self.batch1 = cute.sym_int(), cute.sym_int()
 
@@ -37,13 +40,14 @@ class FakeShapes:
 # ---------------------------------------------------------------------------------------------
 def _tokens(tokens_attr: str, elem=None, divisibility: int = 8, align: int = 16):
     """(T, H, D) with a 64-bit token stride (global offsets never overflow int32) and a head
-    stride that keeps every row 16-byte aligned."""
+    stride that keeps every row 16-byte aligned. ``elem``: a cutlass type name, or "out" for the
+    key's output type (default: the input type)."""
 
     def fake(s: FakeShapes):
         import cutlass
         import cutlass.cute as cute
 
-        dtype = s.dtype if elem is None else getattr(cutlass, elem)
+        dtype = s.dtype if elem is None else s.out_dtype if elem == "out" else getattr(cutlass, elem)
         stride_t = cute.sym_int64(divisibility=divisibility)
         stride_h = cute.sym_int(divisibility=divisibility)
         return cute.runtime.make_fake_tensor(dtype, (getattr(s, tokens_attr), s.heads, s.key.head_dim),
@@ -71,7 +75,7 @@ def _slab(rank: int, vec: int, elem=None, last_stride_64: bool = False, align: i
         import cutlass
         import cutlass.cute as cute
 
-        dtype = s.dtype if elem is None else getattr(cutlass, elem)
+        dtype = s.out_dtype if elem is None else getattr(cutlass, elem)
         shape = tuple(cute.sym_int() for _ in range(rank))
         row = cute.sym_int64(divisibility=vec) if last_stride_64 else cute.sym_int(divisibility=vec)
         stride = tuple(cute.sym_int64(divisibility=vec) for _ in range(rank - 2)) + (row, 1)
@@ -79,6 +83,22 @@ def _slab(rank: int, vec: int, elem=None, last_stride_64: bool = False, align: i
         return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=base_align)
 
     return fake
+
+
+def _tokens_transposed(s: FakeShapes):
+    """V^T (H, D, T16) of the FP8 forward: keys contiguous, rows 16-byte aligned (TMA)."""
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_tensor(s.dtype, (s.heads, s.key.head_dim, cute.sym_int()),
+                                         (cute.sym_int64(divisibility=16), cute.sym_int64(divisibility=16), 1),
+                                         assumed_align=16)
+
+
+def _descale(s: FakeShapes):
+    import cutlass
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(),), assumed_align=4)
 
 
 def _f32(s: FakeShapes):
@@ -183,6 +203,11 @@ SPECS: dict[str, tuple[Arg, ...]] = {
     "ampere_bwd_dkdv": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _SM80_RAB16, *_SCALARS, Arg("num_n_blocks", _i32)),
     "hopper_fwd": (_Q, _K, _V, Arg("mO", _tokens("tokens_q")), *_SEQUENCES, _TMA_RAB, *_SCALARS,
                    Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER),
+    # FP8: mV is V^T, its sequences at mOffsetsVt (16-token aligned); the descales are (1,) fp32 tensors (read on the device: no host sync).
+    "hopper_fwd_fp8": (_Q, _K, Arg("mV", _tokens_transposed), Arg("mO", _tokens("tokens_q", "out")), *_SEQUENCES,
+                       _TMA_RAB, *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER,
+                       Arg("mDescaleQ", _descale), Arg("mDescaleK", _descale), Arg("mDescaleV", _descale),
+                       Arg("mOffsetsVt", _int_vec("batch1"))),
     "hopper_bwd_dq": (_Q, _K, _V, _DO, _DQ, *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS,
                       _BH_PER_SECTION, _TILE_COUNTER),
     "hopper_bwd_wide": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _TMA_RAB,

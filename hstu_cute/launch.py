@@ -27,6 +27,7 @@ from .variants import (
     make_bwd_keys,
     make_fwd_key,
     make_hopper_bwd_key,
+    make_hopper_fp8_fwd_key,
     make_hopper_fwd_key,
 )
 
@@ -37,9 +38,10 @@ INT32_MAX = 2**31 - 1
 # Tensor preparation
 # ---------------------------------------------------------------------------------------------
 def aligned_16(t: torch.Tensor) -> torch.Tensor:
-    """The kernels load 16-byte vectors along D: token/head strides must be multiples of 8
-    elements and the base pointer 16-byte aligned. Rare layouts that are not get one copy."""
-    if t.stride(0) % 8 or t.stride(1) % 8 or t.data_ptr() % 16:
+    """The kernels load 16-byte vectors along D: token/head strides must be multiples of 16
+    bytes and the base pointer 16-byte aligned. Rare layouts that are not get one copy."""
+    vec = 16 // t.element_size()
+    if t.stride(0) % vec or t.stride(1) % vec or t.data_ptr() % 16:
         t = t.contiguous()
         if t.data_ptr() % 16:
             t = t.clone()
@@ -181,28 +183,89 @@ def fwd_key(p: Problem, arch: str, rab, tiles: dict | None = None, path: str = "
     return _made(make_fwd_key, arch, dtype, p.head_dim, p.mask.kind, context_target, rab is not None, vec, tiles)
 
 
+class Fp8Operands:
+    """What the FP8 forward reads besides e4m3 q and k: V^T (H, D, T') e4m3 and its sequence
+    offsets (:func:`transposed_for_pv`), the (q, k, v) descales as (1,) fp32 device tensors, and
+    the output's dtype."""
+
+    __slots__ = ("vt", "vt_offsets", "descales", "out_dtype")
+
+    def __init__(self, vt: torch.Tensor, vt_offsets: torch.Tensor, descales: tuple, out_dtype: torch.dtype):
+        self.vt, self.vt_offsets, self.descales, self.out_dtype = vt, vt_offsets, descales, out_dtype
+
+
+def transposed_for_pv(v: torch.Tensor, seq_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(V^T, its offsets): V (T, H, D) -> (H, D, T') with keys contiguous, each sequence starting
+    at a multiple of 16 tokens (``offsets`` (B+1,) int32) and zeros between sequences: the K-major
+    B operand of an 8-bit P.V, whose TMA boxes must start 16-byte aligned. T' = T + 16 B + 16
+    bounds the padding whatever the lengths (a shape that depends only on shapes: no sync, and
+    it traces). Tokens past ``seq_offsets[-1]`` land in the last 16 columns, which no sequence
+    owns."""
+    tokens, heads, head_dim = v.shape
+    batch = seq_offsets.shape[0] - 1
+    width = -(-tokens // 16) * 16 + 16 * batch + 16
+    lengths = seq_offsets[1:] - seq_offsets[:-1]
+    vt_offsets = torch.zeros(batch + 1, dtype=torch.int32, device=v.device)
+    torch.cumsum((lengths + 15) // 16 * 16, 0, out=vt_offsets[1:])
+    token = torch.arange(tokens, device=v.device, dtype=torch.int32)
+    seq = torch.searchsorted(seq_offsets[1:], token, right=True).clamp_(max=max(batch - 1, 0))
+    column = token - seq_offsets[seq] + vt_offsets[seq]
+    column = torch.where(token < seq_offsets[-1], column, width - 16)
+    vt = torch.zeros((heads, head_dim, width), dtype=torch.uint8, device=v.device)
+    vt.index_copy_(2, column.long(), v.view(torch.uint8).permute(1, 2, 0))
+    return vt.view(v.dtype), vt_offsets
+
+
+_ONES: dict = {}
+
+
+def unit_descale(device) -> torch.Tensor:
+    """A cached (1,) fp32 one on ``device``: the descale of an FP8 operand given none."""
+    t = _ONES.get(device)
+    if t is None:
+        t = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return t
+
+
+def fp8_fwd_key(p: Problem, arch: str, rab, out_dtype: torch.dtype, tiles: dict | None = None):
+    context_target = p.mask.has_context or p.mask.has_target
+    return _made(make_hopper_fp8_fwd_key, arch, DTYPE_NAMES[out_dtype], p.head_dim, p.mask.kind, context_target,
+                 rab is not None, tiles)
+
+
 def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
             target_group_size, alpha, rab, seqused_q, seqused_k, p: Problem, tiles: dict | None = None,
-            out: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
+            out: torch.Tensor | None = None, path: str | None = None, fp8: "Fp8Operands | None" = None
+            ) -> torch.Tensor:
     """Launch the forward kernel of ``path`` ('hopper' or 'ampere'; default: :func:`kernel_path`)
-    and return ``out`` (T_q, H, D); ``tiles`` overrides the key's default tiles (benchmarks)."""
-    if path is None:
+    and return ``out`` (T_q, H, D); ``tiles`` overrides the key's default tiles (benchmarks).
+    With ``fp8`` q and k are e4m3 and the Hopper FP8 kernel runs (``v`` is unused: the kernel
+    reads ``fp8.vt``); ``out`` is in ``fp8.out_dtype``."""
+    if fp8 is not None:
+        path = "hopper"
+    elif path is None:
         path = kernel_path(q.device)
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape, dtype=q.dtype if fp8 is None else fp8.out_dtype, device=q.device)
     if seqused_q is not None:
         out.zero_()  # padding rows (past seqused_q) are never written by the kernel
     if q.shape[0] == 0 or max_seqlen_q == 0 or p.batch == 0:
         return out.zero_()
-    q, k, v = aligned_16(q), aligned_16(k), aligned_16(v)
+    q, k = aligned_16(q), aligned_16(k)
+    v = aligned_16(v) if fp8 is None else fp8.vt
     if k.shape[0] == 0:
         return out.zero_()
     if rab is not None and path == "hopper":
         rab = pad_rab_rows(rab)  # TMA needs 16-byte aligned rows
     device = q.device
-    key = fwd_key(p, device_arch(device), rab, tiles, path)
+    if fp8 is None:
+        key = fwd_key(p, device_arch(device), rab, tiles, path)
+        extra = {}
+    else:
+        key = fp8_fwd_key(p, device_arch(device), rab, fp8.out_dtype, tiles)
+        extra = dict(zip(("mDescaleQ", "mDescaleK", "mDescaleV"), fp8.descales), mOffsetsVt=fp8.vt_offsets)
     compiled = _compiled(key)
-    values = dict(mQ=q, mK=k, mV=v, mO=out, mRab=rab, num_m_blocks=-(-max_seqlen_q // key.tile_m),
+    values = dict(mQ=q, mK=k, mV=v, mO=out, mRab=rab, num_m_blocks=-(-max_seqlen_q // key.tile_m), **extra,
                   **_sequence_args(p, device, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
                                    num_targets, key.has_context),
                   **_scalar_args(p, alpha, target_group_size))
@@ -213,6 +276,35 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
     with _on_device(device):
         _launch(key, compiled, values)
     return out
+
+
+def forward_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+                target_group_size, alpha, rab, seqused_q, seqused_k, p: Problem, descale_q=None, descale_k=None,
+                descale_v=None, tiles: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The FP8 forward of a validated call (``p.fp8``): pre-quantized e4m3 q, k, v with their
+    descales (None: 1), or 16-bit inputs quantized here with ``p.quant_mode``; then V^T and the
+    Hopper FP8 kernel. Raises NotImplementedError where no FP8 kernel runs (not sm90, or the
+    sm80 path forced)."""
+    device = q.device
+    path = kernel_path(device)
+    if path != "hopper":
+        arch = device_arch(device)
+        what = "pre-quantized float8_e4m3fn inputs" if p.quant_mode == -1 else f"quant_mode={p.quant_mode}"
+        raise NotImplementedError(
+            f"{what}: the FP8 kernels are Hopper-only (sm90); this call would run the {path} path on {arch} "
+            "(no silent 16-bit fallback: pass 16-bit inputs with quant_mode=-1)")
+    if p.quant_mode == -1:
+        descales = tuple(d if d is not None else unit_descale(device) for d in (descale_q, descale_k, descale_v))
+    else:
+        from .quantize import quantize
+
+        q8, k8, v8 = (quantize(x, p.quant_mode, offsets, max_len) for x, offsets, max_len in (
+            (q, seq_offsets_q, max_seqlen_q), (k, seq_offsets_k, max_seqlen_k), (v, seq_offsets_k, max_seqlen_k)))
+        descales = (q8.scale, k8.scale, v8.scale)
+        q, k, v = q8.data, k8.data, v8.data
+    fp8 = Fp8Operands(*transposed_for_pv(v, seq_offsets_k), descales, p.out_dtype)
+    return forward(q, k, None, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+                   target_group_size, alpha, rab, seqused_q, seqused_k, p, tiles=tiles, out=out, fp8=fp8)
 
 
 # The part of the H100's 50 MB L2 that one section of a kernel's tile walk may fill with the

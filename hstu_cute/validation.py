@@ -17,13 +17,17 @@ from dataclasses import dataclass
 import torch
 
 from . import masks
-from .variants import HEAD_DIMS
+from .variants import FP8_HEAD_DIMS, HEAD_DIMS
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 FP8_DTYPES = tuple(
     getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2") if hasattr(torch, n)
 )
 MAX_GRID_BATCH = 65535  # grid.z limit of a launch
+#: The FP8 element type the FP8 kernels read (pre-quantized inputs, and what quant_mode makes).
+FP8_INPUT_DTYPE = getattr(torch, "float8_e4m3fn", None)
+#: quant_mode values with a kernel behind them (-1: no FP8).
+BUILT_QUANT_MODES = (-1, 0)
 
 
 def fail(exc, name, expected, actual):
@@ -63,6 +67,58 @@ class Problem:
     window_right: int
     scale_seqlen: int
     rab_heads: int
+    # FP8: -1 none or pre-quantized e4m3 inputs (``dtype`` says which), 0..5 the op quantizes.
+    quant_mode: int = -1
+
+    @property
+    def fp8(self) -> bool:
+        return self.quant_mode != -1 or self.dtype == FP8_INPUT_DTYPE
+
+    @property
+    def out_dtype(self) -> torch.dtype:
+        """The output's (and rab's) dtype: bf16 for pre-quantized e4m3 inputs, else the inputs'."""
+        return torch.bfloat16 if self.dtype == FP8_INPUT_DTYPE else self.dtype
+
+
+def _check_descale(name, t, device):
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor):
+        fail(TypeError, name, "a torch.Tensor or None", type(t).__name__)
+    if t.dtype != torch.float32:
+        fail(TypeError, f"{name}.dtype", "torch.float32", t.dtype)
+    if tuple(t.shape) != (1,):
+        fail(ValueError, f"{name}.shape", "(1,) (one descale for the whole tensor)", tuple(t.shape))
+    if t.device != device:
+        fail(ValueError, f"{name}.device", f"{device} (same as q)", t.device)
+
+
+def _check_fp8(q, k, v, descale_q, descale_k, descale_v, descale_do, quant_mode):
+    """The FP8 arguments: pre-quantized e4m3 inputs (with optional (1,) descales) or a built
+    ``quant_mode`` with 16-bit inputs; never both, and no descale without e4m3 inputs."""
+    fp8_inputs = [n for n, t in (("q", q), ("k", k), ("v", v)) if t.dtype in FP8_DTYPES]
+    descales = (("descale_q", descale_q), ("descale_k", descale_k), ("descale_v", descale_v))
+    if fp8_inputs:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dtype != FP8_INPUT_DTYPE:
+                fail(TypeError, f"{name}.dtype", "torch.float8_e4m3fn for all of q, k, v (pre-quantized inputs)",
+                     t.dtype)
+        if quant_mode != -1:
+            fail(ValueError, "quant_mode", "-1 with pre-quantized float8_e4m3fn inputs (they are quantized already)",
+                 quant_mode)
+        if descale_do is not None:
+            raise NotImplementedError(
+                "descale_do: the pre-quantized FP8 entry is forward-only (there is no dO to descale); pass None")
+        for name, t in descales:
+            _check_descale(name, t, q.device)
+        return
+    for name, t in descales + (("descale_do", descale_do),):
+        if t is not None:
+            fail(ValueError, name, "None unless q, k, v are pre-quantized torch.float8_e4m3fn", "a tensor")
+    if quant_mode not in BUILT_QUANT_MODES:
+        raise NotImplementedError(
+            f"quant_mode={quant_mode}: the FP8 forward is built for quant_mode 0 (cast) and pre-quantized "
+            "float8_e4m3fn inputs so far; modes 1-5 are not yet. Pass quant_mode=-1 (16-bit) or 0")
 
 
 def validate(
@@ -76,17 +132,10 @@ def validate(
     _check_python_int("quant_mode", quant_mode)
     if not -1 <= quant_mode <= 5:
         fail(ValueError, "quant_mode", "an int in -1..5", quant_mode)
-    fp8_inputs = [n for n, t in (("q", q), ("k", k), ("v", v)) if t.dtype in FP8_DTYPES]
-    if fp8_inputs or quant_mode != -1 or any(d is not None for d in (descale_q, descale_k, descale_v, descale_do)):
-        what = f"FP8 inputs ({', '.join(fp8_inputs)})" if fp8_inputs else (
-            f"quant_mode={quant_mode}" if quant_mode != -1 else "descale_* arguments")
-        raise NotImplementedError(
-            f"{what}: the FP8 path needs the Hopper (sm90) FP8 kernels, which are not built yet; "
-            "pass bf16/fp16 q, k, v with quant_mode=-1 and no descale tensors"
-        )
+    _check_fp8(q, k, v, descale_q, descale_k, descale_v, descale_do, quant_mode)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype not in DTYPE_NAMES:
-            fail(TypeError, name, "dtype torch.bfloat16 or torch.float16", t.dtype)
+        if t.dtype not in DTYPE_NAMES and t.dtype != FP8_INPUT_DTYPE:
+            fail(TypeError, name, "dtype torch.bfloat16, torch.float16 or torch.float8_e4m3fn", t.dtype)
         if t.dim() != 3:
             fail(ValueError, name, "a 3-D tensor (tokens, heads, head_dim)", f"{t.dim()}-D shape {tuple(t.shape)}")
         if t.stride(-1) != 1 and t.shape[-1] > 1:
@@ -96,6 +145,9 @@ def validate(
     heads, head_dim = q.shape[1], q.shape[2]
     if head_dim not in HEAD_DIMS:
         fail(ValueError, "q.shape[2] (head dim)", f"one of {HEAD_DIMS}", head_dim)
+    fp8 = quant_mode != -1 or q.dtype == FP8_INPUT_DTYPE
+    if fp8 and head_dim not in FP8_HEAD_DIMS:
+        raise NotImplementedError(f"q.shape[2] (head dim): the FP8 forward supports {FP8_HEAD_DIMS}, got {head_dim}")
     if k.shape[1] != heads:
         fail(ValueError, "k.shape[1] (heads)", f"{heads} (q's heads; no GQA)", k.shape[1])
     if k.shape[2] != head_dim:
@@ -163,6 +215,8 @@ def validate(
 
     if not isinstance(has_drab, bool):
         fail(TypeError, "has_drab", "a bool", type(has_drab).__name__)
+    if fp8 and has_drab:
+        raise NotImplementedError("has_drab: the FP8 path is forward-only so far (no FP8 backward); pass False")
     rab_heads = 0
     if rab is None:
         if has_drab:
@@ -170,8 +224,10 @@ def validate(
     else:
         if not isinstance(rab, torch.Tensor):
             fail(TypeError, "rab", "a torch.Tensor or None", type(rab).__name__)
-        if rab.dtype != q.dtype:
-            fail(TypeError, "rab.dtype", f"{q.dtype} (same as q)", rab.dtype)
+        out_dtype = torch.bfloat16 if q.dtype == FP8_INPUT_DTYPE else q.dtype
+        if rab.dtype != out_dtype:
+            why = "the output's dtype: bf16 for float8_e4m3fn inputs" if out_dtype != q.dtype else "same as q"
+            fail(TypeError, "rab.dtype", f"{out_dtype} ({why})", rab.dtype)
         if rab.dim() != 4:
             fail(ValueError, "rab", "a 4-D tensor (B, H_rab, max_seqlen_k, max_seqlen_k)", tuple(rab.shape))
         if rab.shape[0] != batch:
@@ -192,7 +248,7 @@ def validate(
         fail(ValueError, "q.device", "a CUDA device (or meta for shapes only; use hstu_cute.reference on CPU)",
               device)
     mask = masks.MaskSpec(kind, has_context, has_target, is_delta_q)
-    return Problem(batch, heads, head_dim, q.dtype, mask, wl, wr, scale_seqlen, rab_heads)
+    return Problem(batch, heads, head_dim, q.dtype, mask, wl, wr, scale_seqlen, rab_heads, quant_mode)
 
 
 def check_device_data(p: Problem, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, q, k,
@@ -262,12 +318,12 @@ _PROBLEMS: dict = {}
 
 
 def problem_of_op_args(q, seq_offsets_q, max_seqlen_q, max_seqlen_k, num_contexts, num_targets, window_left,
-                       window_right, rab, is_delta_q, scaling_seqlen) -> Problem:
+                       window_right, rab, is_delta_q, scaling_seqlen, quant_mode: int = -1) -> Problem:
     """The :class:`Problem` of already validated op arguments (what :func:`validate` returned for
     the public call; the window comes normalized). Memoized: the ops run it on every call."""
     memo = (seq_offsets_q.shape[0], q.shape[1], q.shape[2], q.dtype, max_seqlen_q, max_seqlen_k,
             num_contexts is not None, num_targets is not None, window_left, window_right, is_delta_q,
-            scaling_seqlen, rab.shape[1] if rab is not None else 0)
+            scaling_seqlen, rab.shape[1] if rab is not None else 0, quant_mode)
     p = _PROBLEMS.get(memo)
     if p is None:
         if len(_PROBLEMS) > 256:
@@ -275,7 +331,7 @@ def problem_of_op_args(q, seq_offsets_q, max_seqlen_q, max_seqlen_k, num_context
         kind, wl, wr = masks.normalize_window((window_left, window_right), max_seqlen_k)
         mask = masks.MaskSpec(kind, memo[6], memo[7], is_delta_q)
         p = _PROBLEMS[memo] = Problem(memo[0] - 1, memo[1], memo[2], q.dtype, mask, wl, wr,
-                                      scaling_seqlen if scaling_seqlen != -1 else max_seqlen_q, memo[12])
+                                      scaling_seqlen if scaling_seqlen != -1 else max_seqlen_q, memo[12], quant_mode)
     return p
 
 

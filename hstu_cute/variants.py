@@ -32,6 +32,7 @@ SHIPPED_MASKS = ((MaskKind.NONE, False), (MaskKind.LOCAL, False), (MaskKind.CAUS
 __all__ = [
     "HEAD_DIMS", "DTYPES", "SHIPPED_MASKS", "AmpereFwdKey", "AmpereBwdKey", "HopperFwdKey", "HopperBwdKey",
     "KEY_CLASSES", "make_fwd_key", "make_bwd_keys", "make_hopper_fwd_key", "make_hopper_bwd_key",
+    "HopperFp8FwdKey", "make_hopper_fp8_fwd_key", "FP8_DTYPE", "FP8_HEAD_DIMS",
     "shipped_keys", "has_hopper_kernels",
 ]
 
@@ -242,6 +243,41 @@ def make_hopper_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, ti
                         **(tiles or default_hopper_fwd_tiles(head_dim, has_rab)))
 
 
+#: The FP8 element type of q, k and v, by DSL name, and the head dims of the FP8 forward
+#: (FBGEMM's FP8 set).
+FP8_DTYPE = "float8_e4m3fn"
+FP8_HEAD_DIMS = (64, 128, 256)
+
+
+@dataclass(frozen=True)
+class HopperFp8FwdKey(HopperFwdKey):
+    """Compile key of :class:`~hstu_cute.hopper.fwd.HstuForwardFp8Sm90`: ``dtype`` is the e4m3
+    input type, ``out_dtype`` the output's (and rab's) 16-bit type."""
+
+    kernel_name: ClassVar[str] = "hopper_fwd_fp8"
+
+    out_dtype: str = "bfloat16"
+
+    def describe(self) -> str:
+        return super().describe() + f" ->{self.out_dtype}"
+
+
+def default_hopper_fp8_fwd_tiles(head_dim: int, has_rab: bool) -> dict:
+    """FP8 tiles: K and V^T tiles are half the bytes of 16-bit ones, so the smem plan of
+    :func:`default_hopper_fwd_tiles` fits with a second Q stage even beside rab; at D256 the O
+    accumulator (128 fp32 registers per thread) leaves room for 64-key score tiles only."""
+    if head_dim <= 128:
+        return dict(tile_m=128, tile_n=128, num_stages=2, ptxas_opt=2, q_stages=2, dynamic_tiles=True)
+    return dict(tile_m=128, tile_n=64, num_stages=2, ptxas_opt=3, dynamic_tiles=True)
+
+
+def make_hopper_fp8_fwd_key(arch, out_dtype, head_dim, kind, context_target, has_rab,
+                            tiles=None) -> HopperFp8FwdKey:
+    fields = _variant_fields(arch, FP8_DTYPE, head_dim, kind, context_target, has_rab)
+    fields["fast_silu"] = True  # tanh.approx is far below e4m3's rounding of P
+    return HopperFp8FwdKey(**fields, out_dtype=out_dtype, **(tiles or default_hopper_fp8_fwd_tiles(head_dim, has_rab)))
+
+
 @dataclass(frozen=True)
 class HopperBwdKey(_BwdVariant):
     """Compile key of the sm90 backward kernels: role "fused"
@@ -319,7 +355,8 @@ def _hopper_role_serves(role: str, head_dim: int) -> bool:
     return role != "wide" and (role != "fused" or head_dim in HOPPER_FUSED_HEAD_DIMS)
 
 
-KEY_CLASSES = {cls.__name__: cls for cls in (AmpereFwdKey, AmpereBwdKey, HopperFwdKey, HopperBwdKey)}
+KEY_CLASSES = {cls.__name__: cls for cls in (AmpereFwdKey, AmpereBwdKey, HopperFwdKey, HopperBwdKey,
+                                              HopperFp8FwdKey)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,6 +385,13 @@ def shipped_hopper_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_
             for has_rab in (False, True)]
 
 
+def shipped_hopper_fp8_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[HopperFp8FwdKey]:
+    """FP8 forward variants: ``dtypes`` are the output (and rab) types."""
+    return [make_hopper_fp8_fwd_key(arch, *variant, has_rab)
+            for variant in _shipped_variants(dtypes, [d for d in head_dims if d in FP8_HEAD_DIMS])
+            for has_rab in (False, True)]
+
+
 def shipped_hopper_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[HopperBwdKey]:
     return [
         make_hopper_bwd_key(role, arch, *variant, has_rab, has_drab=has_drab, rab_sum_heads=sum_heads)
@@ -362,5 +406,6 @@ def shipped_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
     dtypes, head_dims = tuple(dtypes), tuple(head_dims)
     keys = shipped_ampere_fwd_keys(arch, dtypes, head_dims) + shipped_ampere_bwd_keys(arch, dtypes, head_dims)
     if has_hopper_kernels(arch):
-        keys += shipped_hopper_fwd_keys(arch, dtypes, head_dims) + shipped_hopper_bwd_keys(arch, dtypes, head_dims)
+        keys += (shipped_hopper_fwd_keys(arch, dtypes, head_dims) + shipped_hopper_bwd_keys(arch, dtypes, head_dims)
+                 + shipped_hopper_fp8_fwd_keys(arch, dtypes, head_dims))
     return keys

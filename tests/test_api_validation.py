@@ -75,11 +75,11 @@ CASES = [
     ("k-not-tensor", lambda a: dict(k=None), TypeError, "k", "a torch.Tensor", "NoneType"),
     ("v-not-tensor", lambda a: dict(v="v"), TypeError, "v", "a torch.Tensor", "str"),
     ("q-dtype-fp32", lambda a: dict(q=a["q"].float(), k=a["k"].float(), v=a["v"].float()), TypeError, "q",
-     "dtype torch.bfloat16 or torch.float16", "torch.float32"),
+     "dtype torch.bfloat16, torch.float16 or torch.float8_e4m3fn", "torch.float32"),
     ("k-dtype-int8", lambda a: dict(k=a["k"].to(torch.int8)), TypeError, "k",
-     "dtype torch.bfloat16 or torch.float16", "torch.int8"),
+     "dtype torch.bfloat16, torch.float16 or torch.float8_e4m3fn", "torch.int8"),
     ("v-dtype-fp64", lambda a: dict(v=a["v"].double()), TypeError, "v",
-     "dtype torch.bfloat16 or torch.float16", "torch.float64"),
+     "dtype torch.bfloat16, torch.float16 or torch.float8_e4m3fn", "torch.float64"),
     ("q-2d", lambda a: dict(q=_t(16, D)), ValueError, "q", "a 3-D tensor", "2-D shape (16, 64)"),
     ("k-4d", lambda a: dict(k=_t(16, H, D, 1)), ValueError, "k", "a 3-D tensor", "4-D shape (16, 2, 64, 1)"),
     ("q-stride", lambda a: dict(q=_noncontig_last(16, H, D)), ValueError, "q.stride(-1)", "1 (last dim contiguous)",
@@ -258,38 +258,101 @@ def test_too_many_sequences_is_not_implemented(no_launch):
 
 
 # ---------------------------------------------------------------------------------------------
-# FP8: not built yet -> NotImplementedError saying what is missing
+# FP8: pre-quantized e4m3 inputs and quant_mode 0 are built (Hopper forward); modes 1-5 are not
 # ---------------------------------------------------------------------------------------------
 FP8 = getattr(torch, "float8_e4m3fn", None)
+needs_fp8 = pytest.mark.skipif(FP8 is None, reason="this torch has no float8_e4m3fn")
 
 
-@pytest.mark.skipif(FP8 is None, reason="this torch has no float8_e4m3fn")
-@pytest.mark.parametrize("which", [("q",), ("q", "k", "v")])
-def test_fp8_inputs_not_implemented(which, no_launch):
+def fp8_args(**overrides):
     args = base_args()
-    for n in which:
+    for n in "qkv":
         args[n] = args[n].to(FP8)
-    with pytest.raises(NotImplementedError) as info:
+    args.update(overrides)
+    return args
+
+
+@needs_fp8
+def test_fp8_inputs_pass_validation(no_launch):
+    with pytest.raises(ValueError, match=r"^q\.device:"):
+        hstu_cute.hstu_attn_varlen_func(**fp8_args(descale_q=torch.ones(1), descale_v=torch.ones(1)))
+
+
+@needs_fp8
+def test_fp8_inputs_must_all_be_e4m3(no_launch):
+    args = base_args()
+    args["q"] = args["q"].to(FP8)
+    with pytest.raises(TypeError) as info:
         hstu_cute.hstu_attn_varlen_func(**args)
-    msg = str(info.value)
-    assert f"FP8 inputs ({', '.join(which)})" in msg
-    assert "not built yet" in msg and "sm90" in msg
+    _check_message(info.value, "k.dtype", "torch.float8_e4m3fn for all of q, k, v", "torch.bfloat16")
+    with pytest.raises(TypeError) as info:
+        hstu_cute.hstu_attn_varlen_func(**fp8_args(q=args["q"].to(torch.float8_e5m2)))
+    _check_message(info.value, "q.dtype", "torch.float8_e4m3fn", "torch.float8_e5m2")
 
 
-@pytest.mark.parametrize("mode", range(6))
-def test_quant_mode_not_implemented(mode, no_launch):
+@needs_fp8
+@pytest.mark.parametrize("case", [
+    ("quant-mode-with-fp8", dict(quant_mode=0), ValueError, "quant_mode", "-1 with pre-quantized", "0"),
+    ("descale-shape", dict(descale_q=torch.ones(2)), ValueError, "descale_q.shape", "(1,)", "(2,)"),
+    ("descale-dtype", dict(descale_k=torch.ones(1, dtype=torch.float16)), TypeError, "descale_k.dtype",
+     "torch.float32", "torch.float16"),
+    ("descale-type", dict(descale_v=1.0), TypeError, "descale_v", "a torch.Tensor or None", "float"),
+    ("rab-dtype", dict(rab=_t(2, 1, L, L, dtype=FP16)), TypeError, "rab.dtype", "torch.bfloat16", "torch.float16"),
+], ids=lambda c: c[0])
+def test_fp8_argument_errors(case, no_launch):
+    _, overrides, exc, name, expected, actual = case
+    with pytest.raises(exc) as info:
+        hstu_cute.hstu_attn_varlen_func(**fp8_args(**overrides))
+    _check_message(info.value, name, expected, actual)
+
+
+@needs_fp8
+def test_fp8_not_built_cases_say_so(no_launch):
+    with pytest.raises(NotImplementedError, match="descale_do.*forward-only"):
+        hstu_cute.hstu_attn_varlen_func(**fp8_args(descale_do=torch.ones(1)))
+    small = {n: _t(16, H, 32, dtype=FP8) for n in "qkv"}
+    with pytest.raises(NotImplementedError, match=r"head dim.*\(64, 128, 256\).*32"):
+        hstu_cute.hstu_attn_varlen_func(**fp8_args(**small))
+    with pytest.raises(NotImplementedError, match="has_drab.*forward-only"):
+        hstu_cute.hstu_attn_varlen_func(**base_args(quant_mode=0, rab=_t(2, 1, L, L), has_drab=True))
+
+
+@pytest.mark.parametrize("mode", range(1, 6))
+def test_unbuilt_quant_modes_say_so(mode, no_launch):
     with pytest.raises(NotImplementedError) as info:
         hstu_cute.hstu_attn_varlen_func(**base_args(quant_mode=mode))
     msg = str(info.value)
-    assert f"quant_mode={mode}" in msg and "FP8" in msg and "not built yet" in msg
+    assert f"quant_mode={mode}" in msg and "not yet" in msg
+
+
+def test_quant_mode_0_passes_validation(no_launch):
+    with pytest.raises(ValueError, match=r"^q\.device:"):
+        hstu_cute.hstu_attn_varlen_func(**base_args(quant_mode=0))
 
 
 @pytest.mark.parametrize("name", ["descale_q", "descale_k", "descale_v", "descale_do"])
-def test_descale_not_implemented(name, no_launch):
-    with pytest.raises(NotImplementedError) as info:
+def test_descale_needs_fp8_inputs(name, no_launch):
+    with pytest.raises(ValueError) as info:
         hstu_cute.hstu_attn_varlen_func(**base_args(**{name: torch.ones(1)}))
-    msg = str(info.value)
-    assert "descale_*" in msg and "FP8" in msg and "not built yet" in msg
+    _check_message(info.value, name, "None unless q, k, v are pre-quantized torch.float8_e4m3fn", "a tensor")
+
+
+@needs_fp8
+@pytest.mark.parametrize("entry", ["prequantized", "mode0"])
+def test_fp8_on_meta_is_shapes_only_and_forward_only(entry, no_launch):
+    """Meta tensors trace the FP8 op's fake implementation (bf16 out for e4m3 inputs, the inputs'
+    dtype for quant_mode); inputs that require grad raise (no FP8 backward yet)."""
+    args = fp8_args() if entry == "prequantized" else base_args(quant_mode=0, q=_t(16, H, D, dtype=FP16),
+                                                                  k=_t(16, H, D, dtype=FP16),
+                                                                  v=_t(16, H, D, dtype=FP16))
+    args = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    out = hstu_cute.hstu_attn_varlen_func(**args)
+    assert out.device.type == "meta" and out.shape == args["q"].shape
+    assert out.dtype == (torch.bfloat16 if entry == "prequantized" else FP16)
+    if entry == "mode0":
+        args["q"] = args["q"].requires_grad_()
+        with pytest.raises(NotImplementedError, match="forward-only"):
+            hstu_cute.hstu_attn_varlen_func(**args)
 
 
 def test_all_on_meta_is_shapes_only(no_launch):

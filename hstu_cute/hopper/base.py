@@ -28,6 +28,7 @@ class HstuSm90Base:
                  num_stages: int, fast_silu: bool, num_mma_wg: int, persistent: bool = False,
                  dynamic_tiles: bool = False):
         self.dtype = dtype
+        self.rab_dtype = dtype
         self.head_dim = head_dim
         self.mask = mask
         self.has_rab = has_rab
@@ -49,7 +50,7 @@ class HstuSm90Base:
     def rab_ring_layout(self):
         """The staged smem layout of rab tiles (queries, keys), or None without rab."""
         if const_expr(self.has_rab):
-            return sm90_smem_layout(self.dtype, self.tile_m, self.tile_n, self.num_stages)
+            return sm90_smem_layout(self.rab_dtype, self.tile_m, self.tile_n, self.num_stages)
         return None
 
     def tile_ring_storage(self) -> tuple[dict, dict]:

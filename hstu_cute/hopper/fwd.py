@@ -11,6 +11,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from .. import masks
 from ..common.mask_apply import KERNEL_OPS, apply_mask_rows_cols
 from ..common.barriers import NamedBarrier
+from ..common.fp8 import scores_to_fp8_operand, zero_smem_cols_past
 from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import silu_scaled_inplace
 from ..common.tile_scheduler import SectionWalk, TileScheduler
@@ -65,11 +66,14 @@ class HstuForwardSm90(HstuSm90Base):
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
                  num_stages: int, fast_silu: bool, intra_wg_overlap: bool = True, pingpong: bool = True,
-                 persistent: bool = True, q_stages: int = 1, dynamic_tiles: bool = False):
+                 persistent: bool = True, q_stages: int = 1, dynamic_tiles: bool = False, out_dtype=None):
         # The CTA launches with 168 x 384 registers; setmaxnreg moves them between roles, so the
         # consumers' 240 must come out of that pool (common.sm90.sm90_register_split).
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, tile_m // 64,
                          persistent, dynamic_tiles)
+        # FP8 (e4m3) q, k and V^T; the output and rab stay 16-bit (HstuForwardFp8Sm90).
+        self.fp8 = dtype.width == 8
+        self.out_dtype = self.rab_dtype = out_dtype or dtype
         # fp16 stores the next P through an operand fence: with a plain store ptxas serializes every
         # WGMMA of the fp16 variants (C7513). H200 fp16 B8 N4096 causal: D128 484 vs 378 TF, D256
         # 620 vs 366, D64 290 vs 268. bf16 keeps the plain store (the fence cost it D64 461 -> 427).
@@ -86,6 +90,16 @@ class HstuForwardSm90(HstuSm90Base):
     def __call__(self, mQ, mK, mV, mO, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
                  alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks, num_sms,
                  bh_per_section, mTileCounter, stream):
+        self.compile_forward(mQ, mK, mV, mO, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
+                                                          mNumTargets), mRab,
+                             ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q),
+                             num_m_blocks, num_sms, bh_per_section, mTileCounter, None, stream)
+
+    def compile_forward(self, mQ, mK, mV, mO, seqs, mRab, scalars, num_m_blocks, num_sms, bh_per_section,
+                        mTileCounter, descales, stream):
+        """The body of ``__call__`` (traced inside it): layouts, TMA atoms, smem plan and the
+        launch. ``mV`` is V (T, H, D), or for FP8 its token-contiguous copy V^T (H, D, T16);
+        ``descales``: None, or the FP8 kernel's (q, k, v) descale tensors and V^T's sequence offsets."""
         D = self.head_dim
         sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, self.q_stages)
         sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, self.num_stages)
@@ -93,7 +107,16 @@ class HstuForwardSm90(HstuSm90Base):
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_q, tma_q = sm90_tma_atom_tokens(tma_load, mQ, cute.slice_(sQ_layout, (None, None, 0)), self.tile_m)
         tma_atom_k, tma_k = sm90_tma_atom_tokens(tma_load, mK, cute.slice_(sK_layout, (None, None, 0)), self.tile_n)
-        tma_atom_v, tma_v = sm90_tma_atom_tokens(tma_load, mV, cute.slice_(sK_layout, (None, None, 0)), self.tile_n)
+        if const_expr(self.fp8):
+            # V^T stages (D, tile_n), keys contiguous: the K-major B operand an 8-bit WGMMA needs.
+            sV_layout = sm90_smem_layout(self.dtype, D, self.tile_n, self.num_stages)
+            mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 2, 0]))  # (D, T16, H)
+            tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mVt, cute.slice_(sV_layout, (None, None, 0)),
+                                                            (D, self.tile_n))
+        else:
+            sV_layout = sK_layout
+            tma_atom_v, tma_v = sm90_tma_atom_tokens(tma_load, mV, cute.slice_(sK_layout, (None, None, 0)),
+                                                     self.tile_n)
         tma_atom_rab, tma_rab = None, None
         if const_expr(self.has_rab):
             tma_atom_rab, tma_rab = sm90_tma_atom_rab(mRab, sRab_layout, self.tile_m, self.tile_n)
@@ -101,29 +124,30 @@ class HstuForwardSm90(HstuSm90Base):
         elem_bytes = self.dtype.width // 8
         self.q_bytes = self.tile_m * D * elem_bytes
         self.kv_bytes = self.tile_n * D * elem_bytes
-        self.rab_bytes = self.tile_m * self.tile_n * elem_bytes
+        self.rab_bytes = self.tile_m * self.tile_n * (self.rab_dtype.width // 8)
         kv = (self.dtype, cute.cosize(sK_layout))
         ring_barriers, ring_words = self.tile_ring_storage()
         self.shared_storage = shared_storage(
             dict(mbar_q=2 * self.q_stages, mbar_k=2 * self.num_stages, mbar_v=2 * self.num_stages, mbar_rab=2 * self.num_stages,
                  **ring_barriers),
-            dict(sQ=(self.dtype, cute.cosize(sQ_layout)), sK=kv, sV=kv, sRab=(self.dtype, self.smem_elems(sRab_layout))),
+            dict(sQ=(self.dtype, cute.cosize(sQ_layout)), sK=kv, sV=(self.dtype, cute.cosize(sV_layout)),
+                 sRab=(self.rab_dtype, self.smem_elems(sRab_layout))),
             words=ring_words)
 
-        num_tiles = num_m_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
+        num_tiles = num_m_blocks * mQ.shape[1] * (seqs.mOffsetsQ.shape[0] - 1)
         # Persistent: one CTA per SM (smem allows no second one) walking the tiles; the producer
         # runs ahead into the next tile while the consumers finish the current one.
         grid = [cutlass.min(num_tiles, num_sms) if const_expr(self.persistent) else num_tiles, 1, 1]
         self.launch(
-            tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, mQ, mO, mK,
-            SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
-            ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_m_blocks, bh_per_section,
-            mTileCounter, statics=dict(
-                sQ_layout=sQ_layout, sK_layout=sK_layout, sV_layout=sK_layout, sRab_layout=sRab_layout,
+            tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, mQ, mO, mK, seqs, mRab,
+            scalars, num_m_blocks, bh_per_section, mTileCounter, descales, statics=dict(
+                sQ_layout=sQ_layout, sK_layout=sK_layout, sV_layout=sV_layout, sRab_layout=sRab_layout,
                 tiled_mma_qk=trivial_mma(self.dtype, self.tile_n, False, self.num_mma_wg),
-                # P (registers) x V: V is (n, D) with D contiguous, an MN-major B operand.
-                tiled_mma_pv=trivial_mma(self.dtype, D, True, self.num_mma_wg, a_in_registers=True),
-                zero_copy_v=rows_zero_copy(self.dtype, D),  # V rows past seqlen_k, per consumer warpgroup
+                # P (registers) x V: 16-bit V is (n, D) with D contiguous, an MN-major B operand;
+                # FP8 V^T is (D, n) with n contiguous, K-major.
+                tiled_mma_pv=trivial_mma(self.dtype, D, not self.fp8, self.num_mma_wg, a_in_registers=True),
+                # V rows (FP8: V^T columns) past seqlen_k, per consumer warpgroup
+                zero_copy_v=rows_zero_copy(self.dtype, self.tile_n if self.fp8 else D),
             ),
             grid=grid, stream=stream,
         )
@@ -133,7 +157,7 @@ class HstuForwardSm90(HstuSm90Base):
     # ------------------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, mQ, mO, mK,
-               seqs, mRab, scalars, num_m_blocks: Int32, bh_per_section: Int32, mTileCounter, statics):
+               seqs, mRab, scalars, num_m_blocks: Int32, bh_per_section: Int32, mTileCounter, descales, statics):
         self.bind(statics)
         tidx, warp_idx = self.prologue(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_rab)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
@@ -159,17 +183,27 @@ class HstuForwardSm90(HstuSm90Base):
         walk = SectionWalk(num_m_blocks, mQ.shape[1], seqs.mOffsetsQ.shape[0] - 1, bh_per_section, reverse=True)
         seqinfo = self.sequence_info(seqs, scalars, mQ, mK)
         claims = self.tile_claims(storage, walk, mTileCounter)
+        alpha, out_scale = scalars.alpha, scalars.inv_scale
+        if const_expr(self.fp8):
+            # scores = (q8 . k8) dq dk: without rab the product folds into alpha, with rab it
+            # scales the scores before the bias (add_rab_silu_mask); out = (P8 . v8) dv / S.
+            mDescaleQ, mDescaleK, mDescaleV, _ = descales
+            self.qk_descale = mDescaleQ[0] * mDescaleK[0]
+            if const_expr(not self.has_rab):
+                alpha = alpha * self.qk_descale
+            out_scale = out_scale * mDescaleV[0]
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.produce((tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, s["sQ"],
-                              s["sK"], s["sV"], s["sRab"], pipe_q, pipe_k, pipe_v, pipe_rab, mRab), walk, seqinfo,
+                              s["sK"], s["sV"], s["sRab"], pipe_q, pipe_k, pipe_v, pipe_rab, mRab,
+                              descales[3] if const_expr(self.fp8) else None), walk, seqinfo,
                              claims)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(tidx - 128, mO, s["sQ"], s["sK"], s["sV"], s["sRab"], pipe_q, pipe_k, pipe_v, pipe_rab,
-                         scalars.alpha, scalars.inv_scale, walk, seqinfo, claims)
+                         alpha, out_scale, walk, seqinfo, claims)
 
     @cute.jit
     def tile_problem(self, tiles, seqinfo, tile: Int32):
@@ -195,7 +229,8 @@ class HstuForwardSm90(HstuSm90Base):
 
     @cute.jit
     def produce_tile(self, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, sQ, sK,
-                     sV, sRab, pipe_q, pipe_k, pipe_v, pipe_rab, mRab, m_block: Int32, head: Int32, batch: Int32,
+                     sV, sRab, pipe_q, pipe_k, pipe_v, pipe_rab, mRab, mOffsetsVt, m_block: Int32, head: Int32,
+                     batch: Int32,
                      q_start: Int32, k_start: Int32, seq, sched, q_state, k_state, v_state):
         """TMA loads of one tile: Q, then K (and rab) of each n-block ahead of V of the one before.
         Returns the advanced pipeline states."""
@@ -210,8 +245,14 @@ class HstuForwardSm90(HstuSm90Base):
                              (None, 0))
         tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, no_mcast, cute.group_modes(sK, 0, 2),
                                            cute.group_modes(gK, 0, 2))
-        gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_v[None, None, head]), (self.tile_n, D),
-                             (None, 0))
+        if const_expr(self.fp8):
+            # V^T rows start every sequence 16-byte aligned (the launcher pads them; a TMA box must
+            # start 16-byte aligned along the contiguous dimension).
+            gV = cute.local_tile(cute.domain_offset((0, mOffsetsVt[batch]), tma_v[None, None, head]),
+                                 (D, self.tile_n), (0, None))
+        else:
+            gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_v[None, None, head]), (self.tile_n, D),
+                                 (None, 0))
         tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, no_mcast, cute.group_modes(sV, 0, 2),
                                            cute.group_modes(gV, 0, 2))
         tRsR = tRgR = None
@@ -270,14 +311,18 @@ class HstuForwardSm90(HstuSm90Base):
         wg_mma_pv = tiled_mma_pv.get_slice(wg_thread0)
         tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
         tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
-        # V is (n, D) with D contiguous: as the B operand of P.V (N = D, K = n) it is MN-major.
-        sVt = cute.composition(
-            sV, cute.make_ordered_layout((D, self.tile_n, self.num_stages), order=(1, 0, 2))
-        )
+        if const_expr(self.fp8):
+            sVt = sV  # V^T (D, n): already the (N, K) B operand of P.V, K-major
+        else:
+            # V is (n, D) with D contiguous: as the B operand of P.V (N = D, K = n) it is MN-major.
+            sVt = cute.composition(
+                sV, cute.make_ordered_layout((D, self.tile_n, self.num_stages), order=(1, 0, 2))
+            )
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
         acc_shape_S = wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
         acc_shape_O = wg_mma_pv.partition_shape_C((self.tile_m, D))
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
+        self.tOrP_layout = tOrP.layout
 
         tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         tScS_rc = cute.make_tensor(tScS.iterator, wgmma_acc_rows_cols(tScS.layout))
@@ -421,8 +466,8 @@ class HstuForwardSm90(HstuSm90Base):
                    m_block: Int32, seqlen_q: Int32):
         """Epilogue: O * (1/S) -> the input dtype, stored from registers (pairs of columns), rows
         past seqlen_q skipped."""
-        rO = cute.make_rmem_tensor(acc_O.layout, self.dtype)
-        rO.store((acc_O.load() * inv_scale).to(self.dtype))
+        rO = cute.make_rmem_tensor(acc_O.layout, self.out_dtype)
+        rO.store((acc_O.load() * inv_scale).to(self.out_dtype))
         gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, head, None]), (self.tile_m, self.head_dim),
                              (m_block, 0))
         store_acc_rows(rO, thr_mma_pv.partition_C(gO), tOcO_rc, seqlen_q - m_block * self.tile_m)
@@ -435,8 +480,12 @@ class HstuForwardSm90(HstuSm90Base):
         pipe_v.consumer_wait(v_state)
         row_limit = v_rows()
         if row_limit < self.tile_n:
-            zero_smem_rows_past(zero_copy_v, (sV[None, None, v_state.index],), (self.tile_n, self.head_dim),
-                                tidx % 128, wg, row_limit)
+            if const_expr(self.fp8):
+                zero_smem_cols_past(zero_copy_v, sV[None, None, v_state.index], (self.head_dim, self.tile_n),
+                                    tidx % 128, wg, row_limit)
+            else:
+                zero_smem_rows_past(zero_copy_v, (sV[None, None, v_state.index],), (self.tile_n, self.head_dim),
+                                    tidx % 128, wg, row_limit)
 
     @cute.jit
     def sched_wait(self, wg: Int32):
@@ -453,10 +502,13 @@ class HstuForwardSm90(HstuSm90Base):
                           seq, m_block: Int32, n_block: Int32, row_first: Int32):
         if const_expr(self.has_rab):
             pipe_rab.consumer_wait(k_state)
-            rRab = cute.make_rmem_tensor(acc_S.layout, self.dtype)
+            rRab = cute.make_rmem_tensor(acc_S.layout, self.rab_dtype)
             cute.autovec_copy(tSsRab[None, None, None, k_state.index], rRab)
             pipe_rab.consumer_release(k_state)
-            acc_S.store(acc_S.load() + rRab.load().to(Float32))
+            if const_expr(self.fp8):
+                acc_S.store(acc_S.load() * self.qk_descale + rRab.load().to(Float32))
+            else:
+                acc_S.store(acc_S.load() + rRab.load().to(Float32))
         silu_scaled_inplace(acc_S, alpha, self.fast_silu)
         if not masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
             acc_rc = cute.make_tensor(acc_S.iterator, wgmma_acc_rows_cols(acc_S.layout))
@@ -467,7 +519,10 @@ class HstuForwardSm90(HstuSm90Base):
                     m_block, n_block, row_first):
         self.add_rab_silu_mask(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block, n_block,
                                row_first)
-        tOrP.store(cute.make_tensor(acc_S.iterator, wgmma_acc_as_operand_a(acc_S.layout)).load().to(self.dtype))
+        if const_expr(self.fp8):
+            scores_to_fp8_operand(acc_S, tOrP)
+        else:
+            tOrP.store(cute.make_tensor(acc_S.iterator, wgmma_acc_as_operand_a(acc_S.layout)).load().to(self.dtype))
 
     @cute.jit
     def scores_to_p_deferred(self, acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec: cutlass.Constexpr, seq,
@@ -476,8 +531,37 @@ class HstuForwardSm90(HstuSm90Base):
         read by the in-flight P.V WGMMA."""
         self.add_rab_silu_mask(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block, n_block,
                                row_first)
+        if const_expr(self.fp8):
+            rP = cute.make_rmem_tensor(self.tOrP_layout, self.dtype)
+            scores_to_fp8_operand(acc_S, rP)
+            return rP
         acc_A = cute.make_tensor(acc_S.iterator, wgmma_acc_as_operand_a(acc_S.layout))
         rP = cute.make_rmem_tensor(acc_A.layout, self.dtype)
         rP.store(acc_A.load().to(self.dtype))
         return rP
 
+
+
+class HstuForwardFp8Sm90(HstuForwardSm90):
+    """The forward with e4m3 q, k and V^T (8-bit WGMMA, instruction K 32), a 16-bit output (and
+    rab), and scalar descales: scores = (q8 . k8) dq dk, P cast to e4m3 (saturating), out =
+    (P8 . v8) dv / S (docs/operator.md, FP8). The same warp roles, pipelines and barriers as
+    :class:`HstuForwardSm90`, except that:
+
+    * V arrives as its token-contiguous copy V^T (H, D, T') (the launcher or the quantizer makes
+      it): an 8-bit WGMMA reads both smem operands K-major only, and P.V reduces over keys. Each
+      sequence's keys start 16-token aligned there (``mOffsetsVt``): a TMA box must start 16-byte
+      aligned along the contiguous dimension (an unaligned start is an illegal instruction);
+    * P is packed from the score accumulator into the 8-bit register operand by quad shuffles
+      (common.fp8.scores_to_fp8_operand);
+    * past seqlen_k the V^T tile's key columns are zeroed, not V's rows."""
+
+    @cute.jit
+    def __call__(self, mQ, mK, mV, mO, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
+                 alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks, num_sms,
+                 bh_per_section, mTileCounter, mDescaleQ, mDescaleK, mDescaleV, mOffsetsVt, stream):
+        self.compile_forward(mQ, mK, mV, mO, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
+                                                          mNumTargets), mRab,
+                             ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q),
+                             num_m_blocks, num_sms, bh_per_section, mTileCounter,
+                             (mDescaleQ, mDescaleK, mDescaleV, mOffsetsVt), stream)

@@ -1,0 +1,96 @@
+"""FP8 (e4m3) pieces of the sm90 forward: P from the fp32 score accumulator into the register A
+operand of an 8-bit RS WGMMA, and zeroing the key columns of a staged V^T tile past a sequence.
+
+Register layouts (PTX ISA, wgmma register fragments; docs/design/fp8-forward.md section 2), for
+lane l of a warp, g = l / 4 and q = l % 4:
+
+* fp32 accumulator, n8 column group j: ``d[4j + 2i + c] = S[g + 8i, 8j + 2q + c]``;
+* 8-bit A operand, k32 slice: ``a[v0 + 4 v1 + 8 v2] = P[g + 8 v1, 16 v2 + 4q + v0]``.
+
+After the cvt to e4m3 in accumulator order a thread's word ``W_j`` holds columns 2q, 2q+1 of
+group j in rows g and g+8; the operand wants columns 4q..4q+3 of a 16-column half in row g, then
+in row g+8. Every byte stays inside its quad of lanes: two width-4 shuffles and two byte
+permutes per half (recipe A of the design note).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Uint32
+from cutlass._mlir.dialects import llvm
+
+from .barriers import NamedBarrier
+
+# shfl.sync's c operand for independent segments of 4 lanes: segment mask 0x1C, clamp 0x1F.
+QUAD_SEGMENTS = 0x1C1F
+
+
+def prmt(a: Uint32, b: Uint32, selector: Uint32) -> Uint32:
+    """Byte permute of the pair (b:a) (``prmt.b32``; bytes 0-3 from ``a``, 4-7 from ``b``). Pure:
+    the DSL's own wrapper marks the asm as having side effects, which blocks scheduling."""
+    return Uint32(
+        llvm.inline_asm(
+            Uint32.mlir_type,
+            [Uint32(a).ir_value(), Uint32(b).ir_value(), Uint32(selector).ir_value()],
+            "prmt.b32 $0, $1, $2, $3;",
+            "=r,r,r,r",
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@cute.jit
+def scores_to_fp8_operand(acc_S: cute.Tensor, rP: cute.Tensor):
+    """``rP`` (an 8-bit register A operand fragment, ((4, 2, 2), 1, K / 32)) <- e4m3(``acc_S``)
+    (a warpgroup's fp32 accumulator ((2, 2, K / 8), 1, 1), compact), saturating at +-448."""
+    n_words = cute.size(acc_S) // 4
+    flat = cute.make_tensor(acc_S.iterator, cute.make_layout(cute.size(acc_S)))
+    packed = cute.make_rmem_tensor(cute.make_layout(cute.size(acc_S)), cutlass.Float8E4M3FN)
+    packed.store(flat.load().to(cutlass.Float8E4M3FN))
+    words = cute.recast_tensor(packed, Uint32)
+    out = cute.recast_tensor(cute.make_tensor(rP.iterator, cute.make_layout(cute.size(rP))), Uint32)
+    q = cute.arch.lane_idx() % 4
+    # Lanes 0 and 3 send W_2h first and receive their column pairs in order; lanes 1 and 2 send
+    # W_2h+1 first and receive them swapped.
+    straight = (q == 0) | (q == 3)
+    src_first = cutlass.select_(q == 0, Int32(0), cutlass.select_(q == 1, Int32(3), cutlass.select_(
+        q == 2, Int32(1), Int32(2))))
+    src_second = src_first ^ 1
+    sel_row = cutlass.select_(straight, Uint32(0x5410), Uint32(0x1054))
+    sel_row8 = cutlass.select_(straight, Uint32(0x7632), Uint32(0x3276))
+    for half in cutlass.range_constexpr(n_words // 2):
+        w0, w1 = words[2 * half], words[2 * half + 1]
+        first = cute.arch.shuffle_sync(cutlass.select_(straight, w0, w1), src_first, mask_and_clamp=QUAD_SEGMENTS)
+        second = cute.arch.shuffle_sync(cutlass.select_(straight, w1, w0), src_second, mask_and_clamp=QUAD_SEGMENTS)
+        out[2 * half] = prmt(first, second, sel_row)
+        out[2 * half + 1] = prmt(first, second, sel_row8)
+
+
+@cute.jit
+def zero_smem_cols_past(zero_copy, sX: cute.Tensor, tile_shape: cutlass.Constexpr, tid_in_wg: Int32, wg: Int32,
+                        col_limit: Int32):
+    """Zero the columns at and past ``col_limit`` of a (rows, cols) 8-bit smem tile (one
+    warpgroup; the other may write the same zeros), then fence for WGMMA reads and sync the
+    warpgroup. ``zero_copy``: :func:`common.sm90.rows_zero_copy` over the tile's columns (16-byte
+    chunks along a row). The V^T tile of the FP8 forward holds keys along its columns: past the
+    sequence TMA reads the next sequence's values, and P = 0 there times a NaN would be NaN."""
+    thr = zero_copy.get_slice(tid_in_wg)
+    tZc = thr.partition_D(cute.make_identity_tensor(tile_shape))
+    tZs = thr.partition_D(sX)
+    zeros = cute.make_fragment_like(tZs[None, 0, 0], sX.element_type)
+    zeros.fill(0.0)
+    vec = cute.size(tZs.shape[0])
+    for m in cutlass.range_constexpr(cute.size(tZs.shape[1])):
+        for n in cutlass.range_constexpr(cute.size(tZs.shape[2])):
+            col0 = tZc[0, m, n][1]
+            if col0 >= col_limit:
+                cute.autovec_copy(zeros, tZs[None, m, n])
+            elif col0 + vec > col_limit:
+                for e in cutlass.range_constexpr(vec):
+                    if col0 + e >= col_limit:
+                        tZs[e, m, n] = sX.element_type(0.0)
+    cute.arch.fence_view_async_shared()
+    cute.arch.barrier(barrier_id=NamedBarrier.ZERO_ROWS_WG0 + wg, number_of_threads=128)

@@ -1,0 +1,189 @@
+"""The Hopper FP8 forward against the FP8 emulation oracle (docs/operator.md, FP8): the kernel's
+error against the fp32 oracle on the unquantized inputs must stay within 2x of the emulation's
+(quantize and dequantize in PyTorch, P through e4m3, fp32 math). Skips without an sm90 GPU.
+
+Entry points: pre-quantized e4m3 inputs with (1,) descales (here quantized per tensor by
+``hstu_cute.quantize``, mode 5's groups) and ``quant_mode`` 0 with 16-bit inputs."""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import pytest
+import torch
+
+from hstu_cute import hstu_attn_varlen_func, launch, reference, validation
+from hstu_cute.quantize import QuantMode, quantize
+from hstu_cute.testing import random_jagged_batch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                       reason="the FP8 kernels need a compute capability 9.x GPU"),
+]
+
+SHAPES = [(32, 32), (99, 99), (256, 256), (1111, 1111), (51, 256), (160, 2000)]
+MASKS = {
+    "none": dict(window_size=(-1, -1)),
+    "causal": dict(window_size=(-1, 0)),
+    "local111,11": dict(window_size=(111, 11)),
+    "ctx+tgt g1": dict(window_size=(-1, 0), num_contexts=333, num_targets=1111, target_group_size=1),
+    "tgt g11": dict(window_size=(-1, 0), num_targets=1111, target_group_size=11),
+}
+HEAD_DIMS = [64, 128, 256]
+RABS = [None, 1, "H"]
+# (entry, output dtype): pre-quantized inputs give bf16; quant_mode 0 keeps the inputs' dtype.
+ENTRIES = [("prequantized", torch.bfloat16), ("mode0", torch.bfloat16), ("mode0", torch.float16)]
+
+
+def _seed(*parts) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+def _grid():
+    cases = []
+    for i, ((mq, mk), (mask_name, mask)) in enumerate(itertools.product(SHAPES, MASKS.items())):
+        delta = mq < mk
+        if delta and ("num_contexts" in mask or "num_targets" in mask):
+            continue
+        entry, dtype = ENTRIES[i % 3]
+        cases.append(pytest.param(
+            dict(max_seqlen_q=mq, max_seqlen_k=mk, is_delta_q=delta, mask=mask, entry=entry, dtype=dtype,
+                 head_dim=HEAD_DIMS[(i // 3) % 3], rab=RABS[(i // 2) % 3], alpha=(1.0, 0.3)[(i // 5) % 2],
+                 lengths=("random", "full")[(i // 4) % 2], seqused=(i % 5) == 2),
+            id=f"{mq}x{mk}-{mask_name}-{entry}-{i}"))
+    return cases
+
+
+def _prequantized(b):
+    """e4m3 q, k, v (per-tensor scales) and their (1,) descales, from a 16-bit batch."""
+    out = {}
+    for name, offsets, max_len in (("q", b["seq_offsets_q"], b["max_seqlen_q"]),
+                                   ("k", b["seq_offsets_k"], b["max_seqlen_k"]),
+                                   ("v", b["seq_offsets_k"], b["max_seqlen_k"])):
+        qx = quantize(b[name], QuantMode.PER_TENSOR, offsets, max_len)
+        out[name] = (qx.data, qx.scale)
+    return out
+
+
+def _ref_args(b):
+    return {k: v for k, v in b.items() if k not in ("q", "k", "v")}
+
+
+def run_fp8(b, entry, out_dtype):
+    """(kernel output, emulation, fp32 oracle on the unquantized inputs) of one batch."""
+    rest = _ref_args(b)
+    if entry == "prequantized":
+        pq = _prequantized(b)
+        q8, k8, v8 = (pq[n][0] for n in "qkv")
+        descales = [pq[n][1] for n in "qkv"]
+        args = (q8, k8, v8)
+        quant_mode = -1
+        emul = reference.hstu_attn_reference(
+            *(x.float() * d for x, d in zip(args, descales)), **rest, compute_dtype=torch.float32,
+            p_round=lambda p: reference.round_p_e4m3(p, None))
+    else:
+        args = (b["q"], b["k"], b["v"])
+        descales = [None, None, None]
+        quant_mode = 0
+        emul = reference.hstu_attn_fp8_emulation(*args, **rest, quant_mode=0)
+    p = validation.validate(
+        *args, b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"], b["max_seqlen_k"], b["num_contexts"],
+        b["num_targets"], b["target_group_size"], b["window_size"], b["alpha"], b["rab"], False, b["is_delta_q"],
+        *descales, None, quant_mode, b["scaling_seqlen"], b["seqused_q"], b["seqused_k"])
+    assert p.out_dtype == out_dtype
+    out = launch.forward_fp8(*args, b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"], b["max_seqlen_k"],
+                             b["num_contexts"], b["num_targets"], b["target_group_size"], b["alpha"], b["rab"],
+                             b["seqused_q"], b["seqused_k"], p, *descales,
+                             out=torch.full(b["q"].shape, float("nan"), dtype=out_dtype, device="cuda"))
+    torch.cuda.synchronize()
+    ref32 = reference.hstu_attn_reference(b["q"], b["k"], b["v"], **rest)
+    return out, emul, ref32
+
+
+def _check(b, entry, out_dtype, seed):
+    out, emul, ref32 = run_fp8(b, entry, out_dtype)
+    assert out.dtype == out_dtype
+    assert not torch.isnan(out).any(), f"[seed={seed}] unwritten (poisoned) output rows or NaN read from padding"
+    ok, err, emul_err = reference.ratio_check(out, ref32, emul, 2.0)
+    assert ok, f"[{entry} seed={seed}] kernel err {err:.3e} > 2 x emulation err {emul_err:.3e}"
+    return out
+
+
+@pytest.mark.parametrize("case", _grid())
+def test_fp8_grid(case):
+    case = dict(case)
+    seed = _seed(case)
+    mask, rab, entry, dtype = case.pop("mask"), case.pop("rab"), case.pop("entry"), case.pop("dtype")
+    b = random_jagged_batch(16, 2, device="cuda", dtype=dtype, seed=seed, rab_heads=2 if rab == "H" else rab,
+                            **mask, **case)
+    _check(b, entry, dtype, seed)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("entry", ["prequantized", "mode0"])
+def test_fp8_edge_lengths(head_dim, entry):
+    """Lengths 0, 1, 17, 1111: token counts that are not multiples of 16 (V^T's padded rows)."""
+    b = random_jagged_batch(4, 2, head_dim, 1111, device="cuda", seed=_seed("edge", head_dim, entry),
+                            lengths=[0, 1, 17, 1111], window_size=(-1, 0), num_targets=[0, 1, 5, 20],
+                            target_group_size=3, rab_heads=1)
+    _check(b, entry, torch.bfloat16, 0)
+
+
+def test_fp8_all_target_and_many_sequences():
+    lens = [64, 300, 1, 129]
+    b = random_jagged_batch(4, 2, 128, 300, device="cuda", seed=3, lengths=lens, window_size=(-1, 0),
+                            num_targets=lens, target_group_size=7)
+    _check(b, "prequantized", torch.bfloat16, 3)
+    b = random_jagged_batch(3000, 2, 64, 40, device="cuda", seed=4, window_size=(-1, 0))
+    _check(b, "mode0", torch.bfloat16, 4)
+
+
+def test_fp8_nan_in_one_sequence_stays_there():
+    """V of sequence 0 is NaN (e4m3 0x7F): TMA reads it past the end of no other sequence's keys
+    into a P.V (the kernel zeroes V^T key columns past seqlen_k), so the others stay exact."""
+    b = random_jagged_batch(3, 2, 128, 200, device="cuda", seed=5, lengths=[7, 130, 200], window_size=(-1, 0))
+    clean, _, _ = run_fp8(b, "prequantized", torch.bfloat16)
+    pq = _prequantized(b)
+    v8 = pq["v"][0].clone()
+    v8.view(torch.uint8)[:7] = 0x7F
+    p = validation.validate(pq["q"][0], pq["k"][0], v8, b["seq_offsets_q"], b["seq_offsets_k"], 200, 200, None,
+                            None, 1, (-1, 0), 1.0, None, False, False, None, None, None, None, -1, -1, None, None)
+    out = launch.forward_fp8(pq["q"][0], pq["k"][0], v8, b["seq_offsets_q"], b["seq_offsets_k"], 200, 200, None, None,
+                             1, 1.0, None, None, None, p, pq["q"][1], pq["k"][1], pq["v"][1])
+    torch.cuda.synchronize()
+    assert torch.isnan(out[:7]).all()
+    assert torch.equal(out[7:], clean[7:])
+
+
+def test_fp8_public_call_and_errors():
+    b = random_jagged_batch(4, 2, 128, 200, device="cuda", seed=6, window_size=(-1, 0))
+    rest = {k: v for k, v in b.items() if k not in ("q", "k", "v")}
+    out = hstu_attn_varlen_func(b["q"], b["k"], b["v"], **rest, quant_mode=0)
+    emul = reference.hstu_attn_fp8_emulation(b["q"], b["k"], b["v"], **rest, quant_mode=0)
+    ref32 = reference.hstu_attn_reference(b["q"], b["k"], b["v"], **rest)
+    ok, err, emul_err = reference.ratio_check(out, ref32, emul, 2.0)
+    assert ok, (err, emul_err)
+    pq = _prequantized(b)
+    out8 = hstu_attn_varlen_func(pq["q"][0], pq["k"][0], pq["v"][0], **rest, descale_q=pq["q"][1],
+                                 descale_k=pq["k"][1], descale_v=pq["v"][1])
+    assert out8.dtype == torch.bfloat16
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        hstu_attn_varlen_func(b["q"].requires_grad_(), b["k"], b["v"], **rest, quant_mode=0)
+    with pytest.raises(NotImplementedError, match="descale_do"):
+        hstu_attn_varlen_func(pq["q"][0], pq["k"][0], pq["v"][0], **rest, descale_do=pq["q"][1])
+
+
+def test_fp8_raises_on_the_sm80_path(monkeypatch):
+    from hstu_cute import arch
+
+    monkeypatch.setenv("HSTU_CUTE_ARCH", "sm80")
+    arch._kernel_path.cache_clear()
+    try:
+        b = random_jagged_batch(2, 2, 128, 64, device="cuda", seed=7)
+        rest = {k: v for k, v in b.items() if k not in ("q", "k", "v")}
+        with pytest.raises(NotImplementedError, match="Hopper-only"):
+            hstu_attn_varlen_func(b["q"], b["k"], b["v"], **rest, quant_mode=0)
+    finally:
+        arch._kernel_path.cache_clear()

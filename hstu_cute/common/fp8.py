@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Uint32
+from cutlass import Float32, Int32, Uint32, const_expr
 from cutlass._mlir.dialects import llvm
 
 from .barriers import NamedBarrier
@@ -27,14 +27,45 @@ QUAD_SEGMENTS = 0x1C1F
 
 
 def prmt(a: Uint32, b: Uint32, selector: Uint32) -> Uint32:
-    """Byte permute of the pair (b:a) (``prmt.b32``; bytes 0-3 from ``a``, 4-7 from ``b``). Pure:
-    the DSL's own wrapper marks the asm as having side effects, which blocks scheduling."""
+    """Byte permute of the pair (b:a) (``prmt.b32``; bytes 0-3 from ``a``, 4-7 from ``b``), kept
+    in program order (side effects): :func:`words_to_operand_a` relies on it."""
     return Uint32(
         llvm.inline_asm(
             Uint32.mlir_type,
             [Uint32(a).ir_value(), Uint32(b).ir_value(), Uint32(selector).ir_value()],
             "prmt.b32 $0, $1, $2, $3;",
             "=r,r,r,r",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+def silu_e4m3x4(h0: Float32, h1: Float32, h2: Float32, h3: Float32) -> Uint32:
+    """e4m3(silu(2 h)) of four values, packed low to high, computed as h + h tanh(h) in f16x2:
+    two MUFU ops for four elements (the fp32 form takes four, and MUFU bounds the FP8 forward).
+    f16's 11-bit mantissa is well below e4m3's 4 bits; the f32 -> f16x2 conversion saturates at
+    +-65504, so a huge score gives +-448 after the saturating e4m3 conversion, and h = -65504
+    gives h + h * (-1) = 0, never inf - inf."""
+    return Uint32(
+        llvm.inline_asm(
+            Uint32.mlir_type,
+            [Float32(h).ir_value() for h in (h0, h1, h2, h3)],
+            "{\n"
+            ".reg .b32 h01, h23, t01, t23;\n"
+            ".reg .b16 e01, e23;\n"
+            "cvt.rn.satfinite.f16x2.f32 h01, $2, $1;\n"
+            "cvt.rn.satfinite.f16x2.f32 h23, $4, $3;\n"
+            "tanh.approx.f16x2 t01, h01;\n"
+            "tanh.approx.f16x2 t23, h23;\n"
+            "fma.rn.f16x2 t01, h01, t01, h01;\n"
+            "fma.rn.f16x2 t23, h23, t23, h23;\n"
+            "cvt.rn.satfinite.e4m3x2.f16x2 e01, t01;\n"
+            "cvt.rn.satfinite.e4m3x2.f16x2 e23, t23;\n"
+            "mov.b32 $0, {e01, e23};\n"
+            "}",
+            "=r,f,f,f,f",
             has_side_effects=False,
             is_align_stack=False,
             asm_dialect=llvm.AsmDialect.AD_ATT,
@@ -43,14 +74,27 @@ def prmt(a: Uint32, b: Uint32, selector: Uint32) -> Uint32:
 
 
 @cute.jit
-def scores_to_fp8_operand(acc_S: cute.Tensor, rP: cute.Tensor):
-    """``rP`` (an 8-bit register A operand fragment, ((4, 2, 2), 1, K / 32)) <- e4m3(``acc_S``)
-    (a warpgroup's fp32 accumulator ((2, 2, K / 8), 1, 1), compact), saturating at +-448."""
+def silu_to_fp8_words(acc_S: cute.Tensor, half_alpha: Float32) -> cute.Tensor:
+    """e4m3(silu(alpha * acc_S)) of a warpgroup's fp32 score accumulator ((2, 2, K / 8), 1, 1)
+    (compact; masked scores already 0, and silu(0) = 0), packed four per 32-bit word in
+    accumulator order: word j holds columns 2q, 2q+1 of n8 group j in rows g, then g + 8."""
     n_words = cute.size(acc_S) // 4
     flat = cute.make_tensor(acc_S.iterator, cute.make_layout(cute.size(acc_S)))
-    packed = cute.make_rmem_tensor(cute.make_layout(cute.size(acc_S)), cutlass.Float8E4M3FN)
-    packed.store(flat.load().to(cutlass.Float8E4M3FN))
-    words = cute.recast_tensor(packed, Uint32)
+    words = cute.make_rmem_tensor(cute.make_layout(n_words), Uint32)
+    for w in cutlass.range_constexpr(n_words):
+        words[w] = silu_e4m3x4(*(flat[4 * w + i] * half_alpha for i in range(4)))
+    return words
+
+
+@cute.jit
+def words_to_operand_a(words: cute.Tensor, rP: cute.Tensor):
+    """``rP`` (an 8-bit register A operand fragment, ((4, 2, 2), 1, K / 32)) <- the accumulator-
+    order words of :func:`silu_to_fp8_words`: per 16 columns two quad shuffles and two byte
+    permutes. The permutes are ordered after the code before them (``prmt`` with side effects):
+    call this after the ``wait_group`` that retires the WGMMA reading ``rP``, so that ``rP`` is
+    only written once the tensor cores are done with it (written earlier, ptxas serializes every
+    WGMMA of the kernel, C7513)."""
+    n_words = cute.size(words)
     out = cute.recast_tensor(cute.make_tensor(rP.iterator, cute.make_layout(cute.size(rP))), Uint32)
     q = cute.arch.lane_idx() % 4
     # Lanes 0 and 3 send W_2h first and receive their column pairs in order; lanes 1 and 2 send

@@ -11,7 +11,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from .. import masks
 from ..common.mask_apply import KERNEL_OPS, apply_mask_rows_cols
 from ..common.barriers import NamedBarrier
-from ..common.fp8 import scores_to_fp8_operand, zero_smem_cols_past
+from ..common.fp8 import silu_to_fp8_words, words_to_operand_a, zero_smem_cols_past
 from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import silu_scaled_inplace
 from ..common.tile_scheduler import SectionWalk, TileScheduler
@@ -77,7 +77,7 @@ class HstuForwardSm90(HstuSm90Base):
         # fp16 stores the next P through an operand fence: with a plain store ptxas serializes every
         # WGMMA of the fp16 variants (C7513). H200 fp16 B8 N4096 causal: D128 484 vs 378 TF, D256
         # 620 vs 366, D64 290 vs 268. bf16 keeps the plain store (the fence cost it D64 461 -> 427).
-        self.operand_fence = dtype == cutlass.Float16
+        self.operand_fence = dtype in (cutlass.Float16, cutlass.Float8E4M3FN)
         self.intra_wg_overlap = intra_wg_overlap
         self.pingpong = pingpong and self.num_mma_wg == 2
         self.q_stages = q_stages
@@ -322,7 +322,6 @@ class HstuForwardSm90(HstuSm90Base):
         acc_shape_S = wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
         acc_shape_O = wg_mma_pv.partition_shape_C((self.tile_m, D))
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
-        self.tOrP_layout = tOrP.layout
 
         tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         tScS_rc = cute.make_tensor(tScS.iterator, wgmma_acc_rows_cols(tScS.layout))
@@ -384,7 +383,7 @@ class HstuForwardSm90(HstuSm90Base):
                     else:
                         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
                         wgmma(tiled_mma_qk, acc_S, tSrQ[None, None, None, q_state.index],
-                              tSrK[None, None, None, k_state.index], True, 0)
+                              tSrK[None, None, None, k_state.index], True, 0, self.fp8)
                         pipe_k.consumer_release(k_state)
                         self.scores_to_p(acc_S, tOrP, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block,
                                          n_block, row_first)
@@ -435,12 +434,23 @@ class HstuForwardSm90(HstuSm90Base):
         self.sched_wait(wg)
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
         wgmma(self.tiled_mma_qk, acc_S, tSrQ[None, None, None, q_state.index], tSrK[None, None, None, k_state.index],
-              True, -1)
+              True, -1, self.fp8)
         self.wait_v_rows(pipe_v, v_state, sV, self.zero_copy_v, tidx, wg, v_rows)
-        wgmma(self.tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
+        wgmma(self.tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, -1, self.fp8)
         self.sched_signal(wg)
         warpgroup.wait_group(1)
         pipe_k.consumer_release(k_state)
+        if const_expr(self.fp8):
+            # The next P's words while P.V runs; into the operand registers once it is done.
+            self.add_rab_silu_mask(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, self.mask, seq, m_block,
+                                   n_block, row_first)
+            words = silu_to_fp8_words(acc_S, alpha * Float32(0.5))
+            warpgroup.wait_group(0)
+            pipe_v.consumer_release(v_state)
+            if const_expr(advance_v):
+                v_state = advanced(v_state)
+            words_to_operand_a(words, tOrP)
+            return v_state
         rP = self.scores_to_p_deferred(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, self.mask, seq, m_block,
                                        n_block, row_first)
         warpgroup.wait_group(0)
@@ -457,7 +467,7 @@ class HstuForwardSm90(HstuSm90Base):
     def last_pv(self, pipe_v, v_state, sV, zero_copy_v, tidx: Int32, wg: Int32, v_rows: Int32, acc_O, tOrP, tOrVt):
         """The P.V of the pending block alone (nothing to overlap it with); returns the V state."""
         self.wait_v_rows(pipe_v, v_state, sV, zero_copy_v, tidx, wg, lambda: v_rows)
-        wgmma(self.tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, 0)
+        wgmma(self.tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, 0, self.fp8)
         pipe_v.consumer_release(v_state)
         return advanced(v_state)
 
@@ -509,7 +519,10 @@ class HstuForwardSm90(HstuSm90Base):
                 acc_S.store(acc_S.load() * self.qk_descale + rRab.load().to(Float32))
             else:
                 acc_S.store(acc_S.load() + rRab.load().to(Float32))
-        silu_scaled_inplace(acc_S, alpha, self.fast_silu)
+        if const_expr(not self.fp8):
+            silu_scaled_inplace(acc_S, alpha, self.fast_silu)
+        # FP8: the SiLU runs in the conversion to e4m3 (common.fp8.silu_to_fp8_words), after the mask:
+        # masked scores become 0, and silu(0) = 0.
         if not masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
             acc_rc = cute.make_tensor(acc_S.iterator, wgmma_acc_rows_cols(acc_S.layout))
             apply_mask_rows_cols(acc_rc, tScS_rc, spec, seq, row_first, n_block * self.tile_n)
@@ -520,7 +533,7 @@ class HstuForwardSm90(HstuSm90Base):
         self.add_rab_silu_mask(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block, n_block,
                                row_first)
         if const_expr(self.fp8):
-            scores_to_fp8_operand(acc_S, tOrP)
+            words_to_operand_a(silu_to_fp8_words(acc_S, alpha * Float32(0.5)), tOrP)
         else:
             tOrP.store(cute.make_tensor(acc_S.iterator, wgmma_acc_as_operand_a(acc_S.layout)).load().to(self.dtype))
 
@@ -531,10 +544,6 @@ class HstuForwardSm90(HstuSm90Base):
         read by the in-flight P.V WGMMA."""
         self.add_rab_silu_mask(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block, n_block,
                                row_first)
-        if const_expr(self.fp8):
-            rP = cute.make_rmem_tensor(self.tOrP_layout, self.dtype)
-            scores_to_fp8_operand(acc_S, rP)
-            return rP
         acc_A = cute.make_tensor(acc_S.iterator, wgmma_acc_as_operand_a(acc_S.layout))
         rP = cute.make_rmem_tensor(acc_A.layout, self.dtype)
         rP.store(acc_A.load().to(self.dtype))
@@ -553,7 +562,7 @@ class HstuForwardFp8Sm90(HstuForwardSm90):
       sequence's keys start 16-token aligned there (``mOffsetsVt``): a TMA box must start 16-byte
       aligned along the contiguous dimension (an unaligned start is an illegal instruction);
     * P is packed from the score accumulator into the 8-bit register operand by quad shuffles
-      (common.fp8.scores_to_fp8_operand);
+      (common.fp8.silu_to_fp8_words, words_to_operand_a);
     * past seqlen_k the V^T tile's key columns are zeroed, not V's rows."""
 
     @cute.jit

@@ -199,20 +199,20 @@ def transposed_for_pv(v: torch.Tensor, seq_offsets: torch.Tensor) -> tuple[torch
     at a multiple of 16 tokens (``offsets`` (B+1,) int32) and zeros between sequences: the K-major
     B operand of an 8-bit P.V, whose TMA boxes must start 16-byte aligned. T' = T + 16 B + 16
     bounds the padding whatever the lengths (a shape that depends only on shapes: no sync, and
-    it traces). Tokens past ``seq_offsets[-1]`` land in the last 16 columns, which no sequence
-    owns."""
+    it traces). A gather of token rows (padding columns read an appended zero row), then one
+    transposing copy."""
     tokens, heads, head_dim = v.shape
     batch = seq_offsets.shape[0] - 1
     width = -(-tokens // 16) * 16 + 16 * batch + 16
     lengths = seq_offsets[1:] - seq_offsets[:-1]
     vt_offsets = torch.zeros(batch + 1, dtype=torch.int32, device=v.device)
     torch.cumsum((lengths + 15) // 16 * 16, 0, out=vt_offsets[1:])
-    token = torch.arange(tokens, device=v.device, dtype=torch.int32)
-    seq = torch.searchsorted(seq_offsets[1:], token, right=True).clamp_(max=max(batch - 1, 0))
-    column = token - seq_offsets[seq] + vt_offsets[seq]
-    column = torch.where(token < seq_offsets[-1], column, width - 16)
-    vt = torch.zeros((heads, head_dim, width), dtype=torch.uint8, device=v.device)
-    vt.index_copy_(2, column.long(), v.view(torch.uint8).permute(1, 2, 0))
+    column = torch.arange(width, device=v.device, dtype=torch.int32)
+    seq = torch.searchsorted(vt_offsets[1:], column, right=True).clamp_(max=max(batch - 1, 0))
+    within = column - vt_offsets[seq]
+    source = torch.where(within < lengths[seq], seq_offsets[seq] + within, tokens)
+    rows = torch.cat([v.view(torch.uint8), v.new_zeros((1, heads, head_dim), dtype=torch.uint8)])
+    vt = rows.index_select(0, source.long()).permute(1, 2, 0).contiguous()
     return vt.view(v.dtype), vt_offsets
 
 

@@ -44,6 +44,7 @@ def no_launch(monkeypatch):
         raise AssertionError("nothing may be compiled or launched on this path")
 
     monkeypatch.setattr(api, "forward", boom)
+    monkeypatch.setattr(api, "forward_fp8", boom)
     monkeypatch.setattr(api, "backward", boom)
     monkeypatch.setattr(hstu_cute.compile, "build", boom)
 
@@ -487,3 +488,66 @@ def test_validation_errors_under_compile(no_launch):
     with pytest.raises(Exception) as info:
         torch.compile(call, fullgraph=True, backend="eager")(q, off)
     assert "q.shape[2] (head dim): expected one of" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8: one opaque op (quantization + kernel), traced by torch.compile and torch.export
+# ---------------------------------------------------------------------------------------------
+E4M3 = torch.float8_e4m3fn
+
+
+class Fp8Attn(torch.nn.Module):
+    """Pre-quantized e4m3 inputs with descales, or 16-bit inputs with ``quant_mode``."""
+
+    def __init__(self, quant_mode):
+        super().__init__()
+        self.quant_mode = quant_mode
+
+    def forward(self, q, k, v, offsets, targets, dq, dk, dv):
+        if self.quant_mode == -1:
+            return hstu_attn_varlen_func(q, k, v, offsets, offsets, 8, 8, num_targets=targets, window_size=(-1, 0),
+                                         alpha=0.25, descale_q=dq, descale_k=dk, descale_v=dv)
+        return hstu_attn_varlen_func(q, k, v, offsets, offsets, 8, 8, num_targets=targets, window_size=(-1, 0),
+                                     alpha=0.25, quant_mode=self.quant_mode)
+
+
+def _fp8_inputs(quant_mode, device="cuda"):
+    dtype = E4M3 if quant_mode == -1 else BF16
+    q, k, v = (torch.empty(14, H, 64, dtype=dtype, device=device) for _ in range(3))
+    off = torch.empty(3, dtype=torch.int32, device=device)
+    targets = torch.empty(2, dtype=torch.int32, device=device)
+    scales = tuple(torch.empty(1, dtype=torch.float32, device=device) for _ in range(3))
+    return (q, k, v, off, targets, *scales)
+
+
+@pytest.mark.parametrize("quant_mode", [-1, 0], ids=["prequantized", "mode0"])
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_export_fp8_fake_cuda(quant_mode, strict, no_launch):
+    with FakeTensorMode():
+        inputs = _fp8_inputs(quant_mode)
+    ep = torch.export.export(Fp8Attn(quant_mode), inputs, strict=strict)
+    nodes = _op_nodes(ep.graph_module, "hstu_cute.fwd_fp8")
+    assert len(nodes) == 1, _graph_targets(ep.graph_module)
+    assert nodes[0].args[-1] == max(quant_mode, -1)
+    out = nodes[0].meta["val"]
+    assert out.shape == (14, H, 64) and out.dtype == BF16 and out.device.type == "cuda"
+
+
+@pytest.mark.parametrize("quant_mode", [-1, 0], ids=["prequantized", "mode0"])
+def test_compile_fullgraph_fp8_meta(quant_mode, no_launch):
+    graphs = {}
+    compiled = torch.compile(Fp8Attn(quant_mode), fullgraph=True, backend=_capturing_backend(graphs))
+    with torch.no_grad():
+        out = compiled(*_fp8_inputs(quant_mode, "meta"))
+    assert out.shape == (14, H, 64) and out.dtype == BF16
+    assert len(_op_nodes(graphs["fw"], "hstu_cute.fwd_fp8")) == 1
+
+
+@pytest.mark.parametrize("quant_mode", [-1, 0], ids=["prequantized", "mode0"])
+def test_opcheck_fwd_fp8(quant_mode):
+    q, k, v, off, targets, dq, dk, dv = _fp8_inputs(quant_mode, "meta")
+    descales = (dq, dk, dv) if quant_mode == -1 else (None, None, None)
+    args = (q, k, v, *descales, off, off, 8, 8, None, targets, 1, 8, 0, 0.25, None, False, -1, None, None, quant_mode)
+    result = torch.library.opcheck(torch.ops.hstu_cute.fwd_fp8.default, args,
+                                   test_utils=("test_schema", "test_faketensor"))
+    assert all(v == "SUCCESS" for v in result.values()), result

@@ -34,30 +34,12 @@ def wgmma_acc_as_operand_a(layout: cute.Layout) -> cute.Layout:
                 (split.stride[0][2][1], split.stride[2])),
     )
 
-def fence_registers(t: cute.Tensor):
-    """An empty asm that reads and redefines every 32-bit register of ``t`` (CUTLASS's
-    ``warpgroup_fence_operand``): code that defines those registers cannot move across it, so
-    around a WGMMA no other instruction writes its accumulator while the tensor cores do."""
-    regs = cute.recast_tensor(t, Int32)
-    n = cute.size(regs)
-    operands = [regs[i].ir_value() for i in range(n)]
-    constraints = ",".join(["=r"] * n + [str(i) for i in range(n)])
-    res = llvm.inline_asm(llvm.StructType.get_literal([Int32.mlir_type] * n), operands, "", constraints,
-                          has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-    for i in range(n):
-        regs[i] = Int32(llvm.extractvalue(Int32.mlir_type, res, [i]))
-
-
 @cute.jit
-def wgmma(tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr[bool], wg_wait: cutlass.Constexpr[int],
-          fence_acc: cutlass.Constexpr[bool] = False):
+def wgmma(tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr[bool], wg_wait: cutlass.Constexpr[int]):
     """acc (+)= A @ B over all k slices as one WGMMA group; waits until at most ``wg_wait`` groups
-    are in flight (-1: do not wait). ``fence_acc``: :func:`fence_registers` on ``acc`` before and
-    after the group."""
+    are in flight (-1: do not wait)."""
     from cutlass.cute.nvgpu import warpgroup
 
-    if const_expr(fence_acc):
-        fence_registers(acc)
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
@@ -65,8 +47,6 @@ def wgmma(tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr[bool], wg_wai
         cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
-    if const_expr(fence_acc):
-        fence_registers(acc)
     if const_expr(wg_wait >= 0):
         warpgroup.wait_group(wg_wait)
 

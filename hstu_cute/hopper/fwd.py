@@ -383,7 +383,7 @@ class HstuForwardSm90(HstuSm90Base):
                     else:
                         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
                         wgmma(tiled_mma_qk, acc_S, tSrQ[None, None, None, q_state.index],
-                              tSrK[None, None, None, k_state.index], True, 0, self.fp8)
+                              tSrK[None, None, None, k_state.index], True, 0)
                         pipe_k.consumer_release(k_state)
                         self.scores_to_p(acc_S, tOrP, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block,
                                          n_block, row_first)
@@ -434,9 +434,9 @@ class HstuForwardSm90(HstuSm90Base):
         self.sched_wait(wg)
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
         wgmma(self.tiled_mma_qk, acc_S, tSrQ[None, None, None, q_state.index], tSrK[None, None, None, k_state.index],
-              True, -1, self.fp8)
+              True, -1)
         self.wait_v_rows(pipe_v, v_state, sV, self.zero_copy_v, tidx, wg, v_rows)
-        wgmma(self.tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, -1, self.fp8)
+        wgmma(self.tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
         self.sched_signal(wg)
         warpgroup.wait_group(1)
         pipe_k.consumer_release(k_state)
@@ -467,7 +467,7 @@ class HstuForwardSm90(HstuSm90Base):
     def last_pv(self, pipe_v, v_state, sV, zero_copy_v, tidx: Int32, wg: Int32, v_rows: Int32, acc_O, tOrP, tOrVt):
         """The P.V of the pending block alone (nothing to overlap it with); returns the V state."""
         self.wait_v_rows(pipe_v, v_state, sV, zero_copy_v, tidx, wg, lambda: v_rows)
-        wgmma(self.tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, 0, self.fp8)
+        wgmma(self.tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, 0)
         pipe_v.consumer_release(v_state)
         return advanced(v_state)
 

@@ -22,6 +22,9 @@ if [[ $STAGES == *" sanitizer "* ]]; then
   t0=$(date +%s)
   timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 python scripts/sanitize_cases.py > "$OUT/sanitizer.log" 2>&1; rc=$?
   status+=("compute-sanitizer memcheck rc=$rc $(( $(date +%s) - t0 ))s: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -n 1)")
+  t0=$(date +%s)
+  timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 python scripts/sanitize_fp8.py > "$OUT/sanitizer-fp8.log" 2>&1; rc=$?
+  status+=("compute-sanitizer memcheck (FP8) rc=$rc $(( $(date +%s) - t0 ))s: $(grep -E 'ERROR SUMMARY|skipped' "$OUT/sanitizer-fp8.log" | tail -n 1)")
 fi
 if [[ $STAGES == *" smoke "* ]]; then
   python scripts/gpu_bwd_smoke.py > "$OUT/bwd-smoke.log" 2>&1; status+=("backward smoke rc=$?: $(tail -n 1 "$OUT/bwd-smoke.log")")

@@ -345,11 +345,48 @@ def _demo_inputs(args, device):
     if args.mask == "target":
         extra = dict(num_contexts=max(1, args.max_len // 64), num_targets=max(1, args.max_len // 16),
                      target_group_size=args.group)
+    dtype = torch.bfloat16 if args.dtype == FP8_DEMO_DTYPE else getattr(torch, args.dtype)
     return random_jagged_batch(
         args.batch, args.heads, args.head_dim, args.max_len, lengths="random", min_seqlen=max(1, args.max_len // 2),
-        dtype=getattr(torch, args.dtype), device=device, window_size=window,
+        dtype=dtype, device=device, window_size=window,
         rab_heads=args.rab_heads or None, seed=args.seed, **extra,
     )
+
+
+# --dtype for pre-quantized e4m3 q, k, v (the demo quantizes its bf16 batch per tensor).
+FP8_DEMO_DTYPE = "float8_e4m3fn"
+
+
+def _demo_fp8(args) -> bool:
+    return args.dtype == FP8_DEMO_DTYPE or args.quant_mode >= 0
+
+
+def _demo_call(args, kw):
+    """(call, emulation) of the demo: ``call()`` runs hstu_attn_varlen_func on the batch (FP8: with
+    --quant-mode, or on its per-tensor e4m3 quantization with descales); ``emulation()`` is the
+    reference the output is checked against (FP8: the emulation oracle; else the same-dtype oracle)."""
+    from .api import hstu_attn_varlen_func
+    from .reference import hstu_attn_fp8_emulation, hstu_attn_reference, round_p_e4m3
+
+    if not _demo_fp8(args):
+        return (lambda: hstu_attn_varlen_func(**kw)), (lambda: hstu_attn_reference(**kw, compute_dtype=None))
+    rest = {k: v for k, v in kw.items() if k not in ("q", "k", "v")}
+    if args.quant_mode >= 0:
+        qkv = (kw["q"], kw["k"], kw["v"])
+        return ((lambda: hstu_attn_varlen_func(*qkv, **rest, quant_mode=args.quant_mode)),
+                (lambda: hstu_attn_fp8_emulation(*qkv, **rest, quant_mode=args.quant_mode)))
+    import torch
+
+    from .quantize import QuantMode, quantize
+
+    quantized = [quantize(kw[n], QuantMode.PER_TENSOR, kw["seq_offsets_" + side], kw["max_seqlen_" + side])
+                 for n, side in (("q", "q"), ("k", "k"), ("v", "k"))]
+    data, scales = [x.data for x in quantized], [x.scale for x in quantized]
+    return ((lambda: hstu_attn_varlen_func(*data, **rest, descale_q=scales[0], descale_k=scales[1],
+                                           descale_v=scales[2])),
+            (lambda: hstu_attn_reference(*(x.float() * s for x, s in zip(data, scales)), **rest,
+                                         compute_dtype=torch.float32,
+                                         p_round=lambda p: round_p_e4m3(p, None))))
 
 
 def _lengths(kw) -> tuple[list[int], list[int]]:
@@ -372,9 +409,13 @@ def _demo_workload(args, lens_k):
 def _demo_key(args, arch: str):
     from .arch import has_hopper_kernels
     from .masks import normalize_window
-    from .variants import make_fwd_key, make_hopper_fwd_key
+    from .variants import make_fwd_key, make_hopper_fp8_fwd_key, make_hopper_fwd_key
 
     kind, _, _ = normalize_window(_mask_window(args.mask, args.window), args.max_len)
+    if _demo_fp8(args):
+        out_dtype = "bfloat16" if args.dtype == FP8_DEMO_DTYPE else args.dtype
+        return make_hopper_fp8_fwd_key(arch, out_dtype, args.head_dim, kind, args.mask == "target",
+                                       bool(args.rab_heads))
     if has_hopper_kernels(arch):  # what the API runs by default there
         return make_hopper_fwd_key(arch, args.dtype, args.head_dim, kind, args.mask == "target", bool(args.rab_heads))
     # Same choice as the API: 16-byte rab loads when every rab row is 16-byte aligned.
@@ -385,8 +426,10 @@ def _demo_key(args, arch: str):
 def _demo_describe(args, lens_k) -> str:
     mask = args.mask if args.mask != "local" else f"local{tuple(args.window)}"
     rab = f", {_rab_text(args.rab_heads)}" if args.rab_heads else ""
+    fp8 = f", quant_mode {args.quant_mode}" if args.quant_mode >= 0 else (
+        " (pre-quantized per tensor, descales)" if args.dtype == FP8_DEMO_DTYPE else "")
     return (f"B={args.batch}, lengths {min(lens_k)}..{max(lens_k)} (max_seqlen {args.max_len}), H={args.heads}, "
-            f"D={args.head_dim}, {args.dtype}, mask {mask}{rab}")
+            f"D={args.head_dim}, {args.dtype}{fp8}, mask {mask}{rab}")
 
 
 def _rab_text(rab_heads: int) -> str:
@@ -403,6 +446,15 @@ def cmd_demo(args, console) -> int:
     if args.rab_heads not in (0, 1, args.heads):
         console.print(f"[red]--rab-heads[/]: expected 0 (no rab), 1 or {args.heads} (--heads), got {args.rab_heads}")
         return 2
+    if _demo_fp8(args):
+        from .variants import FP8_HEAD_DIMS
+
+        if args.dtype == FP8_DEMO_DTYPE and args.quant_mode >= 0:
+            console.print("[red]--quant-mode[/]: expected -1 with --dtype float8_e4m3fn (already quantized)")
+            return 2
+        if args.head_dim not in FP8_HEAD_DIMS:
+            console.print(f"[red]--head-dim[/]: the FP8 forward supports {FP8_HEAD_DIMS}, got {args.head_dim}")
+            return 2
     dev, what = _gpu_status()
     if args.cpu:
         dev, what = None, "--cpu given"
@@ -415,11 +467,14 @@ def _demo_cpu(args, console, why: str) -> int:
     import torch
     from rich.table import Table
 
-    from . import api
+    from .arch import has_hopper_kernels
     from .bench import flops
     from .reference import hstu_attn_reference
 
-    arch = args.arch or "sm_80"
+    arch = args.arch or ("sm_90a" if _demo_fp8(args) else "sm_80")
+    if _demo_fp8(args) and not has_hopper_kernels(arch):
+        console.print(f"[red]--arch[/]: the FP8 kernels are Hopper-only (sm_90a), got {arch}")
+        return 2
     console.print(f"[bold yellow]No CUDA GPU found[/] ({why}): the kernel cannot run here. "
                   "Doing the parts that need no GPU instead.")
 
@@ -439,8 +494,9 @@ def _demo_cpu(args, console, why: str) -> int:
     kw = _demo_inputs(args, "cpu")
     lens_q, lens_k = _lengths(kw)
     console.print(f"\n[bold]2. Argument checks[/] on a random jagged batch: {_demo_describe(args, lens_k)}")
+    call, emulation = _demo_call(args, kw)
     try:
-        api.hstu_attn_varlen_func(**kw)
+        call()
     except ValueError as exc:
         if not str(exc).startswith("q.device"):
             console.print(f"[red]unexpected validation error[/]: {_esc(exc)}")
@@ -453,14 +509,15 @@ def _demo_cpu(args, console, why: str) -> int:
     t0 = time.perf_counter()
     ref32 = hstu_attn_reference(**kw)
     t1 = time.perf_counter()
-    ref_same = hstu_attn_reference(**kw, compute_dtype=None)
+    ref_same = emulation()
     t2 = time.perf_counter()
     f, convention = flops(_demo_workload(args, lens_k), lens_q, lens_k)
     tokens = int(kw["seq_offsets_q"][-1])
     table = Table(show_header=True, title_justify="left")
     for col in ("oracle", "out", "time", "GFLOP/s", "max |out|", "mean |out|", "max |ref_same - ref_fp32|"):
         table.add_column(col, justify="right" if col not in ("oracle", "out") else "left")
-    for name, out, sec in (("fp32", ref32, t1 - t0), (args.dtype, ref_same, t2 - t1)):
+    second = "fp8 emulation" if _demo_fp8(args) else args.dtype
+    for name, out, sec in (("fp32", ref32, t1 - t0), (second, ref_same, t2 - t1)):
         o = out.float()[:tokens]
         table.add_row(name, f"{tuple(out.shape)} {str(out.dtype).replace('torch.', '')}", _fmt_s(sec),
                       f"{f / sec / 1e9:.1f}", f"{o.abs().max().item():.4g}", f"{o.abs().mean().item():.4g}",
@@ -485,7 +542,6 @@ def _demo_gpu(args, console, dev, name: str) -> int:
     import torch
     from rich.table import Table
 
-    from .api import hstu_attn_varlen_func
     from .bench import flops, time_cuda
     from .cache import default_cache
     from .reference import hstu_attn_reference, ratio_check
@@ -501,17 +557,18 @@ def _demo_gpu(args, console, dev, name: str) -> int:
         console.print(f"Batch: {_demo_describe(args, lens_k)}")
         cache = default_cache()
         before = (cache.stats.compiles, cache.stats.disk_hits)
+        call, emulation = _demo_call(args, kw)
         with torch.no_grad():
             t0 = time.perf_counter()
-            out = hstu_attn_varlen_func(**kw)
+            out = call()
             torch.cuda.synchronize()
             first = time.perf_counter() - t0
             after = (cache.stats.compiles, cache.stats.disk_hits)
             how = "compiled" if after[0] > before[0] else ("loaded from disk" if after[1] > before[1] else "in memory")
             ref32 = hstu_attn_reference(**kw)
-            ref_same = hstu_attn_reference(**kw, compute_dtype=None)
+            ref_same = emulation()
             ok, err, ref_err = ratio_check(out, ref32, ref_same, 2)
-            ms, iqr = time_cuda([lambda: hstu_attn_varlen_func(**kw)], warmup=args.warmup_iters, reps=args.reps)
+            ms, iqr = time_cuda([call], warmup=args.warmup_iters, reps=args.reps)
     f, convention = flops(_demo_workload(args, lens_k), lens_q, lens_k)
     table = Table(title="hstu_attn_varlen_func", title_justify="left")
     for col in ("first call", "median", "IQR", "TFLOP/s", "FLOPs", "max |out - ref_fp32|",
@@ -725,7 +782,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max_seqlen; lengths are drawn between max-len/2 and max-len")
     p.add_argument("--heads", type=int, default=4, help="attention heads (H)")
     p.add_argument("--head-dim", type=int, default=128, choices=HEAD_DIMS, help="head dim (D)")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="dtype of q, k, v (and rab)")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES + (FP8_DEMO_DTYPE,),
+                   help="dtype of q, k, v (and rab); float8_e4m3fn: pre-quantized e4m3 inputs with descales "
+                        "(Hopper FP8 forward, bf16 out and rab)")
+    p.add_argument("--quant-mode", type=int, default=-1, choices=(-1, 0),
+                   help="FP8 quantization inside the operator (Hopper FP8 forward): -1 off, 0 cast")
     p.add_argument("--mask", default="causal", choices=MASKS,
                    help="none, local (see --window), causal, or target (causal with contexts and targets)")
     p.add_argument("--window", type=_parse_window, default=(128, 0), metavar="LEFT,RIGHT",

@@ -89,6 +89,24 @@ def test_demo_without_gpu(tmp_path):
     assert list(tmp_path.rglob("*.o")), "the demo's variant should be in the disk cache"
 
 
+@pytest.mark.parametrize("fp8", [("--quant-mode", "0"), ("--dtype", "float8_e4m3fn")], ids=["mode0", "prequantized"])
+def test_demo_fp8_without_gpu(fp8, tmp_path):
+    """The FP8 demo compiles the Hopper FP8 variant (sm_90a, no GPU needed), runs the checks, and
+    compares the fp32 oracle with the FP8 emulation."""
+    out = run_cli("demo", "--batch", "2", "--max-len", "40", "--heads", "2", "--head-dim", "64", *fp8,
+                  cache_dir=tmp_path)
+    assert "No CUDA GPU found" in out
+    assert "hopper_fwd_fp8 sm_90a float8_e4m3fn d64" in out and re.search(r"compiled in [\d.]+ (s|ms)", out), out
+    assert "q.device: expected a CUDA device" in out
+    assert "fp8 emulation" in out and "all finite: True" in out
+
+
+def test_demo_fp8_bad_head_dim(tmp_path):
+    proc = run_cli_proc("demo", "--quant-mode", "0", "--head-dim", "32", cache_dir=tmp_path)
+    assert proc.returncode == 2
+    assert "--head-dim: the FP8 forward supports (64, 128, 256), got 32" in proc.stdout + proc.stderr
+
+
 def test_bench_without_gpu_exits_cleanly(tmp_path):
     out = run_cli("bench", cache_dir=tmp_path, timeout=120)
     assert "bench needs a CUDA GPU" in out and "Nothing was timed" in out and "Skipped" in out
@@ -406,7 +424,7 @@ def test_every_help_shows_defaults(tmp_path, cmd):
     sub = build_parser()._subparsers._group_actions[0].choices[cmd]
     fmt = sub._get_formatter()
     options = [a for a in sub._actions if a.help != argparse.SUPPRESS and a.nargs != 0]  # not -h, not flags
-    assert len(options) == {"info": 0, "warmup": 8, "demo": 13, "bench": 3}[cmd]
+    assert len(options) == {"info": 0, "warmup": 8, "demo": 14, "bench": 3}[cmd]
     for action in options:  # every option that takes a value says its default
         assert "(default: " in fmt._expand_help(action), (action.option_strings, fmt._expand_help(action))
     out = run_cli(cmd, "--help", cache_dir=tmp_path, timeout=120)  # the real command line too

@@ -317,7 +317,7 @@ def run_workload_fp8(w: Workload, entry: str = "kernel", tiles: dict | None = No
     made beforehand: the kernel alone), "prequantized" (e4m3 q, k, v with descales: V^T is made
     per call) or "mode0" (16-bit inputs, quant_mode 0: cast, V^T and kernel per call)."""
     from . import launch, validation
-    from .quantize import QuantMode, quantize
+    from .quantize import QuantMode, quantize_batch
 
     inputs = [make_inputs(w, seed=s) for s in range(sets)]
     lens_q, lens_k = inputs[0]["_lens_q"], inputs[0]["_lens_k"]
@@ -327,8 +327,7 @@ def run_workload_fp8(w: Workload, entry: str = "kernel", tiles: dict | None = No
         if entry == "mode0":
             args, descales, quant_mode = (kw["q"], kw["k"], kw["v"]), (None, None, None), 0
         else:
-            quantized = [quantize(kw[n], QuantMode.PER_TENSOR, kw["seq_offsets_" + ("q" if n == "q" else "k")],
-                                  kw["max_seqlen_" + ("q" if n == "q" else "k")]) for n in "qkv"]
+            quantized = quantize_batch(kw, QuantMode.PER_TENSOR)
             args, descales, quant_mode = tuple(x.data for x in quantized), tuple(x.scale for x in quantized), -1
         rab = kw.get("rab")
         if rab is not None and entry != "mode0":

@@ -377,10 +377,9 @@ def _demo_call(args, kw):
                 (lambda: hstu_attn_fp8_emulation(*qkv, **rest, quant_mode=args.quant_mode)))
     import torch
 
-    from .quantize import QuantMode, quantize
+    from .quantize import QuantMode, quantize_batch
 
-    quantized = [quantize(kw[n], QuantMode.PER_TENSOR, kw["seq_offsets_" + side], kw["max_seqlen_" + side])
-                 for n, side in (("q", "q"), ("k", "k"), ("v", "k"))]
+    quantized = quantize_batch(kw, QuantMode.PER_TENSOR)
     data, scales = [x.data for x in quantized], [x.scale for x in quantized]
     return ((lambda: hstu_attn_varlen_func(*data, **rest, descale_q=scales[0], descale_k=scales[1],
                                            descale_v=scales[2])),

@@ -296,10 +296,9 @@ def forward_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_
     if p.quant_mode == -1:
         descales = tuple(d if d is not None else unit_descale(device) for d in (descale_q, descale_k, descale_v))
     else:
-        from .quantize import quantize
+        from .quantize import quantize_qkv
 
-        q8, k8, v8 = (quantize(x, p.quant_mode, offsets, max_len) for x, offsets, max_len in (
-            (q, seq_offsets_q, max_seqlen_q), (k, seq_offsets_k, max_seqlen_k), (v, seq_offsets_k, max_seqlen_k)))
+        q8, k8, v8 = quantize_qkv(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, p.quant_mode)
         descales = (q8.scale, k8.scale, v8.scale)
         q, k, v = q8.data, k8.data, v8.data
     fp8 = Fp8Operands(*transposed_for_pv(v, seq_offsets_k), descales, p.out_dtype)

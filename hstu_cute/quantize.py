@@ -176,3 +176,18 @@ def dequantize(qx: Quantized, mode: int, seq_offsets: torch.Tensor, max_seqlen: 
     if mode == QuantMode.PER_HEAD:
         return data * qx.scale[where.seq][:, :, None]
     return data * qx.scale[where.seq][:, None, None]
+
+
+def quantize_qkv(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q: int, max_seqlen_k: int,
+                 mode: int) -> tuple[Quantized, Quantized, Quantized]:
+    """q, k and v of one call quantized with ``mode`` (q along the query offsets, k and v along
+    the key offsets)."""
+    return (quantize(q, mode, seq_offsets_q, max_seqlen_q), quantize(k, mode, seq_offsets_k, max_seqlen_k),
+            quantize(v, mode, seq_offsets_k, max_seqlen_k))
+
+
+def quantize_batch(batch: dict, mode: int) -> tuple[Quantized, Quantized, Quantized]:
+    """:func:`quantize_qkv` of a keyword dict of the public call (``q``, ``k``, ``v``, offsets and
+    max lengths), e.g. one from ``hstu_cute.testing.random_jagged_batch``."""
+    return quantize_qkv(batch["q"], batch["k"], batch["v"], batch["seq_offsets_q"], batch["seq_offsets_k"],
+                        batch["max_seqlen_q"], batch["max_seqlen_k"], mode)

@@ -7,7 +7,7 @@ import sys
 import torch
 
 from hstu_cute import hstu_attn_varlen_func, testing
-from hstu_cute.quantize import QuantMode, quantize
+from hstu_cute.quantize import QuantMode, quantize_batch
 
 if torch.cuda.get_device_capability()[0] != 9:
     print("no sm90 GPU: the FP8 kernels do not run here; skipped")
@@ -30,8 +30,7 @@ for name, kw in CASES.items():
         rest = {k: v for k, v in b.items() if k not in ("q", "k", "v")}
         with torch.no_grad():
             out0 = hstu_attn_varlen_func(b["q"], b["k"], b["v"], **rest, quant_mode=0)
-            quantized = {n: quantize(b[n], QuantMode.PER_TENSOR, b["seq_offsets_" + ("q" if n == "q" else "k")],
-                                     b["max_seqlen_" + ("q" if n == "q" else "k")]) for n in "qkv"}
+            quantized = dict(zip("qkv", quantize_batch(b, QuantMode.PER_TENSOR)))
             out8 = hstu_attn_varlen_func(*(quantized[n].data for n in "qkv"), **rest,
                                          descale_q=quantized["q"].scale, descale_k=quantized["k"].scale,
                                          descale_v=quantized["v"].scale)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hstu_cute import hstu_attn_varlen_func, launch, reference, validation
-from hstu_cute.quantize import QuantMode, quantize
+from hstu_cute.quantize import QuantMode, quantize_batch
 from hstu_cute.testing import random_jagged_batch
 
 pytestmark = [
@@ -58,13 +58,7 @@ def _grid():
 
 def _prequantized(b):
     """e4m3 q, k, v (per-tensor scales) and their (1,) descales, from a 16-bit batch."""
-    out = {}
-    for name, offsets, max_len in (("q", b["seq_offsets_q"], b["max_seqlen_q"]),
-                                   ("k", b["seq_offsets_k"], b["max_seqlen_k"]),
-                                   ("v", b["seq_offsets_k"], b["max_seqlen_k"])):
-        qx = quantize(b[name], QuantMode.PER_TENSOR, offsets, max_len)
-        out[name] = (qx.data, qx.scale)
-    return out
+    return {n: (x.data, x.scale) for n, x in zip("qkv", quantize_batch(b, QuantMode.PER_TENSOR))}
 
 
 def _ref_args(b):

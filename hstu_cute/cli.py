@@ -624,7 +624,8 @@ def _bench_gpu(args, console, dev, name: str) -> int:
     directions = ("fwd", "bwd") if args.direction == "both" else (args.direction,)
     if args.grid == "recsys" and args.direction == "both":
         directions += ("step",)
-    rows: dict[str, list[dict]] = {"fwd": [], "bwd": [], "step": []}
+    rows: dict[str, list[dict]] = {"fwd": [], "bwd": [], "step": [], "fp8": []}
+    fp8 = args.fp8 and path == "hopper" and "fwd" in directions
     with torch.cuda.device(dev):
         gemm = bench.gemm_tflops()
         with Progress(console=console, transient=True) as bar:
@@ -645,6 +646,8 @@ def _bench_gpu(args, console, dev, name: str) -> int:
                     row["spec"] = dataclasses.asdict(w)
                     row["direction"] = direction
                     rows[direction].append(row)
+                    if fp8 and direction == "fwd":
+                        rows["fp8"] += _bench_fp8_rows(bench, w, row)
                     bar.advance(task)
         try:
             overhead = bench.host_overhead_us()
@@ -656,6 +659,11 @@ def _bench_gpu(args, console, dev, name: str) -> int:
                  "step": "training step (autograd forward + backward, L2 flushed before each sample)"}[direction]
         console.print(_bench_table(f"hstu_cute {title} on {name} ({arch}, {path} kernels)", rows[direction], gemm,
                                    both))
+    if fp8:
+        console.print(_bench_fp8_table(f"hstu_cute FP8 forward on {name} ({arch})", rows["fp8"]))
+    elif args.fp8:
+        console.print(f"[yellow]--fp8[/]: skipped (the FP8 forward needs the Hopper kernels and a forward "
+                      f"direction; this run: {path} kernels, --direction {args.direction})")
     if "api_us" in overhead:
         parts = ", ".join(f"{k[:-3]} {v:.1f} us" for k, v in overhead.items() if k != "api_us" and k.endswith("_us"))
         console.print(f"Host overhead of one hstu_attn_varlen_func call (tiny problem): {overhead['api_us']:.1f} us"
@@ -668,7 +676,7 @@ def _bench_gpu(args, console, dev, name: str) -> int:
     if any(r.get("sdpa_padded") for direction in directions for r in rows[direction]):
         console.print("Jagged rows: the SDPA lines run the padded dense batch (B, H, N, D), shown as effective "
                       "TFLOP/s on the jagged FLOPs: what a user pays by padding.")
-    all_rows = rows["fwd"] + rows["bwd"] + rows["step"]
+    all_rows = rows["fwd"] + rows["bwd"] + rows["step"] + rows["fp8"]
     if args.out:
         with open(args.out, "a", encoding="utf-8") as fh:
             for row in all_rows:
@@ -676,6 +684,40 @@ def _bench_gpu(args, console, dev, name: str) -> int:
             fh.write(json.dumps({**meta, "gemm_tflops": gemm, "workload": "host_overhead", **overhead}) + "\n")
         console.print(f"Appended {len(all_rows) + 1} JSON lines to {args.out}")
     return 1 if any("error" in r for r in all_rows) else 0
+
+
+def _bench_fp8_rows(bench, w, bf16_row: dict) -> list[dict]:
+    """The FP8 forward's rows of one workload (bench.FP8_ENTRIES), with the ratio to its bf16 row."""
+    import torch
+
+    out = []
+    for entry in bench.FP8_ENTRIES:
+        try:
+            row = bench.run_workload_fp8(dataclasses.replace(w, sdpa=False), entry)
+            row["x_bf16"] = row["tflops"] / bf16_row["tflops"] if bf16_row.get("tflops") else None
+        except Exception as exc:  # e.g. a head dim without an FP8 kernel: the row says why
+            row = dict(workload=w.name, entry=f"fp8 {entry}", error=f"{type(exc).__name__}: {exc}")
+            torch.cuda.empty_cache()
+        row["direction"] = "fp8"
+        out.append(row)
+    return out
+
+
+def _bench_fp8_table(title: str, rows: list[dict]):
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for col in ("workload", "FP8 entry", "ms", "IQR", "TFLOP/s", "x bf16 (same run)"):
+        table.add_column(col, justify="left" if col in ("workload", "FP8 entry") else "right")
+    for row in rows:
+        if "error" in row:
+            table.add_row(_esc(row["workload"]), row["entry"], f"[red]{_esc(strip_ansi(row['error'])[:60])}[/]", "-",
+                          "-", "-")
+            continue
+        ratio = row.get("x_bf16")
+        table.add_row(_esc(row["workload"]), row["entry"], f"{row['ms']:.3f}", f"{row['iqr_ms']:.3f}",
+                      f"{row['tflops']:.1f}", f"{ratio:.2f}" if ratio else "-")
+    return table
 
 
 def _bench_table(title: str, rows: list[dict], gemm: float, both: bool):
@@ -814,6 +856,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time the forward, the backward or both")
     p.add_argument("--out", default=None, metavar="FILE",
                    help="append one JSON line per workload to this file (default: none)")
+    p.add_argument("--fp8", action="store_true",
+                   help="also time the Hopper FP8 forward on each forward workload: the kernel alone, the "
+                        "pre-quantized entry and quant_mode 0 (end to end), beside the bf16 row")
     p.add_argument("--limit", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bench)
     return parser

@@ -340,7 +340,7 @@ def run_workload_fp8(w: Workload, entry: str = "kernel", tiles: dict | None = No
                   kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1), 1.0, rab, None, None,
                   p)
         if entry == "kernel":
-            fp8 = launch.Fp8Operands(*launch.transposed_for_pv(args[2], kw["seq_offsets_k"]), descales, p.out_dtype)
+            fp8 = launch.Fp8Operands(launch.transposed_for_pv(args[2], kw["seq_offsets_k"]), descales, p.out_dtype)
             calls.append(lambda a=args, c=common, fp8=fp8: launch.forward(a[0], a[1], None, *c, tiles, fp8=fp8))
         else:
             calls.append(lambda a=args, c=common, d=descales: launch.forward_fp8(*a, *c, *d, tiles=tiles))

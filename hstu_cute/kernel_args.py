@@ -86,10 +86,11 @@ def _slab(rank: int, vec: int, elem=None, last_stride_64: bool = False, align: i
 
 
 def _tokens_transposed(s: FakeShapes):
-    """V^T (H, D, T16) of the FP8 forward: keys contiguous, rows 16-byte aligned (TMA)."""
+    """V^T (H, D, W) e4m3 of the FP8 forward: keys contiguous, rows 16-byte aligned (TMA)."""
+    import cutlass
     import cutlass.cute as cute
 
-    return cute.runtime.make_fake_tensor(s.dtype, (s.heads, s.key.head_dim, cute.sym_int()),
+    return cute.runtime.make_fake_tensor(cutlass.Float8E4M3FN, (s.heads, s.key.head_dim, cute.sym_int()),
                                          (cute.sym_int64(divisibility=16), cute.sym_int64(divisibility=16), 1),
                                          assumed_align=16)
 
@@ -203,11 +204,11 @@ SPECS: dict[str, tuple[Arg, ...]] = {
     "ampere_bwd_dkdv": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _SM80_RAB16, *_SCALARS, Arg("num_n_blocks", _i32)),
     "hopper_fwd": (_Q, _K, _V, Arg("mO", _tokens("tokens_q")), *_SEQUENCES, _TMA_RAB, *_SCALARS,
                    Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER),
-    # FP8: mV is V^T, its sequences at mOffsetsVt (16-token aligned); the descales are (1,) fp32 tensors (read on the device: no host sync).
+    # FP8: mV is V^T (hstu_cute.hopper.vt, made by "hopper_fwd_vt"); the descales are (1,) fp32 tensors (read on the device: no host sync).
     "hopper_fwd_fp8": (_Q, _K, Arg("mV", _tokens_transposed), Arg("mO", _tokens("tokens_q", "out")), *_SEQUENCES,
                        _TMA_RAB, *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER,
-                       Arg("mDescaleQ", _descale), Arg("mDescaleK", _descale), Arg("mDescaleV", _descale),
-                       Arg("mOffsetsVt", _int_vec("batch1"))),
+                       Arg("mDescaleQ", _descale), Arg("mDescaleK", _descale), Arg("mDescaleV", _descale)),
+    "hopper_fwd_vt": (Arg("mV", _tokens("tokens_k")), Arg("mVt", _tokens_transposed), Arg("mOffsets", _int_vec("batch1"))),
     "hopper_bwd_dq": (_Q, _K, _V, _DO, _DQ, *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS,
                       _BH_PER_SECTION, _TILE_COUNTER),
     "hopper_bwd_wide": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _TMA_RAB,

@@ -27,8 +27,11 @@ from .variants import (
     make_bwd_keys,
     make_fwd_key,
     make_hopper_bwd_key,
+    FP8_DTYPE,
     make_hopper_fp8_fwd_key,
     make_hopper_fwd_key,
+    make_hopper_vt_key,
+    vt_width,
 )
 
 INT32_MAX = 2**31 - 1
@@ -184,36 +187,32 @@ def fwd_key(p: Problem, arch: str, rab, tiles: dict | None = None, path: str = "
 
 
 class Fp8Operands:
-    """What the FP8 forward reads besides e4m3 q and k: V^T (H, D, T') e4m3 and its sequence
-    offsets (:func:`transposed_for_pv`), the (q, k, v) descales as (1,) fp32 device tensors, and
-    the output's dtype."""
+    """What the FP8 forward reads besides e4m3 q and k: V^T (H, D, W) e4m3
+    (:func:`transposed_for_pv`), the (q, k, v) descales as (1,) fp32 device tensors, and the
+    output's dtype."""
 
-    __slots__ = ("vt", "vt_offsets", "descales", "out_dtype")
+    __slots__ = ("vt", "descales", "out_dtype")
 
-    def __init__(self, vt: torch.Tensor, vt_offsets: torch.Tensor, descales: tuple, out_dtype: torch.dtype):
-        self.vt, self.vt_offsets, self.descales, self.out_dtype = vt, vt_offsets, descales, out_dtype
+    def __init__(self, vt: torch.Tensor, descales: tuple, out_dtype: torch.dtype):
+        self.vt, self.descales, self.out_dtype = vt, descales, out_dtype
 
 
-def transposed_for_pv(v: torch.Tensor, seq_offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(V^T, its offsets): V (T, H, D) -> (H, D, T') with keys contiguous, each sequence starting
-    at a multiple of 16 tokens (``offsets`` (B+1,) int32) and zeros between sequences: the K-major
-    B operand of an 8-bit P.V, whose TMA boxes must start 16-byte aligned. T' = T + 16 B + 16
-    bounds the padding whatever the lengths (a shape that depends only on shapes: no sync, and
-    it traces). A gather of token rows (padding columns read an appended zero row), then one
-    transposing copy."""
+_FP8_NAMES = {**DTYPE_NAMES, torch.float8_e4m3fn: FP8_DTYPE}
+
+
+def transposed_for_pv(v: torch.Tensor, seq_offsets: torch.Tensor) -> torch.Tensor:
+    """V^T (H, D, W) e4m3 of V (T, H, D) (e4m3, or 16-bit cast on the way, saturating) in one
+    launch (:class:`hstu_cute.hopper.vt.VTransposeSm90`): keys contiguous, each sequence starting
+    16 tokens aligned, W = :func:`hstu_cute.variants.vt_width` (a shape that depends only on
+    shapes: no sync, and it traces)."""
     tokens, heads, head_dim = v.shape
-    batch = seq_offsets.shape[0] - 1
-    width = -(-tokens // 16) * 16 + 16 * batch + 16
-    lengths = seq_offsets[1:] - seq_offsets[:-1]
-    vt_offsets = torch.zeros(batch + 1, dtype=torch.int32, device=v.device)
-    torch.cumsum((lengths + 15) // 16 * 16, 0, out=vt_offsets[1:])
-    column = torch.arange(width, device=v.device, dtype=torch.int32)
-    seq = torch.searchsorted(vt_offsets[1:], column, right=True).clamp_(max=max(batch - 1, 0))
-    within = column - vt_offsets[seq]
-    source = torch.where(within < lengths[seq], seq_offsets[seq] + within, tokens)
-    rows = torch.cat([v.view(torch.uint8), v.new_zeros((1, heads, head_dim), dtype=torch.uint8)])
-    vt = rows.index_select(0, source.long()).permute(1, 2, 0).contiguous()
-    return vt.view(v.dtype), vt_offsets
+    vt = torch.empty((heads, head_dim, vt_width(tokens, seq_offsets.shape[0] - 1)), dtype=torch.float8_e4m3fn,
+                     device=v.device)
+    if tokens:
+        key = _made(make_hopper_vt_key, device_arch(v.device), _FP8_NAMES[v.dtype], head_dim)
+        with _on_device(v.device):
+            _launch(key, _compiled(key), dict(mV=v, mVt=vt, mOffsets=seq_offsets))
+    return vt
 
 
 _ONES: dict = {}
@@ -263,7 +262,7 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
         extra = {}
     else:
         key = fp8_fwd_key(p, device_arch(device), rab, fp8.out_dtype, tiles)
-        extra = dict(zip(("mDescaleQ", "mDescaleK", "mDescaleV"), fp8.descales), mOffsetsVt=fp8.vt_offsets)
+        extra = dict(zip(("mDescaleQ", "mDescaleK", "mDescaleV"), fp8.descales))
     compiled = _compiled(key)
     values = dict(mQ=q, mK=k, mV=v, mO=out, mRab=rab, num_m_blocks=-(-max_seqlen_q // key.tile_m), **extra,
                   **_sequence_args(p, device, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
@@ -296,12 +295,18 @@ def forward_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_
     if p.quant_mode == -1:
         descales = tuple(d if d is not None else unit_descale(device) for d in (descale_q, descale_k, descale_v))
     else:
-        from .quantize import quantize_qkv
+        from .quantize import QuantMode, quantize, quantize_qkv
 
-        q8, k8, v8 = quantize_qkv(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, p.quant_mode)
-        descales = (q8.scale, k8.scale, v8.scale)
-        q, k, v = q8.data, k8.data, v8.data
-    fp8 = Fp8Operands(*transposed_for_pv(v, seq_offsets_k), descales, p.out_dtype)
+        if p.quant_mode == QuantMode.CAST:
+            # V is cast by the V^T kernel itself (saturating, as the quantizer does).
+            q8, k8 = quantize(q, p.quant_mode, seq_offsets_q, max_seqlen_q), quantize(k, p.quant_mode, seq_offsets_k,
+                                                                                        max_seqlen_k)
+            descales = (q8.scale, k8.scale, unit_descale(device))
+        else:
+            q8, k8, v8 = quantize_qkv(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, p.quant_mode)
+            descales, v = (q8.scale, k8.scale, v8.scale), v8.data
+        q, k = q8.data, k8.data
+    fp8 = Fp8Operands(transposed_for_pv(v, seq_offsets_k), descales, p.out_dtype)
     return forward(q, k, None, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
                    target_group_size, alpha, rab, seqused_q, seqused_k, p, tiles=tiles, out=out, fp8=fp8)
 

@@ -32,7 +32,8 @@ SHIPPED_MASKS = ((MaskKind.NONE, False), (MaskKind.LOCAL, False), (MaskKind.CAUS
 __all__ = [
     "HEAD_DIMS", "DTYPES", "SHIPPED_MASKS", "AmpereFwdKey", "AmpereBwdKey", "HopperFwdKey", "HopperBwdKey",
     "KEY_CLASSES", "make_fwd_key", "make_bwd_keys", "make_hopper_fwd_key", "make_hopper_bwd_key",
-    "HopperFp8FwdKey", "make_hopper_fp8_fwd_key", "FP8_DTYPE", "FP8_HEAD_DIMS",
+    "HopperFp8FwdKey", "make_hopper_fp8_fwd_key", "FP8_DTYPE", "FP8_HEAD_DIMS", "HopperVtKey",
+    "make_hopper_vt_key", "vt_width",
     "shipped_keys", "has_hopper_kernels",
 ]
 
@@ -262,6 +263,29 @@ class HopperFp8FwdKey(HopperFwdKey):
         return super().describe() + f" ->{self.out_dtype}"
 
 
+@dataclass(frozen=True)
+class HopperVtKey(_Variant):
+    """Compile key of :class:`~hstu_cute.hopper.vt.VTransposeSm90` (V -> e4m3 V^T for the FP8
+    forward): ``dtype`` is V's, 16-bit (cast on the way) or e4m3."""
+
+    kernel_name: ClassVar[str] = "hopper_fwd_vt"
+
+    ptxas_opt: int = 3
+
+    def describe(self) -> str:
+        return f"{self.kernel_name} {self.arch} {self.dtype} d{self.head_dim}"
+
+
+def make_hopper_vt_key(arch, dtype, head_dim) -> HopperVtKey:
+    return HopperVtKey(arch=arch, dtype=dtype, head_dim=head_dim)
+
+
+def vt_width(tokens: int, batch: int) -> int:
+    """Columns of the FP8 forward's V^T for ``tokens`` keys in ``batch`` sequences: sequence b
+    starts at roundup16(offset_b) + 16 b (hstu_cute.hopper.vt), which fits whatever the lengths."""
+    return -(-tokens // 16) * 16 + 16 * batch + 16
+
+
 def default_hopper_fp8_fwd_tiles(head_dim: int, has_rab: bool) -> dict:
     """FP8 tiles: K and V^T tiles are half the bytes of 16-bit ones, so the smem plan of
     :func:`default_hopper_fwd_tiles` fits with a second Q stage even beside rab; at D256 the O
@@ -356,7 +380,7 @@ def _hopper_role_serves(role: str, head_dim: int) -> bool:
 
 
 KEY_CLASSES = {cls.__name__: cls for cls in (AmpereFwdKey, AmpereBwdKey, HopperFwdKey, HopperBwdKey,
-                                              HopperFp8FwdKey)}
+                                              HopperFp8FwdKey, HopperVtKey)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,11 +409,13 @@ def shipped_hopper_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_
             for has_rab in (False, True)]
 
 
-def shipped_hopper_fp8_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[HopperFp8FwdKey]:
-    """FP8 forward variants: ``dtypes`` are the output (and rab) types."""
-    return [make_hopper_fp8_fwd_key(arch, *variant, has_rab)
-            for variant in _shipped_variants(dtypes, [d for d in head_dims if d in FP8_HEAD_DIMS])
-            for has_rab in (False, True)]
+def shipped_hopper_fp8_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
+    """FP8 forward variants (``dtypes`` are the output and rab types), then the V^T kernels (V in
+    each of ``dtypes``, cast on the way, or already e4m3)."""
+    fp8_dims = [d for d in head_dims if d in FP8_HEAD_DIMS]
+    return ([make_hopper_fp8_fwd_key(arch, *variant, has_rab) for variant in _shipped_variants(dtypes, fp8_dims)
+             for has_rab in (False, True)]
+            + [make_hopper_vt_key(arch, dtype, d) for dtype in (*dtypes, FP8_DTYPE) for d in fp8_dims])
 
 
 def shipped_hopper_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[HopperBwdKey]:

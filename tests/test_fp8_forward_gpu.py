@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-from hstu_cute import hstu_attn_varlen_func, launch, reference, validation
+from hstu_cute import hstu_attn_varlen_func, launch, reference, validation, variants
 from hstu_cute.quantize import QuantMode, quantize_batch
 from hstu_cute.testing import random_jagged_batch
 
@@ -181,3 +181,20 @@ def test_fp8_raises_on_the_sm80_path(monkeypatch):
             hstu_attn_varlen_func(b["q"], b["k"], b["v"], **rest, quant_mode=0)
     finally:
         arch._kernel_path.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float16])
+def test_vt_layout(dtype):
+    """V^T (hopper.vt): sequence b's keys at columns roundup16(off_b) + 16 b onward, cast to e4m3
+    with saturation; empty sequences and tokens past the last offset are harmless."""
+    lengths = [0, 1, 17, 300, 0, 64, 5]
+    offsets = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
+    tokens = int(offsets[-1]) + 3  # 3 tokens past the last sequence
+    v = torch.randn(tokens, 2, 64, device="cuda") * 200  # beyond +-448 in places: the 16-bit cast saturates
+    v = (v.clamp(-448, 448) if dtype == torch.float8_e4m3fn else v).to(dtype)
+    vt = launch.transposed_for_pv(v, offsets)
+    assert vt.dtype == torch.float8_e4m3fn and vt.shape == (2, 64, variants.vt_width(tokens, len(lengths)))
+    expected = v.float().clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    for b, (start, end) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+        col = (start + 15) // 16 * 16 + 16 * b
+        assert torch.equal(vt[:, :, col:col + end - start].float(), expected[start:end].permute(1, 2, 0)), b

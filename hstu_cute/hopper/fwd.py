@@ -12,6 +12,7 @@ from .. import masks
 from ..common.mask_apply import KERNEL_OPS, apply_mask_rows_cols
 from ..common.barriers import NamedBarrier
 from ..common.fp8 import silu_to_fp8_words, words_to_operand_a, zero_smem_cols_past
+from .vt import vt_column_start
 from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import silu_scaled_inplace
 from ..common.tile_scheduler import SectionWalk, TileScheduler
@@ -99,7 +100,7 @@ class HstuForwardSm90(HstuSm90Base):
                         mTileCounter, descales, stream):
         """The body of ``__call__`` (traced inside it): layouts, TMA atoms, smem plan and the
         launch. ``mV`` is V (T, H, D), or for FP8 its token-contiguous copy V^T (H, D, T16);
-        ``descales``: None, or the FP8 kernel's (q, k, v) descale tensors and V^T's sequence offsets."""
+        ``descales``: None, or the FP8 kernel's (q, k, v) descale tensors."""
         D = self.head_dim
         sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, self.q_stages)
         sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, self.num_stages)
@@ -187,7 +188,7 @@ class HstuForwardSm90(HstuSm90Base):
         if const_expr(self.fp8):
             # scores = (q8 . k8) dq dk: without rab the product folds into alpha, with rab it
             # scales the scores before the bias (add_rab_silu_mask); out = (P8 . v8) dv / S.
-            mDescaleQ, mDescaleK, mDescaleV, _ = descales
+            mDescaleQ, mDescaleK, mDescaleV = descales
             self.qk_descale = mDescaleQ[0] * mDescaleK[0]
             if const_expr(not self.has_rab):
                 alpha = alpha * self.qk_descale
@@ -197,8 +198,7 @@ class HstuForwardSm90(HstuSm90Base):
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.produce((tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, s["sQ"],
-                              s["sK"], s["sV"], s["sRab"], pipe_q, pipe_k, pipe_v, pipe_rab, mRab,
-                              descales[3] if const_expr(self.fp8) else None), walk, seqinfo,
+                              s["sK"], s["sV"], s["sRab"], pipe_q, pipe_k, pipe_v, pipe_rab, mRab), walk, seqinfo,
                              claims)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
@@ -229,8 +229,7 @@ class HstuForwardSm90(HstuSm90Base):
 
     @cute.jit
     def produce_tile(self, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, sQ, sK,
-                     sV, sRab, pipe_q, pipe_k, pipe_v, pipe_rab, mRab, mOffsetsVt, m_block: Int32, head: Int32,
-                     batch: Int32,
+                     sV, sRab, pipe_q, pipe_k, pipe_v, pipe_rab, mRab, m_block: Int32, head: Int32, batch: Int32,
                      q_start: Int32, k_start: Int32, seq, sched, q_state, k_state, v_state):
         """TMA loads of one tile: Q, then K (and rab) of each n-block ahead of V of the one before.
         Returns the advanced pipeline states."""
@@ -246,9 +245,9 @@ class HstuForwardSm90(HstuSm90Base):
         tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, no_mcast, cute.group_modes(sK, 0, 2),
                                            cute.group_modes(gK, 0, 2))
         if const_expr(self.fp8):
-            # V^T rows start every sequence 16-byte aligned (the launcher pads them; a TMA box must
-            # start 16-byte aligned along the contiguous dimension).
-            gV = cute.local_tile(cute.domain_offset((0, mOffsetsVt[batch]), tma_v[None, None, head]),
+            # Each sequence starts 16-byte aligned in V^T (hopper.vt: a TMA box must start 16-byte
+            # aligned along the contiguous dimension).
+            gV = cute.local_tile(cute.domain_offset((0, vt_column_start(k_start, batch)), tma_v[None, None, head]),
                                  (D, self.tile_n), (0, None))
         else:
             gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_v[None, None, head]), (self.tile_n, D),
@@ -557,9 +556,9 @@ class HstuForwardFp8Sm90(HstuForwardSm90):
     (P8 . v8) dv / S (docs/operator.md, FP8). The same warp roles, pipelines and barriers as
     :class:`HstuForwardSm90`, except that:
 
-    * V arrives as its token-contiguous copy V^T (H, D, T') (the launcher or the quantizer makes
-      it): an 8-bit WGMMA reads both smem operands K-major only, and P.V reduces over keys. Each
-      sequence's keys start 16-token aligned there (``mOffsetsVt``): a TMA box must start 16-byte
+    * V arrives as its token-contiguous copy V^T (H, D, W) (hopper.vt.VTransposeSm90): an 8-bit
+      WGMMA reads both smem operands K-major only, and P.V reduces over keys. Each sequence's keys
+      start 16-token aligned there (hopper.vt.vt_column_start): a TMA box must start 16-byte
       aligned along the contiguous dimension (an unaligned start is an illegal instruction);
     * P is packed from the score accumulator into the 8-bit register operand by quad shuffles
       (common.fp8.silu_to_fp8_words, words_to_operand_a);
@@ -568,9 +567,9 @@ class HstuForwardFp8Sm90(HstuForwardSm90):
     @cute.jit
     def __call__(self, mQ, mK, mV, mO, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
                  alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks, num_sms,
-                 bh_per_section, mTileCounter, mDescaleQ, mDescaleK, mDescaleV, mOffsetsVt, stream):
+                 bh_per_section, mTileCounter, mDescaleQ, mDescaleK, mDescaleV, stream):
         self.compile_forward(mQ, mK, mV, mO, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
                                                           mNumTargets), mRab,
                              ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q),
-                             num_m_blocks, num_sms, bh_per_section, mTileCounter,
-                             (mDescaleQ, mDescaleK, mDescaleV, mOffsetsVt), stream)
+                             num_m_blocks, num_sms, bh_per_section, mTileCounter, (mDescaleQ, mDescaleK, mDescaleV),
+                             stream)

@@ -1,0 +1,94 @@
+"""V^T for the FP8 forward: V (T, H, D) -> e4m3 (H, D, W), keys contiguous, in one launch.
+
+An 8-bit WGMMA reads its shared-memory B operand K-major only, so the FP8 forward's P.V needs V with
+keys contiguous, and a TMA box must start 16-byte aligned along that dimension: sequence b's keys
+start at column ``vt_column_start(off_b, b) = roundup16(off_b) + 16 b`` (a closed form the forward
+recomputes, so no offsets tensor is made; every sequence fits before the next one's start; the
+width is hstu_cute.variants.vt_width). The
+columns between sequences are never read unmasked: the forward zeroes the key columns past a
+sequence in shared memory.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, const_expr
+
+# Tokens per CTA; rows of the staging tile are padded by 4 bytes so that reading one dim across
+# the tokens (stride D + 4 bytes) hits 32 different banks.
+VT_TOKENS = 64
+_ROW_PAD = 4
+
+
+def vt_column_start(k_start, batch):
+    """Column of V^T where sequence ``batch`` (first key token ``k_start``) starts."""
+    return (k_start + 15) // 16 * 16 + 16 * batch
+
+
+class VTransposeSm90:
+    """One CTA of 128 threads per (64 tokens, head): coalesced loads of the tokens' rows (cast to
+    e4m3, saturating, when V is 16-bit) into a padded smem tile, a binary search of each token's
+    sequence in the offsets, then coalesced stores along the key columns of V^T."""
+
+    def __init__(self, dtype, head_dim: int):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.num_threads = 128
+
+    @cute.jit
+    def __call__(self, mV, mVt, mOffsets, stream):
+        grid = [(mV.shape[0] + VT_TOKENS - 1) // VT_TOKENS, mV.shape[1], 1]
+        self.kernel(mV, mVt, mOffsets).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mV, mVt, mOffsets):
+        D = self.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        chunk, head, _ = cute.arch.block_idx()
+        tokens = mV.shape[0]
+        batch = mOffsets.shape[0] - 1
+        t0 = chunk * VT_TOKENS
+
+        @cute.struct
+        class Storage:
+            sV: cute.struct.MemRange[cutlass.Float8E4M3FN, VT_TOKENS * (D + _ROW_PAD)]
+            sShift: cute.struct.MemRange[Int32, VT_TOKENS]
+
+        storage = cutlass.memory.SmemAllocator().allocate(Storage)
+        sV = storage.sV.get_tensor(cute.make_layout((VT_TOKENS, D), stride=(D + _ROW_PAD, 1)))
+        sShift = storage.sShift.get_tensor(cute.make_layout(VT_TOKENS))
+
+        for i in cutlass.range(tidx, VT_TOKENS * D, self.num_threads, unroll=4):
+            j = i // D
+            d = i - j * D
+            t = t0 + j
+            value = cutlass.Float8E4M3FN(0.0)
+            if t < tokens:
+                if const_expr(self.dtype == cutlass.Float8E4M3FN):
+                    value = mV[t, head, d]
+                else:
+                    value = mV[t, head, d].to(cutlass.Float8E4M3FN)
+            sV[j, d] = value
+        if tidx < VT_TOKENS:
+            # The sequence of token t: the first b with offsets[b + 1] > t (b == batch: no owner).
+            t = t0 + tidx
+            lo, hi = Int32(0), batch
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if mOffsets[mid + 1] <= t:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            shift = Int32(-1)
+            if lo < batch and t < tokens:
+                start = mOffsets[lo]
+                shift = vt_column_start(start, lo) - start
+            sShift[tidx] = shift
+        cute.arch.sync_threads()
+        for i in cutlass.range(tidx, VT_TOKENS * D, self.num_threads, unroll=4):
+            d = i // VT_TOKENS
+            j = i - d * VT_TOKENS
+            shift = sShift[j]
+            if shift >= 0:
+                mVt[head, d, t0 + j + shift] = sV[j, d]

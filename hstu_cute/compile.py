@@ -20,6 +20,12 @@ def _dsl_dtype(name: str):
     return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float8_e4m3fn": cutlass.Float8E4M3FN}[name]
 
 
+def _hopper_cast(key):
+    from .hopper.cast import CastE4M3Sm90
+
+    return CastE4M3Sm90(_dsl_dtype(key.dtype), key.head_dim)
+
+
 def _hopper_vt(key):
     from .hopper.vt import VTransposeSm90
 
@@ -75,7 +81,7 @@ def _hopper_bwd(key):
 
 
 KERNELS = {"ampere_fwd": _ampere_fwd, "ampere_bwd_dq": _ampere_bwd, "ampere_bwd_dkdv": _ampere_bwd,
-           "hopper_fwd": _hopper_fwd, "hopper_fwd_fp8": _hopper_fwd_fp8, "hopper_fwd_vt": _hopper_vt, "hopper_bwd_dkdv": _hopper_bwd, "hopper_bwd_fused": _hopper_bwd,
+           "hopper_fwd": _hopper_fwd, "hopper_fwd_fp8": _hopper_fwd_fp8, "hopper_fwd_vt": _hopper_vt, "hopper_fwd_cast": _hopper_cast, "hopper_bwd_dkdv": _hopper_bwd, "hopper_bwd_fused": _hopper_bwd,
            "hopper_bwd_dq": _hopper_bwd, "hopper_bwd_wide": _hopper_bwd}
 
 

@@ -209,6 +209,7 @@ SPECS: dict[str, tuple[Arg, ...]] = {
                        _TMA_RAB, *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER,
                        Arg("mDescaleQ", _descale), Arg("mDescaleK", _descale), Arg("mDescaleV", _descale)),
     "hopper_fwd_vt": (Arg("mV", _tokens("tokens_k")), Arg("mVt", _tokens_transposed), Arg("mOffsets", _int_vec("batch1"))),
+    "hopper_fwd_cast": (Arg("mX", _tokens("tokens_q")), Arg("mO", _tokens("tokens_q", "Float8E4M3FN", 16))),
     "hopper_bwd_dq": (_Q, _K, _V, _DO, _DQ, *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS,
                       _BH_PER_SECTION, _TILE_COUNTER),
     "hopper_bwd_wide": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _TMA_RAB,

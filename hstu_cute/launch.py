@@ -27,6 +27,7 @@ from .variants import (
     make_bwd_keys,
     make_fwd_key,
     make_hopper_bwd_key,
+    make_hopper_cast_key,
     FP8_DTYPE,
     make_hopper_fp8_fwd_key,
     make_hopper_fwd_key,
@@ -215,6 +216,18 @@ def transposed_for_pv(v: torch.Tensor, seq_offsets: torch.Tensor) -> torch.Tenso
     return vt
 
 
+def cast_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """A 16-bit (T, H, D) tensor cast to e4m3 (saturating at +-448) in one launch
+    (:class:`hstu_cute.hopper.cast.CastE4M3Sm90`); contiguous (T, H, D) out."""
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    if x.numel():
+        x = aligned_16(x)
+        key = _made(make_hopper_cast_key, device_arch(x.device), _FP8_NAMES[x.dtype], x.shape[2])
+        with _on_device(x.device):
+            _launch(key, _compiled(key), dict(mX=x, mO=out))
+    return out
+
+
 _ONES: dict = {}
 
 
@@ -295,17 +308,16 @@ def forward_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_
     if p.quant_mode == -1:
         descales = tuple(d if d is not None else unit_descale(device) for d in (descale_q, descale_k, descale_v))
     else:
-        from .quantize import QuantMode, quantize, quantize_qkv
+        from .quantize import QuantMode, quantize_qkv
 
         if p.quant_mode == QuantMode.CAST:
-            # V is cast by the V^T kernel itself (saturating, as the quantizer does).
-            q8, k8 = quantize(q, p.quant_mode, seq_offsets_q, max_seqlen_q), quantize(k, p.quant_mode, seq_offsets_k,
-                                                                                        max_seqlen_k)
-            descales = (q8.scale, k8.scale, unit_descale(device))
+            # One launch per tensor: q and k by the cast kernel, V by the V^T kernel (both saturate
+            # as the quantizer does).
+            q, k = cast_e4m3(q), cast_e4m3(k)
+            descales = (unit_descale(device),) * 3
         else:
             q8, k8, v8 = quantize_qkv(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, p.quant_mode)
-            descales, v = (q8.scale, k8.scale, v8.scale), v8.data
-        q, k = q8.data, k8.data
+            descales, (q, k, v) = (q8.scale, k8.scale, v8.scale), (q8.data, k8.data, v8.data)
     fp8 = Fp8Operands(transposed_for_pv(v, seq_offsets_k), descales, p.out_dtype)
     return forward(q, k, None, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
                    target_group_size, alpha, rab, seqused_q, seqused_k, p, tiles=tiles, out=out, fp8=fp8)

@@ -33,7 +33,7 @@ __all__ = [
     "HEAD_DIMS", "DTYPES", "SHIPPED_MASKS", "AmpereFwdKey", "AmpereBwdKey", "HopperFwdKey", "HopperBwdKey",
     "KEY_CLASSES", "make_fwd_key", "make_bwd_keys", "make_hopper_fwd_key", "make_hopper_bwd_key",
     "HopperFp8FwdKey", "make_hopper_fp8_fwd_key", "FP8_DTYPE", "FP8_HEAD_DIMS", "HopperVtKey",
-    "make_hopper_vt_key", "vt_width",
+    "make_hopper_vt_key", "vt_width", "HopperCastKey", "make_hopper_cast_key",
     "shipped_keys", "has_hopper_kernels",
 ]
 
@@ -280,6 +280,18 @@ def make_hopper_vt_key(arch, dtype, head_dim) -> HopperVtKey:
     return HopperVtKey(arch=arch, dtype=dtype, head_dim=head_dim)
 
 
+@dataclass(frozen=True)
+class HopperCastKey(HopperVtKey):
+    """Compile key of :class:`~hstu_cute.hopper.cast.CastE4M3Sm90` (quant_mode 0's cast of q and
+    k): ``dtype`` is the 16-bit input's."""
+
+    kernel_name: ClassVar[str] = "hopper_fwd_cast"
+
+
+def make_hopper_cast_key(arch, dtype, head_dim) -> HopperCastKey:
+    return HopperCastKey(arch=arch, dtype=dtype, head_dim=head_dim)
+
+
 def vt_width(tokens: int, batch: int) -> int:
     """Columns of the FP8 forward's V^T for ``tokens`` keys in ``batch`` sequences: sequence b
     starts at roundup16(offset_b) + 16 b (hstu_cute.hopper.vt), which fits whatever the lengths."""
@@ -380,7 +392,7 @@ def _hopper_role_serves(role: str, head_dim: int) -> bool:
 
 
 KEY_CLASSES = {cls.__name__: cls for cls in (AmpereFwdKey, AmpereBwdKey, HopperFwdKey, HopperBwdKey,
-                                              HopperFp8FwdKey, HopperVtKey)}
+                                              HopperFp8FwdKey, HopperVtKey, HopperCastKey)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -411,11 +423,12 @@ def shipped_hopper_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_
 
 def shipped_hopper_fp8_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
     """FP8 forward variants (``dtypes`` are the output and rab types), then the V^T kernels (V in
-    each of ``dtypes``, cast on the way, or already e4m3)."""
+    each of ``dtypes``, cast on the way, or already e4m3) and quant_mode 0's cast of q and k."""
     fp8_dims = [d for d in head_dims if d in FP8_HEAD_DIMS]
     return ([make_hopper_fp8_fwd_key(arch, *variant, has_rab) for variant in _shipped_variants(dtypes, fp8_dims)
              for has_rab in (False, True)]
-            + [make_hopper_vt_key(arch, dtype, d) for dtype in (*dtypes, FP8_DTYPE) for d in fp8_dims])
+            + [make_hopper_vt_key(arch, dtype, d) for dtype in (*dtypes, FP8_DTYPE) for d in fp8_dims]
+            + [make_hopper_cast_key(arch, dtype, d) for dtype in dtypes for d in fp8_dims])
 
 
 def shipped_hopper_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[HopperBwdKey]:

@@ -118,6 +118,7 @@ def _one_key_per_family():
         if key.mask_kind == int(MaskKind.CAUSAL) and key.has_context and key.has_rab:
             keys.setdefault(key.kernel_name, key)
     keys["hopper_fwd_vt"] = variants.make_hopper_vt_key("sm_90a", "bfloat16", 128)
+    keys["hopper_fwd_cast"] = variants.make_hopper_cast_key("sm_90a", "bfloat16", 128)
     return keys
 
 

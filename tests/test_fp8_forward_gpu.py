@@ -198,3 +198,13 @@ def test_vt_layout(dtype):
     for b, (start, end) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
         col = (start + 15) // 16 * 16 + 16 * b
         assert torch.equal(vt[:, :, col:col + end - start].float(), expected[start:end].permute(1, 2, 0)), b
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_cast_e4m3(dtype, head_dim):
+    """quant_mode 0's cast kernel: torch's clamp-and-cast, bit for bit, also for a strided input."""
+    x = (torch.randn(37, 6, head_dim, device="cuda") * 300).to(dtype)[:, 1:4]
+    out = launch.cast_e4m3(x)
+    assert out.dtype == torch.float8_e4m3fn and out.shape == x.shape and out.is_contiguous()
+    assert torch.equal(out.view(torch.uint8), x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8))

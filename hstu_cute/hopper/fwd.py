@@ -78,7 +78,7 @@ class HstuForwardSm90(HstuSm90Base):
         # fp16 stores the next P through an operand fence: with a plain store ptxas serializes every
         # WGMMA of the fp16 variants (C7513). H200 fp16 B8 N4096 causal: D128 484 vs 378 TF, D256
         # 620 vs 366, D64 290 vs 268. bf16 keeps the plain store (the fence cost it D64 461 -> 427).
-        self.operand_fence = dtype in (cutlass.Float16, cutlass.Float8E4M3FN)
+        self.operand_fence = dtype == cutlass.Float16
         self.intra_wg_overlap = intra_wg_overlap
         self.pingpong = pingpong and self.num_mma_wg == 2
         self.q_stages = q_stages

@@ -16,6 +16,7 @@ from .validation import (
     device_checks_enabled,
     fail,
     problem_of_op_args,
+    output_dtype,
     validate,
     validate_memoized,
 )
@@ -109,8 +110,7 @@ def _fwd_fp8_impl(q, k, v, descale_q, descale_k, descale_v, seq_offsets_q, seq_o
 
 
 def _fwd_fp8_fake(q, *rest):
-    # bf16 out for pre-quantized e4m3 inputs, else the inputs' dtype (validation.Problem.out_dtype).
-    return q.new_empty(q.shape, dtype=torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype)
+    return q.new_empty(q.shape, dtype=output_dtype(q.dtype))
 
 
 fwd_op = torch.library.custom_op("hstu_cute::fwd", _fwd_impl, mutates_args=(), schema=_FWD_SCHEMA)

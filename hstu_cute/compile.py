@@ -10,32 +10,27 @@ import os
 import threading
 
 from . import kernel_args
+from .kernel_args import dsl_dtype
 
 _COMPILE_LOCK = threading.Lock()  # cute.compile keeps thread-local MLIR state: one at a time
-
-
-def _dsl_dtype(name: str):
-    import cutlass
-
-    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float8_e4m3fn": cutlass.Float8E4M3FN}[name]
 
 
 def _hopper_cast(key):
     from .hopper.cast import CastE4M3Sm90
 
-    return CastE4M3Sm90(_dsl_dtype(key.dtype), key.head_dim)
+    return CastE4M3Sm90(dsl_dtype(key.dtype), key.head_dim)
 
 
 def _hopper_vt(key):
     from .hopper.vt import VTransposeSm90
 
-    return VTransposeSm90(_dsl_dtype(key.dtype), key.head_dim)
+    return VTransposeSm90(dsl_dtype(key.dtype), key.head_dim)
 
 
 def _ampere_fwd(key):
     from .ampere.fwd import HstuForwardSm80
 
-    return HstuForwardSm80(_dsl_dtype(key.dtype), key.head_dim, key.mask, key.has_rab, key.rab_vec, key.tile_m,
+    return HstuForwardSm80(dsl_dtype(key.dtype), key.head_dim, key.mask, key.has_rab, key.rab_vec, key.tile_m,
                            key.tile_n, key.num_warps, key.num_stages, key.fast_silu, key.lpt_grid)
 
 
@@ -43,14 +38,14 @@ def _ampere_bwd(key):
     from .ampere.bwd import HstuBackwardDkDvSm80, HstuBackwardDqSm80
 
     cls = HstuBackwardDqSm80 if key.role == "dq" else HstuBackwardDkDvSm80
-    return cls(_dsl_dtype(key.dtype), key.head_dim, key.mask, key.has_rab, key.has_drab, key.rab_sum_heads,
+    return cls(dsl_dtype(key.dtype), key.head_dim, key.mask, key.has_rab, key.has_drab, key.rab_sum_heads,
                key.tile_m, key.tile_n, key.num_warps, key.fast_silu, key.warps_d)
 
 
 def _hopper_fwd(key):
     from .hopper.fwd import HstuForwardSm90
 
-    return HstuForwardSm90(_dsl_dtype(key.dtype), key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n,
+    return HstuForwardSm90(dsl_dtype(key.dtype), key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n,
                            key.num_stages, key.fast_silu, key.intra_wg_overlap, key.pingpong, key.persistent,
                            key.q_stages, key.dynamic_tiles)
 
@@ -58,16 +53,16 @@ def _hopper_fwd(key):
 def _hopper_fwd_fp8(key):
     from .hopper.fwd import HstuForwardFp8Sm90
 
-    return HstuForwardFp8Sm90(_dsl_dtype(key.dtype), key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n,
+    return HstuForwardFp8Sm90(dsl_dtype(key.dtype), key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n,
                               key.num_stages, key.fast_silu, key.intra_wg_overlap, key.pingpong, key.persistent,
-                              key.q_stages, key.dynamic_tiles, out_dtype=_dsl_dtype(key.out_dtype))
+                              key.q_stages, key.dynamic_tiles, out_dtype=dsl_dtype(key.out_dtype))
 
 
 def _hopper_bwd(key):
     from .hopper.bwd import HstuBackwardDkDvSm90, HstuBackwardDqSm90
     from .hopper.bwd_wide import HstuBackwardWideSm90
 
-    dtype = _dsl_dtype(key.dtype)
+    dtype = dsl_dtype(key.dtype)
     if key.role == "wide":
         return HstuBackwardWideSm90(dtype, key.head_dim, key.mask, key.has_rab, key.has_drab, key.rab_sum_heads,
                                     key.tile_m, key.tile_n, key.num_stages, key.fast_silu)
@@ -81,7 +76,8 @@ def _hopper_bwd(key):
 
 
 KERNELS = {"ampere_fwd": _ampere_fwd, "ampere_bwd_dq": _ampere_bwd, "ampere_bwd_dkdv": _ampere_bwd,
-           "hopper_fwd": _hopper_fwd, "hopper_fwd_fp8": _hopper_fwd_fp8, "hopper_fwd_vt": _hopper_vt, "hopper_fwd_cast": _hopper_cast, "hopper_bwd_dkdv": _hopper_bwd, "hopper_bwd_fused": _hopper_bwd,
+           "hopper_fwd": _hopper_fwd, "hopper_fwd_fp8": _hopper_fwd_fp8, "hopper_fwd_vt": _hopper_vt,
+           "hopper_fwd_cast": _hopper_cast, "hopper_bwd_dkdv": _hopper_bwd, "hopper_bwd_fused": _hopper_bwd,
            "hopper_bwd_dq": _hopper_bwd, "hopper_bwd_wide": _hopper_bwd}
 
 

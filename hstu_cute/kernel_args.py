@@ -17,20 +17,25 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 
+def dsl_dtype(name: str):
+    """The cutlass type of a compile key's dtype name."""
+    import cutlass
+
+    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float8_e4m3fn": cutlass.Float8E4M3FN}[name]
+
+
 class FakeShapes:
     """Symbolic sizes shared by the fake tensors of one compile: every (T_q, H, D) tensor shares
     T_q and H, every (T_k, H, D) tensor T_k and H, every per-sequence vector B (or B + 1), so the
     compiler sees the same facts the launch guarantees. ``dtype`` is the key's 16-bit DSL type."""
 
     def __init__(self, key):
-        import cutlass
         import cutlass.cute as cute
 
         self.key = key
-        dtypes = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float8_e4m3fn": cutlass.Float8E4M3FN}
-        self.dtype = dtypes[key.dtype]
+        self.dtype = dsl_dtype(key.dtype)
         # The output's (and rab's) type: the inputs' except for FP8 keys.
-        self.out_dtype = dtypes[getattr(key, "out_dtype", key.dtype)]
+        self.out_dtype = dsl_dtype(getattr(key, "out_dtype", key.dtype))
         self.tokens_q, self.tokens_k, self.heads = cute.sym_int(), cute.sym_int(), cute.sym_int()
         self.batch, self.batch1 = cute.sym_int(), cute.sym_int()
 
@@ -204,11 +209,13 @@ SPECS: dict[str, tuple[Arg, ...]] = {
     "ampere_bwd_dkdv": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _SM80_RAB16, *_SCALARS, Arg("num_n_blocks", _i32)),
     "hopper_fwd": (_Q, _K, _V, Arg("mO", _tokens("tokens_q")), *_SEQUENCES, _TMA_RAB, *_SCALARS,
                    Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER),
-    # FP8: mV is V^T (hstu_cute.hopper.vt, made by "hopper_fwd_vt"); the descales are (1,) fp32 tensors (read on the device: no host sync).
+    # FP8: mV is V^T (hstu_cute.hopper.vt, made by "hopper_fwd_vt"); the descales are (1,) fp32
+    # tensors (read on the device: no host sync).
     "hopper_fwd_fp8": (_Q, _K, Arg("mV", _tokens_transposed), Arg("mO", _tokens("tokens_q", "out")), *_SEQUENCES,
                        _TMA_RAB, *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER,
                        Arg("mDescaleQ", _descale), Arg("mDescaleK", _descale), Arg("mDescaleV", _descale)),
-    "hopper_fwd_vt": (Arg("mV", _tokens("tokens_k")), Arg("mVt", _tokens_transposed), Arg("mOffsets", _int_vec("batch1"))),
+    "hopper_fwd_vt": (Arg("mV", _tokens("tokens_k")), Arg("mVt", _tokens_transposed),
+                      Arg("mOffsets", _int_vec("batch1"))),
     "hopper_fwd_cast": (Arg("mX", _tokens("tokens_q")), Arg("mO", _tokens("tokens_q", "Float8E4M3FN", 16))),
     "hopper_bwd_dq": (_Q, _K, _V, _DO, _DQ, *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS,
                       _BH_PER_SECTION, _TILE_COUNTER),

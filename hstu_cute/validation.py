@@ -30,6 +30,17 @@ FP8_INPUT_DTYPE = getattr(torch, "float8_e4m3fn", None)
 BUILT_QUANT_MODES = (-1, 0)
 
 
+def is_fp8_call(dtype: torch.dtype, quant_mode: int) -> bool:
+    """A call takes the FP8 path: pre-quantized e4m3 inputs, or a quant_mode."""
+    return quant_mode != -1 or dtype == FP8_INPUT_DTYPE
+
+
+def output_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The output's (and rab's) dtype for inputs of ``dtype``: bf16 for pre-quantized e4m3
+    inputs, else the inputs' own."""
+    return torch.bfloat16 if dtype == FP8_INPUT_DTYPE else dtype
+
+
 def fail(exc, name, expected, actual):
     raise exc(f"{name}: expected {expected}, got {actual}")
 
@@ -72,12 +83,11 @@ class Problem:
 
     @property
     def fp8(self) -> bool:
-        return self.quant_mode != -1 or self.dtype == FP8_INPUT_DTYPE
+        return is_fp8_call(self.dtype, self.quant_mode)
 
     @property
     def out_dtype(self) -> torch.dtype:
-        """The output's (and rab's) dtype: bf16 for pre-quantized e4m3 inputs, else the inputs'."""
-        return torch.bfloat16 if self.dtype == FP8_INPUT_DTYPE else self.dtype
+        return output_dtype(self.dtype)
 
 
 def _check_descale(name, t, device):
@@ -145,7 +155,7 @@ def validate(
     heads, head_dim = q.shape[1], q.shape[2]
     if head_dim not in HEAD_DIMS:
         fail(ValueError, "q.shape[2] (head dim)", f"one of {HEAD_DIMS}", head_dim)
-    fp8 = quant_mode != -1 or q.dtype == FP8_INPUT_DTYPE
+    fp8 = is_fp8_call(q.dtype, quant_mode)
     if fp8 and head_dim not in FP8_HEAD_DIMS:
         raise NotImplementedError(f"q.shape[2] (head dim): the FP8 forward supports {FP8_HEAD_DIMS}, got {head_dim}")
     if k.shape[1] != heads:
@@ -224,7 +234,7 @@ def validate(
     else:
         if not isinstance(rab, torch.Tensor):
             fail(TypeError, "rab", "a torch.Tensor or None", type(rab).__name__)
-        out_dtype = torch.bfloat16 if q.dtype == FP8_INPUT_DTYPE else q.dtype
+        out_dtype = output_dtype(q.dtype)
         if rab.dtype != out_dtype:
             why = "the output's dtype: bf16 for float8_e4m3fn inputs" if out_dtype != q.dtype else "same as q"
             fail(TypeError, "rab.dtype", f"{out_dtype} ({why})", rab.dtype)

@@ -264,11 +264,9 @@ class HopperFp8FwdKey(HopperFwdKey):
 
 
 @dataclass(frozen=True)
-class HopperVtKey(_Variant):
-    """Compile key of :class:`~hstu_cute.hopper.vt.VTransposeSm90` (V -> e4m3 V^T for the FP8
-    forward): ``dtype`` is V's, 16-bit (cast on the way) or e4m3."""
-
-    kernel_name: ClassVar[str] = "hopper_fwd_vt"
+class _Fp8InputKey(_Variant):
+    """Fields of the kernels that prepare the FP8 forward's inputs: only the input dtype and the
+    head dim matter (no mask, no rab)."""
 
     ptxas_opt: int = 3
 
@@ -276,12 +274,20 @@ class HopperVtKey(_Variant):
         return f"{self.kernel_name} {self.arch} {self.dtype} d{self.head_dim}"
 
 
+@dataclass(frozen=True)
+class HopperVtKey(_Fp8InputKey):
+    """Compile key of :class:`~hstu_cute.hopper.vt.VTransposeSm90` (V -> e4m3 V^T for the FP8
+    forward): ``dtype`` is V's, 16-bit (cast on the way) or e4m3."""
+
+    kernel_name: ClassVar[str] = "hopper_fwd_vt"
+
+
 def make_hopper_vt_key(arch, dtype, head_dim) -> HopperVtKey:
     return HopperVtKey(arch=arch, dtype=dtype, head_dim=head_dim)
 
 
 @dataclass(frozen=True)
-class HopperCastKey(HopperVtKey):
+class HopperCastKey(_Fp8InputKey):
     """Compile key of :class:`~hstu_cute.hopper.cast.CastE4M3Sm90` (quant_mode 0's cast of q and
     k): ``dtype`` is the 16-bit input's."""
 

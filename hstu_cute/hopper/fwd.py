@@ -12,11 +12,11 @@ from .. import masks
 from ..common.mask_apply import KERNEL_OPS, apply_mask_rows_cols
 from ..common.barriers import NamedBarrier
 from ..common.fp8 import silu_to_fp8_words, words_to_operand_a, zero_smem_cols_past
-from .vt import vt_column_start
 from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import silu_scaled_inplace
 from ..common.tile_scheduler import SectionWalk, TileScheduler
 from .base import HstuSm90Base
+from .vt import vt_column_start
 from ..common.sm90 import (
     advanced,
     rows_zero_copy,
@@ -99,7 +99,7 @@ class HstuForwardSm90(HstuSm90Base):
     def compile_forward(self, mQ, mK, mV, mO, seqs, mRab, scalars, num_m_blocks, num_sms, bh_per_section,
                         mTileCounter, descales, stream):
         """The body of ``__call__`` (traced inside it): layouts, TMA atoms, smem plan and the
-        launch. ``mV`` is V (T, H, D), or for FP8 its token-contiguous copy V^T (H, D, T16);
+        launch. ``mV`` is V (T, H, D), or for FP8 its token-contiguous copy V^T (H, D, W);
         ``descales``: None, or the FP8 kernel's (q, k, v) descale tensors."""
         D = self.head_dim
         sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, self.q_stages)
@@ -111,7 +111,7 @@ class HstuForwardSm90(HstuSm90Base):
         if const_expr(self.fp8):
             # V^T stages (D, tile_n), keys contiguous: the K-major B operand an 8-bit WGMMA needs.
             sV_layout = sm90_smem_layout(self.dtype, D, self.tile_n, self.num_stages)
-            mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 2, 0]))  # (D, T16, H)
+            mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 2, 0]))  # (D, W, H)
             tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mVt, cute.slice_(sV_layout, (None, None, 0)),
                                                             (D, self.tile_n))
         else:

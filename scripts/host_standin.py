@@ -36,6 +36,7 @@ q, k, v = (torch.randn(B * N, H, D, dtype=torch.bfloat16) for _ in range(3))
 offsets = torch.tensor([0, N, B * N], dtype=torch.int32)
 kw = dict(seq_offsets_q=offsets, seq_offsets_k=offsets, max_seqlen_q=N, max_seqlen_k=N, window_size=(-1, 0))
 qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
 dout = torch.ones_like(q)
 args = (q, k, v, offsets, offsets, N, N, None, None, 1, (-1, 0), 1.0, None, False, False, None, None, None, None, -1,
         -1, None, None)
@@ -52,6 +53,8 @@ ROWS = {
     "launch.backward": lambda: launch.backward(dout, q, k, v, offsets, offsets, N, N, None, None, 1, 1.0, None, False,
                                                None, None, p),
     "public forward": lambda: api.hstu_attn_varlen_func(q, k, v, **kw),
+    "public forward, FP8 quant_mode 0": lambda: api.hstu_attn_varlen_func(q, k, v, **kw, quant_mode=0),
+    "public forward, FP8 pre-quantized e4m3": lambda: api.hstu_attn_varlen_func(q8, k8, v8, **kw),
     "forward + backward step": step,
     "floor: allocating autograd.Function step": lambda: torch.autograd.grad(AllocOnly.apply(qg, kg, vg), (qg, kg, vg),
                                                                             dout),

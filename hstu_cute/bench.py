@@ -309,46 +309,56 @@ def run_workload(w: Workload, tiles: dict | None = None, sets: int = 3, path: st
     return row
 
 
-FP8_ENTRIES = ("kernel", "prequantized", "mode0")
+FP8_ENTRIES = ("kernel", "prequantized", "mode0", "kernel2", "quant2", "mode2", "kernel5", "quant5", "mode5")
 
 
 def run_workload_fp8(w: Workload, entry: str = "kernel", tiles: dict | None = None, sets: int = 3) -> dict:
     """The FP8 forward on ``w`` (FLOPs as for 16-bit). ``entry``: "kernel" (e4m3 q, k and V^T
-    made beforehand: the kernel alone), "prequantized" (e4m3 q, k, v with descales: V^T is made
-    per call) or "mode0" (16-bit inputs, quant_mode 0: cast, V^T and kernel per call)."""
+    made beforehand: the P-cast kernel alone), "prequantized" (e4m3 q, k, v with descales: V^T
+    is made per call), "modeN" (16-bit inputs, quant_mode N: quantizers, V^T and kernel per
+    call), "kernelN" (mode N's kernel alone, N >= 2) or "quantN" (mode N's quantizers and V^T
+    alone: the row adds ``gbps``, 16-bit q, k, v read and e4m3 q, k, V^T written once)."""
     from . import launch, validation
     from .quantize import QuantMode, quantize_batch
 
     inputs = [make_inputs(w, seed=s) for s in range(sets)]
     lens_q, lens_k = inputs[0]["_lens_q"], inputs[0]["_lens_k"]
+    mode = int(entry[-1]) if entry[-1].isdigit() else -1
     calls = []
     for kw in inputs:
         kw = {k: v for k, v in kw.items() if not k.startswith("_")}
-        if entry == "mode0":
-            args, descales, quant_mode = (kw["q"], kw["k"], kw["v"]), (None, None, None), 0
+        if mode >= 0:
+            args, descales, quant_mode = (kw["q"], kw["k"], kw["v"]), (None, None, None), mode
         else:
             quantized = quantize_batch(kw, QuantMode.PER_TENSOR)
             args, descales, quant_mode = tuple(x.data for x in quantized), tuple(x.scale for x in quantized), -1
         rab = kw.get("rab")
-        if rab is not None and entry != "mode0":
+        if rab is not None and quant_mode == -1:
             rab = rab.to(torch.bfloat16)
         p = validation.validate(
             *args, kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"], kw["max_seqlen_k"],
             kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1), kw["window_size"], 1.0,
             rab, False, kw["is_delta_q"], *descales, None, quant_mode, -1, None, None)
-        common = (kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"], kw["max_seqlen_k"],
-                  kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1), 1.0, rab, None, None,
-                  p)
-        if entry == "kernel":
-            fp8 = launch.Fp8Operands(launch.transposed_for_pv(args[2], kw["seq_offsets_k"]), descales, p.out_dtype)
-            calls.append(lambda a=args, c=common, fp8=fp8: launch.forward(a[0], a[1], None, *c, tiles, fp8=fp8))
+        offsets = (kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"], kw["max_seqlen_k"])
+        common = (*offsets, kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1), 1.0, rab,
+                  None, None, p)
+        if entry.startswith("kernel"):
+            q8, k8, fp8 = launch.prepare_fp8(*args, *offsets, p, *descales)
+            calls.append(lambda q8=q8, k8=k8, c=common, fp8=fp8: launch.forward(q8, k8, None, *c, tiles, fp8=fp8))
+        elif entry.startswith("quant"):
+            calls.append(lambda a=args, o=offsets, p=p: launch.prepare_fp8(*a, *o, p))
         else:
             calls.append(lambda a=args, c=common, d=descales: launch.forward_fp8(*a, *c, *d, tiles=tiles))
     calls[0]()
     ms, iqr = time_cuda(calls)
     f, convention = flops(w, lens_q, lens_k)
-    return dict(workload=w.name, entry=f"fp8 {entry}", ms=ms, iqr_ms=iqr, tflops=f / ms / 1e9, flops=convention,
-                tiles=tiles or "default", path="hopper")
+    row = dict(workload=w.name, entry=f"fp8 {entry}", ms=ms, iqr_ms=iqr, tflops=f / ms / 1e9, flops=convention,
+               tiles=tiles or "default", path="hopper")
+    if entry.startswith("quant"):
+        q, k, v = (inputs[0][n] for n in "qkv")
+        moved = sum(x.numel() * (x.element_size() + 1) for x in (q, k, v))
+        row.update(tflops=0.0, gbps=moved / ms / 1e6)
+    return row
 
 
 def backward_call(w: Workload, seed: int = 0, tiles_dq: dict | None = None, tiles_dkdv: dict | None = None,

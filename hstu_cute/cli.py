@@ -366,7 +366,7 @@ def _demo_call(args, kw):
     --quant-mode, or on its per-tensor e4m3 quantization with descales); ``emulation()`` is the
     reference the output is checked against (FP8: the emulation oracle; else the same-dtype oracle)."""
     from .api import hstu_attn_varlen_func
-    from .reference import hstu_attn_fp8_emulation, hstu_attn_reference, round_p_e4m3
+    from .reference import hstu_attn_fp8_emulation, hstu_attn_reference, cast_p_e4m3
 
     if not _demo_fp8(args):
         return (lambda: hstu_attn_varlen_func(**kw)), (lambda: hstu_attn_reference(**kw, compute_dtype=None))
@@ -385,7 +385,7 @@ def _demo_call(args, kw):
                                            descale_v=scales[2])),
             (lambda: hstu_attn_reference(*(x.float() * s for x, s in zip(data, scales)), **rest,
                                          compute_dtype=torch.float32,
-                                         p_round=lambda p: round_p_e4m3(p, None))))
+                                         p_round=lambda p, b: cast_p_e4m3(p))))
 
 
 def _lengths(kw) -> tuple[list[int], list[int]]:
@@ -715,8 +715,10 @@ def _bench_fp8_table(title: str, rows: list[dict]):
                           "-", "-")
             continue
         ratio = row.get("x_bf16")
-        table.add_row(_esc(row["workload"]), row["entry"], f"{row['ms']:.3f}", f"{row['iqr_ms']:.3f}",
-                      f"{row['tflops']:.1f}", f"{ratio:.2f}" if ratio else "-")
+        # The quantizer rows move bytes: GB/s in place of TFLOP/s.
+        rate = f"{row['gbps']:.0f} GB/s" if "gbps" in row else f"{row['tflops']:.1f}"
+        table.add_row(_esc(row["workload"]), row["entry"], f"{row['ms']:.3f}", f"{row['iqr_ms']:.3f}", rate,
+                      f"{ratio:.2f}" if ratio else "-")
     return table
 
 

@@ -101,10 +101,14 @@ def _tokens_transposed(s: FakeShapes):
 
 
 def _descale(s: FakeShapes):
+    """(1,) fp32, or with ``scaled_p`` a (B, blocks, H) table (quant modes >= 1)."""
     import cutlass
     import cutlass.cute as cute
 
-    return cute.runtime.make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(),), assumed_align=4)
+    if not s.key.scaled_p:
+        return cute.runtime.make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(),), assumed_align=4)
+    return cute.runtime.make_fake_tensor(cutlass.Float32, (s.batch, cute.sym_int(), s.heads),
+                                         (cute.sym_int(), cute.sym_int(), 1), assumed_align=4)
 
 
 def _f32(s: FakeShapes):
@@ -210,7 +214,7 @@ SPECS: dict[str, tuple[Arg, ...]] = {
     "hopper_fwd": (_Q, _K, _V, Arg("mO", _tokens("tokens_q")), *_SEQUENCES, _TMA_RAB, *_SCALARS,
                    Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER),
     # FP8: mV is V^T (hstu_cute.hopper.vt, made by "hopper_fwd_vt"); the descales are (1,) fp32
-    # tensors (read on the device: no host sync).
+    # tensors, or (B, blocks, H) tables with scaled P (read on the device: no host sync).
     "hopper_fwd_fp8": (_Q, _K, Arg("mV", _tokens_transposed), Arg("mO", _tokens("tokens_q", "out")), *_SEQUENCES,
                        _TMA_RAB, *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER,
                        Arg("mDescaleQ", _descale), Arg("mDescaleK", _descale), Arg("mDescaleV", _descale)),

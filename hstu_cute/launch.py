@@ -189,13 +189,13 @@ def fwd_key(p: Problem, arch: str, rab, tiles: dict | None = None, path: str = "
 
 class Fp8Operands:
     """What the FP8 forward reads besides e4m3 q and k: V^T (H, D, W) e4m3
-    (:func:`transposed_for_pv`), the (q, k, v) descales as (1,) fp32 device tensors, and the
-    output's dtype."""
+    (:func:`transposed_for_pv`), the (q, k, v) descales as (1,) fp32 device tensors (or, with
+    ``scaled_p``, (B, blocks, H) tables: quant modes >= 1), and the output's dtype."""
 
-    __slots__ = ("vt", "descales", "out_dtype")
+    __slots__ = ("vt", "descales", "out_dtype", "scaled_p")
 
-    def __init__(self, vt: torch.Tensor, descales: tuple, out_dtype: torch.dtype):
-        self.vt, self.descales, self.out_dtype = vt, descales, out_dtype
+    def __init__(self, vt: torch.Tensor, descales: tuple, out_dtype: torch.dtype, scaled_p: bool = False):
+        self.vt, self.descales, self.out_dtype, self.scaled_p = vt, descales, out_dtype, scaled_p
 
 
 _FP8_NAMES = {**DTYPE_NAMES, torch.float8_e4m3fn: FP8_DTYPE}
@@ -239,10 +239,11 @@ def unit_descale(device) -> torch.Tensor:
     return t
 
 
-def fp8_fwd_key(p: Problem, arch: str, rab, out_dtype: torch.dtype, tiles: dict | None = None):
+def fp8_fwd_key(p: Problem, arch: str, rab, out_dtype: torch.dtype, tiles: dict | None = None,
+                scaled_p: bool = False):
     context_target = p.mask.has_context or p.mask.has_target
     return _made(make_hopper_fp8_fwd_key, arch, DTYPE_NAMES[out_dtype], p.head_dim, p.mask.kind, context_target,
-                 rab is not None, tiles)
+                 rab is not None, tiles, scaled_p)
 
 
 def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
@@ -274,7 +275,7 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
         key = fwd_key(p, device_arch(device), rab, tiles, path)
         extra = {}
     else:
-        key = fp8_fwd_key(p, device_arch(device), rab, fp8.out_dtype, tiles)
+        key = fp8_fwd_key(p, device_arch(device), rab, fp8.out_dtype, tiles, fp8.scaled_p)
         extra = dict(zip(("mDescaleQ", "mDescaleK", "mDescaleV"), fp8.descales))
     compiled = _compiled(key)
     values = dict(mQ=q, mK=k, mV=v, mO=out, mRab=rab, num_m_blocks=-(-max_seqlen_q // key.tile_m), **extra,
@@ -290,13 +291,12 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
     return out
 
 
-def forward_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-                target_group_size, alpha, rab, seqused_q, seqused_k, p: Problem, descale_q=None, descale_k=None,
-                descale_v=None, tiles: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The FP8 forward of a validated call (``p.fp8``): pre-quantized e4m3 q, k, v with their
-    descales (None: 1), or 16-bit inputs quantized here with ``p.quant_mode``; then V^T and the
-    Hopper FP8 kernel. Raises NotImplementedError where no FP8 kernel runs (not sm90, or the
-    sm80 path forced)."""
+def prepare_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, p: Problem, descale_q=None,
+                descale_k=None, descale_v=None) -> tuple[torch.Tensor, torch.Tensor, Fp8Operands]:
+    """(q8, k8, operands) of a validated FP8 call (``p.fp8``): pre-quantized e4m3 q, k, v with
+    their descales (None: 1), or 16-bit inputs quantized with ``p.quant_mode``; plus V^T. What
+    :func:`forward_fp8` does before the kernel (benchmarks time it alone). Raises
+    NotImplementedError where no FP8 kernel runs (not sm90, or the sm80 path forced)."""
     device = q.device
     path = kernel_path(device)
     if path != "hopper":
@@ -308,7 +308,7 @@ def forward_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_
     if p.quant_mode == -1:
         descales = tuple(d if d is not None else unit_descale(device) for d in (descale_q, descale_k, descale_v))
     else:
-        from .quantize import QuantMode, quantize_qkv
+        from .quantize import QuantMode, descale_table, quantize_qkv
 
         if p.quant_mode == QuantMode.CAST:
             # One launch per tensor: q and k by the cast kernel, V by the V^T kernel (both saturate
@@ -316,10 +316,20 @@ def forward_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_
             q, k = cast_e4m3(q), cast_e4m3(k)
             descales = (unit_descale(device),) * 3
         else:
-            q8, k8, v8 = quantize_qkv(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, p.quant_mode)
-            descales, (q, k, v) = (q8.scale, k8.scale, v8.scale), (q8.data, k8.data, v8.data)
-    fp8 = Fp8Operands(transposed_for_pv(v, seq_offsets_k), descales, p.out_dtype)
-    return forward(q, k, None, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+            quantized = quantize_qkv(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, p.quant_mode)
+            descales = tuple(descale_table(x.scale, p.quant_mode, p.batch, p.heads) for x in quantized)
+            q, k, v = (x.data for x in quantized)
+    return q, k, Fp8Operands(transposed_for_pv(v, seq_offsets_k), descales, p.out_dtype, p.quant_mode > 0)
+
+
+def forward_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+                target_group_size, alpha, rab, seqused_q, seqused_k, p: Problem, descale_q=None, descale_k=None,
+                descale_v=None, tiles: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The FP8 forward of a validated call (``p.fp8``): :func:`prepare_fp8`, then the Hopper FP8
+    kernel."""
+    q8, k8, fp8 = prepare_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, p, descale_q,
+                              descale_k, descale_v)
+    return forward(q8, k8, None, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
                    target_group_size, alpha, rab, seqused_q, seqused_k, p, tiles=tiles, out=out, fp8=fp8)
 
 

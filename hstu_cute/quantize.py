@@ -33,11 +33,9 @@ from typing import NamedTuple
 
 import torch
 
+from .fp8_format import BLOCK_TOKENS, E4M3_MAX, SCALE_FLOOR
+
 E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
-SCALE_FLOOR = 1e-6
-# Tokens per block of modes 1 and 2: the Hopper forward's query tile.
-BLOCK_TOKENS = 128
 # Rows of mode 1's token-contiguous copy are padded to this many tokens (16 bytes of e4m3).
 ROW_ALIGN_TOKENS = 16
 
@@ -156,26 +154,49 @@ def _token_contiguous_copy(xf: torch.Tensor, seq_offsets: torch.Tensor, batch: i
     return data_t, scale_t
 
 
+def descale_table(scale: torch.Tensor, mode: int, batch: int, heads: int) -> torch.Tensor:
+    """A quantizer's ``scale`` (modes 2-5) as the (B, blocks, H) fp32 table the FP8 forward
+    reads per (sequence, block, head): one block for modes 3-5."""
+    mode = QuantMode(mode)
+    if mode == QuantMode.PER_BLOCK:
+        table = scale
+    elif mode == QuantMode.PER_HEAD:
+        table = scale[:, None, :]
+    elif mode == QuantMode.PER_SEQUENCE:
+        table = scale[:, None, None].expand(batch, 1, heads)
+    elif mode == QuantMode.PER_TENSOR:
+        table = scale.reshape(1, 1, 1).expand(batch, 1, heads)
+    else:
+        raise ValueError(f"quant_mode {int(mode)} has no per-(sequence, block, head) descale table")
+    return table.contiguous()
+
+
+def token_scales(qx: Quantized, mode: int, seq_offsets: torch.Tensor, max_seqlen: int,
+                 block: int = BLOCK_TOKENS) -> torch.Tensor:
+    """The (T, H) fp32 scale of every token and head of a :class:`Quantized` (its first copy)."""
+    mode = QuantMode(mode)
+    tokens, heads = qx.data.shape[:2]
+    if mode in (QuantMode.CAST, QuantMode.PER_TENSOR):
+        return qx.scale.reshape(1, 1).expand(tokens, heads)
+    if mode == QuantMode.TWO_DIRECTION:
+        return qx.scale
+    where = _tokens(seq_offsets, tokens, num_blocks(max_seqlen, block), block)
+    if mode == QuantMode.PER_BLOCK:
+        return qx.scale[where.seq, where.block]
+    if mode == QuantMode.PER_HEAD:
+        return qx.scale[where.seq]
+    return qx.scale[where.seq][:, None].expand(tokens, heads)
+
+
 def dequantize(qx: Quantized, mode: int, seq_offsets: torch.Tensor, max_seqlen: int,
                block: int = BLOCK_TOKENS, token_contiguous: bool = False) -> torch.Tensor:
     """fp32 (T, H, D) from a :class:`Quantized` (the emulation oracle's inputs); with
     ``token_contiguous`` mode 1's second copy (what the P.V GEMM reads) instead of the first."""
-    mode = QuantMode(mode)
-    data = qx.data.float()
-    tokens = data.shape[0]
-    if mode in (QuantMode.CAST, QuantMode.PER_TENSOR):
-        return data * qx.scale
-    if mode == QuantMode.TWO_DIRECTION:
-        if not token_contiguous:
-            return data * qx.scale[:, :, None]
+    if QuantMode(mode) == QuantMode.TWO_DIRECTION and token_contiguous:
+        tokens = qx.data.shape[0]
         where = _tokens(seq_offsets, tokens, num_blocks(max_seqlen, block), block)
         return qx.data_t[:, :, :tokens].float().permute(2, 0, 1) * qx.scale_t[where.seq, where.block]
-    where = _tokens(seq_offsets, tokens, num_blocks(max_seqlen, block), block)
-    if mode == QuantMode.PER_BLOCK:
-        return data * qx.scale[where.seq, where.block][:, :, None]
-    if mode == QuantMode.PER_HEAD:
-        return data * qx.scale[where.seq][:, :, None]
-    return data * qx.scale[where.seq][:, None, None]
+    return qx.data.float() * token_scales(qx, mode, seq_offsets, max_seqlen, block)[:, :, None]
 
 
 def quantize_qkv(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q: int, max_seqlen_k: int,

@@ -84,8 +84,8 @@ def hstu_attn_reference(
 
     ``has_drab`` is accepted (and ignored) only so that the same keyword dict can be passed to
     this oracle and to ``hstu_attn_varlen_func``: the oracle always carries rab's gradient.
-    ``p_round`` (upcast variant only): a function applied to each sequence's (H, Lq, Lk) P before
-    P.V, the FP8 emulation's re-quantization of P (:func:`hstu_attn_fp8_emulation`).
+    ``p_round`` (upcast variant only): ``p_round(P, b)`` replaces sequence b's (H, Lq, Lk) P
+    before P.V: the FP8 emulation's re-quantization of P (:func:`hstu_attn_fp8_emulation`).
     """
     del has_drab
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -202,7 +202,7 @@ def hstu_attn_reference(
                 o = o.to(in_dtype)
             else:
                 if p_round is not None:
-                    p = p_round(p)
+                    p = p_round(p, b)
                 o = torch.matmul(p, vb.to(acc_dtype)) / S
             pieces.append(o.transpose(0, 1))
         if eq - sq - Lq > 0:
@@ -306,47 +306,76 @@ def ratio_check(
     return ok, kernel_err, ref_err
 
 
-# Rows x keys of one group of P's dynamic re-quantization in the FP8 forward (FBGEMM's choice:
-# 16 rows by the key tile).
-P_GROUP = (16, 128)
+def cast_p_e4m3(p: torch.Tensor) -> torch.Tensor:
+    """P through a saturating e4m3 cast and back: the pre-quantized entry and quant_mode 0."""
+    from .fp8_format import E4M3_MAX
+
+    return p.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(p.dtype)
 
 
-def round_p_e4m3(p: torch.Tensor, groups: tuple[int, int] | None = P_GROUP) -> torch.Tensor:
-    """P (H, Lq, Lk) through e4m3 and back: with ``groups`` (rows, keys) each group scaled by its
-    amax / 448 (the kernel's dynamic re-quantization, modes >= 1), else a plain saturating cast
-    (the pre-quantized entry point)."""
-    from .quantize import E4M3, E4M3_MAX, SCALE_FLOOR
+def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
+    """The least power of two >= x (positive normal fp32), from the bits, as the kernel does."""
+    bits = x.to(torch.float32).view(torch.int32)
+    return ((bits + 0x7FFFFF) & -0x800000).view(torch.float32)
 
-    if groups is None:
-        return p.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).to(p.dtype)
-    h, rows, keys = p.shape
-    gr, gk = groups
-    padded = torch.nn.functional.pad(p, (0, -keys % gk, 0, -rows % gr))
-    blocks = padded.reshape(h, padded.shape[1] // gr, gr, padded.shape[2] // gk, gk)
-    scale = (blocks.abs().amax(dim=(2, 4), keepdim=True) / E4M3_MAX).clamp(min=SCALE_FLOOR)
-    rounded = (blocks / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).to(p.dtype) * scale
-    return rounded.reshape(padded.shape)[:, :rows, :keys]
+
+def scaled_p_e4m3(p: torch.Tensor, dv: torch.Tensor, tile_n: int) -> torch.Tensor:
+    """P (H, Lq, Lk) through the scaled-P rule of :mod:`hstu_cute.fp8_format` (quant modes
+    >= 1) and back, dequantized: per row a running power-of-two scale over key blocks of
+    ``tile_n`` visited last to first; ``dv`` (H, Lk): each key's V descale."""
+    from .fp8_format import E4M3_MAX, P_AMAX_FLOOR
+
+    heads, rows, keys = p.shape
+    scale = torch.zeros(heads, rows, dtype=torch.float32, device=p.device)
+    out = torch.empty_like(p)
+    inv_max = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32)
+    for start in reversed(range(0, keys, tile_n)):
+        block = p[:, :, start:start + tile_n].to(torch.float32)
+        dv_block = dv[:, start].to(torch.float32)[:, None]  # one V descale per key block
+        amax = block.amax(dim=2).clamp(min=P_AMAX_FLOOR)
+        scale = torch.maximum(scale, _pow2_ceil(amax * dv_block * inv_max.to(p.device)))
+        mult = (dv_block / scale)[:, :, None]
+        rounded = (block * mult).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+        out[:, :, start:start + tile_n] = (rounded / mult).to(p.dtype)
+    return out
+
+
+def fp8_p_tile_n(head_dim: int, has_rab: bool = False) -> int:
+    """Keys per block of the FP8 forward's scaled P (its key tile)."""
+    from .variants import default_hopper_fp8_fwd_tiles
+
+    return default_hopper_fp8_fwd_tiles(head_dim, has_rab)["tile_n"]
 
 
 def hstu_attn_fp8_emulation(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, *args,
                             quant_mode: int, round_p: bool = True, **kwargs) -> torch.Tensor:
     """The FP8 oracle (docs/operator.md, FP8 section): q, k, v quantized with ``quant_mode``'s
     groups (:mod:`hstu_cute.quantize`) and dequantized, then the fp32 oracle, with P re-quantized
-    per :data:`P_GROUP` when ``round_p`` (mode 0: a plain cast). Mode 1 reads V from its
-    token-contiguous copy, as the kernel's P.V does. Its error against the fp32 oracle on the
-    unquantized inputs is the yardstick of the FP8 kernels' (spec: within 2x)."""
-    from .quantize import QuantMode, dequantize, quantize
+    when ``round_p``: mode 0 a plain cast, modes >= 1 the scaled-P rule (:func:`scaled_p_e4m3`,
+    with the kernel's key tile). Mode 1 reads V from its token-contiguous copy, as the kernel's
+    P.V does. Its error against the fp32 oracle on the unquantized inputs is the yardstick of the
+    FP8 kernels' (spec: within 2x)."""
+    from .quantize import QuantMode, dequantize, quantize, token_scales
 
-    def emulate(x, offsets, max_seqlen, token_contiguous=False):
-        qx = quantize(x, quant_mode, offsets, max_seqlen)
+    quantized = {}
+
+    def emulate(name, x, offsets, max_seqlen, token_contiguous=False):
+        qx = quantized[name] = quantize(x, quant_mode, offsets, max_seqlen)
         return dequantize(qx, quant_mode, offsets, max_seqlen, token_contiguous=token_contiguous)
 
-    qe = emulate(q, seq_offsets_q, max_seqlen_q)
-    ke = emulate(k, seq_offsets_k, max_seqlen_k)
-    ve = emulate(v, seq_offsets_k, max_seqlen_k, token_contiguous=quant_mode == QuantMode.TWO_DIRECTION)
+    qe = emulate("q", q, seq_offsets_q, max_seqlen_q)
+    ke = emulate("k", k, seq_offsets_k, max_seqlen_k)
+    ve = emulate("v", v, seq_offsets_k, max_seqlen_k, token_contiguous=quant_mode == QuantMode.TWO_DIRECTION)
     p_round = None
-    if round_p:
-        groups = None if quant_mode == QuantMode.CAST else P_GROUP
-        p_round = lambda p: round_p_e4m3(p, groups)  # noqa: E731
+    if round_p and quant_mode == QuantMode.CAST:
+        p_round = lambda p, b: cast_p_e4m3(p)  # noqa: E731
+    elif round_p:
+        # Mode 1's V scale varies along D: it stays in the dequantized V, P is scaled alone.
+        dv = (torch.ones(v.shape[:2], dtype=torch.float32, device=v.device) if quant_mode == QuantMode.TWO_DIRECTION
+              else token_scales(quantized["v"], quant_mode, seq_offsets_k, max_seqlen_k))
+        starts = seq_offsets_k.tolist()
+        tile_n = fp8_p_tile_n(q.shape[2], kwargs.get("rab") is not None)
+        p_round = lambda p, b: scaled_p_e4m3(  # noqa: E731
+            p, dv[starts[b]:starts[b] + p.shape[2]].transpose(0, 1), tile_n)
     return hstu_attn_reference(qe, ke, ve, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, *args,
                                compute_dtype=torch.float32, p_round=p_round, **kwargs)

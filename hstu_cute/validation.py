@@ -27,7 +27,7 @@ MAX_GRID_BATCH = 65535  # grid.z limit of a launch
 #: The FP8 element type the FP8 kernels read (pre-quantized inputs, and what quant_mode makes).
 FP8_INPUT_DTYPE = getattr(torch, "float8_e4m3fn", None)
 #: quant_mode values with a kernel behind them (-1: no FP8).
-BUILT_QUANT_MODES = (-1, 0)
+BUILT_QUANT_MODES = (-1, 0, 2, 3, 4, 5)
 
 
 def is_fp8_call(dtype: torch.dtype, quant_mode: int) -> bool:
@@ -127,8 +127,8 @@ def _check_fp8(q, k, v, descale_q, descale_k, descale_v, descale_do, quant_mode)
             fail(ValueError, name, "None unless q, k, v are pre-quantized torch.float8_e4m3fn", "a tensor")
     if quant_mode not in BUILT_QUANT_MODES:
         raise NotImplementedError(
-            f"quant_mode={quant_mode}: the FP8 forward is built for quant_mode 0 (cast) and pre-quantized "
-            "float8_e4m3fn inputs so far; modes 1-5 are not yet. Pass quant_mode=-1 (16-bit) or 0")
+            f"quant_mode={quant_mode}: the FP8 forward is built for quant_mode 0 and 2-5 and pre-quantized "
+            "float8_e4m3fn inputs so far; mode 1 (two-direction) is not yet. Pass quant_mode=-1 (16-bit), 0 or 2-5")
 
 
 def validate(

@@ -253,14 +253,17 @@ FP8_HEAD_DIMS = (64, 128, 256)
 @dataclass(frozen=True)
 class HopperFp8FwdKey(HopperFwdKey):
     """Compile key of :class:`~hstu_cute.hopper.fwd.HstuForwardFp8Sm90`: ``dtype`` is the e4m3
-    input type, ``out_dtype`` the output's (and rab's) 16-bit type."""
+    input type, ``out_dtype`` the output's (and rab's) 16-bit type; ``scaled_p``: quant modes
+    >= 1 (P re-quantized with a per-row scale, descales per (sequence, block, head)), else the
+    pre-quantized entry and mode 0 (P cast, (1,) descales)."""
 
     kernel_name: ClassVar[str] = "hopper_fwd_fp8"
 
     out_dtype: str = "bfloat16"
+    scaled_p: bool = False
 
     def describe(self) -> str:
-        return super().describe() + f" ->{self.out_dtype}"
+        return super().describe() + f" ->{self.out_dtype}" + (" scaled-P" if self.scaled_p else "")
 
 
 @dataclass(frozen=True)
@@ -314,10 +317,11 @@ def default_hopper_fp8_fwd_tiles(head_dim: int, has_rab: bool) -> dict:
 
 
 def make_hopper_fp8_fwd_key(arch, out_dtype, head_dim, kind, context_target, has_rab,
-                            tiles=None) -> HopperFp8FwdKey:
+                            tiles=None, scaled_p: bool = False) -> HopperFp8FwdKey:
     fields = _variant_fields(arch, FP8_DTYPE, head_dim, kind, context_target, has_rab)
     fields["fast_silu"] = True  # tanh.approx is far below e4m3's rounding of P
-    return HopperFp8FwdKey(**fields, out_dtype=out_dtype, **(tiles or default_hopper_fp8_fwd_tiles(head_dim, has_rab)))
+    return HopperFp8FwdKey(**fields, out_dtype=out_dtype, scaled_p=scaled_p,
+                           **(tiles or default_hopper_fp8_fwd_tiles(head_dim, has_rab)))
 
 
 @dataclass(frozen=True)
@@ -428,10 +432,11 @@ def shipped_hopper_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_
 
 
 def shipped_hopper_fp8_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
-    """FP8 forward variants (``dtypes`` are the output and rab types), then the V^T kernels (V in
+    """FP8 forward variants (``dtypes`` are the output and rab types; P cast, then scaled P), then the V^T kernels (V in
     each of ``dtypes``, cast on the way, or already e4m3) and quant_mode 0's cast of q and k."""
     fp8_dims = [d for d in head_dims if d in FP8_HEAD_DIMS]
-    return ([make_hopper_fp8_fwd_key(arch, *variant, has_rab) for variant in _shipped_variants(dtypes, fp8_dims)
+    return ([make_hopper_fp8_fwd_key(arch, *variant, has_rab, scaled_p=scaled_p)
+             for scaled_p in (False, True) for variant in _shipped_variants(dtypes, fp8_dims)
              for has_rab in (False, True)]
             + [make_hopper_vt_key(arch, dtype, d) for dtype in (*dtypes, FP8_DTYPE) for d in fp8_dims]
             + [make_hopper_cast_key(arch, dtype, d) for dtype in dtypes for d in fp8_dims])

@@ -3,7 +3,8 @@ error against the fp32 oracle on the unquantized inputs must stay within 2x of t
 (quantize and dequantize in PyTorch, P through e4m3, fp32 math). Skips without an sm90 GPU.
 
 Entry points: pre-quantized e4m3 inputs with (1,) descales (here quantized per tensor by
-``hstu_cute.quantize``, mode 5's groups) and ``quant_mode`` 0 with 16-bit inputs."""
+``hstu_cute.quantize``, mode 5's groups) and ``quant_mode`` 0 (P cast) and 2-5 (scaled P) with
+16-bit inputs."""
 
 from __future__ import annotations
 
@@ -33,8 +34,10 @@ MASKS = {
 }
 HEAD_DIMS = [64, 128, 256]
 RABS = [None, 1, "H"]
-# (entry, output dtype): pre-quantized inputs give bf16; quant_mode 0 keeps the inputs' dtype.
-ENTRIES = [("prequantized", torch.bfloat16), ("mode0", torch.bfloat16), ("mode0", torch.float16)]
+# (entry, output dtype): pre-quantized inputs give bf16; quant_mode N keeps the inputs' dtype.
+ENTRIES = [("prequantized", torch.bfloat16), ("mode0", torch.bfloat16), ("mode0", torch.float16),
+           ("mode2", torch.bfloat16), ("mode3", torch.float16), ("mode4", torch.bfloat16), ("mode5", torch.bfloat16)]
+SCALED_MODES = [2, 3, 4, 5]
 
 
 def _seed(*parts) -> int:
@@ -47,7 +50,7 @@ def _grid():
         delta = mq < mk
         if delta and ("num_contexts" in mask or "num_targets" in mask):
             continue
-        entry, dtype = ENTRIES[i % 3]
+        entry, dtype = ENTRIES[i % len(ENTRIES)]
         cases.append(pytest.param(
             dict(max_seqlen_q=mq, max_seqlen_k=mk, is_delta_q=delta, mask=mask, entry=entry, dtype=dtype,
                  head_dim=HEAD_DIMS[(i // 3) % 3], rab=RABS[(i // 2) % 3], alpha=(1.0, 0.3)[(i // 5) % 2],
@@ -76,12 +79,12 @@ def run_fp8(b, entry, out_dtype):
         quant_mode = -1
         emul = reference.hstu_attn_reference(
             *(x.float() * d for x, d in zip(args, descales)), **rest, compute_dtype=torch.float32,
-            p_round=lambda p: reference.round_p_e4m3(p, None))
+            p_round=lambda p, b: reference.cast_p_e4m3(p))
     else:
         args = (b["q"], b["k"], b["v"])
         descales = [None, None, None]
-        quant_mode = 0
-        emul = reference.hstu_attn_fp8_emulation(*args, **rest, quant_mode=0)
+        quant_mode = int(entry.removeprefix("mode"))
+        emul = reference.hstu_attn_fp8_emulation(*args, **rest, quant_mode=quant_mode)
     p = validation.validate(
         *args, b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"], b["max_seqlen_k"], b["num_contexts"],
         b["num_targets"], b["target_group_size"], b["window_size"], b["alpha"], b["rab"], False, b["is_delta_q"],
@@ -116,13 +119,33 @@ def test_fp8_grid(case):
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("entry", ["prequantized", "mode0"])
+@pytest.mark.parametrize("entry", ["prequantized", "mode0", "mode2"])
 def test_fp8_edge_lengths(head_dim, entry):
     """Lengths 0, 1, 17, 1111: token counts that are not multiples of 16 (V^T's padded rows)."""
     b = random_jagged_batch(4, 2, head_dim, 1111, device="cuda", seed=_seed("edge", head_dim, entry),
                             lengths=[0, 1, 17, 1111], window_size=(-1, 0), num_targets=[0, 1, 5, 20],
                             target_group_size=3, rab_heads=1)
     _check(b, entry, torch.bfloat16, 0)
+
+
+@pytest.mark.parametrize("mode", SCALED_MODES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_fp8_scaled_modes(mode, head_dim):
+    """Every scaled-P mode and head dim, on a jagged batch whose sequences and blocks have very
+    different magnitudes (so that per-sequence, per-head and per-block scales differ), with
+    targets, rab and a second, delta_q batch through a local window."""
+    seed = _seed("scaled", mode, head_dim)
+    b = random_jagged_batch(5, 3, head_dim, 700, device="cuda", seed=seed, window_size=(-1, 0), num_targets=7,
+                            target_group_size=2, rab_heads=1, lengths=[700, 0, 129, 300, 64])
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for name in "qkv":
+        # Magnitudes from 1/8 to 8 by token block, and by head.
+        gain = torch.exp2(torch.randint(-3, 4, (b[name].shape[0] // 64 + 1, 3), generator=g, device="cuda").float())
+        b[name] = (b[name].float() * gain.repeat_interleave(64, 0)[: b[name].shape[0], :, None]).to(b[name].dtype)
+    _check(b, f"mode{mode}", torch.bfloat16, seed)
+    b = random_jagged_batch(4, 2, head_dim, 300, 500, device="cuda", seed=seed + 1, window_size=(200, 30),
+                            is_delta_q=True, dtype=torch.float16, alpha=0.5)
+    _check(b, f"mode{mode}", torch.float16, seed + 1)
 
 
 def test_fp8_all_target_and_many_sequences():

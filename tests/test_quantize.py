@@ -197,16 +197,29 @@ def test_emulation_without_p_rounding_is_the_oracle_on_dequantized_inputs():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_p_rounding_groups():
-    """Each (16 rows, 128 keys) group of P is scaled by its own amax: a large value in one group
-    leaves the others' rounding alone; a plain cast saturates at 448."""
+def test_scaled_p_rule():
+    """The scaled-P rule (hstu_cute.fp8_format): each row has its own running power-of-two scale
+    over key blocks visited last to first, so a large P in a row's first block (visited last)
+    leaves its later blocks' rounding alone, one in its last block coarsens the earlier ones, and
+    other rows never notice; the plain cast saturates at 448."""
     from hstu_cute import reference
 
     g = torch.Generator().manual_seed(11)
-    p = torch.rand(2, 40, 300, generator=g)
-    p[0, 0, 0] = 1e4
-    r = reference.round_p_e4m3(p)
+    p = torch.rand(2, 40, 300, generator=g) + 0.5
+    dv = torch.full((2, 300), 0.01)
+    p[0, 0, 0] = 1e4  # first block of row 0: visited last
+    p[0, 1, 299] = 1e5  # last block of row 1: visited first
+    r = reference.scaled_p_e4m3(p, dv, 128)
     assert r.shape == p.shape
+    rel = ((r - p).abs() / p)
     assert float(r[0, 0, 0]) == pytest.approx(1e4, rel=2**-4)
-    assert ((r[1] - p[1]).abs() <= p[1].abs() * 2**-4 + 2**-10).all()  # group amax <= 1
-    assert float(reference.round_p_e4m3(p, None)[0, 0, 0]) == qz.E4M3_MAX
+    assert (rel[0, 0, 128:] <= 2**-4).all()  # blocks visited before the large value
+    assert (rel[:, 2:] <= 2**-4).all() and (rel[1] <= 2**-4).all()
+    # Row 1's scale grew with its last block: its first blocks keep fewer bits (values ~1 next
+    # to 1e5 at (224, 448] land in e4m3's subnormals).
+    coarse = rel[0, 1, :256]
+    assert coarse.max() > 2**-4
+    # Powers of two: with dv = 1 and P exactly 448 * 2**k the rounding is exact.
+    exact = torch.full((1, 1, 64), 448.0 * 8)
+    assert torch.equal(reference.scaled_p_e4m3(exact, torch.ones(1, 64), 64), exact)
+    assert float(reference.cast_p_e4m3(p)[0, 0, 0]) == qz.E4M3_MAX

@@ -17,29 +17,37 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint32, const_expr
+from cutlass import Float32, Int32, Uint32
 from cutlass._mlir.dialects import llvm
 
+from ..fp8_format import E4M3_MAX, P_AMAX_FLOOR
 from .barriers import NamedBarrier
+from .sm90 import wgmma_acc_rows_cols
 
 # shfl.sync's c operand for independent segments of 4 lanes: segment mask 0x1C, clamp 0x1F.
 QUAD_SEGMENTS = 0x1C1F
 
 
-def prmt(a: Uint32, b: Uint32, selector: Uint32) -> Uint32:
-    """Byte permute of the pair (b:a) (``prmt.b32``; bytes 0-3 from ``a``, 4-7 from ``b``), kept
-    in program order (side effects): :func:`words_to_operand_a` relies on it."""
-    return Uint32(
+def _asm(result, args: list, code: str, constraints: str, ordered: bool = False):
+    """One PTX snippet as an inline asm value of type ``result`` (Uint32 or Float32); ``ordered``:
+    kept in program order (side effects), else free for the scheduler."""
+    return result(
         llvm.inline_asm(
-            Uint32.mlir_type,
-            [Uint32(a).ir_value(), Uint32(b).ir_value(), Uint32(selector).ir_value()],
-            "prmt.b32 $0, $1, $2, $3;",
-            "=r,r,r,r",
-            has_side_effects=True,
+            result.mlir_type,
+            [a.ir_value() for a in args],
+            code,
+            constraints,
+            has_side_effects=ordered,
             is_align_stack=False,
             asm_dialect=llvm.AsmDialect.AD_ATT,
         )
     )
+
+
+def prmt(a: Uint32, b: Uint32, selector: Uint32, ordered: bool = True) -> Uint32:
+    """Byte permute of the pair (b:a) (``prmt.b32``; bytes 0-3 from ``a``, 4-7 from ``b``); by
+    default kept in program order (side effects): :func:`words_to_operand_a` relies on it."""
+    return _asm(Uint32, [Uint32(a), Uint32(b), Uint32(selector)], "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", ordered)
 
 
 def silu_e4m3x4(h0: Float32, h1: Float32, h2: Float32, h3: Float32) -> Uint32:
@@ -48,29 +56,81 @@ def silu_e4m3x4(h0: Float32, h1: Float32, h2: Float32, h3: Float32) -> Uint32:
     f16's 11-bit mantissa is well below e4m3's 4 bits; the f32 -> f16x2 conversion saturates at
     +-65504, so a huge score gives +-448 after the saturating e4m3 conversion, and h = -65504
     gives h + h * (-1) = 0, never inf - inf."""
-    return Uint32(
-        llvm.inline_asm(
-            Uint32.mlir_type,
-            [Float32(h).ir_value() for h in (h0, h1, h2, h3)],
-            "{\n"
-            ".reg .b32 h01, h23, t01, t23;\n"
-            ".reg .b16 e01, e23;\n"
-            "cvt.rn.satfinite.f16x2.f32 h01, $2, $1;\n"
-            "cvt.rn.satfinite.f16x2.f32 h23, $4, $3;\n"
-            "tanh.approx.f16x2 t01, h01;\n"
-            "tanh.approx.f16x2 t23, h23;\n"
-            "fma.rn.f16x2 t01, h01, t01, h01;\n"
-            "fma.rn.f16x2 t23, h23, t23, h23;\n"
-            "cvt.rn.satfinite.e4m3x2.f16x2 e01, t01;\n"
-            "cvt.rn.satfinite.e4m3x2.f16x2 e23, t23;\n"
-            "mov.b32 $0, {e01, e23};\n"
-            "}",
-            "=r,f,f,f,f",
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+    return _asm(
+        Uint32, [Float32(h) for h in (h0, h1, h2, h3)],
+        "{\n"
+        ".reg .b32 h01, h23, t01, t23;\n"
+        ".reg .b16 e01, e23;\n"
+        "cvt.rn.satfinite.f16x2.f32 h01, $2, $1;\n"
+        "cvt.rn.satfinite.f16x2.f32 h23, $4, $3;\n"
+        "tanh.approx.f16x2 t01, h01;\n"
+        "tanh.approx.f16x2 t23, h23;\n"
+        "fma.rn.f16x2 t01, h01, t01, h01;\n"
+        "fma.rn.f16x2 t23, h23, t23, h23;\n"
+        "cvt.rn.satfinite.e4m3x2.f16x2 e01, t01;\n"
+        "cvt.rn.satfinite.e4m3x2.f16x2 e23, t23;\n"
+        "mov.b32 $0, {e01, e23};\n"
+        "}",
+        "=r,f,f,f,f")
+
+
+def silu_f16x2(h0: Float32, h1: Float32) -> Uint32:
+    """silu(2 h) of two values as f16x2 (low = h0), by the same f16x2 recipe as
+    :func:`silu_e4m3x4`, for the scaled P of quant modes >= 1 (its row maximum sets the scale)."""
+    return _asm(
+        Uint32, [Float32(h0), Float32(h1)],
+        "{\n"
+        ".reg .b32 h, t;\n"
+        "cvt.rn.satfinite.f16x2.f32 h, $2, $1;\n"
+        "tanh.approx.f16x2 t, h;\n"
+        "fma.rn.f16x2 $0, h, t, h;\n"
+        "}",
+        "=r,f,f")
+
+
+def max_f16x2(a: Uint32, b: Uint32) -> Uint32:
+    return _asm(Uint32, [Uint32(a), Uint32(b)], "max.f16x2 $0, $1, $2;", "=r,r,r")
+
+
+def scaled_e4m3x4(p_row: Uint32, p_row8: Uint32, m_row: Uint32, m_row8: Uint32) -> Uint32:
+    """e4m3 of two f16x2 pairs of P (row g, row g + 8) times their rows' multipliers (f16x2,
+    the same value twice), packed as :func:`silu_e4m3x4` packs (row g's pair low)."""
+    return _asm(
+        Uint32, [Uint32(p_row), Uint32(p_row8), Uint32(m_row), Uint32(m_row8)],
+        "{\n"
+        ".reg .b32 a, b;\n"
+        ".reg .b16 ea, eb;\n"
+        "mul.rn.f16x2 a, $1, $3;\n"
+        "mul.rn.f16x2 b, $2, $4;\n"
+        "cvt.rn.satfinite.e4m3x2.f16x2 ea, a;\n"
+        "cvt.rn.satfinite.e4m3x2.f16x2 eb, b;\n"
+        "mov.b32 $0, {ea, eb};\n"
+        "}",
+        "=r,r,r,r,r")
+
+
+def f16_half_to_f32(x: Uint32, high: bool) -> Float32:
+    half = "hi" if high else "lo"
+    return _asm(Float32, [Uint32(x)],
+                "{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $1;\ncvt.f32.f16 $0, " + half + ";\n}", "=f,r")
+
+
+def f32_to_f16x2_twice(x: Float32) -> Uint32:
+    return _asm(Uint32, [Float32(x)], "cvt.rn.f16x2.f32 $0, $1, $1;", "=r,f")
+
+
+def pow2_ceil(x: Float32) -> Float32:
+    """The least power of two >= x (x positive and normal): round the exponent up unless the
+    mantissa is zero."""
+    return _asm(Float32, [Float32(x)],
+                "{\n.reg .b32 b;\nmov.b32 b, $1;\nadd.u32 b, b, 0x7FFFFF;\nand.b32 b, b, 0xFF800000;\n"
+                "mov.b32 $0, b;\n}", "=f,f")
+
+
+def pow2_reciprocal(x: Float32) -> Float32:
+    """1 / x for a normal power of two x, exactly (exponent 254 - e)."""
+    return _asm(Float32, [Float32(x)],
+                "{\n.reg .b32 b;\nmov.b32 b, $1;\nsub.u32 b, 0x7F000000, b;\nmov.b32 $0, b;\n}", "=f,f")
 
 
 @cute.jit
@@ -84,6 +144,64 @@ def silu_to_fp8_words(acc_S: cute.Tensor, half_alpha: Float32) -> cute.Tensor:
     for w in cutlass.range_constexpr(n_words):
         words[w] = silu_e4m3x4(*(flat[4 * w + i] * half_alpha for i in range(4)))
     return words
+
+
+def _tree(values: list, combine):
+    while len(values) > 1:
+        values = [combine(values[i], values[i + 1]) if i + 1 < len(values) else values[i]
+                  for i in range(0, len(values), 2)]
+    return values[0]
+
+
+@cute.jit
+def silu_to_scaled_fp8_words(acc_S: cute.Tensor, half_alpha: Float32, dv: Float32, row_scale: cute.Tensor,
+                             rescale: cute.Tensor) -> cute.Tensor:
+    """The words of :func:`silu_to_fp8_words` for scaled P (quant modes >= 1; the rule is in
+    :mod:`hstu_cute.fp8_format`): P in f16x2, each row's maximum over the quad (the quad's four
+    lanes hold the whole row: two shuffles for both rows), then P * (dv / s) to e4m3.
+    ``row_scale`` (2,): the running power-of-two scale of the thread's rows g and g + 8, updated;
+    ``rescale`` (2,) <- s_old / s_new, what the accumulated output of each row must be multiplied
+    by (0 where s was 0: a fresh tile)."""
+    n_pairs = cute.size(acc_S) // 2
+    flat = cute.make_tensor(acc_S.iterator, cute.make_layout(cute.size(acc_S)))
+    pairs = cute.make_rmem_tensor(cute.make_layout(n_pairs), Uint32)
+    for w in cutlass.range_constexpr(n_pairs):
+        pairs[w] = silu_f16x2(flat[2 * w] * half_alpha, flat[2 * w + 1] * half_alpha)
+    # Accumulator order: even pairs are row g, odd pairs row g + 8.
+    row = _tree([pairs[w] for w in range(0, n_pairs, 2)], max_f16x2)
+    row8 = _tree([pairs[w] for w in range(1, n_pairs, 2)], max_f16x2)
+    both = max_f16x2(prmt(row, row8, Uint32(0x5410), ordered=False), prmt(row, row8, Uint32(0x7632), ordered=False))
+    both = max_f16x2(both, cute.arch.shuffle_sync_bfly(both, 1))
+    both = max_f16x2(both, cute.arch.shuffle_sync_bfly(both, 2))
+    multipliers = []
+    for i in cutlass.range_constexpr(2):
+        amax = cute.arch.fmax(f16_half_to_f32(both, i == 1), Float32(P_AMAX_FLOOR))
+        scale = cute.arch.fmax(row_scale[i], pow2_ceil(amax * dv * Float32(1.0 / E4M3_MAX)))
+        inverse = pow2_reciprocal(scale)
+        rescale[i] = row_scale[i] * inverse
+        row_scale[i] = scale
+        multipliers.append(f32_to_f16x2_twice(dv * inverse))
+    words = cute.make_rmem_tensor(cute.make_layout(n_pairs // 2), Uint32)
+    for w in cutlass.range_constexpr(n_pairs // 2):
+        words[w] = scaled_e4m3x4(pairs[2 * w], pairs[2 * w + 1], multipliers[0], multipliers[1])
+    return words
+
+
+@cute.jit
+def scale_rows(acc: cute.Tensor, factors: cute.Tensor):
+    """Multiply the thread's rows (g, g + 8) of a WGMMA accumulator by ``factors`` (2,)."""
+    rc = cute.make_tensor(acc.iterator, wgmma_acc_rows_cols(acc.layout))
+    for i in cutlass.range_constexpr(cute.size(rc.shape[0])):
+        for j in cutlass.range_constexpr(cute.size(rc.shape[1])):
+            rc[i, j] = rc[i, j] * factors[i]
+
+
+@cute.jit
+def rescale_rows_if_needed(acc: cute.Tensor, rescale: cute.Tensor):
+    """:func:`scale_rows` by the ``rescale`` of :func:`silu_to_scaled_fp8_words`, skipped (one vote
+    per warp) when no row of the warp changed scale: after the first key blocks it rarely does."""
+    if cute.arch.vote_any_sync((rescale[0] < Float32(1.0)) | (rescale[1] < Float32(1.0))):
+        scale_rows(acc, rescale)
 
 
 @cute.jit

@@ -11,7 +11,15 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from .. import masks
 from ..common.mask_apply import KERNEL_OPS, apply_mask_rows_cols
 from ..common.barriers import NamedBarrier
-from ..common.fp8 import silu_to_fp8_words, words_to_operand_a, zero_smem_cols_past
+from ..common.fp8 import (
+    rescale_rows_if_needed,
+    scale_rows,
+    silu_to_fp8_words,
+    silu_to_scaled_fp8_words,
+    words_to_operand_a,
+    zero_smem_cols_past,
+)
+from ..fp8_format import BLOCK_TOKENS
 from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import silu_scaled_inplace
 from ..common.tile_scheduler import SectionWalk, TileScheduler
@@ -67,7 +75,8 @@ class HstuForwardSm90(HstuSm90Base):
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
                  num_stages: int, fast_silu: bool, intra_wg_overlap: bool = True, pingpong: bool = True,
-                 persistent: bool = True, q_stages: int = 1, dynamic_tiles: bool = False, out_dtype=None):
+                 persistent: bool = True, q_stages: int = 1, dynamic_tiles: bool = False, out_dtype=None,
+                 scaled_p: bool = False):
         # The CTA launches with 168 x 384 registers; setmaxnreg moves them between roles, so the
         # consumers' 240 must come out of that pool (common.sm90.sm90_register_split).
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, tile_m // 64,
@@ -75,6 +84,11 @@ class HstuForwardSm90(HstuSm90Base):
         # FP8 (e4m3) q, k and V^T; the output and rab stay 16-bit (HstuForwardFp8Sm90).
         self.fp8 = dtype.width == 8
         self.out_dtype = self.rab_dtype = out_dtype or dtype
+        # FP8 quant modes >= 1: P re-quantized per row with a running power-of-two scale
+        # (hstu_cute.fp8_format), descales per (sequence, block, head). A query tile is one
+        # quantizer block and a key tile lies inside one.
+        self.scaled_p = scaled_p
+        assert not scaled_p or (self.fp8 and tile_m == BLOCK_TOKENS and BLOCK_TOKENS % tile_n == 0)
         # fp16 stores the next P through an operand fence: with a plain store ptxas serializes every
         # WGMMA of the fp16 variants (C7513). H200 fp16 B8 N4096 causal: D128 484 vs 378 TF, D256
         # 620 vs 366, D64 290 vs 268. bf16 keeps the plain store (the fence cost it D64 461 -> 427).
@@ -189,10 +203,14 @@ class HstuForwardSm90(HstuSm90Base):
             # scores = (q8 . k8) dq dk: without rab the product folds into alpha, with rab it
             # scales the scores before the bias (add_rab_silu_mask); out = (P8 . v8) dv / S.
             mDescaleQ, mDescaleK, mDescaleV = descales
-            self.qk_descale = mDescaleQ[0] * mDescaleK[0]
-            if const_expr(not self.has_rab):
-                alpha = alpha * self.qk_descale
-            out_scale = out_scale * mDescaleV[0]
+            if const_expr(self.scaled_p):
+                # (B, blocks, H) tables, read per tile and per key block (tile_descales).
+                self.descales = descales
+            else:
+                self.qk_descale = mDescaleQ[0] * mDescaleK[0]
+                if const_expr(not self.has_rab):
+                    alpha = alpha * self.qk_descale
+                out_scale = out_scale * mDescaleV[0]
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -358,9 +376,15 @@ class HstuForwardSm90(HstuSm90Base):
         prev_v_rows, prev_head, prev_q_start, prev_m_block, prev_seqlen_q = Int32(0), Int32(0), Int32(0), Int32(0), Int32(0)
         acc_O = cute.make_rmem_tensor(acc_shape_O, Float32)
         acc_O.fill(0.0)
+        p_scale = pending_p_scale = None
+        if const_expr(self.scaled_p):
+            # The running P scale of the thread's two rows, and the pending tile's for its epilogue.
+            p_scale = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+            pending_p_scale = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+            p_scale.fill(0.0)
         # What every overlapped block step reads (overlapped_block).
         step = (tidx, wg, sV, pipe_k, pipe_v, pipe_rab, alpha, tSrQ, tSrK, tOrVt, tOrP, tScS_rc, tSsRab, acc_shape_S,
-                acc_O)
+                acc_O, p_scale)
         num_tiles, next_tile = tiles.num_tiles, tiles.consumer_next  # no method call on a loop-carried name
         tile, tile_token = tiles.consumer_first()
         while tile < num_tiles:
@@ -368,16 +392,19 @@ class HstuForwardSm90(HstuSm90Base):
             n_lo, hole_lo, hole_size, n_count = sched
             if live:
                 row_first = seq.row_offset + m_block * self.tile_m
+                scales = self.tile_descales(batch, head, m_block)
                 if n_count > 0:
                     pipe_q.consumer_wait(q_state)
                     # ---- first n-block: its QK^T goes out with the previous tile's last P.V ----
                     n_block = masks.n_block_at(n_count - 1, n_lo, hole_lo, hole_size, KERNEL_OPS)
                     pipe_k.consumer_wait(k_state)
                     if pending:
+                        if const_expr(self.scaled_p):
+                            pending_p_scale.store(p_scale.load())
                         v_state = self.overlapped_block(step, q_state, k_state, v_state, lambda: prev_v_rows, seq,
-                                                        m_block, n_block, row_first, advance_v=True)
+                                                        m_block, n_block, row_first, scales, advance_v=True)
                         self.store_tile(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, prev_head, prev_q_start,
-                                        prev_m_block, prev_seqlen_q)
+                                        prev_m_block, prev_seqlen_q, pending_p_scale)
                         acc_O.fill(0.0)
                     else:
                         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
@@ -385,7 +412,7 @@ class HstuForwardSm90(HstuSm90Base):
                               tSrK[None, None, None, k_state.index], True, 0)
                         pipe_k.consumer_release(k_state)
                         self.scores_to_p(acc_S, tOrP, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block,
-                                         n_block, row_first)
+                                         n_block, row_first, scales, p_scale)
                     k_state = advanced(k_state)
                     # ---- the tile's other n-blocks: the per-tile loop's body ----
                     for it in cutlass.range(1, n_count, unroll=1):
@@ -394,7 +421,7 @@ class HstuForwardSm90(HstuSm90Base):
                         pipe_k.consumer_wait(k_state)
                         self.overlapped_block(step, q_state, k_state, v_state,
                                               lambda: seq.seqlen_k - n_prev * self.tile_n, seq, m_block, n_block,
-                                              row_first)
+                                              row_first, scales)
                         k_state = advanced(k_state)
                         v_state = advanced(v_state)
                     # Every QK^T of this tile is complete: the producer may load the next Q.
@@ -411,7 +438,7 @@ class HstuForwardSm90(HstuSm90Base):
                         v_state = self.last_pv(pipe_v, v_state, sV, zero_copy_v, tidx, wg, prev_v_rows, acc_O, tOrP,
                                                tOrVt)
                         self.store_tile(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, prev_head, prev_q_start,
-                                        prev_m_block, prev_seqlen_q)
+                                        prev_m_block, prev_seqlen_q, p_scale)
                         acc_O.fill(0.0)
                         pending = cutlass.Boolean(False)
                     self.store_tile(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, head, q_start, m_block, seq.seqlen_q)
@@ -419,17 +446,19 @@ class HstuForwardSm90(HstuSm90Base):
         if pending:
             v_state = self.last_pv(pipe_v, v_state, sV, zero_copy_v, tidx, wg, prev_v_rows, acc_O, tOrP, tOrVt)
             self.store_tile(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, prev_head, prev_q_start, prev_m_block,
-                            prev_seqlen_q)
+                            prev_seqlen_q, p_scale)
 
     @cute.jit
     def overlapped_block(self, step, q_state, k_state, v_state, v_rows, seq, m_block: Int32, n_block: Int32,
-                         row_first: Int32, advance_v: cutlass.Constexpr[bool] = False):
+                         row_first: Int32, scales, advance_v: cutlass.Constexpr[bool] = False):
         """One block after the first (K waited for): QK^T of this block and P.V of the previous one
         (``v_rows()``: its V rows inside the sequence) in flight together, under the ping-pong
         barrier; then this block's P replaces the previous one. Releases K and V; the caller
         advances the states, except V with ``advance_v`` (returned; it is advanced before the P
-        swap there, which keeps the tile-boundary step's PTX as it was measured)."""
-        tidx, wg, sV, pipe_k, pipe_v, pipe_rab, alpha, tSrQ, tSrK, tOrVt, tOrP, tScS_rc, tSsRab, acc_shape_S, acc_O = step
+        swap there, which keeps the tile-boundary step's PTX as it was measured): then this block
+        is a new tile's first, and its scaled P (``scales``) starts afresh."""
+        (tidx, wg, sV, pipe_k, pipe_v, pipe_rab, alpha, tSrQ, tSrK, tOrVt, tOrP, tScS_rc, tSsRab, acc_shape_S, acc_O,
+         p_scale) = step
         self.sched_wait(wg)
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
         wgmma(self.tiled_mma_qk, acc_S, tSrQ[None, None, None, q_state.index], tSrK[None, None, None, k_state.index],
@@ -441,13 +470,14 @@ class HstuForwardSm90(HstuSm90Base):
         pipe_k.consumer_release(k_state)
         if const_expr(self.fp8):
             # The next P's words while P.V runs; into the operand registers once it is done.
-            self.add_rab_silu_mask(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, self.mask, seq, m_block,
-                                   n_block, row_first)
-            words = silu_to_fp8_words(acc_S, alpha * Float32(0.5))
+            words, rescale = self.fp8_p_words(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, seq, m_block,
+                                              n_block, row_first, scales, p_scale, advance_v)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(v_state)
             if const_expr(advance_v):
                 v_state = advanced(v_state)
+            if const_expr(self.scaled_p and not advance_v):
+                rescale_rows_if_needed(acc_O, rescale)
             words_to_operand_a(words, tOrP)
             return v_state
         rP = self.scores_to_p_deferred(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, self.mask, seq, m_block,
@@ -472,9 +502,12 @@ class HstuForwardSm90(HstuSm90Base):
 
     @cute.jit
     def store_tile(self, acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale: Float32, head: Int32, q_start: Int32,
-                   m_block: Int32, seqlen_q: Int32):
+                   m_block: Int32, seqlen_q: Int32, p_scale=None):
         """Epilogue: O * (1/S) -> the input dtype, stored from registers (pairs of columns), rows
-        past seqlen_q skipped."""
+        past seqlen_q skipped; scaled P: each row times its final P scale first (``acc_O`` is
+        overwritten; None for a tile without keys: its zeros)."""
+        if const_expr(p_scale is not None):
+            scale_rows(acc_O, p_scale)
         rO = cute.make_rmem_tensor(acc_O.layout, self.out_dtype)
         rO.store((acc_O.load() * inv_scale).to(self.out_dtype))
         gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, head, None]), (self.tile_m, self.head_dim),
@@ -508,14 +541,14 @@ class HstuForwardSm90(HstuSm90Base):
 
     @cute.jit
     def add_rab_silu_mask(self, acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha: Float32, spec: cutlass.Constexpr,
-                          seq, m_block: Int32, n_block: Int32, row_first: Int32):
+                          seq, m_block: Int32, n_block: Int32, row_first: Int32, qk_descale=None):
         if const_expr(self.has_rab):
             pipe_rab.consumer_wait(k_state)
             rRab = cute.make_rmem_tensor(acc_S.layout, self.rab_dtype)
             cute.autovec_copy(tSsRab[None, None, None, k_state.index], rRab)
             pipe_rab.consumer_release(k_state)
             if const_expr(self.fp8):
-                acc_S.store(acc_S.load() * self.qk_descale + rRab.load().to(Float32))
+                acc_S.store(acc_S.load() * qk_descale + rRab.load().to(Float32))
             else:
                 acc_S.store(acc_S.load() + rRab.load().to(Float32))
         if const_expr(not self.fp8):
@@ -528,13 +561,54 @@ class HstuForwardSm90(HstuSm90Base):
 
     @cute.jit
     def scores_to_p(self, acc_S, tOrP, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec: cutlass.Constexpr, seq,
-                    m_block, n_block, row_first):
-        self.add_rab_silu_mask(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block, n_block,
-                               row_first)
+                    m_block, n_block, row_first, scales, p_scale):
+        """A tile's first P (nothing in flight), into the operand registers."""
         if const_expr(self.fp8):
-            words_to_operand_a(silu_to_fp8_words(acc_S, alpha * Float32(0.5)), tOrP)
+            words, _ = self.fp8_p_words(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, seq, m_block, n_block,
+                                        row_first, scales, p_scale, True)
+            words_to_operand_a(words, tOrP)
         else:
+            self.add_rab_silu_mask(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block, n_block,
+                                   row_first)
             tOrP.store(cute.make_tensor(acc_S.iterator, wgmma_acc_as_operand_a(acc_S.layout)).load().to(self.dtype))
+
+    @cute.jit
+    def fp8_p_words(self, acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha: Float32, seq, m_block: Int32,
+                    n_block: Int32, row_first: Int32, scales, p_scale, first: cutlass.Constexpr[bool]):
+        """(e4m3 words of this block's P in accumulator order, the output rows' rescale or None).
+        Scaled P: the block's descales (:meth:`block_descales`) enter the scores and P's
+        multiplier; ``first``: the tile's first block, its rows' scale starts afresh."""
+        if const_expr(self.scaled_p):
+            qk_descale, dv = self.block_descales(scales, n_block)
+            self.add_rab_silu_mask(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, self.mask, seq, m_block,
+                                   n_block, row_first, qk_descale)
+            half_alpha = alpha * Float32(0.5) if const_expr(self.has_rab) else alpha * qk_descale * Float32(0.5)
+            if const_expr(first):
+                p_scale.fill(0.0)
+            rescale = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+            return silu_to_scaled_fp8_words(acc_S, half_alpha, dv, p_scale, rescale), rescale
+        qk_descale = self.qk_descale if const_expr(self.has_rab) else None
+        self.add_rab_silu_mask(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, self.mask, seq, m_block, n_block,
+                               row_first, qk_descale)
+        return silu_to_fp8_words(acc_S, alpha * Float32(0.5)), None
+
+    @cute.jit
+    def tile_descales(self, batch: Int32, head: Int32, m_block: Int32):
+        """Scaled P: (batch, head, q descale of this query tile), else None."""
+        if const_expr(not self.scaled_p):
+            return None
+        mDescaleQ = self.descales[0]
+        block = cutlass.min(m_block * self.tile_m // BLOCK_TOKENS, mDescaleQ.shape[1] - 1)
+        return batch, head, mDescaleQ[batch, block, head]
+
+    @cute.jit
+    def block_descales(self, scales, n_block: Int32):
+        """(q descale x k descale, v descale) of key block ``n_block`` of a tile (``scales``:
+        :meth:`tile_descales`); the block index is clamped into the tables."""
+        batch, head, dq = scales
+        mDescaleK, mDescaleV = self.descales[1], self.descales[2]
+        block = cutlass.min(n_block * self.tile_n // BLOCK_TOKENS, mDescaleK.shape[1] - 1)
+        return dq * mDescaleK[batch, block, head], mDescaleV[batch, block, head]
 
     @cute.jit
     def scores_to_p_deferred(self, acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec: cutlass.Constexpr, seq,

@@ -21,6 +21,12 @@ def _hopper_cast(key):
     return CastE4M3Sm90(dsl_dtype(key.dtype), key.head_dim)
 
 
+def _hopper_quant(key):
+    from .hopper.quantize import BlockQuantizeSm90
+
+    return BlockQuantizeSm90(dsl_dtype(key.dtype), key.head_dim, key.role, key.transposed)
+
+
 def _hopper_vt(key):
     from .hopper.vt import VTransposeSm90
 
@@ -78,7 +84,7 @@ def _hopper_bwd(key):
 
 KERNELS = {"ampere_fwd": _ampere_fwd, "ampere_bwd_dq": _ampere_bwd, "ampere_bwd_dkdv": _ampere_bwd,
            "hopper_fwd": _hopper_fwd, "hopper_fwd_fp8": _hopper_fwd_fp8, "hopper_fwd_vt": _hopper_vt,
-           "hopper_fwd_cast": _hopper_cast, "hopper_bwd_dkdv": _hopper_bwd, "hopper_bwd_fused": _hopper_bwd,
+           "hopper_fwd_cast": _hopper_cast, "hopper_fwd_quant": _hopper_quant, "hopper_bwd_dkdv": _hopper_bwd, "hopper_bwd_fused": _hopper_bwd,
            "hopper_bwd_dq": _hopper_bwd, "hopper_bwd_wide": _hopper_bwd}
 
 

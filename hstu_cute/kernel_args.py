@@ -100,6 +100,15 @@ def _tokens_transposed(s: FakeShapes):
                                          assumed_align=16)
 
 
+def _table(s: FakeShapes):
+    """A (B, blocks, H) fp32 table, heads contiguous."""
+    import cutlass
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_tensor(cutlass.Float32, (s.batch, cute.sym_int(), s.heads),
+                                         (cute.sym_int(), cute.sym_int(), 1), assumed_align=4)
+
+
 def _descale(s: FakeShapes):
     """(1,) fp32, or with ``scaled_p`` a (B, blocks, H) table (quant modes >= 1)."""
     import cutlass
@@ -107,8 +116,7 @@ def _descale(s: FakeShapes):
 
     if not s.key.scaled_p:
         return cute.runtime.make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(),), assumed_align=4)
-    return cute.runtime.make_fake_tensor(cutlass.Float32, (s.batch, cute.sym_int(), s.heads),
-                                         (cute.sym_int(), cute.sym_int(), 1), assumed_align=4)
+    return _table(s)
 
 
 def _f32(s: FakeShapes):
@@ -221,6 +229,13 @@ SPECS: dict[str, tuple[Arg, ...]] = {
     "hopper_fwd_vt": (Arg("mV", _tokens("tokens_k")), Arg("mVt", _tokens_transposed),
                       Arg("mOffsets", _int_vec("batch1"))),
     "hopper_fwd_cast": (Arg("mX", _tokens("tokens_q")), Arg("mO", _tokens("tokens_q", "Float8E4M3FN", 16))),
+    # Quant modes 2-5 (hstu_cute.hopper.quantize): (B, blocks, H) fp32 amax / scale tables.
+    "hopper_fwd_quant": (Arg("mX", _tokens("tokens_q")), Arg("mOffsets", _int_vec("batch1")),
+                         Arg("mAmax", _table, lambda key: key.role == "amax"),
+                         Arg("mScale", _table, lambda key: key.role != "amax"),
+                         Arg("mO", _tokens("tokens_q", "Float8E4M3FN", 16),
+                             lambda key: key.role != "amax" and not key.transposed),
+                         Arg("mVt", _tokens_transposed, lambda key: key.transposed), Arg("num_blocks", _i32)),
     "hopper_bwd_dq": (_Q, _K, _V, _DO, _DQ, *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS,
                       _BH_PER_SECTION, _TILE_COUNTER),
     "hopper_bwd_wide": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _TMA_RAB,

@@ -31,9 +31,11 @@ from .variants import (
     make_hopper_cast_key,
     make_hopper_fp8_fwd_key,
     make_hopper_fwd_key,
+    make_hopper_quant_key,
     make_hopper_vt_key,
     vt_width,
 )
+from .fp8_format import E4M3_MAX, SCALE_FLOOR
 
 INT32_MAX = 2**31 - 1
 
@@ -228,6 +230,51 @@ def cast_e4m3(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def quantize_blocks(x: torch.Tensor, seq_offsets: torch.Tensor, max_seqlen: int, mode: int, transposed: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 data, (B, blocks, H) descale table) of a 16-bit (T, H, D) tensor quantized with
+    ``mode`` (2-5) by the block quantizers (:mod:`hstu_cute.hopper.quantize`; the groups of
+    :mod:`hstu_cute.quantize`): mode 2 in one pass, modes 3-5 in two (block amax; the mode's group
+    reduction on the tiny table; cast). ``transposed``: the data is V^T (H, D, W) for the forward's
+    P.V (:func:`transposed_for_pv`'s layout), else (T, H, D). Modes 3-5 give a (B, 1, H) table."""
+    from .quantize import QuantMode, num_blocks
+
+    tokens, heads, head_dim = x.shape
+    batch = seq_offsets.shape[0] - 1
+    blocks = num_blocks(max_seqlen)
+    device = x.device
+    if transposed:
+        data = torch.empty((heads, head_dim, vt_width(tokens, batch)), dtype=torch.float8_e4m3fn, device=device)
+    else:
+        data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=device)
+    if tokens == 0 or batch == 0:
+        return data, torch.full((batch, 1, heads), SCALE_FLOOR, dtype=torch.float32, device=device)
+    x = aligned_16(x)
+    dtype = DTYPE_NAMES[x.dtype]
+    arch = device_arch(device)
+    out = dict(mVt=data) if transposed else dict(mO=data)
+    with _on_device(device):
+        if mode == QuantMode.PER_BLOCK:
+            table = torch.empty((batch, blocks, heads), dtype=torch.float32, device=device)
+            key = _made(make_hopper_quant_key, arch, dtype, head_dim, "fused", transposed)
+            _launch(key, _compiled(key), dict(mX=x, mOffsets=seq_offsets, mScale=table, num_blocks=blocks, **out))
+            return data, table
+        amax = torch.empty((batch, blocks, heads), dtype=torch.float32, device=device)
+        key = _made(make_hopper_quant_key, arch, dtype, head_dim, "amax", False)
+        _launch(key, _compiled(key), dict(mX=x, mOffsets=seq_offsets, mAmax=amax, num_blocks=blocks))
+        if mode == QuantMode.PER_HEAD:
+            amax = amax.amax(dim=1, keepdim=True)
+        elif mode == QuantMode.PER_SEQUENCE:
+            amax = amax.amax(dim=(1, 2), keepdim=True).expand(batch, 1, heads)
+        else:
+            amax = amax.amax().reshape(1, 1, 1).expand(batch, 1, heads)
+        table = torch.clamp(amax / E4M3_MAX, min=SCALE_FLOOR)  # (B, 1, H), contiguous
+        key = _made(make_hopper_quant_key, arch, dtype, head_dim, "cast", transposed)
+        _launch(key, _compiled(key), dict(mX=x, mOffsets=seq_offsets, mScale=table.expand(batch, blocks, heads),
+                                          num_blocks=blocks, **out))
+    return data, table
+
+
 _ONES: dict = {}
 
 
@@ -308,18 +355,19 @@ def prepare_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_
     if p.quant_mode == -1:
         descales = tuple(d if d is not None else unit_descale(device) for d in (descale_q, descale_k, descale_v))
     else:
-        from .quantize import QuantMode, descale_table, quantize_qkv
-
-        if p.quant_mode == QuantMode.CAST:
+        if p.quant_mode == 0:
             # One launch per tensor: q and k by the cast kernel, V by the V^T kernel (both saturate
             # as the quantizer does).
             q, k = cast_e4m3(q), cast_e4m3(k)
             descales = (unit_descale(device),) * 3
         else:
-            quantized = quantize_qkv(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, p.quant_mode)
-            descales = tuple(descale_table(x.scale, p.quant_mode, p.batch, p.heads) for x in quantized)
-            q, k, v = (x.data for x in quantized)
-    return q, k, Fp8Operands(transposed_for_pv(v, seq_offsets_k), descales, p.out_dtype, p.quant_mode > 0)
+            (q, dq), (k, dk), (vt, dv) = (
+                quantize_blocks(x, offsets, max_seqlen, p.quant_mode, transposed)
+                for x, offsets, max_seqlen, transposed in ((q, seq_offsets_q, max_seqlen_q, False),
+                                                           (k, seq_offsets_k, max_seqlen_k, False),
+                                                           (v, seq_offsets_k, max_seqlen_k, True)))
+            return q, k, Fp8Operands(vt, (dq, dk, dv), p.out_dtype, True)
+    return q, k, Fp8Operands(transposed_for_pv(v, seq_offsets_k), descales, p.out_dtype, False)
 
 
 def forward_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,

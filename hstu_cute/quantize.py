@@ -21,7 +21,7 @@ Groups (``QuantMode``), for a (T, H, D) tensor of a jagged batch of B sequences:
   start; ``scale`` (B, blocks, H).
 * 3 ``PER_HEAD``: per (sequence, head); ``scale`` (B, H).
 * 4 ``PER_SEQUENCE``: per sequence; ``scale`` (B,).
-* 5 ``PER_TENSOR``: the whole tensor; ``scale`` (1,).
+* 5 ``PER_TENSOR``: every token of the batch; ``scale`` (1,).
 
 ``blocks`` is ``ceil(max_seqlen / block)``; groups no token falls in keep the floor scale.
 """
@@ -110,8 +110,10 @@ def quantize(x: torch.Tensor, mode: int, seq_offsets: torch.Tensor, max_seqlen: 
         return Quantized(torch.clamp(x, -E4M3_MAX, E4M3_MAX).to(E4M3), scale)
     xf = x.float()
     if mode == QuantMode.PER_TENSOR:
-        # The appended zero keeps an empty tensor (no tokens) legal without a shape branch.
-        scale = _scale(torch.cat([xf.abs().reshape(-1), xf.new_zeros(1)]).amax().reshape(1))
+        # Over the sequences' tokens (not the padding past them); the appended zero keeps an
+        # empty tensor (no tokens) legal without a shape branch.
+        valid = _tokens(seq_offsets, tokens, blocks, block).valid
+        scale = _scale(torch.cat([(xf.abs() * valid[:, None, None]).reshape(-1), xf.new_zeros(1)]).amax().reshape(1))
         return Quantized(_cast(xf, scale), scale)
     if mode == QuantMode.TWO_DIRECTION:
         scale = _scale(xf.abs().amax(dim=2))  # (T, H)

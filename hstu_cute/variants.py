@@ -32,7 +32,8 @@ SHIPPED_MASKS = ((MaskKind.NONE, False), (MaskKind.LOCAL, False), (MaskKind.CAUS
 __all__ = [
     "HEAD_DIMS", "DTYPES", "SHIPPED_MASKS", "AmpereFwdKey", "AmpereBwdKey", "HopperFwdKey", "HopperBwdKey",
     "KEY_CLASSES", "make_fwd_key", "make_bwd_keys", "make_hopper_fwd_key", "make_hopper_bwd_key",
-    "HopperFp8FwdKey", "make_hopper_fp8_fwd_key", "FP8_DTYPE", "FP8_HEAD_DIMS", "HopperVtKey",
+    "HopperFp8FwdKey", "make_hopper_fp8_fwd_key", "FP8_DTYPE", "FP8_HEAD_DIMS", "HopperVtKey", "HopperQuantKey",
+    "make_hopper_quant_key", "QUANT_VARIANTS",
     "make_hopper_vt_key", "vt_width", "HopperCastKey", "make_hopper_cast_key",
     "shipped_keys", "has_hopper_kernels",
 ]
@@ -297,6 +298,29 @@ class HopperCastKey(_Fp8InputKey):
     kernel_name: ClassVar[str] = "hopper_fwd_cast"
 
 
+@dataclass(frozen=True)
+class HopperQuantKey(_Fp8InputKey):
+    """Compile key of :class:`~hstu_cute.hopper.quantize.BlockQuantizeSm90` (quant modes 2-5):
+    ``role`` "fused" (mode 2: amax, scale and cast in one pass), "amax" or "cast" (modes 3-5's two
+    passes); ``transposed``: the cast writes V^T."""
+
+    kernel_name: ClassVar[str] = "hopper_fwd_quant"
+
+    role: str = "fused"
+    transposed: bool = False
+
+    def describe(self) -> str:
+        return super().describe() + f" {self.role}" + (" ->V^T" if self.transposed else "")
+
+
+#: (role, transposed) of the shipped quantizer variants.
+QUANT_VARIANTS = (("fused", False), ("fused", True), ("amax", False), ("cast", False), ("cast", True))
+
+
+def make_hopper_quant_key(arch, dtype, head_dim, role, transposed) -> HopperQuantKey:
+    return HopperQuantKey(arch=arch, dtype=dtype, head_dim=head_dim, role=role, transposed=transposed)
+
+
 def make_hopper_cast_key(arch, dtype, head_dim) -> HopperCastKey:
     return HopperCastKey(arch=arch, dtype=dtype, head_dim=head_dim)
 
@@ -402,7 +426,7 @@ def _hopper_role_serves(role: str, head_dim: int) -> bool:
 
 
 KEY_CLASSES = {cls.__name__: cls for cls in (AmpereFwdKey, AmpereBwdKey, HopperFwdKey, HopperBwdKey,
-                                              HopperFp8FwdKey, HopperVtKey, HopperCastKey)}
+                                              HopperFp8FwdKey, HopperVtKey, HopperCastKey, HopperQuantKey)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,13 +457,16 @@ def shipped_hopper_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_
 
 def shipped_hopper_fp8_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
     """FP8 forward variants (``dtypes`` are the output and rab types; P cast, then scaled P), then the V^T kernels (V in
-    each of ``dtypes``, cast on the way, or already e4m3) and quant_mode 0's cast of q and k."""
+    each of ``dtypes``, cast on the way, or already e4m3), quant_mode 0's cast of q and k and the
+    block quantizers of modes 2-5."""
     fp8_dims = [d for d in head_dims if d in FP8_HEAD_DIMS]
     return ([make_hopper_fp8_fwd_key(arch, *variant, has_rab, scaled_p=scaled_p)
              for scaled_p in (False, True) for variant in _shipped_variants(dtypes, fp8_dims)
              for has_rab in (False, True)]
             + [make_hopper_vt_key(arch, dtype, d) for dtype in (*dtypes, FP8_DTYPE) for d in fp8_dims]
-            + [make_hopper_cast_key(arch, dtype, d) for dtype in dtypes for d in fp8_dims])
+            + [make_hopper_cast_key(arch, dtype, d) for dtype in dtypes for d in fp8_dims]
+            + [make_hopper_quant_key(arch, dtype, d, *variant) for dtype in dtypes for d in fp8_dims
+               for variant in QUANT_VARIANTS])
 
 
 def shipped_hopper_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[HopperBwdKey]:

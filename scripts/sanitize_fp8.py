@@ -1,5 +1,6 @@
 """A small jagged batch through every mask family (and rab, delta_q, seqused) on the Hopper FP8
-forward, both entries (pre-quantized e4m3 with descales; quant_mode 0), for compute-sanitizer.
+forward, every entry (pre-quantized e4m3 with descales; quant_mode 0; quant_mode 2 and 4, the block
+quantizers' one- and two-pass forms), for compute-sanitizer.
 Lengths are random, so sequences start at tokens that are not multiples of 16. Skips (exit 0)
 without a compute capability 9.x GPU."""
 import sys
@@ -30,10 +31,11 @@ for name, kw in CASES.items():
         rest = {k: v for k, v in b.items() if k not in ("q", "k", "v")}
         with torch.no_grad():
             out0 = hstu_attn_varlen_func(b["q"], b["k"], b["v"], **rest, quant_mode=0)
+            scaled = [hstu_attn_varlen_func(b["q"], b["k"], b["v"], **rest, quant_mode=m) for m in (2, 4)]
             quantized = dict(zip("qkv", quantize_batch(b, QuantMode.PER_TENSOR)))
             out8 = hstu_attn_varlen_func(*(quantized[n].data for n in "qkv"), **rest,
                                          descale_q=quantized["q"].scale, descale_k=quantized["k"].scale,
                                          descale_v=quantized["v"].scale)
         torch.cuda.synchronize()
-        assert torch.isfinite(out0).all() and torch.isfinite(out8).all(), (name, head_dim)
+        assert all(torch.isfinite(o).all() for o in (out0, out8, *scaled)), (name, head_dim)
         print(f"fp8 {name} D{head_dim}: ok", flush=True)

@@ -148,6 +148,34 @@ def test_fp8_scaled_modes(mode, head_dim):
     _check(b, f"mode{mode}", torch.float16, seed + 1)
 
 
+@pytest.mark.parametrize("mode", SCALED_MODES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_block_quantizers_match_torch(mode, head_dim):
+    """The device quantizers (launch.quantize_blocks) against hstu_cute.quantize bit for bit: the
+    e4m3 data of every sequence token, the descale table, and V^T's columns of each sequence."""
+    from hstu_cute import quantize
+
+    lengths = [300, 0, 1, 17, 129, 256]
+    b = random_jagged_batch(6, 3, head_dim, 300, device="cuda", seed=_seed("quant", mode, head_dim), lengths=lengths)
+    x, offsets = b["k"], b["seq_offsets_k"]
+    g = torch.Generator(device="cuda").manual_seed(mode)
+    x = (x.float() * torch.exp2(torch.randint(-4, 5, (x.shape[0], 3, 1), generator=g, device="cuda").float())).to(x.dtype)
+    want = quantize.quantize(x, mode, offsets, 300)
+    table = quantize.descale_table(want.scale, mode, 6, 3)
+    data, got_table = launch.quantize_blocks(x, offsets, 300, mode, False)
+    end = int(offsets[-1])
+    assert torch.equal(data[:end].view(torch.uint8), want.data[:end].view(torch.uint8))
+    assert torch.equal(got_table, table)
+    vt, vt_table = launch.quantize_blocks(x, offsets, 300, mode, True)
+    assert torch.equal(vt_table, table)
+    starts = offsets.tolist()
+    for seq, length in enumerate(lengths):
+        column = -(-starts[seq] // 16) * 16 + 16 * seq
+        got = vt[:, :, column:column + length]
+        assert torch.equal(got.view(torch.uint8), want.data[starts[seq]:starts[seq] + length].permute(1, 2, 0)
+                           .view(torch.uint8)), seq
+
+
 def test_fp8_all_target_and_many_sequences():
     lens = [64, 300, 1, 129]
     b = random_jagged_batch(4, 2, 128, 300, device="cuda", seed=3, lengths=lens, window_size=(-1, 0),

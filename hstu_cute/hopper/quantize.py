@@ -1,0 +1,153 @@
+"""The device quantizers of FP8 quant modes 2-5: one CTA per (block of 128 tokens, sequence, head),
+so that a block's sequence is known from the grid (no search) and its scale group is one CTA.
+
+Roles (``hstu_cute.quantize`` is the PyTorch description they match):
+
+* ``"fused"`` (mode 2, a group is the CTA's block): the block's amax, its scale
+  ``max(amax / 448, 1e-6)`` written to the (B, blocks, H) table, and the cast ``e4m3(x / scale)``,
+  in one pass over the input;
+* ``"amax"`` (modes 3-5, first pass): the block's amax into the (B, blocks, H) table; the caller
+  reduces it to the mode's groups (a few tiny tensors) and expands the scales back to a table;
+* ``"cast"`` (modes 3-5, second pass): ``e4m3(x / scale)`` with the block's scale from the table.
+
+With ``transposed`` the cast writes V^T (H, D, W) instead of (T, H, D): the forward reads V only
+through V^T (layout: :mod:`hstu_cute.hopper.vt`), so V's (T, H, D) e4m3 copy is never made. The
+block goes through shared memory as (D, 128 tokens) and leaves as 16-byte runs of keys; the columns
+past the sequence inside its last run are zeros.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from ..fp8_format import BLOCK_TOKENS, E4M3_MAX, SCALE_FLOOR
+from .vt import vt_column_start
+
+# Elements per thread and chunk: 16 e4m3 bytes out (two 16-byte loads of a 16-bit input).
+VEC = 16
+# (D, tokens) staging rows padded to keep 16-byte alignment and spread the banks.
+_ROW_PAD = 16
+QUANT_ROLES = ("fused", "amax", "cast")
+
+
+class BlockQuantizeSm90:
+    """256 threads per CTA; each row of the block (a token) is ``D / 16`` chunks of 16 elements,
+    ``4096 / D`` rows per pass, ``D / 32`` passes: a thread holds ``D / 2`` input elements."""
+
+    def __init__(self, dtype, head_dim: int, role: str, transposed: bool):
+        assert role in QUANT_ROLES and not (transposed and role == "amax")
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.role = role
+        self.transposed = transposed
+        self.num_threads = 256
+        self.chunks = head_dim // VEC
+        self.rows_per_pass = self.num_threads // self.chunks
+        self.passes = BLOCK_TOKENS // self.rows_per_pass
+
+    @cute.jit
+    def __call__(self, mX, mOffsets, mAmax, mScale, mO, mVt, num_blocks, stream):
+        grid = [num_blocks, mOffsets.shape[0] - 1, mX.shape[1]]
+        self.kernel(mX, mOffsets, mAmax, mScale, mO, mVt).launch(grid=grid, block=[self.num_threads, 1, 1],
+                                                                   stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX, mOffsets, mAmax, mScale, mO, mVt):
+        D = self.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        block, batch, head = cute.arch.block_idx()
+        seq_start = mOffsets[batch]
+        row0 = block * BLOCK_TOKENS
+        rows = cutlass.min(mOffsets[batch + 1] - seq_start - row0, BLOCK_TOKENS)
+        chunk = tidx % self.chunks
+        row_in_pass = tidx // self.chunks
+
+        values = cute.make_rmem_tensor(cute.make_layout((VEC, self.passes)), self.dtype)
+        values.fill(0.0)
+        for i in cutlass.range_constexpr(self.passes):
+            r = row_in_pass + i * self.rows_per_pass
+            if r < rows:
+                cute.autovec_copy(cute.local_tile(mX[seq_start + row0 + r, head, None], (VEC,), (chunk,)),
+                                  values[None, i])
+
+        scale = Float32(1.0)
+        if const_expr(self.role == "cast"):
+            scale = mScale[batch, block, head]
+        else:
+            amax = self.block_amax(values, tidx)
+            if const_expr(self.role == "amax"):
+                if tidx == 0:
+                    mAmax[batch, block, head] = amax
+            else:
+                scale = cute.arch.fmax(amax / Float32(E4M3_MAX), Float32(SCALE_FLOOR))
+                if tidx == 0:
+                    mScale[batch, block, head] = scale
+        if const_expr(self.role != "amax"):
+            out = cute.make_rmem_tensor(cute.make_layout((VEC, self.passes)), cutlass.Float8E4M3FN)
+            out.store((values.load().to(Float32) / scale).to(cutlass.Float8E4M3FN))
+            if const_expr(self.transposed):
+                self.store_transposed(out, mVt, tidx, chunk, row_in_pass, seq_start, batch, head, row0, rows)
+            else:
+                for i in cutlass.range_constexpr(self.passes):
+                    r = row_in_pass + i * self.rows_per_pass
+                    if r < rows:
+                        cute.autovec_copy(out[None, i],
+                                          cute.local_tile(mO[seq_start + row0 + r, head, None], (VEC,), (chunk,)))
+
+    @cute.jit
+    def block_amax(self, values: cute.Tensor, tidx: Int32) -> Float32:
+        """max |x| over the CTA's block (rows past the sequence hold zeros)."""
+        amax = Float32(0.0)
+        for i in cutlass.range_constexpr(cute.size(values)):
+            x = Float32(values[i])
+            amax = cute.arch.fmax(amax, cute.arch.fmax(x, -x))
+        for offset in (16, 8, 4, 2, 1):
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset))
+
+        @cute.struct
+        class Storage:
+            warp_max: cute.struct.MemRange[Float32, 8]
+
+        storage = cutlass.memory.SmemAllocator().allocate(Storage)
+        warp_max = storage.warp_max.get_tensor(cute.make_layout(self.num_threads // 32))
+        if tidx % 32 == 0:
+            warp_max[tidx // 32] = amax
+        cute.arch.sync_threads()
+        amax = warp_max[0]
+        for w in cutlass.range_constexpr(1, self.num_threads // 32):
+            amax = cute.arch.fmax(amax, warp_max[w])
+        return amax
+
+    @cute.jit
+    def store_transposed(self, out: cute.Tensor, mVt, tidx: Int32, chunk: Int32, row_in_pass: Int32,
+                         seq_start: Int32, batch: Int32, head: Int32, row0: Int32, rows: Int32):
+        """The block's e4m3 values (zeros past the sequence) to V^T through a (D, 128) smem tile:
+        16-byte runs of keys, the runs that start inside the sequence."""
+        D = self.head_dim
+        stride = BLOCK_TOKENS + _ROW_PAD
+
+        @cute.struct
+        class Storage:
+            sT: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN, D * stride], 16]
+
+        storage = cutlass.memory.SmemAllocator().allocate(Storage)
+        sT = storage.sT.get_tensor(cute.make_layout((D, stride), stride=(stride, 1)))
+        for i in cutlass.range_constexpr(self.passes):
+            r = row_in_pass + i * self.rows_per_pass
+            for e in cutlass.range_constexpr(VEC):
+                sT[chunk * VEC + e, r] = out[e, i]
+        cute.arch.sync_threads()
+        runs = BLOCK_TOKENS // VEC
+        column0 = vt_column_start(seq_start, batch) + row0
+        for i in cutlass.range_constexpr(D * runs // self.num_threads):
+            item = tidx + i * self.num_threads
+            d = item // runs
+            run = item - d * runs
+            if run * VEC < rows:
+                src = cute.make_tensor(sT.iterator + d * stride + run * VEC, cute.make_layout(VEC))
+                dst_addr = (mVt.iterator + (head * mVt.stride[0] + d * mVt.stride[1] + column0 + run * VEC)).toint()
+                dst = cute.make_tensor(cute.make_ptr(cutlass.Float8E4M3FN, dst_addr, cute.AddressSpace.gmem,
+                                                     assumed_align=16), cute.make_layout(VEC))
+                cute.autovec_copy(src, dst)

@@ -1,11 +1,14 @@
-"""FP8 (e4m3) quantizers of the ``quant_mode`` path (docs/operator.md, FP8 section), on the device.
+"""FP8 (e4m3) quantizers of the ``quant_mode`` path (docs/operator.md, FP8 section) in PyTorch: the
+description that the device quantizers (:mod:`hstu_cute.hopper.quantize`, run by
+:func:`hstu_cute.launch.quantize_blocks`) match bit for bit, and the FP8 oracle's inputs.
 
 Every mode is a handful of tensor ops whose output shapes depend only on the input shapes,
 ``batch`` and ``max_seqlen`` (never on the offsets' values): no host loop over sequences, no
 ``.item()``, so the quantizers run inside CUDA graphs and trace under ``torch.compile`` and
 ``torch.export`` (the peer's per-sequence host loops broke both).
 
-A group's scale is ``max(amax / 448, 1e-6)`` over the group, ``x8 = e4m3(x / scale)``, and the
+A group's scale is ``max(amax / 448, 1e-6)`` over the group, ``x8 = e4m3(x * (1 / scale))`` (in
+fp32; within an ulp of ``x / scale`` before the e4m3 rounding), and the
 scale is what dequantizes: ``x ~ x8 * scale``. The cast saturates at +-448 (torch's e4m3 cast
 would give NaN past it): mode 0 has no scale, so values beyond 448 clamp rather than poison the
 output, and tokens past the last sequence (padding) stay finite.
@@ -89,7 +92,8 @@ def _scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def _cast(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return torch.clamp(x / scale, -E4M3_MAX, E4M3_MAX).to(E4M3)
+    # x * (1 / scale) in fp32, as the device quantizers compute it (within an ulp of x / scale).
+    return torch.clamp(x * (1.0 / scale), -E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
 def num_blocks(max_seqlen: int, block: int = BLOCK_TOKENS) -> int:

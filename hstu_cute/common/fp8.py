@@ -119,6 +119,12 @@ def f32_to_f16x2_twice(x: Float32) -> Uint32:
     return _asm(Uint32, [Float32(x)], "cvt.rn.f16x2.f32 $0, $1, $1;", "=r,f")
 
 
+def div_rn(a: Float32, b: Float32) -> Float32:
+    """a / b correctly rounded (``div.rn.f32``), as PyTorch divides: the quantizers' scales match
+    hstu_cute.quantize bit for bit."""
+    return _asm(Float32, [Float32(a), Float32(b)], "div.rn.f32 $0, $1, $2;", "=f,f,f")
+
+
 def pow2_ceil(x: Float32) -> Float32:
     """The least power of two >= x (x positive and normal): round the exponent up unless the
     mantissa is zero."""

@@ -4,7 +4,7 @@ so that a block's sequence is known from the grid (no search) and its scale grou
 Roles (``hstu_cute.quantize`` is the PyTorch description they match):
 
 * ``"fused"`` (mode 2, a group is the CTA's block): the block's amax, its scale
-  ``max(amax / 448, 1e-6)`` written to the (B, blocks, H) table, and the cast ``e4m3(x / scale)``,
+  ``max(amax / 448, 1e-6)`` written to the (B, blocks, H) table, and the cast ``e4m3(x * (1 / scale))``,
   in one pass over the input;
 * ``"amax"`` (modes 3-5, first pass): the block's amax into the (B, blocks, H) table; the caller
   reduces it to the mode's groups (a few tiny tensors) and expands the scales back to a table;
@@ -22,6 +22,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from ..common.fp8 import div_rn
 from ..fp8_format import BLOCK_TOKENS, E4M3_MAX, SCALE_FLOOR
 from .vt import vt_column_start
 
@@ -81,12 +82,14 @@ class BlockQuantizeSm90:
                 if tidx == 0:
                     mAmax[batch, block, head] = amax
             else:
-                scale = cute.arch.fmax(amax / Float32(E4M3_MAX), Float32(SCALE_FLOOR))
+                scale = cute.arch.fmax(div_rn(amax, Float32(E4M3_MAX)), Float32(SCALE_FLOOR))
                 if tidx == 0:
                     mScale[batch, block, head] = scale
         if const_expr(self.role != "amax"):
             out = cute.make_rmem_tensor(cute.make_layout((VEC, self.passes)), cutlass.Float8E4M3FN)
-            out.store((values.load().to(Float32) / scale).to(cutlass.Float8E4M3FN))
+            # x * (1 / scale), as hstu_cute.quantize computes it (a division per element was the
+            # quantizers' main cost).
+            out.store((values.load().to(Float32) * div_rn(Float32(1.0), scale)).to(cutlass.Float8E4M3FN))
             if const_expr(self.transposed):
                 self.store_transposed(out, mVt, tidx, chunk, row_in_pass, seq_start, batch, head, row0, rows)
             else:

@@ -2,6 +2,11 @@
 (:mod:`hstu_cute.quantize`), the FP8 oracle (:func:`hstu_cute.reference.hstu_attn_fp8_emulation`)
 and the kernels (:mod:`hstu_cute.hopper.fwd`). Imports nothing.
 
+Quantizer groups (``quant_mode`` 1-5; the groups are in :mod:`hstu_cute.quantize`): a group's scale
+is ``max(amax * fp32(1 / E4M3_MAX), SCALE_FLOOR)`` and ``x8 = e4m3(x * (1 / scale))`` in fp32,
+saturating at +-448 (within an ulp of ``x / scale`` before the e4m3 rounding; multiplications are
+what the device computes cheaply and what PyTorch computes for a division by a scalar).
+
 Scaled P (``quant_mode`` 1-5). The forward re-quantizes P = silu(scores) per query row with a
 running power-of-two scale ``s``, visiting a tile's key blocks (``tile_n`` keys from the sequence
 start) from the last to the first, as the kernel does. At each block j, with ``dv_j`` the V

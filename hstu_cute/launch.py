@@ -268,7 +268,7 @@ def quantize_blocks(x: torch.Tensor, seq_offsets: torch.Tensor, max_seqlen: int,
             amax = amax.amax(dim=(1, 2), keepdim=True).expand(batch, 1, heads)
         else:
             amax = amax.amax().reshape(1, 1, 1).expand(batch, 1, heads)
-        table = torch.clamp(amax / E4M3_MAX, min=SCALE_FLOOR)  # (B, 1, H), contiguous
+        table = torch.clamp(amax * (1.0 / E4M3_MAX), min=SCALE_FLOOR)  # (B, 1, H), contiguous
         key = _made(make_hopper_quant_key, arch, dtype, head_dim, "cast", transposed)
         _launch(key, _compiled(key), dict(mX=x, mOffsets=seq_offsets, mScale=table.expand(batch, blocks, heads),
                                           num_blocks=blocks, **out))

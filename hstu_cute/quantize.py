@@ -7,7 +7,7 @@ Every mode is a handful of tensor ops whose output shapes depend only on the inp
 ``.item()``, so the quantizers run inside CUDA graphs and trace under ``torch.compile`` and
 ``torch.export`` (the peer's per-sequence host loops broke both).
 
-A group's scale is ``max(amax / 448, 1e-6)`` over the group, ``x8 = e4m3(x * (1 / scale))`` (in
+A group's scale is ``max(amax * (1 / 448), 1e-6)`` over the group (fp32), ``x8 = e4m3(x * (1 / scale))`` (in
 fp32; within an ulp of ``x / scale`` before the e4m3 rounding), and the
 scale is what dequantizes: ``x ~ x8 * scale``. The cast saturates at +-448 (torch's e4m3 cast
 would give NaN past it): mode 0 has no scale, so values beyond 448 clamp rather than poison the
@@ -88,7 +88,9 @@ def _group_amax(values: torch.Tensor, index: torch.Tensor, groups: int) -> torch
 
 
 def _scale(amax: torch.Tensor) -> torch.Tensor:
-    return torch.clamp(amax / E4M3_MAX, min=SCALE_FLOOR)
+    # amax * fp32(1 / 448): what torch's division by a scalar computes on the GPU, and what the
+    # device quantizers compute.
+    return torch.clamp(amax * (1.0 / E4M3_MAX), min=SCALE_FLOOR)
 
 
 def _cast(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ so that a block's sequence is known from the grid (no search) and its scale grou
 Roles (``hstu_cute.quantize`` is the PyTorch description they match):
 
 * ``"fused"`` (mode 2, a group is the CTA's block): the block's amax, its scale
-  ``max(amax / 448, 1e-6)`` written to the (B, blocks, H) table, and the cast ``e4m3(x * (1 / scale))``,
+  ``max(amax * (1 / 448), 1e-6)`` written to the (B, blocks, H) table, and the cast ``e4m3(x * (1 / scale))``,
   in one pass over the input;
 * ``"amax"`` (modes 3-5, first pass): the block's amax into the (B, blocks, H) table; the caller
   reduces it to the mode's groups (a few tiny tensors) and expands the scales back to a table;
@@ -13,7 +13,9 @@ Roles (``hstu_cute.quantize`` is the PyTorch description they match):
 With ``transposed`` the cast writes V^T (H, D, W) instead of (T, H, D): the forward reads V only
 through V^T (layout: :mod:`hstu_cute.hopper.vt`), so V's (T, H, D) e4m3 copy is never made. The
 block goes through shared memory as (D, 128 tokens) and leaves as 16-byte runs of keys; the columns
-past the sequence inside its last run are zeros.
+past the sequence inside its last run are zeros. The runs of a staging row are swizzled by the row's
+16-row group: the 16 rows a thread writes (one per byte of its chunk) would otherwise share a bank
+with every other chunk's (D128 V^T 29 us against 19 for the (T, H, D) cast, D256 100 against 37).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class BlockQuantizeSm90:
                 if tidx == 0:
                     mAmax[batch, block, head] = amax
             else:
-                scale = cute.arch.fmax(div_rn(amax, Float32(E4M3_MAX)), Float32(SCALE_FLOOR))
+                scale = cute.arch.fmax(amax * Float32(1.0 / E4M3_MAX), Float32(SCALE_FLOOR))
                 if tidx == 0:
                     mScale[batch, block, head] = scale
         if const_expr(self.role != "amax"):
@@ -140,7 +142,7 @@ class BlockQuantizeSm90:
         for i in cutlass.range_constexpr(self.passes):
             r = row_in_pass + i * self.rows_per_pass
             for e in cutlass.range_constexpr(VEC):
-                sT[chunk * VEC + e, r] = out[e, i]
+                sT[chunk * VEC + e, r ^ ((chunk % 8) * VEC)] = out[e, i]
         cute.arch.sync_threads()
         runs = BLOCK_TOKENS // VEC
         column0 = vt_column_start(seq_start, batch) + row0
@@ -149,7 +151,8 @@ class BlockQuantizeSm90:
             d = item // runs
             run = item - d * runs
             if run * VEC < rows:
-                src = cute.make_tensor(sT.iterator + d * stride + run * VEC, cute.make_layout(VEC))
+                src = cute.make_tensor(sT.iterator + d * stride + (run ^ ((d // VEC) % 8)) * VEC,
+                                       cute.make_layout(VEC))
                 dst_addr = (mVt.iterator + (head * mVt.stride[0] + d * mVt.stride[1] + column0 + run * VEC)).toint()
                 dst = cute.make_tensor(cute.make_ptr(cutlass.Float8E4M3FN, dst_addr, cute.AddressSpace.gmem,
                                                      assumed_align=16), cute.make_layout(VEC))

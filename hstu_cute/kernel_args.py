@@ -231,7 +231,7 @@ SPECS: dict[str, tuple[Arg, ...]] = {
     "hopper_fwd_cast": (Arg("mX", _tokens("tokens_q")), Arg("mO", _tokens("tokens_q", "Float8E4M3FN", 16))),
     # Quant modes 2-5 (hstu_cute.hopper.quantize): (B, blocks, H) fp32 amax / scale tables.
     "hopper_fwd_quant": (Arg("mX", _tokens("tokens_q")), Arg("mOffsets", _int_vec("batch1")),
-                         Arg("mAmax", _table, lambda key: key.role == "amax"),
+                         Arg("mAmax", _table, lambda key: key.role != "fused"),
                          Arg("mScale", _table, lambda key: key.role != "amax"),
                          Arg("mO", _tokens("tokens_q", "Float8E4M3FN", 16),
                              lambda key: key.role != "amax" and not key.transposed),

@@ -35,7 +35,7 @@ from .variants import (
     make_hopper_vt_key,
     vt_width,
 )
-from .fp8_format import E4M3_MAX, SCALE_FLOOR
+from .fp8_format import SCALE_FLOOR
 
 INT32_MAX = 2**31 - 1
 
@@ -234,8 +234,8 @@ def quantize_blocks(x: torch.Tensor, seq_offsets: torch.Tensor, max_seqlen: int,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 data, (B, blocks, H) descale table) of a 16-bit (T, H, D) tensor quantized with
     ``mode`` (2-5) by the block quantizers (:mod:`hstu_cute.hopper.quantize`; the groups of
-    :mod:`hstu_cute.quantize`): mode 2 in one pass, modes 3-5 in two (block amax; the mode's group
-    reduction on the tiny table; cast). ``transposed``: the data is V^T (H, D, W) for the forward's
+    :mod:`hstu_cute.quantize`): mode 2 in one pass, modes 3-5 in two (group amax by atomics; cast,
+    which also writes the scales). ``transposed``: the data is V^T (H, D, W) for the forward's
     P.V (:func:`transposed_for_pv`'s layout), else (T, H, D). Modes 3-5 give a (B, 1, H) table."""
     from .quantize import QuantMode, num_blocks
 
@@ -259,19 +259,15 @@ def quantize_blocks(x: torch.Tensor, seq_offsets: torch.Tensor, max_seqlen: int,
             key = _made(make_hopper_quant_key, arch, dtype, head_dim, "fused", transposed)
             _launch(key, _compiled(key), dict(mX=x, mOffsets=seq_offsets, mScale=table, num_blocks=blocks, **out))
             return data, table
-        amax = torch.empty((batch, blocks, heads), dtype=torch.float32, device=device)
+        # One amax per group, seen by every block of the group (zero strides).
+        group = {QuantMode.PER_HEAD: (batch, 1, heads), QuantMode.PER_SEQUENCE: (batch, 1, 1)}.get(mode, (1, 1, 1))
+        amax = torch.zeros(group, dtype=torch.float32, device=device).expand(batch, blocks, heads)
+        table = torch.empty((batch, 1, heads), dtype=torch.float32, device=device)
         key = _made(make_hopper_quant_key, arch, dtype, head_dim, "amax", False)
         _launch(key, _compiled(key), dict(mX=x, mOffsets=seq_offsets, mAmax=amax, num_blocks=blocks))
-        if mode == QuantMode.PER_HEAD:
-            amax = amax.amax(dim=1, keepdim=True)
-        elif mode == QuantMode.PER_SEQUENCE:
-            amax = amax.amax(dim=(1, 2), keepdim=True).expand(batch, 1, heads)
-        else:
-            amax = amax.amax().reshape(1, 1, 1).expand(batch, 1, heads)
-        table = torch.clamp(amax * (1.0 / E4M3_MAX), min=SCALE_FLOOR)  # (B, 1, H), contiguous
         key = _made(make_hopper_quant_key, arch, dtype, head_dim, "cast", transposed)
-        _launch(key, _compiled(key), dict(mX=x, mOffsets=seq_offsets, mScale=table.expand(batch, blocks, heads),
-                                          num_blocks=blocks, **out))
+        _launch(key, _compiled(key), dict(mX=x, mOffsets=seq_offsets, mAmax=amax,
+                                          mScale=table.expand(batch, blocks, heads), num_blocks=blocks, **out))
     return data, table
 
 

@@ -6,9 +6,11 @@ Roles (``hstu_cute.quantize`` is the PyTorch description they match):
 * ``"fused"`` (mode 2, a group is the CTA's block): the block's amax, its scale
   ``max(amax * (1 / 448), 1e-6)`` written to the (B, blocks, H) table, and the cast ``e4m3(x * (1 / scale))``,
   in one pass over the input;
-* ``"amax"`` (modes 3-5, first pass): the block's amax into the (B, blocks, H) table; the caller
-  reduces it to the mode's groups (a few tiny tensors) and expands the scales back to a table;
-* ``"cast"`` (modes 3-5, second pass): ``e4m3(x / scale)`` with the block's scale from the table.
+* ``"amax"`` (modes 3-5, first pass): the block's amax, max-ed atomically into its group's entry
+  of the amax table (a zeroed per-group tensor seen as (B, blocks, H) with zero strides along the
+  dims the mode's group spans, so every block of a group lands on one float);
+* ``"cast"`` (modes 3-5, second pass): the group's scale from its amax, written to the scale table
+  (the forward's descales; every block of a group writes the same value), and the cast.
 
 With ``transposed`` the cast writes V^T (H, D, W) instead of (T, H, D): the forward reads V only
 through V^T (layout: :mod:`hstu_cute.hopper.vt`), so V's (T, H, D) e4m3 copy is never made. The
@@ -75,18 +77,15 @@ class BlockQuantizeSm90:
                 cute.autovec_copy(cute.local_tile(mX[seq_start + row0 + r, head, None], (VEC,), (chunk,)),
                                   values[None, i])
 
-        scale = Float32(1.0)
-        if const_expr(self.role == "cast"):
-            scale = mScale[batch, block, head]
-        else:
+        if const_expr(self.role == "amax"):
             amax = self.block_amax(values, tidx)
-            if const_expr(self.role == "amax"):
-                if tidx == 0:
-                    mAmax[batch, block, head] = amax
-            else:
-                scale = cute.arch.fmax(amax * Float32(1.0 / E4M3_MAX), Float32(SCALE_FLOOR))
-                if tidx == 0:
-                    mScale[batch, block, head] = scale
+            if tidx == 0:
+                cute.arch.atomic_max_float32(mAmax.iterator + cute.crd2idx((batch, block, head), mAmax.layout), amax)
+        else:
+            amax = mAmax[batch, block, head] if const_expr(self.role == "cast") else self.block_amax(values, tidx)
+            scale = cute.arch.fmax(amax * Float32(1.0 / E4M3_MAX), Float32(SCALE_FLOOR))
+            if tidx == 0:
+                mScale[batch, block, head] = scale
         if const_expr(self.role != "amax"):
             out = cute.make_rmem_tensor(cute.make_layout((VEC, self.passes)), cutlass.Float8E4M3FN)
             # x * (1 / scale), as hstu_cute.quantize computes it (a division per element was the

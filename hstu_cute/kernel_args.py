@@ -101,12 +101,13 @@ def _tokens_transposed(s: FakeShapes):
 
 
 def _table(s: FakeShapes):
-    """A (B, blocks, H) fp32 table, heads contiguous."""
+    """A (B, blocks, H) fp32 table; any strides (the quantizers' group tables are zero-strided
+    views along the dims a group spans)."""
     import cutlass
     import cutlass.cute as cute
 
     return cute.runtime.make_fake_tensor(cutlass.Float32, (s.batch, cute.sym_int(), s.heads),
-                                         (cute.sym_int(), cute.sym_int(), 1), assumed_align=4)
+                                         (cute.sym_int(), cute.sym_int(), cute.sym_int()), assumed_align=4)
 
 
 def _descale(s: FakeShapes):

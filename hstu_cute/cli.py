@@ -414,7 +414,7 @@ def _demo_key(args, arch: str):
     if _demo_fp8(args):
         out_dtype = "bfloat16" if args.dtype == FP8_DEMO_DTYPE else args.dtype
         return make_hopper_fp8_fwd_key(arch, out_dtype, args.head_dim, kind, args.mask == "target",
-                                       bool(args.rab_heads))
+                                       bool(args.rab_heads), scaled_p=args.quant_mode > 0)
     if has_hopper_kernels(arch):  # what the API runs by default there
         return make_hopper_fwd_key(arch, args.dtype, args.head_dim, kind, args.mask == "target", bool(args.rab_heads))
     # Same choice as the API: 16-byte rab loads when every rab row is 16-byte aligned.
@@ -828,8 +828,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES + (FP8_DEMO_DTYPE,),
                    help="dtype of q, k, v (and rab); float8_e4m3fn: pre-quantized e4m3 inputs with descales "
                         "(Hopper FP8 forward, bf16 out and rab)")
-    p.add_argument("--quant-mode", type=int, default=-1, choices=(-1, 0),
-                   help="FP8 quantization inside the operator (Hopper FP8 forward): -1 off, 0 cast")
+    p.add_argument("--quant-mode", type=int, default=-1, choices=(-1, 0, 2, 3, 4, 5),
+                   help="FP8 quantization inside the operator (Hopper FP8 forward): -1 off, 0 cast, 2 per block, "
+                        "3 per (sequence, head), 4 per sequence, 5 per tensor")
     p.add_argument("--mask", default="causal", choices=MASKS,
                    help="none, local (see --window), causal, or target (causal with contexts and targets)")
     p.add_argument("--window", type=_parse_window, default=(128, 0), metavar="LEFT,RIGHT",

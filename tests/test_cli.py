@@ -89,7 +89,8 @@ def test_demo_without_gpu(tmp_path):
     assert list(tmp_path.rglob("*.o")), "the demo's variant should be in the disk cache"
 
 
-@pytest.mark.parametrize("fp8", [("--quant-mode", "0"), ("--dtype", "float8_e4m3fn")], ids=["mode0", "prequantized"])
+@pytest.mark.parametrize("fp8", [("--quant-mode", "0"), ("--quant-mode", "2"), ("--dtype", "float8_e4m3fn")],
+                         ids=["mode0", "mode2", "prequantized"])
 def test_demo_fp8_without_gpu(fp8, tmp_path):
     """The FP8 demo compiles the Hopper FP8 variant (sm_90a, no GPU needed), runs the checks, and
     compares the fp32 oracle with the FP8 emulation."""
@@ -97,6 +98,7 @@ def test_demo_fp8_without_gpu(fp8, tmp_path):
                   cache_dir=tmp_path)
     assert "No CUDA GPU found" in out
     assert "hopper_fwd_fp8 sm_90a float8_e4m3fn d64" in out and re.search(r"compiled in [\d.]+ (s|ms)", out), out
+    assert ("scaled-P" in out) == (fp8[1] == "2"), out
     assert "q.device: expected a CUDA device" in out
     assert "fp8 emulation" in out and "all finite: True" in out
 

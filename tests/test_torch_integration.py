@@ -511,6 +511,11 @@ class Fp8Attn(torch.nn.Module):
                                      alpha=0.25, quant_mode=self.quant_mode)
 
 
+# Every FP8 entry the operator serves: pre-quantized inputs (-1) and the built quant modes.
+FP8_ENTRY_MODES = list(validation.BUILT_QUANT_MODES)
+FP8_ENTRY_IDS = ["prequantized"] + [f"mode{m}" for m in FP8_ENTRY_MODES[1:]]
+
+
 def _fp8_inputs(quant_mode, device="cuda"):
     dtype = E4M3 if quant_mode == -1 else BF16
     q, k, v = (torch.empty(14, H, 64, dtype=dtype, device=device) for _ in range(3))
@@ -520,7 +525,7 @@ def _fp8_inputs(quant_mode, device="cuda"):
     return (q, k, v, off, targets, *scales)
 
 
-@pytest.mark.parametrize("quant_mode", [-1, 0], ids=["prequantized", "mode0"])
+@pytest.mark.parametrize("quant_mode", FP8_ENTRY_MODES, ids=FP8_ENTRY_IDS)
 @pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
 def test_export_fp8_fake_cuda(quant_mode, strict, no_launch):
     with FakeTensorMode():
@@ -533,7 +538,7 @@ def test_export_fp8_fake_cuda(quant_mode, strict, no_launch):
     assert out.shape == (14, H, 64) and out.dtype == BF16 and out.device.type == "cuda"
 
 
-@pytest.mark.parametrize("quant_mode", [-1, 0], ids=["prequantized", "mode0"])
+@pytest.mark.parametrize("quant_mode", FP8_ENTRY_MODES, ids=FP8_ENTRY_IDS)
 def test_compile_fullgraph_fp8_meta(quant_mode, no_launch):
     graphs = {}
     compiled = torch.compile(Fp8Attn(quant_mode), fullgraph=True, backend=_capturing_backend(graphs))
@@ -543,7 +548,7 @@ def test_compile_fullgraph_fp8_meta(quant_mode, no_launch):
     assert len(_op_nodes(graphs["fw"], "hstu_cute.fwd_fp8")) == 1
 
 
-@pytest.mark.parametrize("quant_mode", [-1, 0], ids=["prequantized", "mode0"])
+@pytest.mark.parametrize("quant_mode", FP8_ENTRY_MODES, ids=FP8_ENTRY_IDS)
 def test_opcheck_fwd_fp8(quant_mode):
     q, k, v, off, targets, dq, dk, dv = _fp8_inputs(quant_mode, "meta")
     descales = (dq, dk, dv) if quant_mode == -1 else (None, None, None)

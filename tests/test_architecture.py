@@ -119,6 +119,7 @@ def _one_key_per_family():
             keys.setdefault(key.kernel_name, key)
     keys["hopper_fwd_vt"] = variants.make_hopper_vt_key("sm_90a", "bfloat16", 128)
     keys["hopper_fwd_cast"] = variants.make_hopper_cast_key("sm_90a", "bfloat16", 128)
+    keys["hopper_fwd_quant"] = variants.make_hopper_quant_key("sm_90a", "bfloat16", 128, "cast", True)
     return keys
 
 

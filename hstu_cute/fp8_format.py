@@ -30,3 +30,27 @@ SCALE_FLOOR = 1e-6
 BLOCK_TOKENS = 128
 # The floor of a row's P maximum in the scaled-P rule above.
 P_AMAX_FLOOR = 0.5
+
+# V^T key order (recipe B of docs/design/fp8-forward.md). Within each group of 16 keys counted
+# from the sequence start, V^T column p holds key KEY_AT_COLUMN[p]: the order in which the forward
+# packs a thread's accumulator columns into the 8-bit register A operand of a k32 WGMMA when each
+# 32-bit register takes the thread's two column pairs of one row (n8 groups 2h and 2h + 1), so P
+# goes from the accumulator to the operand without shuffles or byte permutes.
+KEY_AT_COLUMN = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
+COLUMN_OF_KEY = tuple(KEY_AT_COLUMN.index(k) for k in range(16))
+
+
+def column_of_key(k):
+    """COLUMN_OF_KEY[k] for k in [0, 16) by bit arithmetic (works on ints and DSL integers)."""
+    return ((k & 7) >> 1) * 4 + (k & 1) + ((k >> 3) << 1)
+
+
+def key_at_column(p):
+    """KEY_AT_COLUMN[p] for p in [0, 16) by bit arithmetic."""
+    return ((p >> 2) << 1) + (p & 1) + (((p >> 1) & 1) << 3)
+
+
+def vt_key_column(position):
+    """Column of key ``position`` (counted from its sequence's start) in V^T, relative to the
+    sequence's first column (works on ints and DSL integers)."""
+    return position - (position & 15) + column_of_key(position & 15)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hstu_cute import hstu_attn_varlen_func, launch, reference, validation, variants
+from hstu_cute.fp8_format import vt_key_column
 from hstu_cute.quantize import QuantMode, quantize_batch
 from hstu_cute.testing import random_jagged_batch
 
@@ -62,6 +63,11 @@ def _grid():
 def _prequantized(b):
     """e4m3 q, k, v (per-tensor scales) and their (1,) descales, from a 16-bit batch."""
     return {n: (x.data, x.scale) for n, x in zip("qkv", quantize_batch(b, QuantMode.PER_TENSOR))}
+
+
+def _key_columns(first_column: int, length: int) -> torch.Tensor:
+    """V^T columns of a sequence's keys 0..length-1, in key order (fp8_format.vt_key_column)."""
+    return torch.tensor([first_column + vt_key_column(k) for k in range(length)], dtype=torch.long, device="cuda")
 
 
 def _ref_args(b):
@@ -171,7 +177,7 @@ def test_block_quantizers_match_torch(mode, head_dim):
     starts = offsets.tolist()
     for seq, length in enumerate(lengths):
         column = -(-starts[seq] // 16) * 16 + 16 * seq
-        got = vt[:, :, column:column + length]
+        got = vt[:, :, _key_columns(column, length)]
         assert torch.equal(got.view(torch.uint8), want.data[starts[seq]:starts[seq] + length].permute(1, 2, 0)
                            .view(torch.uint8)), seq
 
@@ -236,8 +242,9 @@ def test_fp8_raises_on_the_sm80_path(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float16])
 def test_vt_layout(dtype):
-    """V^T (hopper.vt): sequence b's keys at columns roundup16(off_b) + 16 b onward, cast to e4m3
-    with saturation; empty sequences and tokens past the last offset are harmless."""
+    """V^T (hopper.vt): sequence b's keys at columns roundup16(off_b) + 16 b onward, in
+    KEY_AT_COLUMN order within each 16-key group, cast to e4m3 with saturation; empty sequences
+    and tokens past the last offset are harmless."""
     lengths = [0, 1, 17, 300, 0, 64, 5]
     offsets = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
     tokens = int(offsets[-1]) + 3  # 3 tokens past the last sequence
@@ -248,7 +255,7 @@ def test_vt_layout(dtype):
     expected = v.float().clamp(-448, 448).to(torch.float8_e4m3fn).float()
     for b, (start, end) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
         col = (start + 15) // 16 * 16 + 16 * b
-        assert torch.equal(vt[:, :, col:col + end - start].float(), expected[start:end].permute(1, 2, 0)), b
+        assert torch.equal(vt[:, :, _key_columns(col, end - start)].float(), expected[start:end].permute(1, 2, 0)), b
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

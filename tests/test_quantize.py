@@ -223,3 +223,22 @@ def test_scaled_p_rule():
     exact = torch.full((1, 1, 64), 448.0 * 8)
     assert torch.equal(reference.scaled_p_e4m3(exact, torch.ones(1, 64), 64), exact)
     assert float(reference.cast_p_e4m3(p)[0, 0, 0]) == qz.E4M3_MAX
+
+
+def test_vt_key_order_matches_the_operand_packing():
+    """Recipe B: the forward packs operand register (row g, 16-key half) from accumulator slots
+    ROW_G_SLOTS of the half (accumulator register 4j + 2i + c holds column 8j + 2q + c), and an
+    8-bit A operand's byte e of lane q sits at k position 4q + e (PTX wgmma fragments): V^T column
+    4q + e must then hold exactly that accumulator column, for every lane."""
+    pytest.importorskip("cutlass")
+    from hstu_cute.common.fp8 import ROW_G8_SLOTS, ROW_G_SLOTS
+    from hstu_cute.fp8_format import COLUMN_OF_KEY, KEY_AT_COLUMN, column_of_key, key_at_column, vt_key_column
+
+    for q in range(4):
+        for e, (slot, slot8) in enumerate(zip(ROW_G_SLOTS, ROW_G8_SLOTS)):
+            assert slot8 == slot + 2  # the same columns, row g + 8 (i = 1)
+            assert KEY_AT_COLUMN[4 * q + e] == 8 * (slot // 4) + 2 * q + slot % 2
+    assert sorted(KEY_AT_COLUMN) == list(range(16))
+    assert [column_of_key(k) for k in range(16)] == list(COLUMN_OF_KEY)
+    assert [key_at_column(p) for p in range(16)] == list(KEY_AT_COLUMN)
+    assert sorted(vt_key_column(k) for k in range(48)) == list(range(48))

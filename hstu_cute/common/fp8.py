@@ -7,10 +7,12 @@ lane l of a warp, g = l / 4 and q = l % 4:
 * fp32 accumulator, n8 column group j: ``d[4j + 2i + c] = S[g + 8i, 8j + 2q + c]``;
 * 8-bit A operand, k32 slice: ``a[v0 + 4 v1 + 8 v2] = P[g + 8 v1, 16 v2 + 4q + v0]``.
 
-After the cvt to e4m3 in accumulator order a thread's word ``W_j`` holds columns 2q, 2q+1 of
-group j in rows g and g+8; the operand wants columns 4q..4q+3 of a 16-column half in row g, then
-in row g+8. Every byte stays inside its quad of lanes: two width-4 shuffles and two byte
-permutes per half (recipe A of the design note).
+A thread holds columns 2q, 2q+1 of every n8 group in rows g and g + 8; the operand register for
+row g of a 16-column half h wants four of them. Packing the register from the row's pairs of
+groups 2h and 2h + 1 (columns 2q, 2q+1, 8+2q, 9+2q) needs no data movement at all, provided V^T's
+keys are stored in that order within every 16-key group (``hstu_cute.fp8_format.KEY_AT_COLUMN``;
+the V^T writers do it): recipe B of the design note. The mask, rab and the P scale work on the fp32
+scores in their natural order, before the packing.
 """
 
 from __future__ import annotations
@@ -20,12 +22,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 from cutlass._mlir.dialects import llvm
 
-from ..fp8_format import E4M3_MAX, P_AMAX_FLOOR
+from ..fp8_format import E4M3_MAX, P_AMAX_FLOOR, key_at_column
 from .barriers import NamedBarrier
 from .sm90 import wgmma_acc_rows_cols
-
-# shfl.sync's c operand for independent segments of 4 lanes: segment mask 0x1C, clamp 0x1F.
-QUAD_SEGMENTS = 0x1C1F
 
 
 def _asm(result, args: list, code: str, constraints: str, ordered: bool = False):
@@ -44,9 +43,9 @@ def _asm(result, args: list, code: str, constraints: str, ordered: bool = False)
     )
 
 
-def prmt(a: Uint32, b: Uint32, selector: Uint32, ordered: bool = True) -> Uint32:
-    """Byte permute of the pair (b:a) (``prmt.b32``; bytes 0-3 from ``a``, 4-7 from ``b``); by
-    default kept in program order (side effects): :func:`words_to_operand_a` relies on it."""
+def prmt(a: Uint32, b: Uint32, selector: Uint32, ordered: bool = False) -> Uint32:
+    """Byte permute of the pair (b:a) (``prmt.b32``; bytes 0-3 from ``a``, 4-7 from ``b``); with
+    ``ordered`` kept in program order (side effects)."""
     return _asm(Uint32, [Uint32(a), Uint32(b), Uint32(selector)], "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", ordered)
 
 
@@ -92,11 +91,11 @@ def max_f16x2(a: Uint32, b: Uint32) -> Uint32:
     return _asm(Uint32, [Uint32(a), Uint32(b)], "max.f16x2 $0, $1, $2;", "=r,r,r")
 
 
-def scaled_e4m3x4(p_row: Uint32, p_row8: Uint32, m_row: Uint32, m_row8: Uint32) -> Uint32:
-    """e4m3 of two f16x2 pairs of P (row g, row g + 8) times their rows' multipliers (f16x2,
-    the same value twice), packed as :func:`silu_e4m3x4` packs (row g's pair low)."""
+def scaled_e4m3x4(pair_lo: Uint32, pair_hi: Uint32, multiplier: Uint32) -> Uint32:
+    """e4m3 of two f16x2 pairs of P of one row times the row's multiplier (f16x2, the same value
+    twice), packed as :func:`silu_e4m3x4` packs (``pair_lo`` in the low bytes)."""
     return _asm(
-        Uint32, [Uint32(p_row), Uint32(p_row8), Uint32(m_row), Uint32(m_row8)],
+        Uint32, [Uint32(pair_lo), Uint32(pair_hi), Uint32(multiplier), Uint32(multiplier)],
         "{\n"
         ".reg .b32 a, b;\n"
         ".reg .b16 ea, eb;\n"
@@ -139,16 +138,23 @@ def pow2_reciprocal(x: Float32) -> Float32:
                 "{\n.reg .b32 b;\nmov.b32 b, $1;\nsub.u32 b, 0x7F000000, b;\nmov.b32 $0, b;\n}", "=f,f")
 
 
+# Accumulator registers of the four values of one operand register: in each 16-column half (eight
+# registers), row g takes pairs 0 and 2 (n8 groups 2h, 2h + 1), row g + 8 pairs 1 and 3.
+ROW_G_SLOTS = (0, 1, 4, 5)
+ROW_G8_SLOTS = (2, 3, 6, 7)
+
+
 @cute.jit
 def silu_to_fp8_words(acc_S: cute.Tensor, half_alpha: Float32) -> cute.Tensor:
     """e4m3(silu(alpha * acc_S)) of a warpgroup's fp32 score accumulator ((2, 2, K / 8), 1, 1)
-    (compact; masked scores already 0, and silu(0) = 0), packed four per 32-bit word in
-    accumulator order: word j holds columns 2q, 2q+1 of n8 group j in rows g, then g + 8."""
+    (compact; masked scores already 0, and silu(0) = 0), packed four per 32-bit word in operand
+    order: word 2h is row g of 16-column half h, word 2h + 1 row g + 8 (module docstring)."""
     n_words = cute.size(acc_S) // 4
     flat = cute.make_tensor(acc_S.iterator, cute.make_layout(cute.size(acc_S)))
     words = cute.make_rmem_tensor(cute.make_layout(n_words), Uint32)
-    for w in cutlass.range_constexpr(n_words):
-        words[w] = silu_e4m3x4(*(flat[4 * w + i] * half_alpha for i in range(4)))
+    for h in cutlass.range_constexpr(n_words // 2):
+        for r, slots in enumerate((ROW_G_SLOTS, ROW_G8_SLOTS)):
+            words[2 * h + r] = silu_e4m3x4(*(flat[8 * h + i] * half_alpha for i in slots))
     return words
 
 
@@ -162,7 +168,7 @@ def _tree(values: list, combine):
 @cute.jit
 def silu_to_scaled_fp8_words(acc_S: cute.Tensor, half_alpha: Float32, dv: Float32, row_scale: cute.Tensor,
                              rescale: cute.Tensor) -> cute.Tensor:
-    """The words of :func:`silu_to_fp8_words` for scaled P (quant modes >= 1; the rule is in
+    """The operand-order words of :func:`silu_to_fp8_words` for scaled P (quant modes >= 1; the rule is in
     :mod:`hstu_cute.fp8_format`): P in f16x2, each row's maximum over the quad (the quad's four
     lanes hold the whole row: two shuffles for both rows), then P * (dv / s) to e4m3.
     ``row_scale`` (2,): the running power-of-two scale of the thread's rows g and g + 8, updated;
@@ -176,7 +182,7 @@ def silu_to_scaled_fp8_words(acc_S: cute.Tensor, half_alpha: Float32, dv: Float3
     # Accumulator order: even pairs are row g, odd pairs row g + 8.
     row = _tree([pairs[w] for w in range(0, n_pairs, 2)], max_f16x2)
     row8 = _tree([pairs[w] for w in range(1, n_pairs, 2)], max_f16x2)
-    both = max_f16x2(prmt(row, row8, Uint32(0x5410), ordered=False), prmt(row, row8, Uint32(0x7632), ordered=False))
+    both = max_f16x2(prmt(row, row8, Uint32(0x5410)), prmt(row, row8, Uint32(0x7632)))
     both = max_f16x2(both, cute.arch.shuffle_sync_bfly(both, 1))
     both = max_f16x2(both, cute.arch.shuffle_sync_bfly(both, 2))
     multipliers = []
@@ -188,8 +194,9 @@ def silu_to_scaled_fp8_words(acc_S: cute.Tensor, half_alpha: Float32, dv: Float3
         row_scale[i] = scale
         multipliers.append(f32_to_f16x2_twice(dv * inverse))
     words = cute.make_rmem_tensor(cute.make_layout(n_pairs // 2), Uint32)
-    for w in cutlass.range_constexpr(n_pairs // 2):
-        words[w] = scaled_e4m3x4(pairs[2 * w], pairs[2 * w + 1], multipliers[0], multipliers[1])
+    for h in cutlass.range_constexpr(n_pairs // 4):
+        for r in cutlass.range_constexpr(2):
+            words[2 * h + r] = scaled_e4m3x4(pairs[4 * h + r], pairs[4 * h + 2 + r], multipliers[r])
     return words
 
 
@@ -210,31 +217,20 @@ def rescale_rows_if_needed(acc: cute.Tensor, rescale: cute.Tensor):
         scale_rows(acc, rescale)
 
 
+def _ordered_copy(x: Uint32) -> Uint32:
+    return _asm(Uint32, [Uint32(x)], "mov.b32 $0, $1;", "=r,r", ordered=True)
+
+
 @cute.jit
 def words_to_operand_a(words: cute.Tensor, rP: cute.Tensor):
-    """``rP`` (an 8-bit register A operand fragment, ((4, 2, 2), 1, K / 32)) <- the accumulator-
-    order words of :func:`silu_to_fp8_words`: per 16 columns two quad shuffles and two byte
-    permutes. The permutes are ordered after the code before them (``prmt`` with side effects):
-    call this after the ``wait_group`` that retires the WGMMA reading ``rP``, so that ``rP`` is
-    only written once the tensor cores are done with it (written earlier, ptxas serializes every
-    WGMMA of the kernel, C7513)."""
-    n_words = cute.size(words)
+    """``rP`` (an 8-bit register A operand fragment, ((4, 2, 2), 1, K / 32)) <- the operand-order
+    words of :func:`silu_to_fp8_words`, one ordered move each (side effects): call this after the
+    ``wait_group`` that retires the WGMMA reading ``rP``, so that ``rP`` is only written once the
+    tensor cores are done with it (computed straight into ``rP``, the next P makes ptxas serialize
+    every WGMMA of the kernel, C7513)."""
     out = cute.recast_tensor(cute.make_tensor(rP.iterator, cute.make_layout(cute.size(rP))), Uint32)
-    q = cute.arch.lane_idx() % 4
-    # Lanes 0 and 3 send W_2h first and receive their column pairs in order; lanes 1 and 2 send
-    # W_2h+1 first and receive them swapped.
-    straight = (q == 0) | (q == 3)
-    src_first = cutlass.select_(q == 0, Int32(0), cutlass.select_(q == 1, Int32(3), cutlass.select_(
-        q == 2, Int32(1), Int32(2))))
-    src_second = src_first ^ 1
-    sel_row = cutlass.select_(straight, Uint32(0x5410), Uint32(0x1054))
-    sel_row8 = cutlass.select_(straight, Uint32(0x7632), Uint32(0x3276))
-    for half in cutlass.range_constexpr(n_words // 2):
-        w0, w1 = words[2 * half], words[2 * half + 1]
-        first = cute.arch.shuffle_sync(cutlass.select_(straight, w0, w1), src_first, mask_and_clamp=QUAD_SEGMENTS)
-        second = cute.arch.shuffle_sync(cutlass.select_(straight, w1, w0), src_second, mask_and_clamp=QUAD_SEGMENTS)
-        out[2 * half] = prmt(first, second, sel_row)
-        out[2 * half + 1] = prmt(first, second, sel_row8)
+    for w in cutlass.range_constexpr(cute.size(words)):
+        out[w] = _ordered_copy(words[w])
 
 
 @cute.jit
@@ -243,14 +239,16 @@ def zero_smem_cols_past(zero_copy, sX: cute.Tensor, tile_shape: cutlass.Constexp
     """Zero the columns at and past ``col_limit`` of a (rows, cols) 8-bit smem tile (one
     warpgroup; the other may write the same zeros), then fence for WGMMA reads and sync the
     warpgroup. ``zero_copy``: :func:`common.sm90.rows_zero_copy` over the tile's columns (16-byte
-    chunks along a row). The V^T tile of the FP8 forward holds keys along its columns: past the
-    sequence TMA reads the next sequence's values, and P = 0 there times a NaN would be NaN."""
+    chunks along a row, 16 columns each). The V^T tile of the FP8 forward holds keys along its
+    columns, each 16-key group in ``KEY_AT_COLUMN`` order: past the sequence TMA reads the next
+    sequence's values, and P = 0 there times a NaN would be NaN."""
     thr = zero_copy.get_slice(tid_in_wg)
     tZc = thr.partition_D(cute.make_identity_tensor(tile_shape))
     tZs = thr.partition_D(sX)
     zeros = cute.make_fragment_like(tZs[None, 0, 0], sX.element_type)
     zeros.fill(0.0)
     vec = cute.size(tZs.shape[0])
+    assert vec == 16, "one chunk per 16-key group"
     for m in cutlass.range_constexpr(cute.size(tZs.shape[1])):
         for n in cutlass.range_constexpr(cute.size(tZs.shape[2])):
             col0 = tZc[0, m, n][1]
@@ -258,7 +256,7 @@ def zero_smem_cols_past(zero_copy, sX: cute.Tensor, tile_shape: cutlass.Constexp
                 cute.autovec_copy(zeros, tZs[None, m, n])
             elif col0 + vec > col_limit:
                 for e in cutlass.range_constexpr(vec):
-                    if col0 + e >= col_limit:
+                    if col0 + key_at_column(e) >= col_limit:
                         tZs[e, m, n] = sX.element_type(0.0)
     cute.arch.fence_view_async_shared()
     cute.arch.barrier(barrier_id=NamedBarrier.ZERO_ROWS_WG0 + wg, number_of_threads=128)

@@ -13,7 +13,8 @@ Roles (``hstu_cute.quantize`` is the PyTorch description they match):
   (the forward's descales; every block of a group writes the same value), and the cast.
 
 With ``transposed`` the cast writes V^T (H, D, W) instead of (T, H, D): the forward reads V only
-through V^T (layout: :mod:`hstu_cute.hopper.vt`), so V's (T, H, D) e4m3 copy is never made. The
+through V^T (layout, key order included: :mod:`hstu_cute.hopper.vt`; a block starts 16-aligned in
+its sequence), so V's (T, H, D) e4m3 copy is never made. The
 block goes through shared memory as (D, 128 tokens) and leaves as 16-byte runs of keys; the columns
 past the sequence inside its last run are zeros. The runs of a staging row are swizzled by the row's
 16-row group: the 16 rows a thread writes (one per byte of its chunk) would otherwise share a bank
@@ -27,7 +28,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ..common.fp8 import div_rn
-from ..fp8_format import BLOCK_TOKENS, E4M3_MAX, SCALE_FLOOR
+from ..fp8_format import BLOCK_TOKENS, E4M3_MAX, SCALE_FLOOR, vt_key_column
 from .vt import vt_column_start
 
 # Elements per thread and chunk: 16 e4m3 bytes out (two 16-byte loads of a 16-bit input).
@@ -60,7 +61,6 @@ class BlockQuantizeSm90:
 
     @cute.kernel
     def kernel(self, mX, mOffsets, mAmax, mScale, mO, mVt):
-        D = self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         block, batch, head = cute.arch.block_idx()
         seq_start = mOffsets[batch]
@@ -141,7 +141,7 @@ class BlockQuantizeSm90:
         for i in cutlass.range_constexpr(self.passes):
             r = row_in_pass + i * self.rows_per_pass
             for e in cutlass.range_constexpr(VEC):
-                sT[chunk * VEC + e, r ^ ((chunk % 8) * VEC)] = out[e, i]
+                sT[chunk * VEC + e, vt_key_column(r) ^ ((chunk % 8) * VEC)] = out[e, i]
         cute.arch.sync_threads()
         runs = BLOCK_TOKENS // VEC
         column0 = vt_column_start(seq_start, batch) + row0

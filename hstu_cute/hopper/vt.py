@@ -4,9 +4,10 @@ An 8-bit WGMMA reads its shared-memory B operand K-major only, so the FP8 forwar
 keys contiguous, and a TMA box must start 16-byte aligned along that dimension: sequence b's keys
 start at column ``vt_column_start(off_b, b) = roundup16(off_b) + 16 b`` (a closed form the forward
 recomputes, so no offsets tensor is made; every sequence fits before the next one's start; the
-width is hstu_cute.variants.vt_width). The
-columns between sequences are never read unmasked: the forward zeroes the key columns past a
-sequence in shared memory.
+width is hstu_cute.variants.vt_width). Within every 16-key group of a sequence the keys are
+stored in ``hstu_cute.fp8_format.KEY_AT_COLUMN`` order, the order in which the forward packs P into
+its register operand (no shuffles there). The columns between sequences are never read unmasked:
+the forward zeroes the key columns past a sequence in shared memory.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
+
+from ..fp8_format import vt_key_column
 
 # Tokens per CTA; rows of the staging tile are padded by 4 bytes so that reading one dim across
 # the tokens (stride D + 4 bytes) hits 32 different banks.
@@ -29,7 +32,7 @@ def vt_column_start(k_start, batch):
 class VTransposeSm90:
     """One CTA of 128 threads per (64 tokens, head): coalesced loads of the tokens' rows (cast to
     e4m3, saturating, when V is 16-bit) into a padded smem tile, a binary search of each token's
-    sequence in the offsets, then coalesced stores along the key columns of V^T."""
+    sequence in the offsets (hence its column), then stores along the key columns of V^T."""
 
     def __init__(self, dtype, head_dim: int):
         self.dtype = dtype
@@ -53,11 +56,11 @@ class VTransposeSm90:
         @cute.struct
         class Storage:
             sV: cute.struct.MemRange[cutlass.Float8E4M3FN, VT_TOKENS * (D + _ROW_PAD)]
-            sShift: cute.struct.MemRange[Int32, VT_TOKENS]
+            sColumn: cute.struct.MemRange[Int32, VT_TOKENS]
 
         storage = cutlass.memory.SmemAllocator().allocate(Storage)
         sV = storage.sV.get_tensor(cute.make_layout((VT_TOKENS, D), stride=(D + _ROW_PAD, 1)))
-        sShift = storage.sShift.get_tensor(cute.make_layout(VT_TOKENS))
+        sColumn = storage.sColumn.get_tensor(cute.make_layout(VT_TOKENS))
 
         for i in cutlass.range(tidx, VT_TOKENS * D, self.num_threads, unroll=4):
             j = i // D
@@ -80,15 +83,15 @@ class VTransposeSm90:
                     lo = mid + 1
                 else:
                     hi = mid
-            shift = Int32(-1)
+            column = Int32(-1)
             if lo < batch and t < tokens:
                 start = mOffsets[lo]
-                shift = vt_column_start(start, lo) - start
-            sShift[tidx] = shift
+                column = vt_column_start(start, lo) + vt_key_column(t - start)
+            sColumn[tidx] = column
         cute.arch.sync_threads()
         for i in cutlass.range(tidx, VT_TOKENS * D, self.num_threads, unroll=4):
             d = i // VT_TOKENS
             j = i - d * VT_TOKENS
-            shift = sShift[j]
-            if shift >= 0:
-                mVt[head, d, t0 + j + shift] = sV[j, d]
+            column = sColumn[j]
+            if column >= 0:
+                mVt[head, d, column] = sV[j, d]

@@ -150,9 +150,10 @@ def test_warmup_select_keys_filters():
     # fused D128 kernel (16), the deterministic pair (96) and at D256 the wide dK/dV/drab kernel
     # (2 dtypes x 4 masks x 4 rab/drab modes) with its dQ kernel (16); the FP8 forward (2 output
     # dtypes x 3 head dims x 4 masks x rab or not, P cast or scaled: 96), its V^T kernel (3 input
-    # dtypes x 3 head dims) and quant_mode 0's cast (2 x 3).
-    assert len(select_keys("sm_90a")) == 96 + 192 + 64 + 96 + 16 + 32 + 16 + 96 + 9 + 6
-    assert len(select_keys("sm_90a", kernels="fwd")) == 96 + 64 + 96 + 9 + 6
+    # dtypes x 3 head dims), quant_mode 0's cast (2 x 3) and the block quantizers of modes 2-5
+    # (2 x 3 x 5 roles).
+    assert len(select_keys("sm_90a")) == 96 + 192 + 64 + 96 + 16 + 32 + 16 + 96 + 9 + 6 + 30
+    assert len(select_keys("sm_90a", kernels="fwd")) == 96 + 64 + 96 + 9 + 6 + 30
     assert len(select_keys("sm_90a", kernels="bwd")) == 192 + 96 + 16 + 32 + 16
     keys = select_keys("sm_90a", ["bfloat16"], [128], ["causal"], "none", kernels="fwd")
     assert [k.kernel_name for k in keys] == ["ampere_fwd", "hopper_fwd", "hopper_fwd_fp8", "hopper_fwd_fp8"]
@@ -168,7 +169,7 @@ def test_key_variant_parses_every_key_class():
     keys = shipped_keys("sm_90a", ("float16",), (64,))
     assert {k.kernel_name for k in keys} == {"ampere_fwd", "ampere_bwd_dq", "ampere_bwd_dkdv", "hopper_fwd",
                                              "hopper_bwd_dkdv", "hopper_bwd_dq", "hopper_fwd_fp8", "hopper_fwd_vt",
-                                             "hopper_fwd_cast"}
+                                             "hopper_fwd_cast", "hopper_fwd_quant"}
     for k in keys:
         assert _key_variant(repr(k)) == describe_variant(k)
     # Never evaluated: anything but a known key class comes back verbatim.

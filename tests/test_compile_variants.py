@@ -69,9 +69,12 @@ def test_every_hopper_variant_compiles(tmp_cache):
     D128; the deterministic dK/dV + dQ pair; at D256 the wide dK/dV/drab kernel and its dQ
     kernel) builds for sm_90a."""
     keys = shipped_hopper_fwd_keys("sm_90a") + shipped_hopper_bwd_keys("sm_90a") + shipped_hopper_fp8_fwd_keys()
-    assert len(keys) == len(set(keys)) == 64 + 96 + 16 + 32 + 16 + 48 + 9 + 6
+    # FP8: the forward with P cast and with scaled P (96), V^T (9), mode 0's cast (6) and the
+    # block quantizers of modes 2-5 (30).
+    assert len(keys) == len(set(keys)) == 64 + 96 + 16 + 32 + 16 + 96 + 9 + 6 + 30
     assert {k.kernel_name for k in keys} == {"hopper_fwd", "hopper_bwd_fused", "hopper_bwd_dkdv", "hopper_bwd_dq",
-                                             "hopper_bwd_wide", "hopper_fwd_fp8", "hopper_fwd_vt", "hopper_fwd_cast"}
+                                             "hopper_bwd_wide", "hopper_fwd_fp8", "hopper_fwd_vt", "hopper_fwd_cast",
+                                             "hopper_fwd_quant"}
     results = warmup(arch="sm_90a", keys=keys, workers=2, raise_errors=False)
     _assert_all_built(results, keys, tmp_cache, "sm_90a")
     for r in results:

@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 from .arch import SUPPORTED_ARCHS, check_arch
+from .fp8_format import BUILT_QUANT_MODES
 from .variants import DTYPES, HEAD_DIMS
 from .warmup import describe_variant, strip_ansi
 
@@ -828,7 +829,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES + (FP8_DEMO_DTYPE,),
                    help="dtype of q, k, v (and rab); float8_e4m3fn: pre-quantized e4m3 inputs with descales "
                         "(Hopper FP8 forward, bf16 out and rab)")
-    p.add_argument("--quant-mode", type=int, default=-1, choices=(-1, 0, 2, 3, 4, 5),
+    p.add_argument("--quant-mode", type=int, default=-1, choices=BUILT_QUANT_MODES,
                    help="FP8 quantization inside the operator (Hopper FP8 forward): -1 off, 0 cast, 2 per block, "
                         "3 per (sequence, head), 4 per sequence, 5 per tensor")
     p.add_argument("--mask", default="causal", choices=MASKS,
@@ -860,8 +861,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, metavar="FILE",
                    help="append one JSON line per workload to this file (default: none)")
     p.add_argument("--fp8", action="store_true",
-                   help="also time the Hopper FP8 forward on each forward workload: the kernel alone, the "
-                        "pre-quantized entry and quant_mode 0 (end to end), beside the bf16 row")
+                   help="also time the Hopper FP8 forward on each forward workload: the kernels alone, the "
+                        "pre-quantized entry, quant_mode 0, 2 and 5 end to end and their quantizers, beside the "
+                        "bf16 row")
     p.add_argument("--limit", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bench)
     return parser

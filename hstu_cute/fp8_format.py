@@ -22,6 +22,8 @@ negative values can not saturate, and a row whose P stays below 0.5 still keeps 
 ~1e-5 of it in e4m3's normal range. Powers of two make every rescale exact.
 """
 
+#: quant_mode values with a kernel behind them (-1: no FP8, or pre-quantized inputs).
+BUILT_QUANT_MODES = (-1, 0, 2, 3, 4, 5)
 E4M3_MAX = 448.0
 # The smallest scale a quantizer group gets (an all-zero group keeps finite values).
 SCALE_FLOOR = 1e-6
@@ -31,7 +33,8 @@ BLOCK_TOKENS = 128
 # The floor of a row's P maximum in the scaled-P rule above.
 P_AMAX_FLOOR = 0.5
 
-# V^T key order (recipe B of docs/design/fp8-forward.md). Within each group of 16 keys counted
+# V^T (H, D, W), the FP8 forward's token-contiguous copy of V: where each sequence starts, how wide
+# it is, and the key order inside every 16-key group (recipe B of docs/design/fp8-forward.md). Within each group of 16 keys counted
 # from the sequence start, V^T column p holds key KEY_AT_COLUMN[p]: the order in which the forward
 # packs a thread's accumulator columns into the 8-bit register A operand of a k32 WGMMA when each
 # 32-bit register takes the thread's two column pairs of one row (n8 groups 2h and 2h + 1), so P
@@ -48,6 +51,19 @@ def column_of_key(k):
 def key_at_column(p):
     """KEY_AT_COLUMN[p] for p in [0, 16) by bit arithmetic."""
     return ((p >> 2) << 1) + (p & 1) + (((p >> 1) & 1) << 3)
+
+
+def vt_column_start(k_start, batch):
+    """Column of V^T where sequence ``batch`` (first key token ``k_start``) starts: every
+    sequence 16-token aligned (a TMA box must start 16-byte aligned along the contiguous
+    dimension), a closed form the forward recomputes (works on ints and DSL integers)."""
+    return (k_start + 15) // 16 * 16 + 16 * batch
+
+
+def vt_width(tokens: int, batch: int) -> int:
+    """Columns of V^T for ``tokens`` keys in ``batch`` sequences (:func:`vt_column_start`): every
+    sequence fits before the next one's start, whatever the lengths."""
+    return -(-tokens // 16) * 16 + 16 * batch + 16
 
 
 def vt_key_column(position):

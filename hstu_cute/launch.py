@@ -36,6 +36,7 @@ from .variants import (
     vt_width,
 )
 from .fp8_format import SCALE_FLOOR
+from .quantize import QuantMode, num_blocks
 
 INT32_MAX = 2**31 - 1
 
@@ -206,7 +207,7 @@ _FP8_NAMES = {**DTYPE_NAMES, torch.float8_e4m3fn: FP8_DTYPE}
 def transposed_for_pv(v: torch.Tensor, seq_offsets: torch.Tensor) -> torch.Tensor:
     """V^T (H, D, W) e4m3 of V (T, H, D) (e4m3, or 16-bit cast on the way, saturating) in one
     launch (:class:`hstu_cute.hopper.vt.VTransposeSm90`): keys contiguous, each sequence starting
-    16 tokens aligned, W = :func:`hstu_cute.variants.vt_width` (a shape that depends only on
+    16 tokens aligned, W = :func:`hstu_cute.fp8_format.vt_width` (a shape that depends only on
     shapes: no sync, and it traces)."""
     tokens, heads, head_dim = v.shape
     vt = torch.empty((heads, head_dim, vt_width(tokens, seq_offsets.shape[0] - 1)), dtype=torch.float8_e4m3fn,
@@ -237,8 +238,6 @@ def quantize_blocks(x: torch.Tensor, seq_offsets: torch.Tensor, max_seqlen: int,
     :mod:`hstu_cute.quantize`): mode 2 in one pass, modes 3-5 in two (group amax by atomics; cast,
     which also writes the scales). ``transposed``: the data is V^T (H, D, W) for the forward's
     P.V (:func:`transposed_for_pv`'s layout), else (T, H, D). Modes 3-5 give a (B, 1, H) table."""
-    from .quantize import QuantMode, num_blocks
-
     tokens, heads, head_dim = x.shape
     batch = seq_offsets.shape[0] - 1
     blocks = num_blocks(max_seqlen)

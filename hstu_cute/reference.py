@@ -344,7 +344,7 @@ def fp8_p_tile_n(head_dim: int, has_rab: bool = False) -> int:
     """Keys per block of the FP8 forward's scaled P (its key tile)."""
     from .variants import default_hopper_fp8_fwd_tiles
 
-    return default_hopper_fp8_fwd_tiles(head_dim, has_rab)["tile_n"]
+    return default_hopper_fp8_fwd_tiles(head_dim, has_rab, scaled_p=True)["tile_n"]
 
 
 def hstu_attn_fp8_emulation(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, *args,

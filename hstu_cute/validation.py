@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from . import masks
+from .fp8_format import BUILT_QUANT_MODES
 from .variants import FP8_HEAD_DIMS, HEAD_DIMS
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -26,8 +27,6 @@ FP8_DTYPES = tuple(
 MAX_GRID_BATCH = 65535  # grid.z limit of a launch
 #: The FP8 element type the FP8 kernels read (pre-quantized inputs, and what quant_mode makes).
 FP8_INPUT_DTYPE = getattr(torch, "float8_e4m3fn", None)
-#: quant_mode values with a kernel behind them (-1: no FP8).
-BUILT_QUANT_MODES = (-1, 0, 2, 3, 4, 5)
 
 
 def is_fp8_call(dtype: torch.dtype, quant_mode: int) -> bool:

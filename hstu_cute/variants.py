@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from .arch import has_hopper_kernels
+from .fp8_format import vt_width
 from .masks import MaskKind, MaskSpec
 
 #: The head dims every kernel family supports (forward and backward, sm80 and sm90).
@@ -323,12 +324,6 @@ def make_hopper_quant_key(arch, dtype, head_dim, role, transposed) -> HopperQuan
 
 def make_hopper_cast_key(arch, dtype, head_dim) -> HopperCastKey:
     return HopperCastKey(arch=arch, dtype=dtype, head_dim=head_dim)
-
-
-def vt_width(tokens: int, batch: int) -> int:
-    """Columns of the FP8 forward's V^T for ``tokens`` keys in ``batch`` sequences: sequence b
-    starts at roundup16(offset_b) + 16 b (hstu_cute.hopper.vt), which fits whatever the lengths."""
-    return -(-tokens // 16) * 16 + 16 * batch + 16
 
 
 def default_hopper_fp8_fwd_tiles(head_dim: int, has_rab: bool, scaled_p: bool = False) -> dict:

@@ -119,8 +119,8 @@ def f32_to_f16x2_twice(x: Float32) -> Uint32:
 
 
 def div_rn(a: Float32, b: Float32) -> Float32:
-    """a / b correctly rounded (``div.rn.f32``), as PyTorch divides: the quantizers' scales match
-    hstu_cute.quantize bit for bit."""
+    """a / b correctly rounded (``div.rn.f32``), as PyTorch divides: the quantizers' 1 / scale
+    matches hstu_cute.quantize bit for bit."""
     return _asm(Float32, [Float32(a), Float32(b)], "div.rn.f32 $0, $1, $2;", "=f,f,f")
 
 

@@ -19,12 +19,11 @@ from ..common.fp8 import (
     words_to_operand_a,
     zero_smem_cols_past,
 )
-from ..fp8_format import BLOCK_TOKENS
+from ..fp8_format import BLOCK_TOKENS, vt_column_start
 from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import silu_scaled_inplace
 from ..common.tile_scheduler import SectionWalk, TileScheduler
 from .base import HstuSm90Base
-from .vt import vt_column_start
 from ..common.sm90 import (
     advanced,
     rows_zero_copy,
@@ -575,7 +574,7 @@ class HstuForwardSm90(HstuSm90Base):
     @cute.jit
     def fp8_p_words(self, acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha: Float32, seq, m_block: Int32,
                     n_block: Int32, row_first: Int32, scales, p_scale, first: cutlass.Constexpr[bool]):
-        """(e4m3 words of this block's P in accumulator order, the output rows' rescale or None).
+        """(e4m3 words of this block's P in operand order, the output rows' rescale or None).
         Scaled P: the block's descales (:meth:`block_descales`) enter the scores and P's
         multiplier; ``first``: the tile's first block, its rows' scale starts afresh."""
         if const_expr(self.scaled_p):
@@ -632,10 +631,12 @@ class HstuForwardFp8Sm90(HstuForwardSm90):
 
     * V arrives as its token-contiguous copy V^T (H, D, W) (hopper.vt.VTransposeSm90): an 8-bit
       WGMMA reads both smem operands K-major only, and P.V reduces over keys. Each sequence's keys
-      start 16-token aligned there (hopper.vt.vt_column_start): a TMA box must start 16-byte
+      start 16-token aligned there (fp8_format.vt_column_start): a TMA box must start 16-byte
       aligned along the contiguous dimension (an unaligned start is an illegal instruction);
-    * P is packed from the score accumulator into the 8-bit register operand by quad shuffles
-      (common.fp8.silu_to_fp8_words, words_to_operand_a);
+    * P is packed from the score accumulator into the 8-bit register operand with no data
+      movement, V^T's keys being stored in that order (common.fp8.silu_to_fp8_words,
+      words_to_operand_a; fp8_format.KEY_AT_COLUMN); with scaled P (quant modes >= 1) each row's
+      running power-of-two scale enters the packing (common.fp8.silu_to_scaled_fp8_words);
     * past seqlen_k the V^T tile's key columns are zeroed, not V's rows."""
 
     @cute.jit

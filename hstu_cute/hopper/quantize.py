@@ -28,8 +28,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ..common.fp8 import div_rn
-from ..fp8_format import BLOCK_TOKENS, E4M3_MAX, SCALE_FLOOR, vt_key_column
-from .vt import vt_column_start
+from ..fp8_format import BLOCK_TOKENS, E4M3_MAX, SCALE_FLOOR, vt_column_start, vt_key_column
 
 # Elements per thread and chunk: 16 e4m3 bytes out (two 16-byte loads of a 16-bit input).
 VEC = 16

@@ -4,7 +4,7 @@ An 8-bit WGMMA reads its shared-memory B operand K-major only, so the FP8 forwar
 keys contiguous, and a TMA box must start 16-byte aligned along that dimension: sequence b's keys
 start at column ``vt_column_start(off_b, b) = roundup16(off_b) + 16 b`` (a closed form the forward
 recomputes, so no offsets tensor is made; every sequence fits before the next one's start; the
-width is hstu_cute.variants.vt_width). Within every 16-key group of a sequence the keys are
+width is ``vt_width``; both in hstu_cute.fp8_format). Within every 16-key group of a sequence the keys are
 stored in ``hstu_cute.fp8_format.KEY_AT_COLUMN`` order, the order in which the forward packs P into
 its register operand (no shuffles there). The columns between sequences are never read unmasked:
 the forward zeroes the key columns past a sequence in shared memory.
@@ -16,17 +16,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
-from ..fp8_format import vt_key_column
+from ..fp8_format import vt_column_start, vt_key_column
 
 # Tokens per CTA; rows of the staging tile are padded by 4 bytes so that reading one dim across
 # the tokens (stride D + 4 bytes) hits 32 different banks.
 VT_TOKENS = 64
 _ROW_PAD = 4
-
-
-def vt_column_start(k_start, batch):
-    """Column of V^T where sequence ``batch`` (first key token ``k_start``) starts."""
-    return (k_start + 15) // 16 * 16 + 16 * batch
 
 
 class VTransposeSm90:

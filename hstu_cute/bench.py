@@ -309,14 +309,15 @@ def run_workload(w: Workload, tiles: dict | None = None, sets: int = 3, path: st
     return row
 
 
-FP8_ENTRIES = ("kernel", "prequantized", "mode0", "kernel2", "quant2", "mode2", "kernel5", "quant5", "mode5")
+FP8_ENTRIES = ("kernel", "prequantized", "mode0", "kernel1", "quant1", "mode1", "kernel2", "quant2", "mode2", "kernel5",
+               "quant5", "mode5")
 
 
 def run_workload_fp8(w: Workload, entry: str = "kernel", tiles: dict | None = None, sets: int = 3) -> dict:
     """The FP8 forward on ``w`` (FLOPs as for 16-bit). ``entry``: "kernel" (e4m3 q, k and V^T
     made beforehand: the P-cast kernel alone), "prequantized" (e4m3 q, k, v with descales: V^T
     is made per call), "modeN" (16-bit inputs, quant_mode N: quantizers, V^T and kernel per
-    call), "kernelN" (mode N's kernel alone, N >= 2) or "quantN" (mode N's quantizers and V^T
+    call), "kernelN" (mode N's kernel alone, N >= 1) or "quantN" (mode N's quantizers and V^T
     alone: the row adds ``gbps``, 16-bit q, k, v read and e4m3 q, k, V^T written once)."""
     from . import launch, validation
     from .quantize import QuantMode, quantize_batch

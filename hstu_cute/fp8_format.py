@@ -23,7 +23,7 @@ negative values can not saturate, and a row whose P stays below 0.5 still keeps 
 """
 
 #: quant_mode values with a kernel behind them (-1: no FP8, or pre-quantized inputs).
-BUILT_QUANT_MODES = (-1, 0, 2, 3, 4, 5)
+BUILT_QUANT_MODES = (-1, 0, 1, 2, 3, 4, 5)
 E4M3_MAX = 448.0
 # The smallest scale a quantizer group gets (an all-zero group keeps finite values).
 SCALE_FLOOR = 1e-6

@@ -110,14 +110,43 @@ def _table(s: FakeShapes):
                                          (cute.sym_int(), cute.sym_int(), cute.sym_int()), assumed_align=4)
 
 
-def _descale(s: FakeShapes):
-    """(1,) fp32, or with ``scaled_p`` a (B, blocks, H) table (quant modes >= 1)."""
+def _token_table(s: FakeShapes):
+    """A (T, H) fp32 table, a value per token and head (quant mode 1's q and k scales)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_tensor(cutlass.Float32, (cute.sym_int(), s.heads), (cute.sym_int(), cute.sym_int()),
+                                         assumed_align=4)
+
+
+def _dim_table(s: FakeShapes):
+    """A (B, blocks, H, D) fp32 table, a value per (sequence, block, head, dim) (quant mode 1's V
+    scales)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_tensor(cutlass.Float32, (s.batch, cute.sym_int(), s.heads, s.key.head_dim),
+                                         (cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()),
+                                         assumed_align=4)
+
+
+def _descale(s: FakeShapes, token_table=_token_table):
+    """(1,) fp32; with ``scaled_p`` a (B, blocks, H) table (quant modes >= 1), with
+    ``two_direction`` ``token_table`` (mode 1)."""
     import cutlass
     import cutlass.cute as cute
 
     if not s.key.scaled_p:
         return cute.runtime.make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(),), assumed_align=4)
-    return _table(s)
+    return token_table(s) if s.key.two_direction else _table(s)
+
+
+def _descale_v(s: FakeShapes):
+    return _descale(s, _dim_table)
+
+
+def _quant_scale(s: FakeShapes):
+    return {"token": _token_table, "column": _dim_table}.get(s.key.role, _table)(s)
 
 
 def _f32(s: FakeShapes):
@@ -226,14 +255,15 @@ SPECS: dict[str, tuple[Arg, ...]] = {
     # tensors, or (B, blocks, H) tables with scaled P (read on the device: no host sync).
     "hopper_fwd_fp8": (_Q, _K, Arg("mV", _tokens_transposed), Arg("mO", _tokens("tokens_q", "out")), *_SEQUENCES,
                        _TMA_RAB, *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER,
-                       Arg("mDescaleQ", _descale), Arg("mDescaleK", _descale), Arg("mDescaleV", _descale)),
+                       Arg("mDescaleQ", _descale), Arg("mDescaleK", _descale), Arg("mDescaleV", _descale_v)),
     "hopper_fwd_vt": (Arg("mV", _tokens("tokens_k")), Arg("mVt", _tokens_transposed),
                       Arg("mOffsets", _int_vec("batch1"))),
     "hopper_fwd_cast": (Arg("mX", _tokens("tokens_q")), Arg("mO", _tokens("tokens_q", "Float8E4M3FN", 16))),
-    # Quant modes 2-5 (hstu_cute.hopper.quantize): (B, blocks, H) fp32 amax / scale tables.
+    # Quant modes 1-5 (hstu_cute.hopper.quantize): (B, blocks, H) fp32 amax / scale tables; mode 1
+    # (roles "token" and "column") its (T, H) and (B, blocks, H, D) scale tables.
     "hopper_fwd_quant": (Arg("mX", _tokens("tokens_q")), Arg("mOffsets", _int_vec("batch1")),
-                         Arg("mAmax", _table, lambda key: key.role != "fused"),
-                         Arg("mScale", _table, lambda key: key.role != "amax"),
+                         Arg("mAmax", _table, lambda key: key.role in ("amax", "cast")),
+                         Arg("mScale", _quant_scale, lambda key: key.role != "amax"),
                          Arg("mO", _tokens("tokens_q", "Float8E4M3FN", 16),
                              lambda key: key.role != "amax" and not key.transposed),
                          Arg("mVt", _tokens_transposed, lambda key: key.transposed), Arg("num_blocks", _i32)),

@@ -193,12 +193,15 @@ def fwd_key(p: Problem, arch: str, rab, tiles: dict | None = None, path: str = "
 class Fp8Operands:
     """What the FP8 forward reads besides e4m3 q and k: V^T (H, D, W) e4m3
     (:func:`transposed_for_pv`), the (q, k, v) descales as (1,) fp32 device tensors (or, with
-    ``scaled_p``, (B, blocks, H) tables: quant modes >= 1), and the output's dtype."""
+    ``scaled_p``, (B, blocks, H) tables: quant modes 2-5; with ``two_direction`` too, mode 1's
+    (T, H), (T, H) and (B, blocks, H, D) tables), and the output's dtype."""
 
-    __slots__ = ("vt", "descales", "out_dtype", "scaled_p")
+    __slots__ = ("vt", "descales", "out_dtype", "scaled_p", "two_direction")
 
-    def __init__(self, vt: torch.Tensor, descales: tuple, out_dtype: torch.dtype, scaled_p: bool = False):
-        self.vt, self.descales, self.out_dtype, self.scaled_p = vt, descales, out_dtype, scaled_p
+    def __init__(self, vt: torch.Tensor, descales: tuple, out_dtype: torch.dtype, scaled_p: bool = False,
+                 two_direction: bool = False):
+        self.vt, self.descales, self.out_dtype = vt, descales, out_dtype
+        self.scaled_p, self.two_direction = scaled_p, two_direction
 
 
 _FP8_NAMES = {**DTYPE_NAMES, torch.float8_e4m3fn: FP8_DTYPE}
@@ -233,11 +236,13 @@ def cast_e4m3(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_blocks(x: torch.Tensor, seq_offsets: torch.Tensor, max_seqlen: int, mode: int, transposed: bool
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 data, (B, blocks, H) descale table) of a 16-bit (T, H, D) tensor quantized with
-    ``mode`` (2-5) by the block quantizers (:mod:`hstu_cute.hopper.quantize`; the groups of
-    :mod:`hstu_cute.quantize`): mode 2 in one pass, modes 3-5 in two (group amax by atomics; cast,
-    which also writes the scales). ``transposed``: the data is V^T (H, D, W) for the forward's
-    P.V (:func:`transposed_for_pv`'s layout), else (T, H, D). Modes 3-5 give a (B, 1, H) table."""
+    """(e4m3 data, descale table) of a 16-bit (T, H, D) tensor quantized with ``mode`` (1-5) by
+    the block quantizers (:mod:`hstu_cute.hopper.quantize`; the groups of
+    :mod:`hstu_cute.quantize`): modes 1 and 2 in one pass, modes 3-5 in two (group amax by atomics;
+    cast, which also writes the scales). ``transposed``: the data is V^T (H, D, W) for the
+    forward's P.V (:func:`transposed_for_pv`'s layout), else (T, H, D). The table is (B, blocks,
+    H) for mode 2, (B, 1, H) for modes 3-5; mode 1's is (T, H) (per token), or transposed (B,
+    blocks, H, D) (per block and dim)."""
     tokens, heads, head_dim = x.shape
     batch = seq_offsets.shape[0] - 1
     blocks = num_blocks(max_seqlen)
@@ -246,22 +251,30 @@ def quantize_blocks(x: torch.Tensor, seq_offsets: torch.Tensor, max_seqlen: int,
         data = torch.empty((heads, head_dim, vt_width(tokens, batch)), dtype=torch.float8_e4m3fn, device=device)
     else:
         data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=device)
+    two_direction = mode == QuantMode.TWO_DIRECTION
+    if two_direction:
+        # Every entry a sequence's token or block owns is written; the rest is never read.
+        table = (torch.empty((batch, blocks, heads, head_dim), dtype=torch.float32, device=device) if transposed
+                 else torch.empty((tokens, heads), dtype=torch.float32, device=device))
+    elif mode == QuantMode.PER_BLOCK:
+        table = torch.empty((batch, blocks, heads), dtype=torch.float32, device=device)
+    else:
+        table = torch.empty((batch, 1, heads), dtype=torch.float32, device=device)
     if tokens == 0 or batch == 0:
-        return data, torch.full((batch, 1, heads), SCALE_FLOOR, dtype=torch.float32, device=device)
+        return data, table.fill_(SCALE_FLOOR)
     x = aligned_16(x)
     dtype = DTYPE_NAMES[x.dtype]
     arch = device_arch(device)
     out = dict(mVt=data) if transposed else dict(mO=data)
     with _on_device(device):
-        if mode == QuantMode.PER_BLOCK:
-            table = torch.empty((batch, blocks, heads), dtype=torch.float32, device=device)
-            key = _made(make_hopper_quant_key, arch, dtype, head_dim, "fused", transposed)
+        if two_direction or mode == QuantMode.PER_BLOCK:
+            role = ("column" if transposed else "token") if two_direction else "fused"
+            key = _made(make_hopper_quant_key, arch, dtype, head_dim, role, transposed)
             _launch(key, _compiled(key), dict(mX=x, mOffsets=seq_offsets, mScale=table, num_blocks=blocks, **out))
             return data, table
         # One amax per group, seen by every block of the group (zero strides).
         group = {QuantMode.PER_HEAD: (batch, 1, heads), QuantMode.PER_SEQUENCE: (batch, 1, 1)}.get(mode, (1, 1, 1))
         amax = torch.zeros(group, dtype=torch.float32, device=device).expand(batch, blocks, heads)
-        table = torch.empty((batch, 1, heads), dtype=torch.float32, device=device)
         key = _made(make_hopper_quant_key, arch, dtype, head_dim, "amax", False)
         _launch(key, _compiled(key), dict(mX=x, mOffsets=seq_offsets, mAmax=amax, num_blocks=blocks))
         key = _made(make_hopper_quant_key, arch, dtype, head_dim, "cast", transposed)
@@ -282,10 +295,10 @@ def unit_descale(device) -> torch.Tensor:
 
 
 def fp8_fwd_key(p: Problem, arch: str, rab, out_dtype: torch.dtype, tiles: dict | None = None,
-                scaled_p: bool = False):
+                scaled_p: bool = False, two_direction: bool = False):
     context_target = p.mask.has_context or p.mask.has_target
     return _made(make_hopper_fp8_fwd_key, arch, DTYPE_NAMES[out_dtype], p.head_dim, p.mask.kind, context_target,
-                 rab is not None, tiles, scaled_p)
+                 rab is not None, tiles, scaled_p, two_direction)
 
 
 def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
@@ -317,7 +330,7 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
         key = fwd_key(p, device_arch(device), rab, tiles, path)
         extra = {}
     else:
-        key = fp8_fwd_key(p, device_arch(device), rab, fp8.out_dtype, tiles, fp8.scaled_p)
+        key = fp8_fwd_key(p, device_arch(device), rab, fp8.out_dtype, tiles, fp8.scaled_p, fp8.two_direction)
         extra = dict(zip(("mDescaleQ", "mDescaleK", "mDescaleV"), fp8.descales))
     compiled = _compiled(key)
     values = dict(mQ=q, mK=k, mV=v, mO=out, mRab=rab, num_m_blocks=-(-max_seqlen_q // key.tile_m), **extra,
@@ -361,7 +374,7 @@ def prepare_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_
                 for x, offsets, max_seqlen, transposed in ((q, seq_offsets_q, max_seqlen_q, False),
                                                            (k, seq_offsets_k, max_seqlen_k, False),
                                                            (v, seq_offsets_k, max_seqlen_k, True)))
-            return q, k, Fp8Operands(vt, (dq, dk, dv), p.out_dtype, True)
+            return q, k, Fp8Operands(vt, (dq, dk, dv), p.out_dtype, True, p.quant_mode == QuantMode.TWO_DIRECTION)
     return q, k, Fp8Operands(transposed_for_pv(v, seq_offsets_k), descales, p.out_dtype, False)
 
 

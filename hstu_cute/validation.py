@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 
 from . import masks
-from .fp8_format import BUILT_QUANT_MODES
 from .variants import FP8_HEAD_DIMS, HEAD_DIMS
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -124,10 +123,6 @@ def _check_fp8(q, k, v, descale_q, descale_k, descale_v, descale_do, quant_mode)
     for name, t in descales + (("descale_do", descale_do),):
         if t is not None:
             fail(ValueError, name, "None unless q, k, v are pre-quantized torch.float8_e4m3fn", "a tensor")
-    if quant_mode not in BUILT_QUANT_MODES:
-        raise NotImplementedError(
-            f"quant_mode={quant_mode}: the FP8 forward is built for quant_mode 0 and 2-5 and pre-quantized "
-            "float8_e4m3fn inputs so far; mode 1 (two-direction) is not yet. Pass quant_mode=-1 (16-bit), 0 or 2-5")
 
 
 def validate(

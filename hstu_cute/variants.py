@@ -257,15 +257,21 @@ class HopperFp8FwdKey(HopperFwdKey):
     """Compile key of :class:`~hstu_cute.hopper.fwd.HstuForwardFp8Sm90`: ``dtype`` is the e4m3
     input type, ``out_dtype`` the output's (and rab's) 16-bit type; ``scaled_p``: quant modes
     >= 1 (P re-quantized with a per-row scale, descales per (sequence, block, head)), else the
-    pre-quantized entry and mode 0 (P cast, (1,) descales)."""
+    pre-quantized entry and mode 0 (P cast, (1,) descales); ``two_direction`` (quant mode 1, with
+    ``scaled_p``): q and k descales per (token, head), V^T's per (block, head, dim)."""
 
     kernel_name: ClassVar[str] = "hopper_fwd_fp8"
 
     out_dtype: str = "bfloat16"
     scaled_p: bool = False
+    two_direction: bool = False
+
+    def __post_init__(self):
+        assert self.scaled_p or not self.two_direction, "two_direction needs scaled_p"
 
     def describe(self) -> str:
-        return super().describe() + f" ->{self.out_dtype}" + (" scaled-P" if self.scaled_p else "")
+        return (super().describe() + f" ->{self.out_dtype}" + (" scaled-P" if self.scaled_p else "")
+                + (" two-direction" if self.two_direction else ""))
 
 
 @dataclass(frozen=True)
@@ -301,9 +307,10 @@ class HopperCastKey(_Fp8InputKey):
 
 @dataclass(frozen=True)
 class HopperQuantKey(_Fp8InputKey):
-    """Compile key of :class:`~hstu_cute.hopper.quantize.BlockQuantizeSm90` (quant modes 2-5):
+    """Compile key of :class:`~hstu_cute.hopper.quantize.BlockQuantizeSm90` (quant modes 1-5):
     ``role`` "fused" (mode 2: amax, scale and cast in one pass), "amax" or "cast" (modes 3-5's two
-    passes); ``transposed``: the cast writes V^T."""
+    passes), "token" or "column" (mode 1: a scale per token and head, or per block, head and dim;
+    one pass); ``transposed``: the cast writes V^T."""
 
     kernel_name: ClassVar[str] = "hopper_fwd_quant"
 
@@ -314,8 +321,12 @@ class HopperQuantKey(_Fp8InputKey):
         return super().describe() + f" {self.role}" + (" ->V^T" if self.transposed else "")
 
 
+#: (scaled_p, two_direction) of the shipped FP8 forward variants: P cast (the pre-quantized entry
+#: and mode 0), scaled P (modes 2-5), scaled P with per-token and per-dim descales (mode 1).
+FP8_P_SCALINGS = ((False, False), (True, False), (True, True))
 #: (role, transposed) of the shipped quantizer variants.
-QUANT_VARIANTS = (("fused", False), ("fused", True), ("amax", False), ("cast", False), ("cast", True))
+QUANT_VARIANTS = (("fused", False), ("fused", True), ("amax", False), ("cast", False), ("cast", True),
+                  ("token", False), ("column", True))
 
 
 def make_hopper_quant_key(arch, dtype, head_dim, role, transposed) -> HopperQuantKey:
@@ -338,10 +349,10 @@ def default_hopper_fp8_fwd_tiles(head_dim: int, has_rab: bool, scaled_p: bool = 
 
 
 def make_hopper_fp8_fwd_key(arch, out_dtype, head_dim, kind, context_target, has_rab,
-                            tiles=None, scaled_p: bool = False) -> HopperFp8FwdKey:
+                            tiles=None, scaled_p: bool = False, two_direction: bool = False) -> HopperFp8FwdKey:
     fields = _variant_fields(arch, FP8_DTYPE, head_dim, kind, context_target, has_rab)
     fields["fast_silu"] = True  # tanh.approx is far below e4m3's rounding of P
-    return HopperFp8FwdKey(**fields, out_dtype=out_dtype, scaled_p=scaled_p,
+    return HopperFp8FwdKey(**fields, out_dtype=out_dtype, scaled_p=scaled_p, two_direction=two_direction,
                            **(tiles or default_hopper_fp8_fwd_tiles(head_dim, has_rab, scaled_p)))
 
 
@@ -453,12 +464,12 @@ def shipped_hopper_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_
 
 
 def shipped_hopper_fp8_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
-    """FP8 forward variants (``dtypes`` are the output and rab types; P cast, then scaled P), then the V^T kernels (V in
-    each of ``dtypes``, cast on the way, or already e4m3), quant_mode 0's cast of q and k and the
-    block quantizers of modes 2-5."""
+    """FP8 forward variants (``dtypes`` are the output and rab types; P cast, scaled P, then
+    scaled P with mode 1's descales), then the V^T kernels (V in each of ``dtypes``, cast on the
+    way, or already e4m3), quant_mode 0's cast of q and k and the block quantizers of modes 1-5."""
     fp8_dims = [d for d in head_dims if d in FP8_HEAD_DIMS]
-    return ([make_hopper_fp8_fwd_key(arch, *variant, has_rab, scaled_p=scaled_p)
-             for scaled_p in (False, True) for variant in _shipped_variants(dtypes, fp8_dims)
+    return ([make_hopper_fp8_fwd_key(arch, *variant, has_rab, scaled_p=scaled_p, two_direction=two_direction)
+             for scaled_p, two_direction in FP8_P_SCALINGS for variant in _shipped_variants(dtypes, fp8_dims)
              for has_rab in (False, True)]
             + [make_hopper_vt_key(arch, dtype, d) for dtype in (*dtypes, FP8_DTYPE) for d in fp8_dims]
             + [make_hopper_cast_key(arch, dtype, d) for dtype in dtypes for d in fp8_dims]

@@ -1,6 +1,6 @@
 """FP8 forward lines beside the bf16 forward, same run (issue 16): B8 N4096 H4 causal at head dims
 64, 128, 256. The P-cast kernel alone, the pre-quantized entry (V^T made per call), quant_mode 0,
-and for modes 2 and 5 the kernel alone, the quantizers alone (GB/s) and both (end to end).
+and for modes 1, 2 and 5 the kernel alone, the quantizers alone (GB/s) and both (end to end).
 Usage: python scripts/bench_fp8.py [D ...]; JSON lines to $OUT/fp8.jsonl."""
 
 import json

@@ -1,6 +1,7 @@
 """A small jagged batch through every mask family (and rab, delta_q, seqused) on the Hopper FP8
-forward, every entry (pre-quantized e4m3 with descales; quant_mode 0; quant_mode 2 and 4, the block
-quantizers' one- and two-pass forms), for compute-sanitizer.
+forward, every entry (pre-quantized e4m3 with descales; quant_mode 0; quant_mode 1, 2 and 4: the
+per-token and per-dim descales, the block quantizers' one- and two-pass forms), for
+compute-sanitizer.
 Lengths are random, so sequences start at tokens that are not multiples of 16. Skips (exit 0)
 without a compute capability 9.x GPU."""
 import sys
@@ -31,7 +32,7 @@ for name, kw in CASES.items():
         rest = {k: v for k, v in b.items() if k not in ("q", "k", "v")}
         with torch.no_grad():
             out0 = hstu_attn_varlen_func(b["q"], b["k"], b["v"], **rest, quant_mode=0)
-            scaled = [hstu_attn_varlen_func(b["q"], b["k"], b["v"], **rest, quant_mode=m) for m in (2, 4)]
+            scaled = [hstu_attn_varlen_func(b["q"], b["k"], b["v"], **rest, quant_mode=m) for m in (1, 2, 4)]
             quantized = dict(zip("qkv", quantize_batch(b, QuantMode.PER_TENSOR)))
             out8 = hstu_attn_varlen_func(*(quantized[n].data for n in "qkv"), **rest,
                                          descale_q=quantized["q"].scale, descale_k=quantized["k"].scale,

@@ -149,15 +149,15 @@ def test_warmup_select_keys_filters():
     # sm_90a: the Hopper forward and backward kernels too (hstu_cute.variants.shipped_keys): the
     # fused D128 kernel (16), the deterministic pair (96) and at D256 the wide dK/dV/drab kernel
     # (2 dtypes x 4 masks x 4 rab/drab modes) with its dQ kernel (16); the FP8 forward (2 output
-    # dtypes x 3 head dims x 4 masks x rab or not, P cast or scaled: 96), its V^T kernel (3 input
-    # dtypes x 3 head dims), quant_mode 0's cast (2 x 3) and the block quantizers of modes 2-5
-    # (2 x 3 x 5 roles).
-    assert len(select_keys("sm_90a")) == 96 + 192 + 64 + 96 + 16 + 32 + 16 + 96 + 9 + 6 + 30
-    assert len(select_keys("sm_90a", kernels="fwd")) == 96 + 64 + 96 + 9 + 6 + 30
+    # dtypes x 3 head dims x 4 masks x rab or not x P cast, scaled or scaled with mode 1's
+    # descales: 144), its V^T kernel (3 input dtypes x 3 head dims), quant_mode 0's cast (2 x 3)
+    # and the block quantizers of modes 1-5 (2 x 3 x 7 roles).
+    assert len(select_keys("sm_90a")) == 96 + 192 + 64 + 96 + 16 + 32 + 16 + 144 + 9 + 6 + 42
+    assert len(select_keys("sm_90a", kernels="fwd")) == 96 + 64 + 144 + 9 + 6 + 42
     assert len(select_keys("sm_90a", kernels="bwd")) == 192 + 96 + 16 + 32 + 16
     keys = select_keys("sm_90a", ["bfloat16"], [128], ["causal"], "none", kernels="fwd")
-    assert [k.kernel_name for k in keys] == ["ampere_fwd", "hopper_fwd", "hopper_fwd_fp8", "hopper_fwd_fp8"]
-    assert [k.scaled_p for k in keys[2:]] == [False, True]
+    assert [k.kernel_name for k in keys] == ["ampere_fwd", "hopper_fwd"] + ["hopper_fwd_fp8"] * 3
+    assert [(k.scaled_p, k.two_direction) for k in keys[2:]] == [(False, False), (True, False), (True, True)]
     assert not any(k.kernel_name == "hopper_fwd" for k in select_keys("sm_89"))
 
 

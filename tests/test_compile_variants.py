@@ -69,9 +69,9 @@ def test_every_hopper_variant_compiles(tmp_cache):
     D128; the deterministic dK/dV + dQ pair; at D256 the wide dK/dV/drab kernel and its dQ
     kernel) builds for sm_90a."""
     keys = shipped_hopper_fwd_keys("sm_90a") + shipped_hopper_bwd_keys("sm_90a") + shipped_hopper_fp8_fwd_keys()
-    # FP8: the forward with P cast and with scaled P (96), V^T (9), mode 0's cast (6) and the
-    # block quantizers of modes 2-5 (30).
-    assert len(keys) == len(set(keys)) == 64 + 96 + 16 + 32 + 16 + 96 + 9 + 6 + 30
+    # FP8: the forward with P cast, scaled P and scaled P with mode 1's descales (144), V^T (9),
+    # mode 0's cast (6) and the block quantizers of modes 1-5 (42).
+    assert len(keys) == len(set(keys)) == 64 + 96 + 16 + 32 + 16 + 144 + 9 + 6 + 42
     assert {k.kernel_name for k in keys} == {"hopper_fwd", "hopper_bwd_fused", "hopper_bwd_dkdv", "hopper_bwd_dq",
                                              "hopper_bwd_wide", "hopper_fwd_fp8", "hopper_fwd_vt", "hopper_fwd_cast",
                                              "hopper_fwd_quant"}

@@ -3,7 +3,7 @@ error against the fp32 oracle on the unquantized inputs must stay within 2x of t
 (quantize and dequantize in PyTorch, P through e4m3, fp32 math). Skips without an sm90 GPU.
 
 Entry points: pre-quantized e4m3 inputs with (1,) descales (here quantized per tensor by
-``hstu_cute.quantize``, mode 5's groups) and ``quant_mode`` 0 (P cast) and 2-5 (scaled P) with
+``hstu_cute.quantize``, mode 5's groups) and ``quant_mode`` 0 (P cast) and 1-5 (scaled P) with
 16-bit inputs."""
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ HEAD_DIMS = [64, 128, 256]
 RABS = [None, 1, "H"]
 # (entry, output dtype): pre-quantized inputs give bf16; quant_mode N keeps the inputs' dtype.
 ENTRIES = [("prequantized", torch.bfloat16), ("mode0", torch.bfloat16), ("mode0", torch.float16),
-           ("mode2", torch.bfloat16), ("mode3", torch.float16), ("mode4", torch.bfloat16), ("mode5", torch.bfloat16)]
-SCALED_MODES = [2, 3, 4, 5]
+           ("mode1", torch.bfloat16), ("mode2", torch.bfloat16), ("mode3", torch.float16), ("mode4", torch.bfloat16),
+           ("mode5", torch.bfloat16), ("mode1", torch.float16)]
+SCALED_MODES = [1, 2, 3, 4, 5]
 
 
 def _seed(*parts) -> int:
@@ -125,7 +126,7 @@ def test_fp8_grid(case):
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-@pytest.mark.parametrize("entry", ["prequantized", "mode0", "mode2"])
+@pytest.mark.parametrize("entry", ["prequantized", "mode0", "mode1", "mode2"])
 def test_fp8_edge_lengths(head_dim, entry):
     """Lengths 0, 1, 17, 1111: token counts that are not multiples of 16 (V^T's padded rows)."""
     b = random_jagged_batch(4, 2, head_dim, 1111, device="cuda", seed=_seed("edge", head_dim, entry),
@@ -158,7 +159,9 @@ def test_fp8_scaled_modes(mode, head_dim):
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_block_quantizers_match_torch(mode, head_dim):
     """The device quantizers (launch.quantize_blocks) against hstu_cute.quantize bit for bit: the
-    e4m3 data of every sequence token, the descale table, and V^T's columns of each sequence."""
+    e4m3 data of every sequence token, the descale table, and V^T's columns of each sequence
+    (mode 1: the (T, H) table of the sequences' tokens, and V^T against the token-contiguous copy
+    with its (B, blocks, H, D) table)."""
     from hstu_cute import quantize
 
     lengths = [300, 0, 1, 17, 129, 256]
@@ -167,18 +170,23 @@ def test_block_quantizers_match_torch(mode, head_dim):
     g = torch.Generator(device="cuda").manual_seed(mode)
     x = (x.float() * torch.exp2(torch.randint(-4, 5, (x.shape[0], 3, 1), generator=g, device="cuda").float())).to(x.dtype)
     want = quantize.quantize(x, mode, offsets, 300)
-    table = quantize.descale_table(want.scale, mode, 6, 3)
+    two_direction = mode == QuantMode.TWO_DIRECTION
     data, got_table = launch.quantize_blocks(x, offsets, 300, mode, False)
-    end = int(offsets[-1])
-    assert torch.equal(data[:end].view(torch.uint8), want.data[:end].view(torch.uint8))
-    assert torch.equal(got_table, table)
+    start, end = int(offsets[0]), int(offsets[-1])
+    assert torch.equal(data[start:end].view(torch.uint8), want.data[start:end].view(torch.uint8))
+    if two_direction:
+        assert torch.equal(got_table[start:end], want.scale[start:end])
+        table, by_token = want.scale_t, want.data_t.permute(2, 0, 1)[: x.shape[0]]
+    else:
+        table, by_token = quantize.descale_table(want.scale, mode, 6, 3), want.data
+        assert torch.equal(got_table, table)
     vt, vt_table = launch.quantize_blocks(x, offsets, 300, mode, True)
     assert torch.equal(vt_table, table)
     starts = offsets.tolist()
     for seq, length in enumerate(lengths):
         column = -(-starts[seq] // 16) * 16 + 16 * seq
         got = vt[:, :, _key_columns(column, length)]
-        assert torch.equal(got.view(torch.uint8), want.data[starts[seq]:starts[seq] + length].permute(1, 2, 0)
+        assert torch.equal(got.view(torch.uint8), by_token[starts[seq]:starts[seq] + length].permute(1, 2, 0)
                            .view(torch.uint8)), seq
 
 

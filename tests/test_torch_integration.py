@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from hstu_cute import api, hstu_attn_varlen_func, reference, validation
+from hstu_cute import api, fp8_format, hstu_attn_varlen_func, reference, validation
 from hstu_cute.testing import random_jagged_batch
 
 BF16 = torch.bfloat16
@@ -512,7 +512,7 @@ class Fp8Attn(torch.nn.Module):
 
 
 # Every FP8 entry the operator serves: pre-quantized inputs (-1) and the built quant modes.
-FP8_ENTRY_MODES = list(validation.BUILT_QUANT_MODES)
+FP8_ENTRY_MODES = list(fp8_format.BUILT_QUANT_MODES)
 FP8_ENTRY_IDS = ["prequantized"] + [f"mode{m}" for m in FP8_ENTRY_MODES[1:]]
 
 

@@ -75,7 +75,7 @@ class HstuForwardSm90(HstuSm90Base):
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
                  num_stages: int, fast_silu: bool, intra_wg_overlap: bool = True, pingpong: bool = True,
                  persistent: bool = True, q_stages: int = 1, dynamic_tiles: bool = False, out_dtype=None,
-                 scaled_p: bool = False):
+                 scaled_p: bool = False, two_direction: bool = False):
         # The CTA launches with 168 x 384 registers; setmaxnreg moves them between roles, so the
         # consumers' 240 must come out of that pool (common.sm90.sm90_register_split).
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, tile_m // 64,
@@ -88,6 +88,11 @@ class HstuForwardSm90(HstuSm90Base):
         # quantizer block and a key tile lies inside one.
         self.scaled_p = scaled_p
         assert not scaled_p or (self.fp8 and tile_m == BLOCK_TOKENS and BLOCK_TOKENS % tile_n == 0)
+        # Quant mode 1: q and k descales per (token, head), so the scores take an outer product
+        # of them; V^T's per (block, head, dim), so the output's columns are rescaled when the key
+        # block changes (it can not go into P, whose scale is per row).
+        self.two_direction = two_direction
+        assert not two_direction or scaled_p
         # fp16 stores the next P through an operand fence: with a plain store ptxas serializes every
         # WGMMA of the fp16 variants (C7513). H200 fp16 B8 N4096 causal: D128 484 vs 378 TF, D256
         # 620 vs 366, D64 290 vs 268. bf16 keeps the plain store (the fence cost it D64 461 -> 427).
@@ -373,6 +378,8 @@ class HstuForwardSm90(HstuSm90Base):
         tiled_mma_qk, zero_copy_v, spec = self.tiled_mma_qk, self.zero_copy_v, self.mask
         pending = cutlass.Boolean(False)
         prev_v_rows, prev_head, prev_q_start, prev_m_block, prev_seqlen_q = Int32(0), Int32(0), Int32(0), Int32(0), Int32(0)
+        # The pending tile's sequence and last key block (two_direction: its V descales).
+        prev_batch, prev_n_last = Int32(0), Int32(0)
         acc_O = cute.make_rmem_tensor(acc_shape_O, Float32)
         acc_O.fill(0.0)
         p_scale = pending_p_scale = None
@@ -383,7 +390,7 @@ class HstuForwardSm90(HstuSm90Base):
             p_scale.fill(0.0)
         # What every overlapped block step reads (overlapped_block).
         step = (tidx, wg, sV, pipe_k, pipe_v, pipe_rab, alpha, tSrQ, tSrK, tOrVt, tOrP, tScS_rc, tSsRab, acc_shape_S,
-                acc_O, p_scale)
+                acc_O, p_scale, tOcO_rc)
         num_tiles, next_tile = tiles.num_tiles, tiles.consumer_next  # no method call on a loop-carried name
         tile, tile_token = tiles.consumer_first()
         while tile < num_tiles:
@@ -391,7 +398,7 @@ class HstuForwardSm90(HstuSm90Base):
             n_lo, hole_lo, hole_size, n_count = sched
             if live:
                 row_first = seq.row_offset + m_block * self.tile_m
-                scales = self.tile_descales(batch, head, m_block)
+                scales = self.tile_descales(batch, head, m_block, q_start, k_start, seq, tScS_rc)
                 if n_count > 0:
                     pipe_q.consumer_wait(q_state)
                     # ---- first n-block: its QK^T goes out with the previous tile's last P.V ----
@@ -403,7 +410,7 @@ class HstuForwardSm90(HstuSm90Base):
                         v_state = self.overlapped_block(step, q_state, k_state, v_state, lambda: prev_v_rows, seq,
                                                         m_block, n_block, row_first, scales, advance_v=True)
                         self.store_tile(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, prev_head, prev_q_start,
-                                        prev_m_block, prev_seqlen_q, pending_p_scale)
+                                        prev_m_block, prev_seqlen_q, pending_p_scale, (prev_batch, prev_n_last))
                         acc_O.fill(0.0)
                     else:
                         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
@@ -420,7 +427,7 @@ class HstuForwardSm90(HstuSm90Base):
                         pipe_k.consumer_wait(k_state)
                         self.overlapped_block(step, q_state, k_state, v_state,
                                               lambda: seq.seqlen_k - n_prev * self.tile_n, seq, m_block, n_block,
-                                              row_first, scales)
+                                              row_first, scales, n_prev=n_prev)
                         k_state = advanced(k_state)
                         v_state = advanced(v_state)
                     # Every QK^T of this tile is complete: the producer may load the next Q.
@@ -431,13 +438,14 @@ class HstuForwardSm90(HstuSm90Base):
                     pending = cutlass.Boolean(True)
                     prev_v_rows = seq.seqlen_k - n_last * self.tile_n
                     prev_head, prev_q_start, prev_m_block, prev_seqlen_q = head, q_start, m_block, seq.seqlen_q
+                    prev_batch, prev_n_last = batch, n_last
                 else:
                     # No key for this tile: finish the pending one, then store this tile's zeros.
                     if pending:
                         v_state = self.last_pv(pipe_v, v_state, sV, zero_copy_v, tidx, wg, prev_v_rows, acc_O, tOrP,
                                                tOrVt)
                         self.store_tile(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, prev_head, prev_q_start,
-                                        prev_m_block, prev_seqlen_q, p_scale)
+                                        prev_m_block, prev_seqlen_q, p_scale, (prev_batch, prev_n_last))
                         acc_O.fill(0.0)
                         pending = cutlass.Boolean(False)
                     self.store_tile(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, head, q_start, m_block, seq.seqlen_q)
@@ -445,19 +453,20 @@ class HstuForwardSm90(HstuSm90Base):
         if pending:
             v_state = self.last_pv(pipe_v, v_state, sV, zero_copy_v, tidx, wg, prev_v_rows, acc_O, tOrP, tOrVt)
             self.store_tile(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, prev_head, prev_q_start, prev_m_block,
-                            prev_seqlen_q, p_scale)
+                            prev_seqlen_q, p_scale, (prev_batch, prev_n_last))
 
     @cute.jit
     def overlapped_block(self, step, q_state, k_state, v_state, v_rows, seq, m_block: Int32, n_block: Int32,
-                         row_first: Int32, scales, advance_v: cutlass.Constexpr[bool] = False):
+                         row_first: Int32, scales, advance_v: cutlass.Constexpr[bool] = False, n_prev=None):
         """One block after the first (K waited for): QK^T of this block and P.V of the previous one
         (``v_rows()``: its V rows inside the sequence) in flight together, under the ping-pong
         barrier; then this block's P replaces the previous one. Releases K and V; the caller
         advances the states, except V with ``advance_v`` (returned; it is advanced before the P
         swap there, which keeps the tile-boundary step's PTX as it was measured): then this block
-        is a new tile's first, and its scaled P (``scales``) starts afresh."""
+        is a new tile's first, and its scaled P (``scales``) starts afresh. ``n_prev``: the previous
+        block (two_direction: the output's columns move to this block's V descales)."""
         (tidx, wg, sV, pipe_k, pipe_v, pipe_rab, alpha, tSrQ, tSrK, tOrVt, tOrP, tScS_rc, tSsRab, acc_shape_S, acc_O,
-         p_scale) = step
+         p_scale, tOcO_rc) = step
         self.sched_wait(wg)
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
         wgmma(self.tiled_mma_qk, acc_S, tSrQ[None, None, None, q_state.index], tSrK[None, None, None, k_state.index],
@@ -477,6 +486,8 @@ class HstuForwardSm90(HstuSm90Base):
                 v_state = advanced(v_state)
             if const_expr(self.scaled_p and not advance_v):
                 rescale_rows_if_needed(acc_O, rescale)
+                if const_expr(self.two_direction):
+                    self.rescale_v_columns(acc_O, tOcO_rc, scales, n_prev, n_block)
             words_to_operand_a(words, tOrP)
             return v_state
         rP = self.scores_to_p_deferred(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, self.mask, seq, m_block,
@@ -501,12 +512,22 @@ class HstuForwardSm90(HstuSm90Base):
 
     @cute.jit
     def store_tile(self, acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale: Float32, head: Int32, q_start: Int32,
-                   m_block: Int32, seqlen_q: Int32, p_scale=None):
+                   m_block: Int32, seqlen_q: Int32, p_scale=None, last_block=None):
         """Epilogue: O * (1/S) -> the input dtype, stored from registers (pairs of columns), rows
         past seqlen_q skipped; scaled P: each row times its final P scale first (``acc_O`` is
-        overwritten; None for a tile without keys: its zeros)."""
+        overwritten; None for a tile without keys: its zeros); two_direction: each column times
+        the V descale of the tile's last key block (``last_block``: (batch, n_block))."""
         if const_expr(p_scale is not None):
             scale_rows(acc_O, p_scale)
+            if const_expr(self.two_direction):
+                batch, n_last = last_block
+                mDescaleV = self.descales[2]
+                block = self.v_descale_block(n_last)
+                rc = cute.make_tensor(acc_O.iterator, wgmma_acc_rows_cols(acc_O.layout))
+                for j in cutlass.range_constexpr(cute.size(rc.shape[1])):
+                    dv = mDescaleV[batch, block, head, tOcO_rc[0, j][1]]
+                    for i in cutlass.range_constexpr(cute.size(rc.shape[0])):
+                        rc[i, j] = rc[i, j] * dv
         rO = cute.make_rmem_tensor(acc_O.layout, self.out_dtype)
         rO.store((acc_O.load() * inv_scale).to(self.out_dtype))
         gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, head, None]), (self.tile_m, self.head_dim),
@@ -578,7 +599,12 @@ class HstuForwardSm90(HstuSm90Base):
         Scaled P: the block's descales (:meth:`block_descales`) enter the scores and P's
         multiplier; ``first``: the tile's first block, its rows' scale starts afresh."""
         if const_expr(self.scaled_p):
-            qk_descale, dv = self.block_descales(scales, n_block)
+            if const_expr(self.two_direction):
+                # dq and dk enter the scores here, dv the output's columns (rescale_v_columns).
+                self.scale_scores_by_tokens(acc_S, tScS_rc, scales, n_block)
+                qk_descale, dv = Float32(1.0), Float32(1.0)
+            else:
+                qk_descale, dv = self.block_descales(scales, n_block)
             self.add_rab_silu_mask(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, self.mask, seq, m_block,
                                    n_block, row_first, qk_descale)
             half_alpha = alpha * Float32(0.5) if const_expr(self.has_rab) else alpha * qk_descale * Float32(0.5)
@@ -592,13 +618,56 @@ class HstuForwardSm90(HstuSm90Base):
         return silu_to_fp8_words(acc_S, alpha * Float32(0.5)), None
 
     @cute.jit
-    def tile_descales(self, batch: Int32, head: Int32, m_block: Int32):
-        """Scaled P: (batch, head, q descale of this query tile), else None."""
+    def tile_descales(self, batch: Int32, head: Int32, m_block: Int32, q_start: Int32, k_start: Int32, seq,
+                      tScS_rc):
+        """Scaled P: (batch, head, q descale of this query tile), else None. two_direction:
+        (batch, head, q descales of the thread's two rows, the sequence's first and last key
+        tokens); token indices are clamped into the sequence (rows past it are never stored,
+        keys past it are masked)."""
         if const_expr(not self.scaled_p):
             return None
         mDescaleQ = self.descales[0]
+        if const_expr(self.two_direction):
+            q_last = q_start + seq.seqlen_q - 1
+            row0 = q_start + m_block * self.tile_m
+            dq0 = mDescaleQ[cutlass.min(row0 + tScS_rc[0, 0][0], q_last), head]
+            dq1 = mDescaleQ[cutlass.min(row0 + tScS_rc[1, 0][0], q_last), head]
+            return batch, head, dq0, dq1, k_start, k_start + seq.seqlen_k - 1
         block = cutlass.min(m_block * self.tile_m // BLOCK_TOKENS, mDescaleQ.shape[1] - 1)
         return batch, head, mDescaleQ[batch, block, head]
+
+    @cute.jit
+    def scale_scores_by_tokens(self, acc_S, tScS_rc, scales, n_block: Int32):
+        """two_direction: scores[r, c] *= dq[r] dk[c] (per-token descales, :meth:`tile_descales`)."""
+        _, head, dq0, dq1, k_start, k_last = scales
+        mDescaleK = self.descales[1]
+        key0 = k_start + n_block * self.tile_n
+        rc = cute.make_tensor(acc_S.iterator, wgmma_acc_rows_cols(acc_S.layout))
+        for j in cutlass.range_constexpr(cute.size(rc.shape[1])):
+            dk = mDescaleK[cutlass.min(key0 + tScS_rc[0, j][1], k_last), head]
+            rc[0, j] = rc[0, j] * (dk * dq0)
+            rc[1, j] = rc[1, j] * (dk * dq1)
+
+    @cute.jit
+    def v_descale_block(self, n_block: Int32):
+        """The V descale table's block of key block ``n_block`` (clamped into the table)."""
+        return cutlass.min(n_block * self.tile_n // BLOCK_TOKENS, self.descales[2].shape[1] - 1)
+
+    @cute.jit
+    def rescale_v_columns(self, acc_O, tOcO_rc, scales, n_prev: Int32, n_block: Int32):
+        """two_direction: the output accumulates in units of the current key block's V descales
+        (per dim); moving from ``n_prev``'s block to ``n_block``'s, each column is multiplied by
+        dv_prev / dv_new (after the previous P.V is complete, before the next one is issued)."""
+        batch, head = scales[0], scales[1]
+        mDescaleV = self.descales[2]
+        old, new = self.v_descale_block(n_prev), self.v_descale_block(n_block)
+        if old != new:
+            rc = cute.make_tensor(acc_O.iterator, wgmma_acc_rows_cols(acc_O.layout))
+            for j in cutlass.range_constexpr(cute.size(rc.shape[1])):
+                col = tOcO_rc[0, j][1]
+                ratio = mDescaleV[batch, old, head, col] * cute.arch.rcp_approx(mDescaleV[batch, new, head, col])
+                for i in cutlass.range_constexpr(cute.size(rc.shape[0])):
+                    rc[i, j] = rc[i, j] * ratio
 
     @cute.jit
     def block_descales(self, scales, n_block: Int32):

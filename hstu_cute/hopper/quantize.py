@@ -1,5 +1,6 @@
-"""The device quantizers of FP8 quant modes 2-5: one CTA per (block of 128 tokens, sequence, head),
-so that a block's sequence is known from the grid (no search) and its scale group is one CTA.
+"""The device quantizers of FP8 quant modes 1-5: one CTA per (block of 128 tokens, sequence, head),
+so that a block's sequence is known from the grid (no search) and its scale group is one CTA (or,
+mode 1, lies inside one).
 
 Roles (``hstu_cute.quantize`` is the PyTorch description they match):
 
@@ -10,7 +11,11 @@ Roles (``hstu_cute.quantize`` is the PyTorch description they match):
   of the amax table (a zeroed per-group tensor seen as (B, blocks, H) with zero strides along the
   dims the mode's group spans, so every block of a group lands on one float);
 * ``"cast"`` (modes 3-5, second pass): the group's scale from its amax, written to the scale table
-  (the forward's descales; every block of a group writes the same value), and the cast.
+  (the forward's descales; every block of a group writes the same value), and the cast;
+* ``"token"`` (mode 1, q and k): a scale per (token, head) over D, written to a (T, H) table, and
+  the cast, in one pass (a token's D / 16 chunks are neighbouring lanes of one warp);
+* ``"column"`` (mode 1, V, transposed only): a scale per (block, head, dim) over the block's
+  tokens, written to a (B, blocks, H, D) table, and the cast to V^T, in one pass.
 
 With ``transposed`` the cast writes V^T (H, D, W) instead of (T, H, D): the forward reads V only
 through V^T (layout, key order included: :mod:`hstu_cute.hopper.vt`; a block starts 16-aligned in
@@ -34,7 +39,7 @@ from ..fp8_format import BLOCK_TOKENS, E4M3_MAX, SCALE_FLOOR, vt_column_start, v
 VEC = 16
 # (D, tokens) staging rows padded to keep 16-byte alignment and spread the banks.
 _ROW_PAD = 16
-QUANT_ROLES = ("fused", "amax", "cast")
+QUANT_ROLES = ("fused", "amax", "cast", "token", "column")
 
 
 class BlockQuantizeSm90:
@@ -42,7 +47,8 @@ class BlockQuantizeSm90:
     ``4096 / D`` rows per pass, ``D / 32`` passes: a thread holds ``D / 2`` input elements."""
 
     def __init__(self, dtype, head_dim: int, role: str, transposed: bool):
-        assert role in QUANT_ROLES and not (transposed and role == "amax")
+        assert role in QUANT_ROLES and not (transposed and role in ("amax", "token"))
+        assert transposed or role != "column"
         self.dtype = dtype
         self.head_dim = head_dim
         self.role = role
@@ -51,6 +57,10 @@ class BlockQuantizeSm90:
         self.chunks = head_dim // VEC
         self.rows_per_pass = self.num_threads // self.chunks
         self.passes = BLOCK_TOKENS // self.rows_per_pass
+        # Butterfly offsets between the lanes of one token (its chunks) and between the lanes of
+        # one chunk (the warp's tokens).
+        self.token_lanes = tuple(self.chunks >> b for b in range(1, self.chunks.bit_length()))
+        self.column_lanes = tuple(self.chunks << b for b in range((32 // self.chunks).bit_length() - 1))
 
     @cute.jit
     def __call__(self, mX, mOffsets, mAmax, mScale, mO, mVt, num_blocks, stream):
@@ -81,15 +91,31 @@ class BlockQuantizeSm90:
             if tidx == 0:
                 cute.arch.atomic_max_float32(mAmax.iterator + cute.crd2idx((batch, block, head), mAmax.layout), amax)
         else:
-            amax = mAmax[batch, block, head] if const_expr(self.role == "cast") else self.block_amax(values, tidx)
-            scale = cute.arch.fmax(amax * Float32(1.0 / E4M3_MAX), Float32(SCALE_FLOOR))
-            if tidx == 0:
-                mScale[batch, block, head] = scale
-        if const_expr(self.role != "amax"):
+            # The multiplier of each element: one per group, (passes,) per token or (VEC,) per dim.
+            if const_expr(self.role == "token"):
+                inverse = self.token_inverse_scales(values, mScale, row_in_pass, chunk, seq_start + row0, rows, head)
+            elif const_expr(self.role == "column"):
+                inverse = self.column_inverse_scales(values, mScale, tidx, chunk, row_in_pass, batch, block, head)
+            else:
+                amax = mAmax[batch, block, head] if const_expr(self.role == "cast") else self.block_amax(values, tidx)
+                scale = self.scale_of(amax)
+                if tidx == 0:
+                    mScale[batch, block, head] = scale
+                # x * (1 / scale), as hstu_cute.quantize computes it (a division per element was
+                # the quantizers' main cost).
+                inverse = div_rn(Float32(1.0), scale)
             out = cute.make_rmem_tensor(cute.make_layout((VEC, self.passes)), cutlass.Float8E4M3FN)
-            # x * (1 / scale), as hstu_cute.quantize computes it (a division per element was the
-            # quantizers' main cost).
-            out.store((values.load().to(Float32) * div_rn(Float32(1.0), scale)).to(cutlass.Float8E4M3FN))
+            if const_expr(self.role == "token"):
+                for i in cutlass.range_constexpr(self.passes):
+                    out[None, i].store((values[None, i].load().to(Float32) * inverse[i]).to(cutlass.Float8E4M3FN))
+            elif const_expr(self.role == "column"):
+                scaled = cute.make_rmem_tensor(cute.make_layout((VEC, self.passes)), Float32)
+                for i in cutlass.range_constexpr(self.passes):
+                    for e in cutlass.range_constexpr(VEC):
+                        scaled[e, i] = Float32(values[e, i]) * inverse[e]
+                out.store(scaled.load().to(cutlass.Float8E4M3FN))
+            else:
+                out.store((values.load().to(Float32) * inverse).to(cutlass.Float8E4M3FN))
             if const_expr(self.transposed):
                 self.store_transposed(out, mVt, tidx, chunk, row_in_pass, seq_start, batch, head, row0, rows)
             else:
@@ -98,6 +124,69 @@ class BlockQuantizeSm90:
                     if r < rows:
                         cute.autovec_copy(out[None, i],
                                           cute.local_tile(mO[seq_start + row0 + r, head, None], (VEC,), (chunk,)))
+
+    @staticmethod
+    def scale_of(amax: Float32) -> Float32:
+        return cute.arch.fmax(amax * Float32(1.0 / E4M3_MAX), Float32(SCALE_FLOOR))
+
+    @cute.jit
+    def token_inverse_scales(self, values: cute.Tensor, mScale, row_in_pass: Int32, chunk: Int32, token0: Int32,
+                             rows: Int32, head: Int32) -> cute.Tensor:
+        """Mode 1, q and k: each of the thread's tokens' scale (amax over its D / 16 chunks, held by
+        ``chunks`` neighbouring lanes) into the (T, H) table; returns 1 / scale per pass."""
+        inverse = cute.make_rmem_tensor(cute.make_layout(self.passes), Float32)
+        for i in cutlass.range_constexpr(self.passes):
+            amax = Float32(0.0)
+            for e in cutlass.range_constexpr(VEC):
+                x = Float32(values[e, i])
+                amax = cute.arch.fmax(amax, cute.arch.fmax(x, -x))
+            for offset in self.token_lanes:
+                amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset))
+            scale = self.scale_of(amax)
+            r = row_in_pass + i * self.rows_per_pass
+            if chunk == 0 and r < rows:
+                mScale[token0 + r, head] = scale
+            inverse[i] = div_rn(Float32(1.0), scale)
+        return inverse
+
+    @cute.jit
+    def column_inverse_scales(self, values: cute.Tensor, mScale, tidx: Int32, chunk: Int32, row_in_pass: Int32,
+                              batch: Int32, block: Int32, head: Int32) -> cute.Tensor:
+        """Mode 1, V: the scale of each of the thread's 16 dims over the block's tokens (lanes with
+        the same chunk in a warp, then the 8 warps through shared memory) into the (B, blocks, H,
+        D) table; returns 1 / scale per dim."""
+        amax = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
+        for e in cutlass.range_constexpr(VEC):
+            m = Float32(0.0)
+            for i in cutlass.range_constexpr(self.passes):
+                x = Float32(values[e, i])
+                m = cute.arch.fmax(m, cute.arch.fmax(x, -x))
+            for offset in self.column_lanes:
+                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset))
+            amax[e] = m
+        warps = self.num_threads // 32
+
+        @cute.struct
+        class Storage:
+            warp_max: cute.struct.MemRange[Float32, warps * self.head_dim]
+
+        storage = cutlass.memory.SmemAllocator().allocate(Storage)
+        warp_max = storage.warp_max.get_tensor(cute.make_layout((self.head_dim, warps)))
+        lane = tidx % 32
+        if lane < self.chunks:
+            for e in cutlass.range_constexpr(VEC):
+                warp_max[chunk * VEC + e, tidx // 32] = amax[e]
+        cute.arch.sync_threads()
+        inverse = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
+        for e in cutlass.range_constexpr(VEC):
+            m = warp_max[chunk * VEC + e, 0]
+            for w in cutlass.range_constexpr(1, warps):
+                m = cute.arch.fmax(m, warp_max[chunk * VEC + e, w])
+            scale = self.scale_of(m)
+            if row_in_pass == 0:
+                mScale[batch, block, head, chunk * VEC + e] = scale
+            inverse[e] = div_rn(Float32(1.0), scale)
+        return inverse
 
     @cute.jit
     def block_amax(self, values: cute.Tensor, tidx: Int32) -> Float32:

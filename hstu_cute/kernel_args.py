@@ -120,14 +120,16 @@ def _token_table(s: FakeShapes):
 
 
 def _dim_table(s: FakeShapes):
-    """A (B, blocks, H, D) fp32 table, a value per (sequence, block, head, dim) (quant mode 1's V
-    scales)."""
+    """A (B, blocks, H, 2, D) fp32 table: per (sequence, block, head) the scale of each dim, then
+    its reciprocal (quant mode 1's V scales); (H, 2, D) compact, so that pairs of dims load as
+    one 8-byte access."""
     import cutlass
     import cutlass.cute as cute
 
-    return cute.runtime.make_fake_tensor(cutlass.Float32, (s.batch, cute.sym_int(), s.heads, s.key.head_dim),
-                                         (cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()),
-                                         assumed_align=4)
+    D = s.key.head_dim
+    return cute.runtime.make_fake_tensor(cutlass.Float32, (s.batch, cute.sym_int(), s.heads, 2, D),
+                                         (cute.sym_int(divisibility=2 * D), cute.sym_int(divisibility=2 * D), 2 * D,
+                                          D, 1), assumed_align=16)
 
 
 def _descale(s: FakeShapes, token_table=_token_table):

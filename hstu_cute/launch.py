@@ -242,7 +242,7 @@ def quantize_blocks(x: torch.Tensor, seq_offsets: torch.Tensor, max_seqlen: int,
     cast, which also writes the scales). ``transposed``: the data is V^T (H, D, W) for the
     forward's P.V (:func:`transposed_for_pv`'s layout), else (T, H, D). The table is (B, blocks,
     H) for mode 2, (B, 1, H) for modes 3-5; mode 1's is (T, H) (per token), or transposed (B,
-    blocks, H, D) (per block and dim)."""
+    blocks, H, 2, D): per block and dim the scale, then its reciprocal."""
     tokens, heads, head_dim = x.shape
     batch = seq_offsets.shape[0] - 1
     blocks = num_blocks(max_seqlen)
@@ -254,13 +254,16 @@ def quantize_blocks(x: torch.Tensor, seq_offsets: torch.Tensor, max_seqlen: int,
     two_direction = mode == QuantMode.TWO_DIRECTION
     if two_direction:
         # Every entry a sequence's token or block owns is written; the rest is never read.
-        table = (torch.empty((batch, blocks, heads, head_dim), dtype=torch.float32, device=device) if transposed
+        table = (torch.empty((batch, blocks, heads, 2, head_dim), dtype=torch.float32, device=device) if transposed
                  else torch.empty((tokens, heads), dtype=torch.float32, device=device))
     elif mode == QuantMode.PER_BLOCK:
         table = torch.empty((batch, blocks, heads), dtype=torch.float32, device=device)
     else:
         table = torch.empty((batch, 1, heads), dtype=torch.float32, device=device)
     if tokens == 0 or batch == 0:
+        if two_direction and transposed:
+            table[:, :, :, 1] = 1.0 / SCALE_FLOOR
+            return data, table.index_fill_(3, torch.zeros(1, dtype=torch.long, device=device), SCALE_FLOOR)
         return data, table.fill_(SCALE_FLOOR)
     x = aligned_16(x)
     dtype = DTYPE_NAMES[x.dtype]

@@ -181,6 +181,9 @@ def test_block_quantizers_match_torch(mode, head_dim):
         table, by_token = quantize.descale_table(want.scale, mode, 6, 3), want.data
         assert torch.equal(got_table, table)
     vt, vt_table = launch.quantize_blocks(x, offsets, 300, mode, True)
+    if two_direction:  # the scales, then their reciprocals
+        assert torch.equal(vt_table[:, :, :, 1], 1.0 / table)
+        vt_table = vt_table[:, :, :, 0]
     assert torch.equal(vt_table, table)
     starts = offsets.tolist()
     for seq, length in enumerate(lengths):

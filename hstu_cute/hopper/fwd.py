@@ -471,6 +471,13 @@ class HstuForwardSm90(HstuSm90Base):
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
         wgmma(self.tiled_mma_qk, acc_S, tSrQ[None, None, None, q_state.index], tSrK[None, None, None, k_state.index],
               True, -1)
+        dk = v_ratios = None
+        if const_expr(self.two_direction):
+            # Loads of this block's descales while the GEMMs run (latency off the critical path).
+            dk = self.key_descales(scales, n_block, tScS_rc)
+            # D256: 64 ratios held through the SiLU spill (340 bytes); they are loaded late there.
+            if const_expr(not advance_v and self.head_dim <= 128):
+                v_ratios = self.v_column_ratios(tOcO_rc, scales, n_prev, n_block)
         self.wait_v_rows(pipe_v, v_state, sV, self.zero_copy_v, tidx, wg, v_rows)
         wgmma(self.tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, v_state.index], False, -1)
         self.sched_signal(wg)
@@ -479,7 +486,7 @@ class HstuForwardSm90(HstuSm90Base):
         if const_expr(self.fp8):
             # The next P's words while P.V runs; into the operand registers once it is done.
             words, rescale = self.fp8_p_words(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, seq, m_block,
-                                              n_block, row_first, scales, p_scale, advance_v)
+                                              n_block, row_first, scales, p_scale, advance_v, dk)
             warpgroup.wait_group(0)
             pipe_v.consumer_release(v_state)
             if const_expr(advance_v):
@@ -487,7 +494,7 @@ class HstuForwardSm90(HstuSm90Base):
             if const_expr(self.scaled_p and not advance_v):
                 rescale_rows_if_needed(acc_O, rescale)
                 if const_expr(self.two_direction):
-                    self.rescale_v_columns(acc_O, tOcO_rc, scales, n_prev, n_block)
+                    self.rescale_v_columns(acc_O, v_ratios, tOcO_rc, scales, n_prev, n_block)
             words_to_operand_a(words, tOrP)
             return v_state
         rP = self.scores_to_p_deferred(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, self.mask, seq, m_block,
@@ -525,7 +532,7 @@ class HstuForwardSm90(HstuSm90Base):
                 block = self.v_descale_block(n_last)
                 rc = cute.make_tensor(acc_O.iterator, wgmma_acc_rows_cols(acc_O.layout))
                 for j in cutlass.range_constexpr(cute.size(rc.shape[1])):
-                    dv = mDescaleV[batch, block, head, tOcO_rc[0, j][1]]
+                    dv = mDescaleV[batch, block, head, 0, tOcO_rc[0, j][1]]
                     for i in cutlass.range_constexpr(cute.size(rc.shape[0])):
                         rc[i, j] = rc[i, j] * dv
         rO = cute.make_rmem_tensor(acc_O.layout, self.out_dtype)
@@ -594,14 +601,17 @@ class HstuForwardSm90(HstuSm90Base):
 
     @cute.jit
     def fp8_p_words(self, acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha: Float32, seq, m_block: Int32,
-                    n_block: Int32, row_first: Int32, scales, p_scale, first: cutlass.Constexpr[bool]):
+                    n_block: Int32, row_first: Int32, scales, p_scale, first: cutlass.Constexpr[bool], dk=None):
         """(e4m3 words of this block's P in operand order, the output rows' rescale or None).
         Scaled P: the block's descales (:meth:`block_descales`) enter the scores and P's
-        multiplier; ``first``: the tile's first block, its rows' scale starts afresh."""
+        multiplier; ``first``: the tile's first block, its rows' scale starts afresh; ``dk``:
+        two_direction, the block's :meth:`key_descales` if loaded already."""
         if const_expr(self.scaled_p):
             if const_expr(self.two_direction):
                 # dq and dk enter the scores here, dv the output's columns (rescale_v_columns).
-                self.scale_scores_by_tokens(acc_S, tScS_rc, scales, n_block)
+                if const_expr(dk is None):
+                    dk = self.key_descales(scales, n_block, tScS_rc)
+                self.scale_scores_by_tokens(acc_S, dk, scales)
                 qk_descale, dv = Float32(1.0), Float32(1.0)
             else:
                 qk_descale, dv = self.block_descales(scales, n_block)
@@ -637,39 +647,6 @@ class HstuForwardSm90(HstuSm90Base):
         return batch, head, mDescaleQ[batch, block, head]
 
     @cute.jit
-    def scale_scores_by_tokens(self, acc_S, tScS_rc, scales, n_block: Int32):
-        """two_direction: scores[r, c] *= dq[r] dk[c] (per-token descales, :meth:`tile_descales`)."""
-        _, head, dq0, dq1, k_start, k_last = scales
-        mDescaleK = self.descales[1]
-        key0 = k_start + n_block * self.tile_n
-        rc = cute.make_tensor(acc_S.iterator, wgmma_acc_rows_cols(acc_S.layout))
-        for j in cutlass.range_constexpr(cute.size(rc.shape[1])):
-            dk = mDescaleK[cutlass.min(key0 + tScS_rc[0, j][1], k_last), head]
-            rc[0, j] = rc[0, j] * (dk * dq0)
-            rc[1, j] = rc[1, j] * (dk * dq1)
-
-    @cute.jit
-    def v_descale_block(self, n_block: Int32):
-        """The V descale table's block of key block ``n_block`` (clamped into the table)."""
-        return cutlass.min(n_block * self.tile_n // BLOCK_TOKENS, self.descales[2].shape[1] - 1)
-
-    @cute.jit
-    def rescale_v_columns(self, acc_O, tOcO_rc, scales, n_prev: Int32, n_block: Int32):
-        """two_direction: the output accumulates in units of the current key block's V descales
-        (per dim); moving from ``n_prev``'s block to ``n_block``'s, each column is multiplied by
-        dv_prev / dv_new (after the previous P.V is complete, before the next one is issued)."""
-        batch, head = scales[0], scales[1]
-        mDescaleV = self.descales[2]
-        old, new = self.v_descale_block(n_prev), self.v_descale_block(n_block)
-        if old != new:
-            rc = cute.make_tensor(acc_O.iterator, wgmma_acc_rows_cols(acc_O.layout))
-            for j in cutlass.range_constexpr(cute.size(rc.shape[1])):
-                col = tOcO_rc[0, j][1]
-                ratio = mDescaleV[batch, old, head, col] * cute.arch.rcp_approx(mDescaleV[batch, new, head, col])
-                for i in cutlass.range_constexpr(cute.size(rc.shape[0])):
-                    rc[i, j] = rc[i, j] * ratio
-
-    @cute.jit
     def block_descales(self, scales, n_block: Int32):
         """(q descale x k descale, v descale) of key block ``n_block`` of a tile (``scales``:
         :meth:`tile_descales`); the block index is clamped into the tables."""
@@ -677,6 +654,72 @@ class HstuForwardSm90(HstuSm90Base):
         mDescaleK, mDescaleV = self.descales[1], self.descales[2]
         block = cutlass.min(n_block * self.tile_n // BLOCK_TOKENS, mDescaleK.shape[1] - 1)
         return dq * mDescaleK[batch, block, head], mDescaleV[batch, block, head]
+
+    @cute.jit
+    def key_descales(self, scales, n_block: Int32, tScS_rc):
+        """two_direction: the k descales (per token) of the thread's score columns in block
+        ``n_block``, (tile_n / 4,) fp32."""
+        _, head, _, _, k_start, k_last = scales
+        mDescaleK = self.descales[1]
+        key0 = k_start + n_block * self.tile_n
+        dk = cute.make_rmem_tensor(cute.make_layout(cute.size(tScS_rc.shape[1])), Float32)
+        for j in cutlass.range_constexpr(cute.size(dk)):
+            dk[j] = mDescaleK[cutlass.min(key0 + tScS_rc[0, j][1], k_last), head]
+        return dk
+
+    @cute.jit
+    def scale_scores_by_tokens(self, acc_S, dk, scales):
+        """two_direction: scores[r, c] *= dq[r] dk[c] (per-token descales: :meth:`tile_descales`,
+        :meth:`key_descales`)."""
+        dq0, dq1 = scales[2], scales[3]
+        rc = cute.make_tensor(acc_S.iterator, wgmma_acc_rows_cols(acc_S.layout))
+        for j in cutlass.range_constexpr(cute.size(rc.shape[1])):
+            rc[0, j] = rc[0, j] * (dk[j] * dq0)
+            rc[1, j] = rc[1, j] * (dk[j] * dq1)
+
+    @cute.jit
+    def v_descale_block(self, n_block: Int32):
+        """The V descale table's block of key block ``n_block`` (clamped into the table)."""
+        return cutlass.min(n_block * self.tile_n // BLOCK_TOKENS, self.descales[2].shape[1] - 1)
+
+    @cute.jit
+    def v_column_ratios(self, tOcO_rc, scales, n_prev: Int32, n_block: Int32):
+        """two_direction: the output accumulates in units of the current key block's V descales
+        (per dim); moving from ``n_prev``'s block to ``n_block``'s, each of the thread's columns
+        takes dv_prev * (1 / dv_new), (D / 4,) fp32 (loaded and computed before they are needed,
+        see :meth:`rescale_v_columns`). The thread's columns come in pairs (2q, 2q + 1 of each n8
+        group): one 8-byte load per pair and table row."""
+        batch, head = scales[0], scales[1]
+        mDescaleV = self.descales[2]
+        scale_old = mDescaleV[batch, self.v_descale_block(n_prev), head, 0, None]
+        inverse_new = mDescaleV[batch, self.v_descale_block(n_block), head, 1, None]
+        ratios = cute.make_rmem_tensor(cute.make_layout(cute.size(tOcO_rc.shape[1])), Float32)
+        pair_old = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        pair_new = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        for p in cutlass.range_constexpr(cute.size(ratios) // 2):
+            pair = tOcO_rc[0, 2 * p][1] // 2
+            cute.autovec_copy(cute.local_tile(scale_old, (2,), (pair,)), pair_old)
+            cute.autovec_copy(cute.local_tile(inverse_new, (2,), (pair,)), pair_new)
+            for c in cutlass.range_constexpr(2):
+                ratios[2 * p + c] = pair_old[c] * pair_new[c]
+        return ratios
+
+    def ratios_or_load(self, ratios, tOcO_rc, scales, n_prev, n_block):
+        # Plain Python (traced inline): the DSL's preprocessing would turn the choice into a
+        # runtime select.
+        return self.v_column_ratios(tOcO_rc, scales, n_prev, n_block) if ratios is None else ratios
+
+    @cute.jit
+    def rescale_v_columns(self, acc_O, ratios, tOcO_rc, scales, n_prev: Int32, n_block: Int32):
+        """two_direction: the output's columns times :meth:`v_column_ratios` (None: computed here)
+        when the key block moves to another V descale block (after the previous P.V is complete,
+        before the next one is issued)."""
+        if self.v_descale_block(n_prev) != self.v_descale_block(n_block):
+            factors = self.ratios_or_load(ratios, tOcO_rc, scales, n_prev, n_block)
+            rc = cute.make_tensor(acc_O.iterator, wgmma_acc_rows_cols(acc_O.layout))
+            for j in cutlass.range_constexpr(cute.size(rc.shape[1])):
+                for i in cutlass.range_constexpr(cute.size(rc.shape[0])):
+                    rc[i, j] = rc[i, j] * factors[j]
 
     @cute.jit
     def scores_to_p_deferred(self, acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec: cutlass.Constexpr, seq,

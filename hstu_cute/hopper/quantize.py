@@ -15,7 +15,8 @@ Roles (``hstu_cute.quantize`` is the PyTorch description they match):
 * ``"token"`` (mode 1, q and k): a scale per (token, head) over D, written to a (T, H) table, and
   the cast, in one pass (a token's D / 16 chunks are neighbouring lanes of one warp);
 * ``"column"`` (mode 1, V, transposed only): a scale per (block, head, dim) over the block's
-  tokens, written to a (B, blocks, H, D) table, and the cast to V^T, in one pass.
+  tokens, written with its reciprocal to a (B, blocks, H, 2, D) table (the forward rescales its
+  output's columns by dv_old / dv_new without a division), and the cast to V^T, in one pass.
 
 With ``transposed`` the cast writes V^T (H, D, W) instead of (T, H, D): the forward reads V only
 through V^T (layout, key order included: :mod:`hstu_cute.hopper.vt`; a block starts 16-aligned in
@@ -153,8 +154,8 @@ class BlockQuantizeSm90:
     def column_inverse_scales(self, values: cute.Tensor, mScale, tidx: Int32, chunk: Int32, row_in_pass: Int32,
                               batch: Int32, block: Int32, head: Int32) -> cute.Tensor:
         """Mode 1, V: the scale of each of the thread's 16 dims over the block's tokens (lanes with
-        the same chunk in a warp, then the 8 warps through shared memory) into the (B, blocks, H,
-        D) table; returns 1 / scale per dim."""
+        the same chunk in a warp, then the 8 warps through shared memory) and 1 / scale into the
+        (B, blocks, H, 2, D) table; returns 1 / scale per dim."""
         amax = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
         for e in cutlass.range_constexpr(VEC):
             m = Float32(0.0)
@@ -183,9 +184,10 @@ class BlockQuantizeSm90:
             for w in cutlass.range_constexpr(1, warps):
                 m = cute.arch.fmax(m, warp_max[chunk * VEC + e, w])
             scale = self.scale_of(m)
-            if row_in_pass == 0:
-                mScale[batch, block, head, chunk * VEC + e] = scale
             inverse[e] = div_rn(Float32(1.0), scale)
+            if row_in_pass == 0:
+                mScale[batch, block, head, 0, chunk * VEC + e] = scale
+                mScale[batch, block, head, 1, chunk * VEC + e] = inverse[e]
         return inverse
 
     @cute.jit

@@ -17,6 +17,9 @@ descale of that block's keys:
 * ``P8 = e4m3(P * (dv_j / s))``, and the accumulated output is rescaled by ``s_old / s`` when
   ``s`` grows; the epilogue multiplies by the final ``s``.
 
+Mode 1 takes ``dv_j = 1`` here: its V descales are per (block, head, dim), so they scale the
+output's columns instead (:class:`hstu_cute.hopper.fwd.HstuForwardSm90`, ``two_direction``).
+
 ``max P`` instead of ``max |P|``: silu is never below -0.279, so with the floor of 0.5 the
 negative values can not saturate, and a row whose P stays below 0.5 still keeps every value above
 ~1e-5 of it in e4m3's normal range. Powers of two make every rescale exact.

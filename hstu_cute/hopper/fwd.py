@@ -748,7 +748,9 @@ class HstuForwardFp8Sm90(HstuForwardSm90):
     * P is packed from the score accumulator into the 8-bit register operand with no data
       movement, V^T's keys being stored in that order (common.fp8.silu_to_fp8_words,
       words_to_operand_a; fp8_format.KEY_AT_COLUMN); with scaled P (quant modes >= 1) each row's
-      running power-of-two scale enters the packing (common.fp8.silu_to_scaled_fp8_words);
+      running power-of-two scale enters the packing (common.fp8.silu_to_scaled_fp8_words); with
+      ``two_direction`` (quant mode 1) the per-token q and k descales scale the scores and the
+      per-(block, dim) V descales the output's columns;
     * past seqlen_k the V^T tile's key columns are zeroed, not V's rows."""
 
     @cute.jit

@@ -102,9 +102,6 @@ class BlockQuantizeSm90:
                 scale = self.scale_of(amax)
                 if tidx == 0:
                     mScale[batch, block, head] = scale
-                # x * (1 / scale), as hstu_cute.quantize computes it (a division per element was
-                # the quantizers' main cost).
-                inverse = div_rn(Float32(1.0), scale)
             out = cute.make_rmem_tensor(cute.make_layout((VEC, self.passes)), cutlass.Float8E4M3FN)
             if const_expr(self.role == "token"):
                 for i in cutlass.range_constexpr(self.passes):
@@ -116,7 +113,9 @@ class BlockQuantizeSm90:
                         scaled[e, i] = Float32(values[e, i]) * inverse[e]
                 out.store(scaled.load().to(cutlass.Float8E4M3FN))
             else:
-                out.store((values.load().to(Float32) * inverse).to(cutlass.Float8E4M3FN))
+                # x * (1 / scale), as hstu_cute.quantize computes it (a division per element was
+                # the quantizers' main cost).
+                out.store((values.load().to(Float32) * div_rn(Float32(1.0), scale)).to(cutlass.Float8E4M3FN))
             if const_expr(self.transposed):
                 self.store_transposed(out, mVt, tidx, chunk, row_in_pass, seq_start, batch, head, row0, rows)
             else:

@@ -262,7 +262,7 @@ SPECS: dict[str, tuple[Arg, ...]] = {
                       Arg("mOffsets", _int_vec("batch1"))),
     "hopper_fwd_cast": (Arg("mX", _tokens("tokens_q")), Arg("mO", _tokens("tokens_q", "Float8E4M3FN", 16))),
     # Quant modes 1-5 (hstu_cute.hopper.quantize): (B, blocks, H) fp32 amax / scale tables; mode 1
-    # (roles "token" and "column") its (T, H) and (B, blocks, H, D) scale tables.
+    # (roles "token" and "column") its (T, H) and (B, blocks, H, 2, D) scale tables.
     "hopper_fwd_quant": (Arg("mX", _tokens("tokens_q")), Arg("mOffsets", _int_vec("batch1")),
                          Arg("mAmax", _table, lambda key: key.role in ("amax", "cast")),
                          Arg("mScale", _quant_scale, lambda key: key.role != "amax"),

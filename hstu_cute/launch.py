@@ -194,7 +194,8 @@ class Fp8Operands:
     """What the FP8 forward reads besides e4m3 q and k: V^T (H, D, W) e4m3
     (:func:`transposed_for_pv`), the (q, k, v) descales as (1,) fp32 device tensors (or, with
     ``scaled_p``, (B, blocks, H) tables: quant modes 2-5; with ``two_direction`` too, mode 1's
-    (T, H), (T, H) and (B, blocks, H, D) tables), and the output's dtype."""
+    (T, H), (T, H) and (B, blocks, H, 2, D) tables: :func:`quantize_blocks`), and the output's
+    dtype."""
 
     __slots__ = ("vt", "descales", "out_dtype", "scaled_p", "two_direction")
 
@@ -261,10 +262,10 @@ def quantize_blocks(x: torch.Tensor, seq_offsets: torch.Tensor, max_seqlen: int,
     else:
         table = torch.empty((batch, 1, heads), dtype=torch.float32, device=device)
     if tokens == 0 or batch == 0:
+        table.fill_(SCALE_FLOOR)
         if two_direction and transposed:
             table[:, :, :, 1] = 1.0 / SCALE_FLOOR
-            return data, table.index_fill_(3, torch.zeros(1, dtype=torch.long, device=device), SCALE_FLOOR)
-        return data, table.fill_(SCALE_FLOOR)
+        return data, table
     x = aligned_16(x)
     dtype = DTYPE_NAMES[x.dtype]
     arch = device_arch(device)

@@ -210,6 +210,16 @@ def scale_rows(acc: cute.Tensor, factors: cute.Tensor):
 
 
 @cute.jit
+def scale_columns(acc: cute.Tensor, factors: cute.Tensor):
+    """Multiply the thread's columns of a WGMMA accumulator by ``factors`` (one per column, in
+    the order of :func:`common.sm90.wgmma_acc_rows_cols`'s column mode)."""
+    rc = cute.make_tensor(acc.iterator, wgmma_acc_rows_cols(acc.layout))
+    for j in cutlass.range_constexpr(cute.size(rc.shape[1])):
+        for i in cutlass.range_constexpr(cute.size(rc.shape[0])):
+            rc[i, j] = rc[i, j] * factors[j]
+
+
+@cute.jit
 def rescale_rows_if_needed(acc: cute.Tensor, rescale: cute.Tensor):
     """:func:`scale_rows` by the ``rescale`` of :func:`silu_to_scaled_fp8_words`, skipped (one vote
     per warp) when no row of the warp changed scale: after the first key blocks it rarely does."""

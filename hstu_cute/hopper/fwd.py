@@ -13,6 +13,7 @@ from ..common.mask_apply import KERNEL_OPS, apply_mask_rows_cols
 from ..common.barriers import NamedBarrier
 from ..common.fp8 import (
     rescale_rows_if_needed,
+    scale_columns,
     scale_rows,
     silu_to_fp8_words,
     silu_to_scaled_fp8_words,
@@ -530,6 +531,8 @@ class HstuForwardSm90(HstuSm90Base):
                 batch, n_last = last_block
                 mDescaleV = self.descales[2]
                 block = self.v_descale_block(n_last)
+                # Each column's load beside its multiplies (as measured; loading all first is
+                # a different schedule).
                 rc = cute.make_tensor(acc_O.iterator, wgmma_acc_rows_cols(acc_O.layout))
                 for j in cutlass.range_constexpr(cute.size(rc.shape[1])):
                     dv = mDescaleV[batch, block, head, 0, tOcO_rc[0, j][1]]
@@ -715,11 +718,7 @@ class HstuForwardSm90(HstuSm90Base):
         when the key block moves to another V descale block (after the previous P.V is complete,
         before the next one is issued)."""
         if self.v_descale_block(n_prev) != self.v_descale_block(n_block):
-            factors = self.ratios_or_load(ratios, tOcO_rc, scales, n_prev, n_block)
-            rc = cute.make_tensor(acc_O.iterator, wgmma_acc_rows_cols(acc_O.layout))
-            for j in cutlass.range_constexpr(cute.size(rc.shape[1])):
-                for i in cutlass.range_constexpr(cute.size(rc.shape[0])):
-                    rc[i, j] = rc[i, j] * factors[j]
+            scale_columns(acc_O, self.ratios_or_load(ratios, tOcO_rc, scales, n_prev, n_block))
 
     @cute.jit
     def scores_to_p_deferred(self, acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec: cutlass.Constexpr, seq,

@@ -21,7 +21,7 @@ from .validation import (
     validate_memoized,
 )
 
-__all__ = ["hstu_attn_varlen_func", "fwd_op", "bwd_op", "fwd_fp8_op"]
+__all__ = ["hstu_attn_varlen_func", "fwd_op", "bwd_op", "fwd_fp8_op", "fwd_paged_op"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -44,10 +44,10 @@ _BWD_SCHEMA = (f"(Tensor dout, Tensor q, Tensor k, Tensor v, {_OP_ARGS}, bool ha
                " -> (Tensor, Tensor, Tensor, Tensor)")
 
 def _check_data(p, q, k, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-                seqused_q, seqused_k):
+                seqused_q, seqused_k, paged=None):
     if device_checks_enabled():
         check_device_data(p, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, q, k, num_contexts,
-                          num_targets, seqused_q, seqused_k)
+                          num_targets, seqused_q, seqused_k, paged)
 
 
 def _fwd_impl(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
@@ -113,12 +113,32 @@ def _fwd_fp8_fake(q, *rest):
     return q.new_empty(q.shape, dtype=output_dtype(q.dtype))
 
 
+# Serving from a paged KV cache: inference only (no autograd), one op with the cache's tables.
+_FWD_PAGED_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, {_OP_ARGS}, Tensor kv_cache, Tensor page_offsets, "
+                     f"Tensor page_ids, Tensor last_page_lens) -> Tensor")
+
+
+def _fwd_paged_impl(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+                    target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen, seqused_q,
+                    seqused_k, kv_cache, page_offsets, page_ids, last_page_lens):
+    p = problem_of_op_args(q, seq_offsets_q, max_seqlen_q, max_seqlen_k, num_contexts, num_targets, window_left,
+                           window_right, rab, True, scaling_seqlen, page_size=kv_cache.shape[2])
+    paged = (kv_cache, page_offsets, page_ids, last_page_lens)
+    _check_data(p, q, k, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+                seqused_q, seqused_k, paged)
+    return forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+                   target_group_size, alpha, rab, seqused_q, seqused_k, p, paged=paged)
+
+
 fwd_op = torch.library.custom_op("hstu_cute::fwd", _fwd_impl, mutates_args=(), schema=_FWD_SCHEMA)
 fwd_op.register_fake(_fwd_fake)
 bwd_op = torch.library.custom_op("hstu_cute::bwd", _bwd_impl, mutates_args=(), schema=_BWD_SCHEMA)
 bwd_op.register_fake(_bwd_fake)
 fwd_fp8_op = torch.library.custom_op("hstu_cute::fwd_fp8", _fwd_fp8_impl, mutates_args=(), schema=_FWD_FP8_SCHEMA)
 fwd_fp8_op.register_fake(_fwd_fp8_fake)
+fwd_paged_op = torch.library.custom_op("hstu_cute::fwd_paged", _fwd_paged_impl, mutates_args=(),
+                                       schema=_FWD_PAGED_SCHEMA)
+fwd_paged_op.register_fake(_fwd_fake)
 
 
 def _eager(t) -> bool:
@@ -251,6 +271,7 @@ def hstu_attn_varlen_func(
     scaling_seqlen=-1,
     seqused_q=None, seqused_k=None,
     deterministic=False,
+    kv_cache=None, page_offsets=None, page_ids=None, last_page_lens=None,
 ):
     """HSTU attention over a jagged batch (FBGEMM-compatible arguments).
 
@@ -299,6 +320,18 @@ def hstu_attn_varlen_func(
             Padded keys and values are never read.
         deterministic: keyword-only bool; bitwise reproducible backward (selects the dK/dV + dQ
             kernel pair over the fused Hopper kernel, and sums drab over heads in a fixed order).
+        kv_cache: keyword-only ``(num_pages, 2, page_size, H, D)`` paged KV cache in q's dtype
+            (``[:, 0]`` keys, ``[:, 1]`` values; page_size in {16, 32, 64, 128}), or None. With it,
+            sequence ``b``'s keys are its ``C_b`` cached tokens followed by its new rows of k/v,
+            and its queries (the new tokens) are aligned to the end, as with ``is_delta_q``.
+            Inference only; the causal family of masks. See docs/operator.md, "Paged KV cache",
+            and :class:`hstu_cute.kv_cache.PagedKVCache`.
+        page_offsets: keyword-only ``(B+1,)`` int32: sequence ``b`` owns the pages
+            ``page_ids[page_offsets[b]:page_offsets[b+1]]``, in order.
+        page_ids: keyword-only 1-D int32 page ids (entries past ``page_offsets[B]`` are ignored).
+        last_page_lens: keyword-only ``(B,)`` int32 tokens in each sequence's last page, in
+            ``[1, page_size]`` (ignored for a sequence without pages):
+            ``C_b = (pages - 1) * page_size + last_page_lens[b]``.
 
     Returns:
         ``out``: a new ``(T_q, H, D)`` tensor in q's dtype. Under autograd the backward returns
@@ -321,12 +354,25 @@ def hstu_attn_varlen_func(
     p = (validate_memoized if eager else validate)(
         q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
         target_group_size, window_size, alpha, rab, has_drab, is_delta_q, descale_q, descale_k, descale_v, descale_do,
-        quant_mode, scaling_seqlen, seqused_q, seqused_k)
+        quant_mode, scaling_seqlen, seqused_q, seqused_k, kv_cache, page_offsets, page_ids, last_page_lens)
+    paged = (kv_cache, page_offsets, page_ids, last_page_lens) if p.page_size else None
     if eager:
         _check_data(p, q, k, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-                    seqused_q, seqused_k)
+                    seqused_q, seqused_k, paged)
     needs_grad = torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or (has_drab and rab.requires_grad))
+    if paged is not None:
+        if needs_grad or (rab is not None and rab.requires_grad and torch.is_grad_enabled()):
+            raise NotImplementedError(
+                "q/k/v.requires_grad: the paged KV cache path is inference-only (no backward); run it under "
+                "torch.no_grad() or pass detached tensors")
+        if eager:
+            return forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
+                           num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p, paged=paged)
+        return torch.ops.hstu_cute.fwd_paged(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
+                                             num_contexts, num_targets, target_group_size, p.window_left,
+                                             p.window_right, alpha, rab, True, scaling_seqlen, seqused_q, seqused_k,
+                                             kv_cache, page_offsets, page_ids, last_page_lens)
     if p.fp8:
         if needs_grad or (rab is not None and rab.requires_grad and torch.is_grad_enabled()):
             raise NotImplementedError(

@@ -37,7 +37,7 @@ def _ampere_fwd(key):
     from .ampere.fwd import HstuForwardSm80
 
     return HstuForwardSm80(dsl_dtype(key.dtype), key.head_dim, key.mask, key.has_rab, key.rab_vec, key.tile_m,
-                           key.tile_n, key.num_warps, key.num_stages, key.fast_silu, key.lpt_grid)
+                           key.tile_n, key.num_warps, key.num_stages, key.fast_silu, key.lpt_grid, paged=key.paged)
 
 
 def _ampere_bwd(key):
@@ -53,7 +53,7 @@ def _hopper_fwd(key):
 
     return HstuForwardSm90(dsl_dtype(key.dtype), key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n,
                            key.num_stages, key.fast_silu, key.intra_wg_overlap, key.pingpong, key.persistent,
-                           key.q_stages, key.dynamic_tiles)
+                           key.q_stages, key.dynamic_tiles, paged=key.paged)
 
 
 def _hopper_fwd_fp8(key):
@@ -82,8 +82,8 @@ def _hopper_bwd(key):
                                 dynamic_tiles=key.dynamic_tiles)
 
 
-KERNELS = {"ampere_fwd": _ampere_fwd, "ampere_bwd_dq": _ampere_bwd, "ampere_bwd_dkdv": _ampere_bwd,
-           "hopper_fwd": _hopper_fwd, "hopper_fwd_fp8": _hopper_fwd_fp8, "hopper_fwd_vt": _hopper_vt,
+KERNELS = {"ampere_fwd": _ampere_fwd, "ampere_fwd_paged": _ampere_fwd, "ampere_bwd_dq": _ampere_bwd, "ampere_bwd_dkdv": _ampere_bwd,
+           "hopper_fwd": _hopper_fwd, "hopper_fwd_paged": _hopper_fwd, "hopper_fwd_fp8": _hopper_fwd_fp8, "hopper_fwd_vt": _hopper_vt,
            "hopper_fwd_cast": _hopper_cast, "hopper_fwd_quant": _hopper_quant, "hopper_bwd_dkdv": _hopper_bwd, "hopper_bwd_fused": _hopper_bwd,
            "hopper_bwd_dq": _hopper_bwd, "hopper_bwd_wide": _hopper_bwd}
 

@@ -38,6 +38,7 @@ class FakeShapes:
         self.out_dtype = dsl_dtype(getattr(key, "out_dtype", key.dtype))
         self.tokens_q, self.tokens_k, self.heads = cute.sym_int(), cute.sym_int(), cute.sym_int()
         self.batch, self.batch1 = cute.sym_int(), cute.sym_int()
+        self.pages = cute.sym_int()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,6 +234,34 @@ def _tile_counter(s: FakeShapes):
 _TILE_COUNTER = Arg("mTileCounter", _tile_counter, lambda key: key.dynamic_tiles)
 
 
+def _cache_rows(s: FakeShapes):
+    """A paged KV cache (pages, 2, page_size, H, D) seen as (R, H, D) rows (page * 2 + kind) *
+    page_size + row: a token tensor of its own row count (TMA bounds every page read by it)."""
+    import cutlass.cute as cute
+
+    stride_h = cute.sym_int(divisibility=8)
+    return cute.runtime.make_fake_tensor(s.dtype, (cute.sym_int(), s.heads, s.key.head_dim),
+                                         (cute.sym_int64(divisibility=8), stride_h, 1), assumed_align=16)
+
+
+def _paged(key) -> bool:
+    return key.paged
+
+
+# A paged KV cache ahead of each sequence's new keys (common.key_blocks.PagedArgs), in this order.
+_PAGES = (
+    Arg("mCache", _cache_rows, _paged),
+    Arg("mPageOffsets", _int_vec("batch1"), _paged),  # (B + 1,) int32
+    Arg("mPageIds", _int_vec("pages"), _paged),  # (P,) int32
+    Arg("mLastPageLens", _int_vec("batch"), _paged),  # (B,) int32
+    Arg("log2_page_size", _i32, _paged),
+    # rab among the new tokens, (B, H_rab, L_new, L_new): rab[b, h, C_b + i, C_b + j] (Hopper: a
+    # TMA box can not start at the cached length's column of rab itself, unaligned).
+    Arg("mRabNew", _slab(4, 8, last_stride_64=True),
+        lambda key: key.paged and key.has_rab and key.kernel_name.startswith("hopper")),
+)
+
+
 def _wide_drab(s: FakeShapes):
     import cutlass
     import cutlass.cute as cute
@@ -245,14 +274,14 @@ def _wide_drab(s: FakeShapes):
 
 SPECS: dict[str, tuple[Arg, ...]] = {
     "ampere_fwd": (_Q, _K, _V, Arg("mO", _tokens("tokens_q")), *_SEQUENCES, Arg("mRab", _ampere_rab, _has_rab),
-                   *_SCALARS, Arg("num_m_blocks", _i32)),
+                   *_SCALARS, Arg("num_m_blocks", _i32), *_PAGES),
     "ampere_bwd_dq": (_Q, _K, _V, _DO, _DQ, *_SEQUENCES, _SM80_RAB16,
                       Arg("mdRab", _slab(4, 1), lambda key: key.has_drab),
                       Arg("mdRabAccum", _slab(3, 1, "Float32"), lambda key: key.rab_sum_heads),
                       *_SCALARS, Arg("num_m_blocks", _i32)),
     "ampere_bwd_dkdv": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _SM80_RAB16, *_SCALARS, Arg("num_n_blocks", _i32)),
     "hopper_fwd": (_Q, _K, _V, Arg("mO", _tokens("tokens_q")), *_SEQUENCES, _TMA_RAB, *_SCALARS,
-                   Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER),
+                   Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER, *_PAGES),
     # FP8: mV is V^T (hstu_cute.hopper.vt, made by "hopper_fwd_vt"); the descales are (1,) fp32
     # tensors, or (B, blocks, H) tables with scaled P (read on the device: no host sync).
     "hopper_fwd_fp8": (_Q, _K, Arg("mV", _tokens_transposed), Arg("mO", _tokens("tokens_q", "out")), *_SEQUENCES,
@@ -276,6 +305,8 @@ SPECS: dict[str, tuple[Arg, ...]] = {
 }
 # The dK/dV kernel with and without its fused dQ reduction: an fp32 (T_q, H, D) accumulator that
 # TMA reduce-adds into (16-byte strides).
+SPECS["hopper_fwd_paged"] = SPECS["hopper_fwd"]
+SPECS["ampere_fwd_paged"] = SPECS["ampere_fwd"]
 SPECS["hopper_bwd_dkdv"] = SPECS["hopper_bwd_fused"] = (
     _Q, _K, _V, _DO, _DK, _DV, Arg("mdQaccum", _tokens("tokens_q", "Float32", 4), lambda key: key.role == "fused"),
     *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_n_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER,

@@ -29,8 +29,10 @@ from .variants import (
     FP8_DTYPE,
     make_hopper_bwd_key,
     make_hopper_cast_key,
+    make_ampere_paged_fwd_key,
     make_hopper_fp8_fwd_key,
     make_hopper_fwd_key,
+    make_hopper_paged_fwd_key,
     make_hopper_quant_key,
     make_hopper_vt_key,
     vt_width,
@@ -185,7 +187,11 @@ def fwd_key(p: Problem, arch: str, rab, tiles: dict | None = None, path: str = "
     context_target = p.mask.has_context or p.mask.has_target
     dtype = DTYPE_NAMES[p.dtype]
     if path == "hopper":
-        return _made(make_hopper_fwd_key, arch, dtype, p.head_dim, p.mask.kind, context_target, rab is not None, tiles)
+        factory = make_hopper_paged_fwd_key if p.page_size else make_hopper_fwd_key
+        return _made(factory, arch, dtype, p.head_dim, p.mask.kind, context_target, rab is not None, tiles)
+    if p.page_size:  # rab rows come padded to 16 bytes (forward)
+        return _made(make_ampere_paged_fwd_key, arch, dtype, p.head_dim, p.mask.kind, context_target,
+                     rab is not None, 8, tiles)
     vec = rab_vec(rab) if rab is not None else 8
     return _made(make_fwd_key, arch, dtype, p.head_dim, p.mask.kind, context_target, rab is not None, vec, tiles)
 
@@ -307,12 +313,13 @@ def fp8_fwd_key(p: Problem, arch: str, rab, out_dtype: torch.dtype, tiles: dict 
 
 def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
             target_group_size, alpha, rab, seqused_q, seqused_k, p: Problem, tiles: dict | None = None,
-            out: torch.Tensor | None = None, path: str | None = None, fp8: "Fp8Operands | None" = None
-            ) -> torch.Tensor:
+            out: torch.Tensor | None = None, path: str | None = None, fp8: "Fp8Operands | None" = None,
+            paged: tuple | None = None) -> torch.Tensor:
     """Launch the forward kernel of ``path`` ('hopper' or 'ampere'; default: :func:`kernel_path`)
     and return ``out`` (T_q, H, D); ``tiles`` overrides the key's default tiles (benchmarks).
     With ``fp8`` q and k are e4m3 and the Hopper FP8 kernel runs (``v`` is unused: the kernel
-    reads ``fp8.vt``); ``out`` is in ``fp8.out_dtype``."""
+    reads ``fp8.vt``); ``out`` is in ``fp8.out_dtype``. ``paged``: (kv_cache, page_offsets,
+    page_ids, last_page_lens) of a call with ``p.page_size`` (validated)."""
     if fp8 is not None:
         path = "hopper"
     elif path is None:
@@ -327,8 +334,8 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
     v = aligned_16(v) if fp8 is None else fp8.vt
     if k.shape[0] == 0:
         return out.zero_()
-    if rab is not None and path == "hopper":
-        rab = pad_rab_rows(rab)  # TMA needs 16-byte aligned rows
+    if rab is not None and (path == "hopper" or p.page_size):
+        rab = pad_rab_rows(rab)  # TMA (and the paged sm80 key) need 16-byte aligned rows
     device = q.device
     if fp8 is None:
         key = fwd_key(p, device_arch(device), rab, tiles, path)
@@ -341,13 +348,46 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
                   **_sequence_args(p, device, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
                                    num_targets, key.has_context),
                   **_scalar_args(p, alpha, target_group_size))
+    shared_tokens = k.shape[0]
+    if p.page_size:
+        values.update(_paged_args(p, paged))
+        if rab is not None and path == "hopper":
+            values["mRabNew"] = rab_among_new(rab, paged[1], paged[3], p.page_size, max_seqlen_q)
+        shared_tokens = p.batch * max_seqlen_k
     if path == "hopper":
-        values.update(num_sms=num_sms(device), **_walk_args(key, p, k.shape[0], max_seqlen_k, device))
+        values.update(num_sms=num_sms(device), **_walk_args(key, p, shared_tokens, max_seqlen_k, device))
     # The launch goes to the current device's current stream (TVM-FFI env stream); switching
     # devices costs ~10 us, so only do it when q lives elsewhere.
     with _on_device(device):
         _launch(key, compiled, values)
     return out
+
+
+def _paged_args(p: Problem, paged: tuple) -> dict:
+    """The paged cache's runtime arguments: the cache seen as (pages * 2 * page_size, H, D) rows
+    (validation checked that its strides allow that view; no copy)."""
+    kv_cache, page_offsets, page_ids, last_page_lens = paged
+    rows = kv_cache.shape[0] * 2 * p.page_size
+    cache_rows = kv_cache.as_strided((rows, kv_cache.shape[3], kv_cache.shape[4]), (kv_cache.stride(2),
+                                     kv_cache.stride(3), 1))
+    return dict(mCache=cache_rows, mPageOffsets=page_offsets, mPageIds=page_ids, mLastPageLens=last_page_lens,
+                log2_page_size=p.page_size.bit_length() - 1)
+
+
+def rab_among_new(rab: torch.Tensor, page_offsets, last_page_lens, page_size: int, new_len: int) -> torch.Tensor:
+    """(B, H_rab, new_len, new_len) rab among each sequence's new tokens, rab[b, h, C_b + i, C_b + j]
+    (C_b cached tokens, from the page tables on the device: no sync), 16-byte aligned rows: a
+    load can not start at column C_b of rab itself. Indices past rab read its last row/column
+    (those keys and queries are past the sequence)."""
+    pages = (page_offsets[1:] - page_offsets[:-1]).long()
+    cached = torch.where(pages > 0, (pages - 1) * page_size + last_page_lens.long().clamp(1, page_size), 0)
+    width = -(-max(new_len, 1) // 8) * 8
+    steps = torch.arange(width, device=rab.device)
+    rows = (cached[:, None] + steps[None, :]).clamp(max=rab.shape[2] - 1)
+    cols = (cached[:, None] + steps[None, :]).clamp(max=rab.shape[3] - 1)
+    batch = torch.arange(rab.shape[0], device=rab.device)[:, None, None, None]
+    heads = torch.arange(rab.shape[1], device=rab.device)[None, :, None, None]
+    return rab[batch, heads, rows[:, None, :, None], cols[:, None, None, :]]
 
 
 def prepare_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, p: Problem, descale_q=None,

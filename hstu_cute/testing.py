@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["random_jagged_batch"]
+__all__ = ["random_jagged_batch", "random_paged_batch"]
 
 
 def _draw_lengths(spec, B: int, max_len: int, min_len: int, gen: torch.Generator, name: str) -> list[int]:
@@ -186,3 +186,77 @@ def random_jagged_batch(
         "seqused_q": i32(used_q) if seqused else None,
         "seqused_k": i32(used_k) if seqused else None,
     }
+
+
+def random_paged_batch(
+    cached_lens: Sequence[int],
+    new_lens: Sequence[int],
+    num_heads: int,
+    head_dim: int,
+    page_size: int,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    alpha: float = 1.0,
+    rab_heads: int | None = None,
+    num_contexts: Sequence[int] | None = None,
+    num_targets: Sequence[int] | None = None,
+    target_group_size: int = 1,
+    spare_pages: int = 3,
+    seed: int = 0,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A serving batch: sequence b has ``cached_lens[b]`` tokens in a paged KV cache and
+    ``new_lens[b]`` new ones. Returns ``(paged, dense)`` keyword dicts: ``paged`` for
+    ``hstu_attn_varlen_func`` (q/k/v the new tokens, the cache and its page tables); ``dense`` for
+    the oracle on the same whole sequences (k/v the cached tokens followed by the new ones,
+    ``is_delta_q``). The cache is built from the dense keys, not the other way round, so the
+    oracle does not depend on any page-gathering code.
+
+    Pages are assigned in a shuffled order among ``spare_pages`` extra ones; every cache row that
+    holds no token (spare pages, rows past a last page's length) is NaN, so a kernel that reads
+    one shows it. ``num_contexts`` / ``num_targets`` count whole-sequence tokens (targets must be
+    new tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    B, H, D = len(cached_lens), num_heads, head_dim
+    cached, new = [int(c) for c in cached_lens], [int(n) for n in new_lens]
+    whole = [c + n for c, n in zip(cached, new)]
+    max_q, max_k = max(new + [1]), max(whole + [1])
+    k_full = _uniform((sum(whole), H, D), gen, dtype, "cpu", False)
+    v_full = _uniform((sum(whole), H, D), gen, dtype, "cpu", False)
+    q = _uniform((sum(new), H, D), gen, dtype, device, False)
+    pages = [-(-c // page_size) for c in cached]
+    order = torch.randperm(sum(pages) + spare_pages, generator=gen).tolist()
+    kv_cache = torch.full((sum(pages) + spare_pages, 2, page_size, H, D), float("nan"), dtype=dtype)
+    page_ids, last_page_lens, k_new, v_new, start = [], [], [], [], 0
+    for b in range(B):
+        for j in range(pages[b]):
+            page = order[len(page_ids)]
+            rows = slice(start + j * page_size, start + min((j + 1) * page_size, cached[b]))
+            count = rows.stop - rows.start
+            kv_cache[page, 0, :count] = k_full[rows]
+            kv_cache[page, 1, :count] = v_full[rows]
+            page_ids.append(page)
+        last_page_lens.append(cached[b] - (pages[b] - 1) * page_size if pages[b] else 1)
+        k_new.append(k_full[start + cached[b]: start + whole[b]])
+        v_new.append(v_full[start + cached[b]: start + whole[b]])
+        start += whole[b]
+    for name, vals, limit in (("num_contexts", num_contexts, whole), ("num_targets", num_targets, new)):
+        if vals is not None and any(not 0 <= x <= lim for x, lim in zip(vals, limit)):
+            raise ValueError(f"{name} must lie in [0, {list(limit)}], got {list(vals)}")
+
+    def i32(vals):
+        return None if vals is None else torch.tensor(list(vals), dtype=torch.int32, device=device)
+
+    rab = None
+    if rab_heads is not None:
+        rab = _uniform((B, rab_heads, max_k, max_k), gen, dtype, device, False)
+    common = dict(q=q, seq_offsets_q=_offsets(new, device), max_seqlen_q=max_q, max_seqlen_k=max_k,
+                  num_contexts=i32(num_contexts), num_targets=i32(num_targets), target_group_size=target_group_size,
+                  window_size=(-1, 0), alpha=alpha, rab=rab)
+    paged = dict(common, k=torch.cat(k_new).to(device), v=torch.cat(v_new).to(device),
+                 seq_offsets_k=_offsets(new, device), kv_cache=kv_cache.to(device),
+                 page_offsets=_offsets(pages, device), page_ids=i32(page_ids + [0] * (len(page_ids) == 0)),
+                 last_page_lens=i32(last_page_lens))
+    dense = dict(common, k=k_full.to(device), v=v_full.to(device), seq_offsets_k=_offsets(whole, device),
+                 is_delta_q=True)
+    return paged, dense

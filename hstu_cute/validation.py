@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from . import masks
-from .variants import FP8_HEAD_DIMS, HEAD_DIMS
+from .variants import FP8_HEAD_DIMS, HEAD_DIMS, PAGE_SIZES
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 FP8_DTYPES = tuple(
@@ -78,6 +78,8 @@ class Problem:
     rab_heads: int
     # FP8: -1 none or pre-quantized e4m3 inputs (``dtype`` says which), 0..5 the op quantizes.
     quant_mode: int = -1
+    # Tokens per page of a paged KV cache ahead of the new keys (kv_cache); 0 without one.
+    page_size: int = 0
 
     @property
     def fp8(self) -> bool:
@@ -125,10 +127,55 @@ def _check_fp8(q, k, v, descale_q, descale_k, descale_v, descale_do, quant_mode)
             fail(ValueError, name, "None unless q, k, v are pre-quantized torch.float8_e4m3fn", "a tensor")
 
 
+_PAGED_NAMES = ("kv_cache", "page_offsets", "page_ids", "last_page_lens")
+
+
+def _check_paged(kv_cache, page_offsets, page_ids, last_page_lens, q, batch) -> int:
+    """The paged KV cache's arguments (all four or none); returns its page size (0: none)."""
+    given = dict(zip(_PAGED_NAMES, (kv_cache, page_offsets, page_ids, last_page_lens)))
+    if all(t is None for t in given.values()):
+        return 0
+    for name, t in given.items():
+        if t is None:
+            fail(ValueError, name, "a tensor when any of kv_cache, page_offsets, page_ids, last_page_lens is given "
+                 "(the paged KV cache takes all four)", None)
+        if not isinstance(t, torch.Tensor):
+            fail(TypeError, name, "a torch.Tensor or None", type(t).__name__)
+        if t.device != q.device:
+            fail(ValueError, f"{name}.device", f"{q.device} (same as q)", t.device)
+    heads, head_dim = q.shape[1], q.shape[2]
+    if kv_cache.dtype != q.dtype:
+        fail(TypeError, "kv_cache.dtype", f"{q.dtype} (same as q)", kv_cache.dtype)
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or tuple(kv_cache.shape[3:]) != (heads, head_dim):
+        fail(ValueError, "kv_cache", f"shape (num_pages, 2, page_size, {heads}, {head_dim})", tuple(kv_cache.shape))
+    if kv_cache.shape[0] < 1:
+        fail(ValueError, "kv_cache.shape[0] (num_pages)", "at least 1", kv_cache.shape[0])
+    page_size = kv_cache.shape[2]
+    if page_size not in PAGE_SIZES:
+        fail(ValueError, "kv_cache.shape[2] (page_size)", f"one of {PAGE_SIZES}", page_size)
+    s_page, s_kind, s_row, s_head, s_dim = kv_cache.stride()
+    vec = 16 // kv_cache.element_size()
+    # The kernels read the cache as rows (page * 2 + kind) * page_size + row of one row stride.
+    if (s_dim != 1 or s_row % vec or s_head % vec or s_kind != page_size * s_row or s_page != 2 * s_kind
+            or kv_cache.data_ptr() % 16):
+        fail(ValueError, "kv_cache.stride()", "(2 * page_size * R, page_size * R, R, H_stride, 1) with R and "
+             "H_stride multiples of 16 bytes and a 16-byte aligned base (e.g. a contiguous cache)",
+             tuple(kv_cache.stride()))
+    for name, t, length in (("page_offsets", page_offsets, batch + 1), ("page_ids", page_ids, None),
+                            ("last_page_lens", last_page_lens, batch)):
+        if t.dtype != torch.int32:
+            fail(TypeError, f"{name}.dtype", "torch.int32", t.dtype)
+        if t.dim() != 1 or (length is not None and t.shape[0] != length):
+            fail(ValueError, name, f"a 1-D tensor of length {length if length is not None else 'page_offsets[-1]'}",
+                 tuple(t.shape))
+    return page_size
+
+
 def validate(
     q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
     target_group_size, window_size, alpha, rab, has_drab, is_delta_q, descale_q, descale_k, descale_v,
-    descale_do, quant_mode, scaling_seqlen, seqused_q, seqused_k,
+    descale_do, quant_mode, scaling_seqlen, seqused_q, seqused_k, kv_cache=None, page_offsets=None,
+    page_ids=None, last_page_lens=None,
 ) -> Problem:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -188,6 +235,12 @@ def validate(
         fail(ValueError, "max_seqlen_q", f"<= max_seqlen_k ({max_seqlen_k})", max_seqlen_q)
     if not isinstance(is_delta_q, bool):
         fail(TypeError, "is_delta_q", "a bool", type(is_delta_q).__name__)
+    page_size = _check_paged(kv_cache, page_offsets, page_ids, last_page_lens, q, batch)
+    if page_size and fp8:
+        raise NotImplementedError("kv_cache: the paged KV cache serves bf16/fp16 calls; FP8 inputs or a quant_mode "
+                                  "with a cache are not built")
+    # A cache puts the queries at the end of their keys (delta_q alignment) whatever is_delta_q says.
+    is_delta_q = is_delta_q or bool(page_size)
     if max_seqlen_q < max_seqlen_k and not is_delta_q:
         fail(ValueError, "max_seqlen_q", f"== max_seqlen_k ({max_seqlen_k}) unless is_delta_q=True", max_seqlen_q)
 
@@ -205,8 +258,11 @@ def validate(
     if (has_context or has_target) and kind != masks.MaskKind.CAUSAL:
         name = "num_contexts" if has_context else "num_targets"
         fail(ValueError, "window_size", f"the causal window (-1, 0) when {name} is given", tuple(window_size))
-    if is_delta_q and (has_context or has_target):
+    if is_delta_q and (has_context or has_target) and not page_size:
         fail(ValueError, "is_delta_q", "False when num_contexts/num_targets are given (FBGEMM V1 rule)", True)
+    if page_size and kind != masks.MaskKind.CAUSAL:
+        raise NotImplementedError(f"window_size: a paged KV cache serves the causal family (window (-1, 0), with "
+                                  f"contexts and targets); got {tuple(window_size)}")
 
     if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
         fail(TypeError, "alpha", "a finite Python float", repr(alpha))
@@ -221,6 +277,8 @@ def validate(
         fail(TypeError, "has_drab", "a bool", type(has_drab).__name__)
     if fp8 and has_drab:
         raise NotImplementedError("has_drab: the FP8 path is forward-only so far (no FP8 backward); pass False")
+    if page_size and has_drab:
+        raise NotImplementedError("has_drab: the paged KV cache path is inference-only (no backward); pass False")
     rab_heads = 0
     if rab is None:
         if has_drab:
@@ -252,12 +310,39 @@ def validate(
         fail(ValueError, "q.device", "a CUDA device (or meta for shapes only; use hstu_cute.reference on CPU)",
               device)
     mask = masks.MaskSpec(kind, has_context, has_target, is_delta_q)
-    return Problem(batch, heads, head_dim, q.dtype, mask, wl, wr, scale_seqlen, rab_heads, quant_mode)
+    return Problem(batch, heads, head_dim, q.dtype, mask, wl, wr, scale_seqlen, rab_heads, quant_mode, page_size)
+
+
+def cached_lengths(kv_cache, page_offsets, page_ids, last_page_lens) -> torch.Tensor:
+    """(B,) int64 cached tokens per sequence, on the host, after checking the page tables: offsets
+    from 0, non-decreasing, within page_ids; page ids within the cache; last page lengths in
+    [1, page_size] where a sequence has pages (a GPU sync: HSTU_CUTE_CHECK=1 only)."""
+    num_pages, page_size = kv_cache.shape[0], kv_cache.shape[2]
+    offsets = page_offsets.to("cpu", torch.int64)
+    if int(offsets[0]) != 0:
+        fail(ValueError, "page_offsets[0]", 0, int(offsets[0]))
+    pages = offsets[1:] - offsets[:-1]
+    if bool((pages < 0).any()):
+        fail(ValueError, "page_offsets", "non-decreasing offsets", offsets.tolist()[:16])
+    if int(offsets[-1]) > page_ids.shape[0]:
+        fail(ValueError, "page_offsets[-1]", f"<= {page_ids.shape[0]} (entries of page_ids)", int(offsets[-1]))
+    ids = page_ids[: int(offsets[-1])].to("cpu", torch.int64)
+    if ids.numel() and bool(((ids < 0) | (ids >= num_pages)).any()):
+        bad = ids[(ids < 0) | (ids >= num_pages)]
+        fail(ValueError, "page_ids", f"page ids in [0, {num_pages}) (kv_cache.shape[0])", bad.tolist()[:16])
+    last = last_page_lens.to("cpu", torch.int64)
+    bad = (pages > 0) & ((last < 1) | (last > page_size))
+    if bool(bad.any()):
+        fail(ValueError, "last_page_lens", f"1 <= last_page_lens <= {page_size} (page_size) for sequences with pages",
+             last[bad].tolist()[:16])
+    return torch.where(pages > 0, (pages - 1) * page_size + last, torch.zeros_like(pages))
 
 
 def check_device_data(p: Problem, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, q, k,
-                            num_contexts, num_targets, seqused_q, seqused_k):
-    """Checks that need the device's data (and a GPU sync): only with HSTU_CUTE_CHECK=1."""
+                      num_contexts, num_targets, seqused_q, seqused_k, paged=None):
+    """Checks that need the device's data (and a GPU sync): only with HSTU_CUTE_CHECK=1. ``paged``:
+    the cache's (kv_cache, page_offsets, page_ids, last_page_lens), whose tokens count as keys."""
+    cached = cached_lengths(*paged) if paged is not None else None
     for name, off, total, max_len in (("seq_offsets_q", seq_offsets_q, q.shape[0], max_seqlen_q),
                                       ("seq_offsets_k", seq_offsets_k, k.shape[0], max_seqlen_k)):
         o = off.to("cpu", torch.int64)
@@ -276,8 +361,15 @@ def check_device_data(p: Problem, seq_offsets_q, seq_offsets_k, max_seqlen_q, ma
                          ("seqused_k", seqused_k, lens_k)):
         if t is not None and bool(((t.cpu() < 0) | (t.cpu() > ref)).any()):
             fail(ValueError, name, "0 <= seqused <= offset difference per sequence", t.cpu().tolist()[:16])
+    if cached is not None:
+        total_k = cached + (seqused_k.cpu() if seqused_k is not None else lens_k)
+        if total_k.numel() and int(total_k.max()) > max_seqlen_k:
+            fail(ValueError, "max_seqlen_k", f">= the longest cached + new key sequence ({int(total_k.max())})",
+                 max_seqlen_k)
     if num_contexts is not None or num_targets is not None:
         valid_k = seqused_k.cpu() if seqused_k is not None else lens_k
+        if cached is not None:
+            valid_k = valid_k + cached
         c = num_contexts.cpu() if num_contexts is not None else torch.zeros_like(valid_k)
         t = num_targets.cpu() if num_targets is not None else torch.zeros_like(valid_k)
         if bool(((c < 0) | (t < 0) | (c + t > valid_k)).any()):
@@ -322,12 +414,13 @@ _PROBLEMS: dict = {}
 
 
 def problem_of_op_args(q, seq_offsets_q, max_seqlen_q, max_seqlen_k, num_contexts, num_targets, window_left,
-                       window_right, rab, is_delta_q, scaling_seqlen, quant_mode: int = -1) -> Problem:
+                       window_right, rab, is_delta_q, scaling_seqlen, quant_mode: int = -1, page_size: int = 0
+                       ) -> Problem:
     """The :class:`Problem` of already validated op arguments (what :func:`validate` returned for
     the public call; the window comes normalized). Memoized: the ops run it on every call."""
     memo = (seq_offsets_q.shape[0], q.shape[1], q.shape[2], q.dtype, max_seqlen_q, max_seqlen_k,
             num_contexts is not None, num_targets is not None, window_left, window_right, is_delta_q,
-            scaling_seqlen, rab.shape[1] if rab is not None else 0, quant_mode)
+            scaling_seqlen, rab.shape[1] if rab is not None else 0, quant_mode, page_size)
     p = _PROBLEMS.get(memo)
     if p is None:
         if len(_PROBLEMS) > 256:
@@ -335,7 +428,8 @@ def problem_of_op_args(q, seq_offsets_q, max_seqlen_q, max_seqlen_k, num_context
         kind, wl, wr = masks.normalize_window((window_left, window_right), max_seqlen_k)
         mask = masks.MaskSpec(kind, memo[6], memo[7], is_delta_q)
         p = _PROBLEMS[memo] = Problem(memo[0] - 1, memo[1], memo[2], q.dtype, mask, wl, wr,
-                                      scaling_seqlen if scaling_seqlen != -1 else max_seqlen_q, memo[12], quant_mode)
+                                      scaling_seqlen if scaling_seqlen != -1 else max_seqlen_q, memo[12], quant_mode,
+                                      page_size)
     return p
 
 

@@ -34,7 +34,8 @@ __all__ = [
     "HEAD_DIMS", "DTYPES", "SHIPPED_MASKS", "AmpereFwdKey", "AmpereBwdKey", "HopperFwdKey", "HopperBwdKey",
     "KEY_CLASSES", "make_fwd_key", "make_bwd_keys", "make_hopper_fwd_key", "make_hopper_bwd_key",
     "HopperFp8FwdKey", "make_hopper_fp8_fwd_key", "FP8_DTYPE", "FP8_HEAD_DIMS", "HopperVtKey", "HopperQuantKey",
-    "make_hopper_quant_key", "QUANT_VARIANTS",
+    "make_hopper_quant_key", "QUANT_VARIANTS", "HopperPagedFwdKey", "make_hopper_paged_fwd_key", "PAGED_MASKS",
+    "PAGE_SIZES", "AmperePagedFwdKey", "make_ampere_paged_fwd_key",
     "make_hopper_vt_key", "vt_width", "HopperCastKey", "make_hopper_cast_key",
     "shipped_keys", "has_hopper_kernels",
 ]
@@ -103,6 +104,7 @@ class AmpereFwdKey(_Variant):
     """Compile key of :class:`~hstu_cute.ampere.fwd.HstuForwardSm80`."""
 
     kernel_name: ClassVar[str] = "ampere_fwd"
+    paged: ClassVar[bool] = False
 
     rab_vec: int = 8  # elements per rab load: 8 (16-byte aligned rows) or 1 (any layout)
     tile_m: int = 128
@@ -140,6 +142,23 @@ def make_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, rab_vec, 
     return AmpereFwdKey(
         **_variant_fields(arch, dtype, head_dim, kind, context_target, has_rab), rab_vec=rab_vec if has_rab else 8,
         **(tiles or dict(default_fwd_tiles(head_dim), lpt_grid=MaskKind(kind) == MaskKind.CAUSAL)),
+    )
+
+
+@dataclass(frozen=True)
+class AmperePagedFwdKey(AmpereFwdKey):
+    """Compile key of :class:`~hstu_cute.ampere.fwd.HstuForwardSm80` reading each sequence's
+    cached keys and values from a paged KV cache ahead of its new ones (common.key_blocks)."""
+
+    kernel_name: ClassVar[str] = "ampere_fwd_paged"
+    paged: ClassVar[bool] = True
+
+
+def make_ampere_paged_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, rab_vec,
+                              tiles=None) -> AmperePagedFwdKey:
+    return AmperePagedFwdKey(
+        **_variant_fields(arch, dtype, head_dim, kind, context_target, has_rab), rab_vec=rab_vec if has_rab else 8,
+        **(tiles or dict(default_fwd_tiles(head_dim), lpt_grid=False)),
     )
 
 
@@ -203,6 +222,8 @@ class HopperFwdKey(_Variant):
     aligned rows here: TMA needs them, the launcher pads rab when they are not."""
 
     kernel_name: ClassVar[str] = "hopper_fwd"
+    # Keys ahead of the new ones from a paged KV cache (HopperPagedFwdKey).
+    paged: ClassVar[bool] = False
 
     tile_m: int = 128  # 64 rows per consumer warpgroup
     tile_n: int = 128
@@ -244,6 +265,27 @@ def default_hopper_fwd_tiles(head_dim: int, has_rab: bool) -> dict:
 def make_hopper_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, tiles=None) -> HopperFwdKey:
     return HopperFwdKey(**_variant_fields(arch, dtype, head_dim, kind, context_target, has_rab),
                         **(tiles or default_hopper_fwd_tiles(head_dim, has_rab)))
+
+
+@dataclass(frozen=True)
+class HopperPagedFwdKey(HopperFwdKey):
+    """Compile key of :class:`~hstu_cute.hopper.fwd.HstuForwardSm90` reading each sequence's
+    cached keys and values from a paged KV cache ahead of its new ones (common.key_blocks); the
+    page size is a runtime argument."""
+
+    kernel_name: ClassVar[str] = "hopper_fwd_paged"
+    paged: ClassVar[bool] = True
+
+
+#: The masks of the paged (serving) variants: the causal family, as HSTU serves.
+PAGED_MASKS = ((MaskKind.CAUSAL, False), (MaskKind.CAUSAL, True))
+#: The page sizes a paged KV cache may have (tokens per page).
+PAGE_SIZES = (16, 32, 64, 128)
+
+
+def make_hopper_paged_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, tiles=None) -> HopperPagedFwdKey:
+    return HopperPagedFwdKey(**_variant_fields(arch, dtype, head_dim, kind, context_target, has_rab),
+                             **(tiles or default_hopper_fwd_tiles(head_dim, has_rab)))
 
 
 #: The FP8 element type of q, k and v, by DSL name, and the head dims of the FP8 forward
@@ -434,7 +476,8 @@ def _hopper_role_serves(role: str, head_dim: int) -> bool:
 
 
 KEY_CLASSES = {cls.__name__: cls for cls in (AmpereFwdKey, AmpereBwdKey, HopperFwdKey, HopperBwdKey,
-                                              HopperFp8FwdKey, HopperVtKey, HopperCastKey, HopperQuantKey)}
+                                              HopperFp8FwdKey, HopperVtKey, HopperCastKey, HopperQuantKey,
+                                              HopperPagedFwdKey, AmperePagedFwdKey)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,6 +495,13 @@ def shipped_ampere_fwd_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> li
             for has_rab, rab_vec in ((False, 8), (True, 8), (True, 1))]
 
 
+def shipped_ampere_paged_fwd_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
+    # rab rows 16-byte aligned only (the launcher pads others): serving calls are few and long.
+    return [make_ampere_paged_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, 8)
+            for dtype in dtypes for head_dim in head_dims for kind, context_target in PAGED_MASKS
+            for has_rab in (False, True)]
+
+
 def shipped_ampere_bwd_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[AmpereBwdKey]:
     # Each call's (dq, dkdv) pair; the dkdv key does not depend on drab, so it is listed once.
     return list(dict.fromkeys(key for variant in _shipped_variants(dtypes, head_dims) for rab in _BWD_RAB
@@ -460,6 +510,12 @@ def shipped_ampere_bwd_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> li
 
 def shipped_hopper_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[HopperFwdKey]:
     return [make_hopper_fwd_key(arch, *variant, has_rab) for variant in _shipped_variants(dtypes, head_dims)
+            for has_rab in (False, True)]
+
+
+def shipped_hopper_paged_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
+    return [make_hopper_paged_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab)
+            for dtype in dtypes for head_dim in head_dims for kind, context_target in PAGED_MASKS
             for has_rab in (False, True)]
 
 
@@ -489,8 +545,10 @@ def shipped_hopper_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_
 def shipped_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
     """Every compile key (forward and backward, every kernel family) the API can select for ``arch``."""
     dtypes, head_dims = tuple(dtypes), tuple(head_dims)
-    keys = shipped_ampere_fwd_keys(arch, dtypes, head_dims) + shipped_ampere_bwd_keys(arch, dtypes, head_dims)
+    keys = (shipped_ampere_fwd_keys(arch, dtypes, head_dims) + shipped_ampere_bwd_keys(arch, dtypes, head_dims)
+            + shipped_ampere_paged_fwd_keys(arch, dtypes, head_dims))
     if has_hopper_kernels(arch):
         keys += (shipped_hopper_fwd_keys(arch, dtypes, head_dims) + shipped_hopper_bwd_keys(arch, dtypes, head_dims)
-                 + shipped_hopper_fp8_fwd_keys(arch, dtypes, head_dims))
+                 + shipped_hopper_fp8_fwd_keys(arch, dtypes, head_dims)
+                 + shipped_hopper_paged_fwd_keys(arch, dtypes, head_dims))
     return keys

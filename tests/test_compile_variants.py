@@ -23,9 +23,11 @@ from hstu_cute.variants import (
     make_bwd_keys,
     shipped_ampere_bwd_keys,
     shipped_ampere_fwd_keys,
+    shipped_ampere_paged_fwd_keys,
     shipped_hopper_bwd_keys,
     shipped_hopper_fp8_fwd_keys,
     shipped_hopper_fwd_keys,
+    shipped_hopper_paged_fwd_keys,
 )
 
 
@@ -53,8 +55,8 @@ def _assert_all_built(results, keys, cache_dir, arch):
 
 @pytest.mark.slow
 def test_every_shipped_sm80_variant_compiles(tmp_cache):
-    keys = shipped_ampere_fwd_keys("sm_80") + shipped_ampere_bwd_keys("sm_80")
-    assert len(keys) == len(set(keys)) == 96 + 192
+    keys = shipped_ampere_fwd_keys("sm_80") + shipped_ampere_bwd_keys("sm_80") + shipped_ampere_paged_fwd_keys("sm_80")
+    assert len(keys) == len(set(keys)) == 96 + 192 + 32
     results = warmup(arch="sm_80", workers=2, raise_errors=False)
     _assert_all_built(results, keys, tmp_cache, "sm_80")
     # Each exported object holds an sm_80 cubin.
@@ -68,13 +70,14 @@ def test_every_hopper_variant_compiles(tmp_cache):
     """Every Hopper (TMA + WGMMA) variant the API can select on sm90 (forward; fused dK/dV/dQ at
     D128; the deterministic dK/dV + dQ pair; at D256 the wide dK/dV/drab kernel and its dQ
     kernel) builds for sm_90a."""
-    keys = shipped_hopper_fwd_keys("sm_90a") + shipped_hopper_bwd_keys("sm_90a") + shipped_hopper_fp8_fwd_keys()
+    keys = (shipped_hopper_fwd_keys("sm_90a") + shipped_hopper_bwd_keys("sm_90a") + shipped_hopper_fp8_fwd_keys()
+            + shipped_hopper_paged_fwd_keys())
     # FP8: the forward with P cast, scaled P and scaled P with mode 1's descales (144), V^T (9),
-    # mode 0's cast (6) and the block quantizers of modes 1-5 (42).
-    assert len(keys) == len(set(keys)) == 64 + 96 + 16 + 32 + 16 + 144 + 9 + 6 + 42
+    # mode 0's cast (6) and the block quantizers of modes 1-5 (42); the paged KV-cache forward (32).
+    assert len(keys) == len(set(keys)) == 64 + 96 + 16 + 32 + 16 + 144 + 9 + 6 + 42 + 32
     assert {k.kernel_name for k in keys} == {"hopper_fwd", "hopper_bwd_fused", "hopper_bwd_dkdv", "hopper_bwd_dq",
                                              "hopper_bwd_wide", "hopper_fwd_fp8", "hopper_fwd_vt", "hopper_fwd_cast",
-                                             "hopper_fwd_quant"}
+                                             "hopper_fwd_quant", "hopper_fwd_paged"}
     results = warmup(arch="sm_90a", keys=keys, workers=2, raise_errors=False)
     _assert_all_built(results, keys, tmp_cache, "sm_90a")
     for r in results:

@@ -7,6 +7,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from .. import masks
+from ..common.key_blocks import KeyBlocks, PagedArgs, page_span
 from ..common.mask_apply import KERNEL_OPS, apply_mask_inplace
 from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import silu_scaled_inplace
@@ -31,12 +32,24 @@ class HstuForwardSm80(Sm80Kernel):
       target hole, so empty tiles are never loaded.
     Barriers: ``cute.arch.barrier()`` (bar 0, whole CTA) after every cp.async wait and before sQ
     is reused as the output staging buffer.
+
+    ``paged`` (a paged KV cache ahead of each sequence's new keys; common.key_blocks): the mask
+    covers the whole key sequence (C cached tokens, then the new ones; queries aligned to its end)
+    and a tile's key blocks come in two segments, the cache's first (:class:`KeyBlocks`), each
+    block masked in its segment's coordinates. A cache block's K/V rows are gathered with
+    per-row cp.async copies from their pages (page ids clamped into the cache), rows past C not
+    loaded (V's zero-filled). Every load checks its segment's end at run time (the last block of
+    each segment crosses it). rab columns are whole-sequence: a new block's start at C, read with
+    an element-wise copy when C is not a multiple of ``rab_vec`` (cp.async needs aligned chunks).
     """
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, rab_vec: int, tile_m: int,
-                 tile_n: int, num_warps: int, num_stages: int, fast_silu: bool, lpt_grid: bool = False):
+                 tile_n: int, num_warps: int, num_stages: int, fast_silu: bool, lpt_grid: bool = False,
+                 paged: bool = False):
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_warps, fast_silu)
         self.rab_vec, self.num_stages, self.lpt_grid = rab_vec, num_stages, lpt_grid
+        # Keys of a paged KV cache ahead of each sequence's new keys (common.key_blocks).
+        self.paged = paged
         assert tile_m % (16 * num_warps) == 0
         assert head_dim % 32 == 0 and tile_n % 16 == 0
 
@@ -46,7 +59,8 @@ class HstuForwardSm80(Sm80Kernel):
     @cute.jit
     def __call__(self, mQ, mK, mV, mO, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
                  alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32, group_size: Int32,
-                 is_delta_q: Int32, num_m_blocks: Int32, stream):
+                 is_delta_q: Int32, num_m_blocks: Int32, mCache, mPageOffsets, mPageIds, mLastPageLens, log2_page_size,
+                 mRabNew, stream):
         atom, gmem_copy_qkv, gmem_copy_o, gmem_copy_rab, tiled_mma = self._atoms()
         sQ_layout = self._tile_layout(atom, self.tile_m)
         # K, V and rab keep their stage mode with a single stage too.
@@ -70,11 +84,26 @@ class HstuForwardSm80(Sm80Kernel):
             grid = [num_heads, num_batch, num_m_blocks]
         else:
             grid = [num_m_blocks, num_heads, num_batch]
+        paged, gmem_copy_rab1 = None, None
+        if const_expr(self.paged):
+            paged = PagedArgs(mCache, mPageOffsets, mPageIds, mLastPageLens, log2_page_size)
+            if const_expr(self.has_rab and self.rab_vec > 1):
+                gmem_copy_rab1 = self._rab_copy_scalar()
         self._launch(
             mQ, mK, mV, mO, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
-            ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q),
-            sQ_layout, sKV_layout, sRab_layout, gmem_copy_qkv, gmem_copy_o, gmem_copy_rab, tiled_mma, SharedStorage,
-            grid=grid, stream=stream,
+            ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), paged,
+            sQ_layout, sKV_layout, sRab_layout, gmem_copy_qkv, gmem_copy_o, gmem_copy_rab, gmem_copy_rab1, tiled_mma,
+            SharedStorage, grid=grid, stream=stream,
+        )
+
+    def _rab_copy_scalar(self):
+        """Paged: the rab tiled copy one element at a time (synchronous), for a new segment whose
+        first column (the cached length) is not a multiple of ``rab_vec``."""
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=self.dtype.width)
+        threads_per_row = min(self.tile_n, self.num_threads)
+        return cute.make_tiled_copy_tv(
+            atom, cute.make_ordered_layout((self.num_threads // threads_per_row, threads_per_row), order=(1, 0)),
+            cute.make_layout((1, 1)),
         )
 
     # ------------------------------------------------------------------------------------------
@@ -82,9 +111,9 @@ class HstuForwardSm80(Sm80Kernel):
     # ------------------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, seqs, mRab,
-               scalars, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout, sRab_layout,
-               gmem_copy_qkv: cute.TiledCopy, gmem_copy_o: cute.TiledCopy, gmem_copy_rab, tiled_mma: cute.TiledMma,
-               SharedStorage: cutlass.Constexpr):
+               scalars, paged, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout, sRab_layout,
+               gmem_copy_qkv: cute.TiledCopy, gmem_copy_o: cute.TiledCopy, gmem_copy_rab, gmem_copy_rab1,
+               tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         if const_expr(self.lpt_grid):
             # m-blocks vary slowest, heaviest (longest causal rows) first for every (head, batch):
@@ -102,10 +131,18 @@ class HstuForwardSm80(Sm80Kernel):
 
         if m_block * self.tile_m < seqlen_q:
             spec = self.mask
-            seq = mask_of(batch, seqlen_q, seqlen_k)
-            n_lo, hole_lo, hole_size, n_count = masks.n_block_schedule(
-                spec, seq, m_block, self.tile_m, self.tile_n, KERNEL_OPS
-            )
+            span = None
+            if const_expr(self.paged):
+                # The whole key sequence: the cached tokens, then the new ones.
+                span = page_span(paged, batch)
+                seq = mask_of(batch, seqlen_q, seqlen_k + span.cached_len)
+            else:
+                seq = mask_of(batch, seqlen_q, seqlen_k)
+            blocks = KeyBlocks.of_tile(spec, seq, m_block, self.tile_m, self.tile_n, span)
+            # No method call on a name inside the runtime branches and loops below (it would be
+            # carried through them).
+            n_count, block_at = blocks.count, blocks.at
+            in_cache = blocks.in_cache if const_expr(self.paged) else None
             row_first = seq.row_offset + m_block * self.tile_m
 
             gQ, gO, gK, gV = self._head_tiles(head, (mQ, q_start, self.tile_m, m_block),
@@ -129,11 +166,16 @@ class HstuForwardSm80(Sm80Kernel):
             tKVcKV = thr_copy.partition_S(cKV)
             cQ = cute.make_identity_tensor((self.tile_m, self.head_dim))
             tQcQ = thr_copy.partition_S(cQ)
+            cache = None
+            if const_expr(self.paged):
+                cache = self._cache_view(paged, span, head, thr_copy)
 
+            rab_new = None
             if const_expr(self.has_rab):
                 slab = self._rab_slab(mRab, batch, head)
                 rab_rows = cutlass.min(seq.row_offset + seqlen_q, mRab.shape[2])
-                rab_cols = cutlass.min(seqlen_k, mRab.shape[3])
+                # Whole-sequence columns (paged: the cached keys, then the new ones).
+                rab_cols = cutlass.min(seq.seqlen_k, mRab.shape[3])
                 gRab = self._rab_tiles(slab, seq.row_offset, (m_block, None))
                 sRab = storage.sRab.get_tensor(sRab_layout)
                 thr_copy_rab = gmem_copy_rab.get_slice(tidx)
@@ -141,6 +183,9 @@ class HstuForwardSm80(Sm80Kernel):
                 tRsR = thr_copy_rab.partition_D(sRab)
                 tRcR = thr_copy_rab.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_n)))
                 rab_row_limit = rab_rows - row_first
+                if const_expr(self.paged):
+                    rab_new = self._new_segment_rab(slab, seq.row_offset, m_block, span.cached_len, thr_copy_rab,
+                                                    gmem_copy_rab1, sRab, tidx)
             else:
                 tRgR = tRsR = tRcR = None
                 rab_row_limit = rab_cols = Int32(0)
@@ -166,15 +211,30 @@ class HstuForwardSm80(Sm80Kernel):
             cute.arch.cp_async_commit_group()
             for stage in cutlass.range_constexpr(self.num_stages):
                 if n_count - 1 - stage >= 0:
-                    n_pre = masks.n_block_at(n_count - 1 - stage, n_lo, hole_lo, hole_size, KERNEL_OPS)
-                    self.load_kv(gmem_copy_qkv, tKgK, tKsK, tKVcKV, n_pre, stage, seqlen_k, stage == 0, False)
-                    if const_expr(self.has_rab):
-                        self.load_rab_block(gmem_copy_rab, tRgR, tRsR, tRcR, n_pre, stage, rab_row_limit, rab_cols)
+                    i_pre = n_count - 1 - stage
+                    seg_pre, n_pre = block_at(i_pre)
+                    if const_expr(self.paged):
+                        cached = in_cache(i_pre)
+                        self.load_paged_kv(gmem_copy_qkv, cache, 0, cached, tKgK, tKsK, tKVcKV, n_pre, stage,
+                                           seg_pre.seqlen_k, False)
+                        if const_expr(self.has_rab):
+                            self.load_paged_rab(gmem_copy_rab, tRgR, tRsR, tRcR, rab_new, cached, n_pre, stage,
+                                                rab_row_limit, rab_cols)
+                    else:
+                        self.load_kv(gmem_copy_qkv, tKgK, tKsK, tKVcKV, n_pre, stage, seqlen_k, stage == 0, False)
+                        if const_expr(self.has_rab):
+                            self.load_rab_block(gmem_copy_rab, tRgR, tRsR, tRcR, n_pre, stage, rab_row_limit,
+                                                rab_cols)
                 cute.arch.cp_async_commit_group()
                 if const_expr(stage < self.num_stages - 1):
                     if n_count - 1 - stage >= 0:
-                        n_pre = masks.n_block_at(n_count - 1 - stage, n_lo, hole_lo, hole_size, KERNEL_OPS)
-                        self.load_kv(gmem_copy_qkv, tVgV, tVsV, tKVcKV, n_pre, stage, seqlen_k, stage == 0, True)
+                        i_pre = n_count - 1 - stage
+                        seg_pre, n_pre = block_at(i_pre)
+                        if const_expr(self.paged):
+                            self.load_paged_kv(gmem_copy_qkv, cache, 1, in_cache(i_pre), tVgV, tVsV, tKVcKV, n_pre,
+                                               stage, seg_pre.seqlen_k, True)
+                        else:
+                            self.load_kv(gmem_copy_qkv, tVgV, tVsV, tKVcKV, n_pre, stage, seqlen_k, stage == 0, True)
                     cute.arch.cp_async_commit_group()
 
             # ---- main loop over non-empty n-blocks, last to first ----
@@ -182,14 +242,19 @@ class HstuForwardSm80(Sm80Kernel):
             write_stage = Int32(self.num_stages - 1)
             for it in cutlass.range(n_count, unroll=1):
                 idx = n_count - 1 - it
-                n_block = masks.n_block_at(idx, n_lo, hole_lo, hole_size, KERNEL_OPS)
+                seg, n_block = block_at(idx)
 
                 cute.arch.cp_async_wait_group(self.num_stages * 2 - 2)
                 cute.arch.barrier()
                 if idx - (self.num_stages - 1) >= 0:
-                    n_next = masks.n_block_at(idx - (self.num_stages - 1), n_lo, hole_lo, hole_size, KERNEL_OPS)
-                    self.load_kv(gmem_copy_qkv, tVgV, tVsV, tKVcKV, n_next, write_stage, seqlen_k,
-                                 self.num_stages == 1, True)
+                    i_next = idx - (self.num_stages - 1)
+                    seg_next, n_next = block_at(i_next)
+                    if const_expr(self.paged):
+                        self.load_paged_kv(gmem_copy_qkv, cache, 1, in_cache(i_next), tVgV, tVsV, tKVcKV, n_next,
+                                           write_stage, seg_next.seqlen_k, True)
+                    else:
+                        self.load_kv(gmem_copy_qkv, tVgV, tVsV, tKVcKV, n_next, write_stage, seqlen_k,
+                                     self.num_stages == 1, True)
                 cute.arch.cp_async_commit_group()
 
                 acc_S = scores_init(
@@ -200,9 +265,12 @@ class HstuForwardSm80(Sm80Kernel):
                     tiled_mma, acc_S, tSrQ, tSrK, tSsQ, tSsK[None, None, None, read_stage], smem_copy_q, smem_copy_k
                 )
                 silu_scaled_inplace(acc_S, alpha, self.fast_silu)
-                is_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
+                # The block's segment (paged: the cache's keys or the new ones, each in its own
+                # coordinates; common.key_blocks) sets its mask.
+                seg_row_first = self._rows_of(seg, m_block, row_first)
+                is_full = masks.tile_is_full(spec, seg, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
                 if not is_full:
-                    apply_mask_inplace(acc_S, tScS, spec, seq, row_first, n_block * self.tile_n)
+                    apply_mask_inplace(acc_S, tScS, spec, seg, seg_row_first, n_block * self.tile_n)
                 rP = self._to_dtype(acc_S)
 
                 if const_expr(self.num_stages > 1):
@@ -210,11 +278,20 @@ class HstuForwardSm80(Sm80Kernel):
                 cute.arch.cp_async_wait_group(self.num_stages * 2 - 2)
                 cute.arch.barrier()
                 if idx - self.num_stages >= 0:
-                    n_next = masks.n_block_at(idx - self.num_stages, n_lo, hole_lo, hole_size, KERNEL_OPS)
-                    self.load_kv(gmem_copy_qkv, tKgK, tKsK, tKVcKV, n_next, write_stage, seqlen_k, False, False)
-                    if const_expr(self.has_rab):
-                        self.load_rab_block(gmem_copy_rab, tRgR, tRsR, tRcR, n_next, write_stage, rab_row_limit,
-                                            rab_cols)
+                    i_next = idx - self.num_stages
+                    seg_next, n_next = block_at(i_next)
+                    if const_expr(self.paged):
+                        cached = in_cache(i_next)
+                        self.load_paged_kv(gmem_copy_qkv, cache, 0, cached, tKgK, tKsK, tKVcKV, n_next, write_stage,
+                                           seg_next.seqlen_k, False)
+                        if const_expr(self.has_rab):
+                            self.load_paged_rab(gmem_copy_rab, tRgR, tRsR, tRcR, rab_new, cached, n_next,
+                                                write_stage, rab_row_limit, rab_cols)
+                    else:
+                        self.load_kv(gmem_copy_qkv, tKgK, tKsK, tKVcKV, n_next, write_stage, seqlen_k, False, False)
+                        if const_expr(self.has_rab):
+                            self.load_rab_block(gmem_copy_rab, tRgR, tRsR, tRcR, n_next, write_stage, rab_row_limit,
+                                                rab_cols)
                 cute.arch.cp_async_commit_group()
 
                 gemm_rs(tiled_mma, acc_O, acc_to_operand_a(rP), tOrVt, tOsVt[None, None, None, read_stage], smem_copy_v)
@@ -237,6 +314,8 @@ class HstuForwardSm80(Sm80Kernel):
         # n-blocks are visited from the last one down, so only the first block loaded (prologue
         # stage 0, or the in-loop V load when there is a single stage) can cross seqlen_k; the
         # other call sites are traced without the predicated path (less IR, faster compiles).
+        # Paged tiles have two segments, each with a block that crosses its end: their loads
+        # (load_paged_kv) always take the checked path.
         # V rows past the end must be finite (zero_fill): P is 0 there, and 0 * NaN = NaN. K rows
         # need nothing: their scores are masked with a select.
         stage_idx = stage if const_expr(self.num_stages > 1) else 0
@@ -257,3 +336,127 @@ class HstuForwardSm80(Sm80Kernel):
         stage_idx = stage if const_expr(self.num_stages > 1) else 0
         self.load_rab(gmem_copy, tRgR, tRsR, tRcR, row_limit, rab_cols - n_block * self.tile_n, False, (n_block,),
                       (stage_idx,))
+
+    # ------------------------------------------------------------------------------------------
+    # Paged KV cache (common.key_blocks)
+    # ------------------------------------------------------------------------------------------
+    def _rows_of(self, seg, m_block, row_first):
+        """The first row of the m-block in the coordinates of a key block's segment: a paged
+        tile's new segment is shifted by the cached length."""
+        if const_expr(self.paged):
+            return seg.row_offset + m_block * self.tile_m
+        return row_first
+
+    def _cache_view(self, paged: PagedArgs, span, head: Int32, thr_copy):
+        """What a cache block's loads read (:meth:`load_cache_rows`): the thread's partition of a
+        (rows, D) view, this head's cache rows, the page table, log2(page size), the sequence's
+        first page entry and last page index, the last page id of the cache, and the cached rows
+        that may be read (none when the cache has no page)."""
+        log2 = paged.log2_page_size
+        num_pages = paged.mCache.shape[0] >> (log2 + 1)
+        cached_rows = cutlass.select_(num_pages > 0, span.cached_len, Int32(0))
+        return (thr_copy.partition_S, paged.mCache[None, head, None], paged.mPageIds, log2, span.first,
+                span.count - 1, num_pages - 1, cached_rows)
+
+    def _new_segment_rab(self, slab, row_offset: Int32, m_block: Int32, cached_len: Int32, thr_copy_rab,
+                         gmem_copy_rab1, sRab, tidx: Int32):
+        """The new segment's rab tiles: columns from the cached length on (whole-sequence
+        coordinates). Returns (their partition for the rab copy, whether that copy may read them
+        (its chunks must start ``rab_vec``-aligned), the scalar copy and its partitions (source,
+        destination, coordinates) or None (``rab_vec`` 1: the rab copy is scalar already), the
+        cached length)."""
+        vec = self.rab_vec
+        # Rounded down to rab_vec (the cached length itself when aligned): a divisibility that
+        # holds for every input, so the aligned flag below is not folded away.
+        cached_len = Int32(cached_len)
+        col_aligned = cute.assume(cached_len & Int32(-vec), divby=vec) if const_expr(vec > 1) else cached_len
+        gRab_new = cute.local_tile(cute.domain_offset((row_offset, col_aligned), slab), (self.tile_m, self.tile_n),
+                                   (m_block, None))
+        tRgR_new = thr_copy_rab.partition_S(gRab_new)
+        if const_expr(vec == 1):
+            return tRgR_new, None, None, cached_len
+        aligned = (cached_len & Int32(vec - 1)) == 0
+        gRab1 = cute.local_tile(cute.domain_offset((row_offset, cached_len), slab), (self.tile_m, self.tile_n),
+                                (m_block, None))
+        thr1 = gmem_copy_rab1.get_slice(tidx)
+        scalar = (gmem_copy_rab1, thr1.partition_S(gRab1), thr1.partition_D(sRab),
+                  thr1.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        return tRgR_new, aligned, scalar, cached_len
+
+    @cute.jit
+    def load_paged_kv(self, gmem_copy, cache, kind: cutlass.Constexpr[int], cached, tXgX, tXsX, tXcX,
+                      n_block: Int32, stage: Int32, seg_len: Int32, zero_fill: cutlass.Constexpr[bool]):
+        """K (``kind`` 0) or V (1) of a paged tile's block: gathered from the cache's pages
+        (``cached``), else the new keys' tile. The last block of either segment crosses its end
+        (``seg_len``), so every load checks it at run time."""
+        cached_rows = cache[7]
+        if cached:
+            self.load_cache_rows(gmem_copy, cache, kind, tXsX, tXcX, n_block, stage,
+                                 cached_rows - n_block * self.tile_n, zero_fill)
+        else:
+            self.load_kv(gmem_copy, tXgX, tXsX, tXcX, n_block, stage, seg_len, True, zero_fill)
+
+    @cute.jit
+    def load_cache_rows(self, gmem_copy, cache, kind: cutlass.Constexpr[int], tXsX, tXcX, n_block: Int32,
+                        stage: Int32, row_limit: Int32, zero_fill: cutlass.Constexpr[bool]):
+        """Rows < row_limit of a cache block, each from its page (cp.async, 16 bytes per copy);
+        the others zero-filled or left alone (as :meth:`load_rows`). Key position p = n_block *
+        tile_n + row lives at cache row ((page_id * 2 + kind) << log2) + p % page_size; the page
+        index is clamped into the sequence's pages and the page id into the cache, so that no
+        input reads outside it."""
+        partition, mCacheH, mPageIds, log2, first, last_page, last_id, _ = cache
+        stage_idx = stage if const_expr(self.num_stages > 1) else 0
+        in_page_mask = (Int32(1) << log2) - 1
+        num_rows = cute.size(tXsX.shape[1])
+        # Every row's page-table read first (all in bounds: the page index is clamped), so that
+        # they are in flight together; then the predicated copies.
+        shifts = []
+        for m in cutlass.range_constexpr(num_rows):
+            r = tXcX[0, m, 0][0]
+            p = n_block * self.tile_n + r
+            page = cutlass.min(p >> log2, last_page)
+            page_id = cutlass.max(cutlass.min(mPageIds[first + page], last_id), Int32(0))
+            # Tile row r is read from cache row ((page_id * 2 + kind) << log2) + p % page_size.
+            shifts.append(((page_id * 2 + kind) << log2) + (p & in_page_mask) - r)
+        for m in cutlass.range_constexpr(num_rows):
+            shift = shifts[m]
+            if tXcX[0, m, 0][0] < row_limit:
+                # The thread's copy of row m, its view moved by the row's shift (64-bit offsets:
+                # the cache's row stride is Int64).
+                tile = cute.local_tile(cute.domain_offset((shift, 0), mCacheH), (self.tile_n, self.head_dim), (0, 0))
+                cute.copy(gmem_copy, partition(tile)[None, m, None], tXsX[None, m, None, stage_idx])
+            elif const_expr(zero_fill):
+                tXsX[None, m, None, stage_idx].fill(0)
+
+    @cute.jit
+    def load_paged_rab(self, gmem_copy, tRgR, tRsR, tRcR, rab_new, cached, n_block: Int32, stage: Int32,
+                       row_limit: Int32, rab_cols: Int32):
+        """rab of a paged tile's block: a cache block's columns start at n_block * tile_n, a new
+        block's at the cached length plus that (:meth:`_new_segment_rab`)."""
+        stage_idx = stage if const_expr(self.num_stages > 1) else 0
+        tRgR_new, aligned, scalar, cached_len = rab_new
+        if cached:
+            self.load_rab(gmem_copy, tRgR, tRsR, tRcR, row_limit, rab_cols - n_block * self.tile_n, False,
+                          (n_block,), (stage_idx,))
+        else:
+            col_limit = rab_cols - cached_len - n_block * self.tile_n
+            if const_expr(scalar is None):
+                self.load_rab(gmem_copy, tRgR_new, tRsR, tRcR, row_limit, col_limit, False, (n_block,), (stage_idx,))
+            else:
+                gmem_copy1, tRgR1, tRsR1, tRcR1 = scalar
+                if aligned:
+                    self.load_rab(gmem_copy, tRgR_new, tRsR, tRcR, row_limit, col_limit, False, (n_block,),
+                                  (stage_idx,))
+                else:
+                    self.load_rab_elements(gmem_copy1, tRgR1, tRsR1, tRcR1, row_limit, col_limit, n_block, stage_idx)
+
+    @cute.jit
+    def load_rab_elements(self, gmem_copy, tRgR, tRsR, tRcR, row_limit: Int32, col_limit: Int32, n_block: Int32,
+                          stage_idx):
+        """The rab elements of block ``n_block`` in rows < row_limit and columns < col_limit, one
+        at a time (the scalar copy of :meth:`_rab_copy_scalar`), the others left alone; a runtime
+        loop over the thread's rows keeps the code small (the unaligned fallback only)."""
+        for m in cutlass.range(cute.size(tRsR.shape[1]), unroll=8):
+            for n in cutlass.range_constexpr(cute.size(tRsR.shape[2])):
+                if tRcR[0, m, n][0] < row_limit and tRcR[0, m, n][1] < col_limit:
+                    cute.copy(gmem_copy, tRgR[None, m, n, n_block], tRsR[None, m, n, stage_idx])

@@ -89,6 +89,10 @@ class SequenceInfo:
         return sequence_mask(self.spec, seqlen_q, seqlen_k, self.seqs.mNumContexts, self.seqs.mNumTargets, batch,
                              c.window_left, c.window_right, c.group_size, c.is_delta_q)
 
-    def at(self, batch):
+    def at(self, batch, cached_len=None):
+        """``cached_len``: a paged cache's tokens ahead of the sequence's keys (common.key_blocks):
+        the mask then spans them too."""
         q_start, k_start, seqlen_q, seqlen_k = self.bounds(batch)
+        if cached_len is not None:
+            seqlen_k = seqlen_k + cached_len
         return q_start, k_start, self.mask(batch, seqlen_q, seqlen_k)

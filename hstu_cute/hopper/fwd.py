@@ -21,6 +21,7 @@ from ..common.fp8 import (
     zero_smem_cols_past,
 )
 from ..fp8_format import BLOCK_TOKENS, vt_column_start
+from ..common.key_blocks import PAGE_CHUNK, KeyBlocks, PagedArgs, chunk_row16, page_span
 from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import silu_scaled_inplace
 from ..common.tile_scheduler import SectionWalk, TileScheduler
@@ -76,7 +77,7 @@ class HstuForwardSm90(HstuSm90Base):
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
                  num_stages: int, fast_silu: bool, intra_wg_overlap: bool = True, pingpong: bool = True,
                  persistent: bool = True, q_stages: int = 1, dynamic_tiles: bool = False, out_dtype=None,
-                 scaled_p: bool = False, two_direction: bool = False):
+                 scaled_p: bool = False, two_direction: bool = False, paged: bool = False):
         # The CTA launches with 168 x 384 registers; setmaxnreg moves them between roles, so the
         # consumers' 240 must come out of that pool (common.sm90.sm90_register_split).
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, tile_m // 64,
@@ -94,6 +95,10 @@ class HstuForwardSm90(HstuSm90Base):
         # block changes (it can not go into P, whose scale is per row).
         self.two_direction = two_direction
         assert not two_direction or scaled_p
+        # Keys of a paged KV cache ahead of each sequence's new keys (common.key_blocks): cache
+        # blocks arrive as PAGE_CHUNK-row TMA loads, one per chunk of a page.
+        self.paged = paged
+        assert not (paged and self.fp8)
         # fp16 stores the next P through an operand fence: with a plain store ptxas serializes every
         # WGMMA of the fp16 variants (C7513). H200 fp16 B8 N4096 causal: D128 484 vs 378 TF, D256
         # 620 vs 366, D64 290 vs 268. bf16 keeps the plain store (the fence cost it D64 461 -> 427).
@@ -109,17 +114,22 @@ class HstuForwardSm90(HstuSm90Base):
     @cute.jit
     def __call__(self, mQ, mK, mV, mO, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
                  alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks, num_sms,
-                 bh_per_section, mTileCounter, stream):
+                 bh_per_section, mTileCounter, mCache, mPageOffsets, mPageIds, mLastPageLens, log2_page_size, mRabNew,
+                 stream):
+        paged = None
+        if const_expr(self.paged):
+            paged = PagedArgs(mCache, mPageOffsets, mPageIds, mLastPageLens, log2_page_size, mRabNew)
         self.compile_forward(mQ, mK, mV, mO, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
                                                           mNumTargets), mRab,
                              ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q),
-                             num_m_blocks, num_sms, bh_per_section, mTileCounter, None, stream)
+                             num_m_blocks, num_sms, bh_per_section, mTileCounter, None, stream, paged)
 
     def compile_forward(self, mQ, mK, mV, mO, seqs, mRab, scalars, num_m_blocks, num_sms, bh_per_section,
-                        mTileCounter, descales, stream):
+                        mTileCounter, descales, stream, paged=None):
         """The body of ``__call__`` (traced inside it): layouts, TMA atoms, smem plan and the
         launch. ``mV`` is V (T, H, D), or for FP8 its token-contiguous copy V^T (H, D, W);
-        ``descales``: None, or the FP8 kernel's (q, k, v) descale tensors."""
+        ``descales``: None, or the FP8 kernel's (q, k, v) descale tensors; ``paged``: None, or
+        the cache's :class:`PagedArgs`."""
         D = self.head_dim
         sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, self.q_stages)
         sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, self.num_stages)
@@ -140,6 +150,15 @@ class HstuForwardSm90(HstuSm90Base):
         tma_atom_rab, tma_rab = None, None
         if const_expr(self.has_rab):
             tma_atom_rab, tma_rab = sm90_tma_atom_rab(mRab, sRab_layout, self.tile_m, self.tile_n)
+        page_loads = None
+        if const_expr(self.paged):
+            # One PAGE_CHUNK-row box of the cache rows, landing at a chunk of a K or V stage; rab
+            # of the new segment from its own (aligned) tensor.
+            sChunk_layout = sm90_smem_layout(self.dtype, PAGE_CHUNK, D)
+            rab_new = None
+            if const_expr(self.has_rab):
+                rab_new = sm90_tma_atom_rab(paged.mRabNew, sRab_layout, self.tile_m, self.tile_n)
+            page_loads = (*sm90_tma_atom_tokens(tma_load, paged.mCache, sChunk_layout, PAGE_CHUNK), rab_new)
 
         elem_bytes = self.dtype.width // 8
         self.q_bytes = self.tile_m * D * elem_bytes
@@ -160,7 +179,8 @@ class HstuForwardSm90(HstuSm90Base):
         grid = [cutlass.min(num_tiles, num_sms) if const_expr(self.persistent) else num_tiles, 1, 1]
         self.launch(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, mQ, mO, mK, seqs, mRab,
-            scalars, num_m_blocks, bh_per_section, mTileCounter, descales, statics=dict(
+            scalars, num_m_blocks, bh_per_section, mTileCounter, descales, page_loads,
+            paged._replace(mCache=None, mRabNew=None) if const_expr(self.paged) else None, statics=dict(
                 sQ_layout=sQ_layout, sK_layout=sK_layout, sV_layout=sV_layout, sRab_layout=sRab_layout,
                 tiled_mma_qk=trivial_mma(self.dtype, self.tile_n, False, self.num_mma_wg),
                 # P (registers) x V: 16-bit V is (n, D) with D contiguous, an MN-major B operand;
@@ -177,9 +197,14 @@ class HstuForwardSm90(HstuSm90Base):
     # ------------------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, mQ, mO, mK,
-               seqs, mRab, scalars, num_m_blocks: Int32, bh_per_section: Int32, mTileCounter, descales, statics):
+               seqs, mRab, scalars, num_m_blocks: Int32, bh_per_section: Int32, mTileCounter, descales, page_loads,
+               paged, statics):
         self.bind(statics)
-        tidx, warp_idx = self.prologue(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_rab)
+        page_atoms = ()
+        if const_expr(self.paged):
+            page_atoms = (page_loads[0], page_loads[2][0] if const_expr(self.has_rab) else None)
+        tidx, warp_idx = self.prologue(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_rab, *page_atoms)
+        self.paged_args = paged
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
@@ -221,8 +246,8 @@ class HstuForwardSm90(HstuSm90Base):
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.produce((tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, s["sQ"],
-                              s["sK"], s["sV"], s["sRab"], pipe_q, pipe_k, pipe_v, pipe_rab, mRab), walk, seqinfo,
-                             claims)
+                              s["sK"], s["sV"], s["sRab"], pipe_q, pipe_k, pipe_v, pipe_rab, mRab, page_loads), walk,
+                             seqinfo, claims)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(tidx - 128, mO, s["sQ"], s["sK"], s["sV"], s["sRab"], pipe_q, pipe_k, pipe_v, pipe_rab,
@@ -230,13 +255,17 @@ class HstuForwardSm90(HstuSm90Base):
 
     @cute.jit
     def tile_problem(self, tiles, seqinfo, tile: Int32):
-        """(live, (m_block, head, batch, q_start, k_start, seq, n-block schedule)) of a linear tile;
-        ``live``: the m-block starts inside its sequence (else the tile is skipped)."""
+        """(live, (m_block, head, batch, q_start, k_start, seq, key blocks)) of a linear tile;
+        ``live``: the m-block starts inside its sequence (else the tile is skipped). ``seq``: the
+        whole sequence's mask (paged: the cached keys included)."""
         m_block, head, batch = tiles.coords(tile)
-        q_start, k_start, seq = seqinfo.at(batch)
-        sched = masks.n_block_schedule(self.mask, seq, m_block, self.tile_m, self.tile_n, KERNEL_OPS)
+        span = None
+        if const_expr(self.paged):
+            span = page_span(self.paged_args, batch)
+        q_start, k_start, seq = seqinfo.at(batch, span.cached_len if const_expr(self.paged) else None)
+        blocks = KeyBlocks.of_tile(self.mask, seq, m_block, self.tile_m, self.tile_n, span)
         live = m_block * self.tile_m < seq.seqlen_q
-        return live, (m_block, head, batch, q_start, k_start, seq, sched)
+        return live, (m_block, head, batch, q_start, k_start, seq, blocks)
 
     # ------------------------------------------------------------------------------------------
     # Producer warp
@@ -248,17 +277,18 @@ class HstuForwardSm90(HstuSm90Base):
                   pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages))
         # A tile whose mask leaves it no key loads nothing (its consumers write zeros).
         self.for_each_tile(walk, seqinfo, self.produce_tile, loads, states, claims=claims, producer=True,
-                           visit_if=lambda coords: coords[6][3] > 0)
+                           visit_if=lambda coords: coords[6].count > 0)
 
     @cute.jit
     def produce_tile(self, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, sQ, sK,
-                     sV, sRab, pipe_q, pipe_k, pipe_v, pipe_rab, mRab, m_block: Int32, head: Int32, batch: Int32,
-                     q_start: Int32, k_start: Int32, seq, sched, q_state, k_state, v_state):
+                     sV, sRab, pipe_q, pipe_k, pipe_v, pipe_rab, mRab, page_loads, m_block: Int32, head: Int32,
+                     batch: Int32, q_start: Int32, k_start: Int32, seq, blocks, q_state, k_state, v_state):
         """TMA loads of one tile: Q, then K (and rab) of each n-block ahead of V of the one before.
         Returns the advanced pipeline states."""
         D = self.head_dim
         no_mcast = cute.make_layout(1)
-        n_lo, hole_lo, hole_size, n_count = sched
+        # No method call on a name inside the loops below (it would be carried through them).
+        n_count, block_at = blocks.count, blocks.at
         gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_q[None, None, head]), (self.tile_m, D),
                              (m_block, 0))
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, no_mcast, cute.group_modes(sQ, 0, 2),
@@ -288,6 +318,10 @@ class HstuForwardSm90(HstuSm90Base):
             tRsR, tRgR = cpasync.tma_partition(
                 tma_atom_rab, 0, no_mcast, cute.group_modes(sRab, 0, 2), cute.group_modes(gRab, 0, 2)
             )
+        pages = None
+        if const_expr(self.paged):
+            pages = self.page_partitions(page_loads, sK, sV, tma_atom_rab, tma_rab, sRab, mRab, m_block, head, batch,
+                                         seq, blocks)
 
         pipe_q.producer_acquire(q_state)
         cute.copy(tma_atom_q, tQgQ, tQsQ[None, q_state.index], tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
@@ -295,27 +329,97 @@ class HstuForwardSm90(HstuSm90Base):
         # K (and rab) of block i+1 go out before V of block i: the consumers issue QK^T of
         # block i+1 before P.V of block i.
         for it in cutlass.range(n_count, unroll=1):
-            n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
+            _, n_block = block_at(n_count - 1 - it)
             pipe_k.producer_acquire(k_state)
-            cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, k_state.index],
-                      tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
+            if const_expr(self.paged):
+                self.load_paged(pages, 0, blocks, n_count - 1 - it, n_block, tma_atom_k, tKgK, tKsK, pipe_k, k_state)
+            else:
+                cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, k_state.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
             if const_expr(self.has_rab):
                 pipe_rab.producer_acquire(k_state)
-                cute.copy(tma_atom_rab, tRgR[None, n_block], tRsR[None, k_state.index],
-                          tma_bar_ptr=pipe_rab.producer_get_barrier(k_state))
+                if const_expr(self.paged):
+                    self.load_paged_rab(pages, blocks, n_count - 1 - it, n_block, tma_atom_rab, tRgR, tRsR, pipe_rab,
+                                        k_state)
+                else:
+                    cute.copy(tma_atom_rab, tRgR[None, n_block], tRsR[None, k_state.index],
+                              tma_bar_ptr=pipe_rab.producer_get_barrier(k_state))
             k_state = advanced(k_state)
             if it > 0:
-                n_prev = masks.n_block_at(n_count - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
+                _, n_prev = block_at(n_count - it)
                 pipe_v.producer_acquire(v_state)
-                cute.copy(tma_atom_v, tVgV[None, n_prev], tVsV[None, v_state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+                if const_expr(self.paged):
+                    self.load_paged(pages, 1, blocks, n_count - it, n_prev, tma_atom_v, tVgV, tVsV, pipe_v, v_state)
+                else:
+                    cute.copy(tma_atom_v, tVgV[None, n_prev], tVsV[None, v_state.index],
+                              tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
                 v_state = advanced(v_state)
-        n_last = masks.n_block_at(Int32(0), n_lo, hole_lo, hole_size, KERNEL_OPS)
+        _, n_last = block_at(Int32(0))
         pipe_v.producer_acquire(v_state)
-        cute.copy(tma_atom_v, tVgV[None, n_last], tVsV[None, v_state.index],
-                  tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
+        if const_expr(self.paged):
+            self.load_paged(pages, 1, blocks, Int32(0), n_last, tma_atom_v, tVgV, tVsV, pipe_v, v_state)
+        else:
+            cute.copy(tma_atom_v, tVgV[None, n_last], tVsV[None, v_state.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
         v_state = advanced(v_state)
         return q_state, k_state, v_state
+
+    @cute.jit
+    def page_partitions(self, page_loads, sK, sV, tma_atom_rab, tma_rab, sRab, mRab, m_block: Int32, head: Int32,
+                        batch: Int32, seq, blocks):
+        """Paged: (chunk source, K and V chunk destinations, rab tiles of the new segment). A
+        stage's chunk ``c`` holds keys ``[c, c + 1) * PAGE_CHUNK`` of its block."""
+        D = self.head_dim
+        no_mcast = cute.make_layout(1)
+        tma_atom_c, tma_c, rab_new = page_loads
+        gC = cute.local_tile(tma_c[None, None, head], (PAGE_CHUNK, D), (None, 0))
+        tCsK, tCgC = cpasync.tma_partition(tma_atom_c, 0, no_mcast,
+                                           cute.group_modes(cute.flat_divide(sK, (PAGE_CHUNK, D)), 0, 2),
+                                           cute.group_modes(gC, 0, 2))
+        tCsV, _ = cpasync.tma_partition(tma_atom_c, 0, no_mcast,
+                                        cute.group_modes(cute.flat_divide(sV, (PAGE_CHUNK, D)), 0, 2),
+                                        cute.group_modes(gC, 0, 2))
+        rab_loads_new = None
+        if const_expr(self.has_rab):
+            # The new segment's rab: its own tensor, in the segment's coordinates.
+            tma_atom_rab_new, tma_rab_new = rab_new
+            rab_head = cutlass.select_(mRab.shape[1] > 1, head, Int32(0))
+            gRab_new = cute.local_tile(
+                cute.domain_offset((blocks.seq.row_offset, 0), tma_rab_new[None, None, rab_head, batch]),
+                (self.tile_m, self.tile_n), (m_block, None),
+            )
+            _, tRgR_new = cpasync.tma_partition(tma_atom_rab_new, 0, no_mcast, cute.group_modes(sRab, 0, 2),
+                                                cute.group_modes(gRab_new, 0, 2))
+            rab_loads_new = (tma_atom_rab_new, tRgR_new)
+        return tma_atom_c, tCgC, (tCsK, tCsV), rab_loads_new
+
+    @cute.jit
+    def load_paged(self, pages, kind: cutlass.Constexpr[int], blocks, i: Int32, n_block: Int32, tma_atom, tXgX,
+                   tXsX, pipe, state):
+        """K (``kind`` 0) or V (1) of block ``i``: from the cache, one TMA load per chunk (the
+        stage's transaction count is met either way), else the new keys' tile."""
+        tma_atom_c, tCgC, chunk_dst, _ = pages
+        in_cache, span = blocks.in_cache(i), blocks.span
+        if in_cache:
+            for c in cutlass.range_constexpr(self.tile_n // PAGE_CHUNK):
+                row16 = chunk_row16(self.paged_args, span, n_block * self.tile_n + c * PAGE_CHUNK, kind)
+                cute.copy(tma_atom_c, tCgC[None, row16], chunk_dst[kind][None, c, 0, state.index],
+                          tma_bar_ptr=pipe.producer_get_barrier(state))
+        else:
+            cute.copy(tma_atom, tXgX[None, n_block], tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+
+    @cute.jit
+    def load_paged_rab(self, pages, blocks, i: Int32, n_block: Int32, tma_atom_rab, tRgR, tRsR, pipe_rab, state):
+        """rab of block ``i``: the cache segment's tiles from rab, the new segment's from the rab
+        among the new tokens (mRabNew)."""
+        tma_atom_rab_new, tRgR_new = pages[3]
+        in_cache = blocks.in_cache(i)
+        if in_cache:
+            cute.copy(tma_atom_rab, tRgR[None, n_block], tRsR[None, state.index],
+                      tma_bar_ptr=pipe_rab.producer_get_barrier(state))
+        else:
+            cute.copy(tma_atom_rab_new, tRgR_new[None, n_block], tRsR[None, state.index],
+                      tma_bar_ptr=pipe_rab.producer_get_barrier(state))
 
     # ------------------------------------------------------------------------------------------
     # Consumer warpgroups
@@ -395,21 +499,22 @@ class HstuForwardSm90(HstuSm90Base):
         num_tiles, next_tile = tiles.num_tiles, tiles.consumer_next  # no method call on a loop-carried name
         tile, tile_token = tiles.consumer_first()
         while tile < num_tiles:
-            live, (m_block, head, batch, q_start, k_start, seq, sched) = self.tile_problem(tiles, seqinfo, tile)
-            n_lo, hole_lo, hole_size, n_count = sched
+            live, (m_block, head, batch, q_start, k_start, seq, blocks) = self.tile_problem(tiles, seqinfo, tile)
+            n_count, block_at = blocks.count, blocks.at
             if live:
                 row_first = seq.row_offset + m_block * self.tile_m
                 scales = self.tile_descales(batch, head, m_block, q_start, k_start, seq, tScS_rc)
                 if n_count > 0:
                     pipe_q.consumer_wait(q_state)
                     # ---- first n-block: its QK^T goes out with the previous tile's last P.V ----
-                    n_block = masks.n_block_at(n_count - 1, n_lo, hole_lo, hole_size, KERNEL_OPS)
+                    seg, n_block = block_at(n_count - 1)
                     pipe_k.consumer_wait(k_state)
                     if pending:
                         if const_expr(self.scaled_p):
                             pending_p_scale.store(p_scale.load())
-                        v_state = self.overlapped_block(step, q_state, k_state, v_state, lambda: prev_v_rows, seq,
-                                                        m_block, n_block, row_first, scales, advance_v=True)
+                        v_state = self.overlapped_block(step, q_state, k_state, v_state, lambda: prev_v_rows, seg,
+                                                        m_block, n_block, self.rows_of(seg, m_block, row_first),
+                                                        scales, advance_v=True)
                         self.store_tile(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, prev_head, prev_q_start,
                                         prev_m_block, prev_seqlen_q, pending_p_scale, (prev_batch, prev_n_last))
                         acc_O.fill(0.0)
@@ -418,26 +523,26 @@ class HstuForwardSm90(HstuSm90Base):
                         wgmma(tiled_mma_qk, acc_S, tSrQ[None, None, None, q_state.index],
                               tSrK[None, None, None, k_state.index], True, 0)
                         pipe_k.consumer_release(k_state)
-                        self.scores_to_p(acc_S, tOrP, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block,
-                                         n_block, row_first, scales, p_scale)
+                        self.scores_to_p(acc_S, tOrP, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seg, m_block,
+                                         n_block, self.rows_of(seg, m_block, row_first), scales, p_scale)
                     k_state = advanced(k_state)
                     # ---- the tile's other n-blocks: the per-tile loop's body ----
                     for it in cutlass.range(1, n_count, unroll=1):
-                        n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
-                        n_prev = masks.n_block_at(n_count - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
+                        seg, n_block = block_at(n_count - 1 - it)
+                        seg_prev, n_prev = block_at(n_count - it)
                         pipe_k.consumer_wait(k_state)
                         self.overlapped_block(step, q_state, k_state, v_state,
-                                              lambda: seq.seqlen_k - n_prev * self.tile_n, seq, m_block, n_block,
-                                              row_first, scales, n_prev=n_prev)
+                                              lambda: seg_prev.seqlen_k - n_prev * self.tile_n, seg, m_block, n_block,
+                                              self.rows_of(seg, m_block, row_first), scales, n_prev=n_prev)
                         k_state = advanced(k_state)
                         v_state = advanced(v_state)
                     # Every QK^T of this tile is complete: the producer may load the next Q.
                     pipe_q.consumer_release(q_state)
                     q_state = advanced(q_state)
                     # The last P.V waits for the next tile's first QK^T.
-                    n_last = masks.n_block_at(Int32(0), n_lo, hole_lo, hole_size, KERNEL_OPS)
+                    seg_last, n_last = block_at(Int32(0))
                     pending = cutlass.Boolean(True)
-                    prev_v_rows = seq.seqlen_k - n_last * self.tile_n
+                    prev_v_rows = seg_last.seqlen_k - n_last * self.tile_n
                     prev_head, prev_q_start, prev_m_block, prev_seqlen_q = head, q_start, m_block, seq.seqlen_q
                     prev_batch, prev_n_last = batch, n_last
                 else:
@@ -455,6 +560,13 @@ class HstuForwardSm90(HstuSm90Base):
             v_state = self.last_pv(pipe_v, v_state, sV, zero_copy_v, tidx, wg, prev_v_rows, acc_O, tOrP, tOrVt)
             self.store_tile(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, prev_head, prev_q_start, prev_m_block,
                             prev_seqlen_q, p_scale, (prev_batch, prev_n_last))
+
+    def rows_of(self, seg, m_block, row_first):
+        """The first row of an m-block in the coordinates of a key block's segment: a paged
+        tile's new segment is shifted by the cached length (common.key_blocks)."""
+        if const_expr(self.paged):
+            return seg.row_offset + m_block * self.tile_m
+        return row_first
 
     @cute.jit
     def overlapped_block(self, step, q_state, k_state, v_state, v_rows, seq, m_block: Int32, n_block: Int32,

@@ -1,0 +1,134 @@
+"""The key blocks of one query tile, and the paged KV cache as the kernels see it.
+
+Without a cache a tile's keys are the non-empty n-blocks of :func:`masks.n_block_schedule` over
+one key sequence. With a paged cache (docs/operator.md, "Paged KV cache") sequence b's keys are
+its C cached tokens, read from pages, followed by its n new ones, read from k/v; the queries are
+the new tokens, aligned to the end. The key blocks then come in two segments, each tiled from its
+own start so that no block mixes the two sources:
+
+* the cache segment: whole-sequence coordinates with the key range cut at C (blocks of keys
+  ``[n * tile_n, (n + 1) * tile_n)``; the last one crosses C and is masked past it);
+* the new segment: every coordinate shifted by C (blocks of keys ``[C + n * tile_n, ...)``).
+
+Both are plain :class:`masks.SeqMask` values: the mask rules depend only on differences of
+positions and on the context / history / target boundaries, which shift along (masks.row_intervals),
+so one mask engine serves both. HSTU has no softmax: the two segments' contributions simply add
+into one accumulator.
+
+:class:`KeyBlocks` lists a tile's blocks by index ``i`` in ``[0, count)``, ascending (cache
+segment first); :meth:`KeyBlocks.at` gives the block's segment mask and n-block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import cutlass
+from cutlass import Int32, const_expr
+
+from .. import masks
+from .mask_apply import KERNEL_OPS
+from .seqinfo import clamp_range
+
+#: Rows per page load: every supported page size is a multiple of it, so a chunk of this many
+#: keys never leaves its page.
+PAGE_CHUNK = 16
+
+
+class PagedArgs(NamedTuple):
+    """The paged cache's runtime arguments (hstu_cute.kernel_args, in this order)."""
+
+    mCache: Any  # (R, H, D): kv_cache (pages, 2, page_size, H, D) seen as rows (page * 2 + kind) * page_size + row
+    mPageOffsets: Any  # (B + 1,) int32
+    mPageIds: Any  # (P,) int32; entries past page_offsets[B] are ignored
+    mLastPageLens: Any  # (B,) int32
+    log2_page_size: Any  # Int32
+    mRabNew: Any = None  # (B, H_rab, L_new, L_new): rab[b, h, C_b + i, C_b + j] (with rab only)
+
+
+class PageSpan(NamedTuple):
+    """One sequence's pages: ``page_ids[first : first + count]``, and its cached tokens."""
+
+    first: Any
+    count: Any
+    cached_len: Any
+
+
+def page_span(paged: PagedArgs, batch) -> PageSpan:
+    """Sequence ``batch``'s pages, offsets clamped into page_ids and the last page's length into
+    [1, page_size], so that no input can address outside the tables."""
+    first, end = clamp_range(paged.mPageOffsets[batch], paged.mPageOffsets[batch + 1], paged.mPageIds.shape[0])
+    count = end - first
+    page_size = Int32(1) << paged.log2_page_size
+    last_len = cutlass.min(cutlass.max(paged.mLastPageLens[batch], Int32(1)), page_size)
+    cached_len = cutlass.select_(count > 0, ((count - 1) << paged.log2_page_size) + last_len, Int32(0))
+    return PageSpan(first, count, cached_len)
+
+
+def chunk_row16(paged: PagedArgs, span: PageSpan, position, kind: int):
+    """The cache row of key ``position`` (a multiple of PAGE_CHUNK) of K (``kind`` 0) or V (1), in
+    units of PAGE_CHUNK rows. Positions past the last page read the last page (their keys are
+    masked and their V rows zeroed); a page id outside the cache makes TMA read zeros."""
+    page = cutlass.min(position >> paged.log2_page_size, span.count - 1)
+    page_id = paged.mPageIds[span.first + page]
+    in_page = position & ((Int32(1) << paged.log2_page_size) - 1)
+    return (((page_id * 2 + kind) << paged.log2_page_size) + in_page) // PAGE_CHUNK
+
+
+def cache_segment(seq: masks.SeqMask, cached_len) -> masks.SeqMask:
+    """The cache segment of a whole-sequence mask: keys cut at ``cached_len``."""
+    return dataclasses.replace(seq, seqlen_k=cached_len)
+
+
+def new_segment(seq: masks.SeqMask, cached_len) -> masks.SeqMask:
+    """The new-token segment of a whole-sequence mask: every coordinate shifted by ``cached_len``."""
+    return dataclasses.replace(seq, seqlen_k=seq.seqlen_k - cached_len, num_context=seq.num_context - cached_len,
+                               history_end=seq.history_end - cached_len, row_offset=seq.row_offset - cached_len)
+
+
+class KeyBlocks:
+    """The non-empty key blocks of one (m-block, head, sequence) tile, by index in [0, count).
+
+    ``seq`` is the key sequence's mask (paged: of the new-token segment) and ``sched`` its
+    :func:`masks.n_block_schedule`; with a cache, ``cache_seq`` / ``cache_sched`` describe the
+    cache segment, which comes first, and ``span`` its pages."""
+
+    def __init__(self, seq, sched, cache_seq=None, cache_sched=None, span=None):
+        self.seq, self.sched = seq, sched
+        self.cache_seq, self.cache_sched, self.span = cache_seq, cache_sched, span
+        self.count = sched[3] if cache_sched is None else cache_sched[3] + sched[3]
+
+    @staticmethod
+    def of_tile(spec: masks.MaskSpec, seq: masks.SeqMask, m_block, tile_m: int, tile_n: int, span=None):
+        """The blocks of ``seq`` (the whole sequence's mask), split at the cache when ``span``
+        (:class:`PageSpan`) is given."""
+        if const_expr(span is None):
+            return KeyBlocks(seq, masks.n_block_schedule(spec, seq, m_block, tile_m, tile_n, KERNEL_OPS))
+        cached, new = cache_segment(seq, span.cached_len), new_segment(seq, span.cached_len)
+        return KeyBlocks(new, masks.n_block_schedule(spec, new, m_block, tile_m, tile_n, KERNEL_OPS), cached,
+                         masks.n_block_schedule(spec, cached, m_block, tile_m, tile_n, KERNEL_OPS), span)
+
+    def in_cache(self, i):
+        """Whether block ``i`` is read from the cache's pages (paged tiles only)."""
+        return i < self.cache_sched[3]
+
+    def at(self, i):
+        """(segment mask, n-block) of block ``i``."""
+        n_lo, hole_lo, hole_size, _ = self.sched
+        if const_expr(self.cache_sched is None):
+            return self.seq, masks.n_block_at(i, n_lo, hole_lo, hole_size, KERNEL_OPS)
+        c_lo, c_hole_lo, c_hole_size, c_count = self.cache_sched
+        cached = i < c_count
+        n_new = masks.n_block_at(i - c_count, n_lo, hole_lo, hole_size, KERNEL_OPS)
+        n_cached = masks.n_block_at(i, c_lo, c_hole_lo, c_hole_size, KERNEL_OPS)
+        a, b = self.cache_seq, self.seq
+
+        def pick(x, y):
+            return cutlass.select_(cached, x, y)
+
+        seg = masks.SeqMask(seqlen_q=b.seqlen_q, seqlen_k=pick(a.seqlen_k, b.seqlen_k), window_left=b.window_left,
+                            window_right=b.window_right, num_context=pick(a.num_context, b.num_context),
+                            history_end=pick(a.history_end, b.history_end), group_size=b.group_size,
+                            row_offset=pick(a.row_offset, b.row_offset))
+        return seg, pick(n_cached, n_new)

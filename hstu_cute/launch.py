@@ -367,6 +367,8 @@ def _paged_args(p: Problem, paged: tuple) -> dict:
     """The paged cache's runtime arguments: the cache seen as (pages * 2 * page_size, H, D) rows
     (validation checked that its strides allow that view; no copy)."""
     kv_cache, page_offsets, page_ids, last_page_lens = paged
+    if page_ids.shape[0] == 0:  # the kernels clamp page-table reads into it: one entry at least
+        page_ids = torch.zeros(1, dtype=torch.int32, device=page_ids.device)
     rows = kv_cache.shape[0] * 2 * p.page_size
     cache_rows = kv_cache.as_strided((rows, kv_cache.shape[3], kv_cache.shape[4]), (kv_cache.stride(2),
                                      kv_cache.stride(3), 1))

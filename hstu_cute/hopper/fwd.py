@@ -21,7 +21,7 @@ from ..common.fp8 import (
     zero_smem_cols_past,
 )
 from ..fp8_format import BLOCK_TOKENS, vt_column_start
-from ..common.key_blocks import PAGE_CHUNK, KeyBlocks, PagedArgs, chunk_row16, page_span
+from ..common.key_blocks import PAGE_CHUNK, KeyBlocks, PagedArgs, cache_row, page_span
 from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import silu_scaled_inplace
 from ..common.tile_scheduler import SectionWalk, TileScheduler
@@ -152,13 +152,13 @@ class HstuForwardSm90(HstuSm90Base):
             tma_atom_rab, tma_rab = sm90_tma_atom_rab(mRab, sRab_layout, self.tile_m, self.tile_n)
         page_loads = None
         if const_expr(self.paged):
-            # One PAGE_CHUNK-row box of the cache rows, landing at a chunk of a K or V stage; rab
-            # of the new segment from its own (aligned) tensor.
-            sChunk_layout = sm90_smem_layout(self.dtype, PAGE_CHUNK, D)
+            # Boxes of min(page_size, tile_n) cache rows, one TMA atom per box height (a runtime
+            # choice); rab of the new segment from its own (aligned) tensor.
             rab_new = None
             if const_expr(self.has_rab):
                 rab_new = sm90_tma_atom_rab(paged.mRabNew, sRab_layout, self.tile_m, self.tile_n)
-            page_loads = (*sm90_tma_atom_tokens(tma_load, paged.mCache, sChunk_layout, PAGE_CHUNK), rab_new)
+            page_loads = (rab_new, tuple(sm90_tma_atom_tokens(tma_load, paged.mCache, sm90_smem_layout(self.dtype, rows, D),
+                                                              rows) for rows in self.page_boxes()))
 
         elem_bytes = self.dtype.width // 8
         self.q_bytes = self.tile_m * D * elem_bytes
@@ -202,7 +202,8 @@ class HstuForwardSm90(HstuSm90Base):
         self.bind(statics)
         page_atoms = ()
         if const_expr(self.paged):
-            page_atoms = (page_loads[0], page_loads[2][0] if const_expr(self.has_rab) else None)
+            page_atoms = tuple(atom for atom, _ in page_loads[1]) + (
+                page_loads[0][0] if const_expr(self.has_rab) else None,)
         tidx, warp_idx = self.prologue(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_rab, *page_atoms)
         self.paged_args = paged
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
@@ -330,9 +331,11 @@ class HstuForwardSm90(HstuSm90Base):
         # block i+1 before P.V of block i.
         for it in cutlass.range(n_count, unroll=1):
             _, n_block = block_at(n_count - 1 - it)
+            rows_k = self.page_rows(blocks, n_block, 0)  # the page table read before the wait for a stage
             pipe_k.producer_acquire(k_state)
             if const_expr(self.paged):
-                self.load_paged(pages, 0, blocks, n_count - 1 - it, n_block, tma_atom_k, tKgK, tKsK, pipe_k, k_state)
+                self.load_paged(pages, 0, blocks, n_count - 1 - it, n_block, rows_k, tma_atom_k, tKgK, tKsK, pipe_k,
+                                k_state)
             else:
                 cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, k_state.index],
                           tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
@@ -347,17 +350,20 @@ class HstuForwardSm90(HstuSm90Base):
             k_state = advanced(k_state)
             if it > 0:
                 _, n_prev = block_at(n_count - it)
+                rows_v = self.page_rows(blocks, n_prev, 1)
                 pipe_v.producer_acquire(v_state)
                 if const_expr(self.paged):
-                    self.load_paged(pages, 1, blocks, n_count - it, n_prev, tma_atom_v, tVgV, tVsV, pipe_v, v_state)
+                    self.load_paged(pages, 1, blocks, n_count - it, n_prev, rows_v, tma_atom_v, tVgV, tVsV, pipe_v,
+                                    v_state)
                 else:
                     cute.copy(tma_atom_v, tVgV[None, n_prev], tVsV[None, v_state.index],
                               tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
                 v_state = advanced(v_state)
         _, n_last = block_at(Int32(0))
+        rows_v = self.page_rows(blocks, n_last, 1)
         pipe_v.producer_acquire(v_state)
         if const_expr(self.paged):
-            self.load_paged(pages, 1, blocks, Int32(0), n_last, tma_atom_v, tVgV, tVsV, pipe_v, v_state)
+            self.load_paged(pages, 1, blocks, Int32(0), n_last, rows_v, tma_atom_v, tVgV, tVsV, pipe_v, v_state)
         else:
             cute.copy(tma_atom_v, tVgV[None, n_last], tVsV[None, v_state.index],
                       tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
@@ -367,18 +373,20 @@ class HstuForwardSm90(HstuSm90Base):
     @cute.jit
     def page_partitions(self, page_loads, sK, sV, tma_atom_rab, tma_rab, sRab, mRab, m_block: Int32, head: Int32,
                         batch: Int32, seq, blocks):
-        """Paged: (chunk source, K and V chunk destinations, rab tiles of the new segment). A
-        stage's chunk ``c`` holds keys ``[c, c + 1) * PAGE_CHUNK`` of its block."""
+        """Paged: (per box height of :meth:`page_boxes`: (atom, cache boxes, K and V stage boxes),
+        rab tiles of the new segment). A stage's box ``c`` of ``rows`` rows holds keys
+        ``[c, c + 1) * rows`` of its block."""
         D = self.head_dim
         no_mcast = cute.make_layout(1)
-        tma_atom_c, tma_c, rab_new = page_loads
-        gC = cute.local_tile(tma_c[None, None, head], (PAGE_CHUNK, D), (None, 0))
-        tCsK, tCgC = cpasync.tma_partition(tma_atom_c, 0, no_mcast,
-                                           cute.group_modes(cute.flat_divide(sK, (PAGE_CHUNK, D)), 0, 2),
-                                           cute.group_modes(gC, 0, 2))
-        tCsV, _ = cpasync.tma_partition(tma_atom_c, 0, no_mcast,
-                                        cute.group_modes(cute.flat_divide(sV, (PAGE_CHUNK, D)), 0, 2),
-                                        cute.group_modes(gC, 0, 2))
+        rab_new, atoms = page_loads
+        boxes = []
+        for rows, (atom, tma_cache) in zip(self.page_boxes(), atoms):
+            gBox = cute.local_tile(tma_cache[None, None, head], (rows, D), (None, 0))
+            tBsK, tBgB = cpasync.tma_partition(atom, 0, no_mcast, cute.group_modes(cute.flat_divide(sK, (rows, D)), 0, 2),
+                                               cute.group_modes(gBox, 0, 2))
+            tBsV, _ = cpasync.tma_partition(atom, 0, no_mcast, cute.group_modes(cute.flat_divide(sV, (rows, D)), 0, 2),
+                                            cute.group_modes(gBox, 0, 2))
+            boxes.append((atom, tBgB, (tBsK, tBsV)))
         rab_loads_new = None
         if const_expr(self.has_rab):
             # The new segment's rab: its own tensor, in the segment's coordinates.
@@ -391,20 +399,41 @@ class HstuForwardSm90(HstuSm90Base):
             _, tRgR_new = cpasync.tma_partition(tma_atom_rab_new, 0, no_mcast, cute.group_modes(sRab, 0, 2),
                                                 cute.group_modes(gRab_new, 0, 2))
             rab_loads_new = (tma_atom_rab_new, tRgR_new)
-        return tma_atom_c, tCgC, (tCsK, tCsV), rab_loads_new
+        return boxes, rab_loads_new
+
+    def page_boxes(self):
+        """The box heights of the cache loads: PAGE_CHUNK, doubling up to tile_n. A block's cache
+        rows arrive in boxes of min(page_size, tile_n) rows (H100, 64 users x (4096 + 256) D128:
+        16-row boxes for every page size cost 10-14% over contiguous keys, whole blocks 1-2%)."""
+        return [PAGE_CHUNK << i for i in range((self.tile_n // PAGE_CHUNK).bit_length())]
+
+    def page_rows(self, blocks, n_block, kind: int):
+        """Paged: the cache rows (in PAGE_CHUNK units) of block ``n_block``'s chunks, for K
+        (``kind`` 0) or V (1); None without a cache. Read before the producer waits for a free
+        stage, so that the page table's latency overlaps the wait (also computed, unused, for
+        blocks of new keys)."""
+        if const_expr(not self.paged):
+            return None
+        return [cache_row(self.paged_args, blocks.span, n_block * self.tile_n + c * PAGE_CHUNK, kind)
+                for c in range(self.tile_n // PAGE_CHUNK)]
 
     @cute.jit
-    def load_paged(self, pages, kind: cutlass.Constexpr[int], blocks, i: Int32, n_block: Int32, tma_atom, tXgX,
+    def load_paged(self, pages, kind: cutlass.Constexpr[int], blocks, i: Int32, n_block: Int32, rows, tma_atom, tXgX,
                    tXsX, pipe, state):
-        """K (``kind`` 0) or V (1) of block ``i``: from the cache, one TMA load per chunk (the
-        stage's transaction count is met either way), else the new keys' tile."""
-        tma_atom_c, tCgC, chunk_dst, _ = pages
-        in_cache, span = blocks.in_cache(i), blocks.span
+        """K (``kind`` 0) or V (1) of block ``i``: from the cache in boxes of min(page_size,
+        tile_n) rows (:meth:`page_boxes`; the stage's transaction count is met either way), else
+        the new keys' tile. ``rows``: :meth:`page_rows`."""
+        boxes = pages[0]
+        in_cache = blocks.in_cache(i)
+        log2_box = cutlass.min(self.paged_args.log2_page_size, Int32(self.tile_n.bit_length() - 1))
         if in_cache:
-            for c in cutlass.range_constexpr(self.tile_n // PAGE_CHUNK):
-                row16 = chunk_row16(self.paged_args, span, n_block * self.tile_n + c * PAGE_CHUNK, kind)
-                cute.copy(tma_atom_c, tCgC[None, row16], chunk_dst[kind][None, c, 0, state.index],
-                          tma_bar_ptr=pipe.producer_get_barrier(state))
+            for b, (atom, tBgB, box_dst) in enumerate(boxes):
+                box = PAGE_CHUNK << b
+                if log2_box == box.bit_length() - 1:
+                    step = box // PAGE_CHUNK
+                    for c in cutlass.range_constexpr(self.tile_n // box):
+                        cute.copy(atom, tBgB[None, rows[c * step] // step], box_dst[kind][None, c, 0, state.index],
+                                  tma_bar_ptr=pipe.producer_get_barrier(state))
         else:
             cute.copy(tma_atom, tXgX[None, n_block], tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
 
@@ -412,7 +441,7 @@ class HstuForwardSm90(HstuSm90Base):
     def load_paged_rab(self, pages, blocks, i: Int32, n_block: Int32, tma_atom_rab, tRgR, tRsR, pipe_rab, state):
         """rab of block ``i``: the cache segment's tiles from rab, the new segment's from the rab
         among the new tokens (mRabNew)."""
-        tma_atom_rab_new, tRgR_new = pages[3]
+        tma_atom_rab_new, tRgR_new = pages[1]
         in_cache = blocks.in_cache(i)
         if in_cache:
             cute.copy(tma_atom_rab, tRgR[None, n_block], tRsR[None, state.index],

@@ -1,0 +1,125 @@
+"""The paged KV-cache call on CPU: argument checks (clear errors before any launch), the device-data
+checks of HSTU_CUTE_CHECK=1, meta tensors, and the key-block segmentation against the mask engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hstu_cute import hstu_attn_varlen_func, masks, validation
+from hstu_cute.testing import random_paged_batch
+
+
+def _meta(d):
+    return {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in d.items()}
+
+
+@pytest.fixture
+def batch():
+    paged, dense = random_paged_batch([0, 17, 40, 64], [3, 5, 16, 1], 2, 32, 16, num_targets=[1, 0, 2, 1], seed=3)
+    return paged, dense
+
+
+def test_meta_call_has_the_output_shape(batch):
+    paged, _ = batch
+    out = hstu_attn_varlen_func(**_meta(paged))
+    assert out.shape == paged["q"].shape and out.device.type == "meta" and out.dtype == paged["q"].dtype
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    (dict(page_ids=None), ValueError, "page_ids: expected a tensor when any of kv_cache"),
+    (dict(kv_cache="x"), TypeError, "kv_cache: expected a torch.Tensor"),
+    (dict(page_offsets=torch.zeros(4, dtype=torch.int32)), ValueError, "page_offsets: expected a 1-D tensor of length 5"),
+    (dict(last_page_lens=torch.zeros(4, dtype=torch.int64)), TypeError, "last_page_lens.dtype: expected torch.int32"),
+    (dict(window_size=(-1, -1), num_targets=None), NotImplementedError, "causal family"),
+    (dict(window_size=(8, 0), num_targets=None), NotImplementedError, "causal family"),
+    (dict(has_drab=True, rab="rab"), NotImplementedError, "inference-only"),
+])
+def test_bad_arguments_name_themselves(batch, change, exc, match):
+    paged, _ = batch
+    args = _meta(paged)
+    for k, v in change.items():
+        if isinstance(v, torch.Tensor):
+            v = v.to("meta")
+        if isinstance(v, str) and v == "rab":
+            v = torch.zeros(4, 2, paged["max_seqlen_k"], paged["max_seqlen_k"], dtype=paged["q"].dtype, device="meta")
+            args["rab"] = v
+            continue
+        args[k] = v
+    with pytest.raises(exc, match=match):
+        hstu_attn_varlen_func(**args)
+
+
+def test_cache_shape_dtype_page_size_and_strides(batch):
+    paged, _ = batch
+    cache = paged["kv_cache"].to("meta")
+    for bad, exc, match in (
+        (cache.to(torch.float16), TypeError, "kv_cache.dtype"),
+        (cache[:, :1], ValueError, r"kv_cache: expected shape \(num_pages, 2, page_size, 2, 32\)"),
+        (torch.zeros(9, 2, 24, 2, 32, dtype=cache.dtype, device="meta"), ValueError, "page_size"),
+        (torch.zeros(0, 2, 16, 2, 32, dtype=cache.dtype, device="meta"), ValueError, "num_pages"),
+        (torch.zeros(9, 16, 2, 2, 32, dtype=cache.dtype, device="meta").transpose(1, 2), ValueError,
+         r"kv_cache.stride\(\)"),
+    ):
+        with pytest.raises(exc, match=match):
+            hstu_attn_varlen_func(**dict(_meta(paged), kv_cache=bad))
+
+
+def test_requires_grad_and_fp8_are_refused(batch):
+    paged, _ = batch
+    args = _meta(paged)
+    args["q"] = args["q"].requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="inference-only"):
+        hstu_attn_varlen_func(**args)
+    paged64, _ = random_paged_batch([3], [2], 2, 64, 16, seed=1)
+    with pytest.raises(NotImplementedError, match="kv_cache: the paged KV cache serves bf16/fp16"):
+        hstu_attn_varlen_func(**dict(_meta(paged64), quant_mode=0))
+
+
+def test_device_data_checks(batch):
+    paged, _ = batch
+    tables = (paged["kv_cache"], paged["page_offsets"], paged["page_ids"], paged["last_page_lens"])
+    assert validation.cached_lengths(*tables).tolist() == [0, 17, 40, 64]
+    bad_ids = paged["page_ids"].clone()
+    bad_ids[1] = paged["kv_cache"].shape[0]
+    with pytest.raises(ValueError, match=r"page_ids: expected page ids in \[0, "):
+        validation.cached_lengths(tables[0], tables[1], bad_ids, tables[3])
+    for lens_value in (0, 17):
+        lens = paged["last_page_lens"].clone()
+        lens[1] = lens_value
+        with pytest.raises(ValueError, match="last_page_lens"):
+            validation.cached_lengths(tables[0], tables[1], tables[2], lens)
+    offsets = paged["page_offsets"].clone()
+    offsets[2] = offsets[1] - 1
+    with pytest.raises(ValueError, match="page_offsets: expected non-decreasing"):
+        validation.cached_lengths(tables[0], offsets, tables[2], tables[3])
+    offsets = paged["page_offsets"].clone()
+    offsets[-1] = paged["page_ids"].shape[0] + 1
+    with pytest.raises(ValueError, match=r"page_offsets\[-1\]"):
+        validation.cached_lengths(tables[0], offsets, tables[2], tables[3])
+
+
+def _segments_allowed(spec, seq, cached):
+    """M(r, j) rebuilt from the two key segments of common.key_blocks (cache: whole coordinates
+    cut at the cached length; new: everything shifted by it), for every query and key."""
+    from hstu_cute.common.key_blocks import cache_segment, new_segment
+
+    cache, new = cache_segment(seq, cached), new_segment(seq, cached)
+    rows = torch.arange(seq.seqlen_q)[:, None]
+    keys = torch.arange(seq.seqlen_k)[None, :]
+    in_cache = masks.allowed(spec, cache, rows + cache.row_offset, keys)
+    in_new = masks.allowed(spec, new, rows + new.row_offset, keys - cached)
+    return torch.where(keys < cached, in_cache, in_new & (keys >= cached))
+
+
+@pytest.mark.parametrize("cached,new,ctx,tgt,group", [(0, 5, 0, 0, 1), (37, 9, 4, 3, 1), (40, 12, 45, 6, 2),
+                                                       (128, 64, 0, 64, 11), (5, 1, 3, 1, 1)])
+def test_key_segments_partition_the_mask(cached, new, ctx, tgt, group):
+    """The shift invariance the paged kernels rely on: the cache segment and the shifted new
+    segment together give exactly the whole sequence's delta_q mask."""
+    pytest.importorskip("cutlass")
+    spec = masks.MaskSpec(masks.MaskKind.CAUSAL, True, True, True)
+    whole = cached + new
+    seq = masks.seq_mask_from_lengths(spec, new, whole, num_context=ctx, num_target=tgt, group_size=group)
+    expected = masks.dense_mask(spec, seq)
+    assert torch.equal(_segments_allowed(spec, seq, cached), expected)

@@ -609,6 +609,8 @@ def _bench_gpu(args, console, dev, name: str) -> int:
     if served is None:
         return 1
     path, arch = served
+    if args.grid == "serving":
+        return _bench_serving(args, console, dev, name)
     workloads = {"headline": lambda: [bench.headline()], "full": bench.default_grid,
                  "recsys": bench.recsys_grid}[args.grid]()
     if args.limit is not None:
@@ -686,6 +688,37 @@ def _bench_gpu(args, console, dev, name: str) -> int:
             fh.write(json.dumps({**meta, "gemm_tflops": gemm, "workload": "host_overhead", **overhead}) + "\n")
         console.print(f"Appended {len(all_rows) + 1} JSON lines to {args.out}")
     return 1 if any("error" in r for r in all_rows) else 0
+
+
+def _bench_serving(args, console, dev, name: str) -> int:
+    """``bench --grid serving``: the paged call beside contiguous keys and recomputing the history
+    (hstu_cute.bench_serving), eager and from a CUDA graph."""
+    import torch
+    from rich.table import Table
+
+    from .bench_serving import run_serving, serving_grid
+
+    rows = []
+    with torch.cuda.device(dev):
+        for w in serving_grid()[: args.limit]:
+            rows.append(run_serving(w))
+    table = Table(title=f"hstu_cute serving on {name}: paged KV cache (page size {rows[0]['page_size']}), D128 bf16 "
+                        "H4, L2 flushed, us (graph: replayed CUDA graph)")
+    for col in ("workload", "paged", "graph", "contiguous", "graph", "recompute", "graph", "paged / contiguous",
+                "recompute / paged", "paged TF/s"):
+        table.add_column(col, justify="left" if col == "workload" else "right")
+    for r in rows:
+        table.add_row(r["workload"], *(f"{r[k] * 1e3:.1f}" for k in ("paged_ms", "paged_graph_ms", "contiguous_ms",
+                                                                     "contiguous_graph_ms", "recompute_ms",
+                                                                     "recompute_graph_ms")),
+                      f"{r['paged_over_contiguous']:.2f}", f"{r['recompute_over_paged']:.1f}",
+                      f"{r['paged_tflops']:.0f}")
+    console.print(table)
+    if args.out:
+        with open(args.out, "a", encoding="utf-8") as fh:
+            for r in rows:
+                fh.write(json.dumps({"gpu": name, "grid": "serving", **r}) + "\n")
+    return 0
 
 
 def _bench_fp8_rows(bench, w, bf16_row: dict) -> list[dict]:
@@ -854,9 +887,10 @@ def build_parser() -> argparse.ArgumentParser:
             "Time the kernels on the benchmark workloads, with the bf16 GEMM peak and torch SDPA (flash, "
             "cuDNN) timed in the same run as reference lines; FLOPs by the convention of docs/operator.md. "
             "Needs a GPU (without one it says so and exits 0).")
-    p.add_argument("--grid", choices=("headline", "full", "recsys"), default="headline",
+    p.add_argument("--grid", choices=("headline", "full", "recsys", "serving"), default="headline",
                    help="headline: B8 N4096 D128 causal; full: the whole workload grid (docs/operator.md); recsys: "
-                        "short and jagged recommender shapes with a training-step row each")
+                        "short and jagged recommender shapes with a training-step row each; serving: new tokens "
+                        "against a paged KV cache beside contiguous keys and recomputing the history")
     p.add_argument("--direction", choices=("fwd", "bwd", "both"), default="both",
                    help="time the forward, the backward or both")
     p.add_argument("--out", default=None, metavar="FILE",

@@ -255,10 +255,9 @@ _PAGES = (
     Arg("mPageIds", _int_vec("pages"), _paged),  # (P,) int32
     Arg("mLastPageLens", _int_vec("batch"), _paged),  # (B,) int32
     Arg("log2_page_size", _i32, _paged),
-    # rab among the new tokens, (B, H_rab, L_new, L_new): rab[b, h, C_b + i, C_b + j] (Hopper: a
-    # TMA box can not start at the cached length's column of rab itself, unaligned).
-    Arg("mRabNew", _slab(4, 8, last_stride_64=True),
-        lambda key: key.paged and key.has_rab and key.kernel_name.startswith("hopper")),
+    # rab among the new tokens, (B, H_rab, L_new, L_new): rab[b, h, C_b + i, C_b + j]: a TMA box
+    # or a 16-byte load can not start at the cached length's column of rab itself (unaligned).
+    Arg("mRabNew", _slab(4, 8, last_stride_64=True), lambda key: key.paged and key.has_rab),
 )
 
 

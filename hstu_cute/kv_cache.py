@@ -39,17 +39,9 @@ from __future__ import annotations
 
 import torch
 
-PAGE_SIZES = (16, 32, 64, 128)
-
-
-def _fail(exc, name, expected, actual):
-    raise exc(f"{name}: expected {expected}, got {actual}")
-
-
-def _cached_lengths(page_offsets, last_page_lens, page_size):
-    pages = (page_offsets[1:] - page_offsets[:-1]).tolist()
-    lasts = last_page_lens.tolist()
-    return [0 if n == 0 else (n - 1) * page_size + last for n, last in zip(pages, lasts)]
+from .validation import cached_lengths
+from .validation import fail as _fail
+from .variants import PAGE_SIZES
 
 
 def gather_history(kv_cache, page_offsets, page_ids, last_page_lens):
@@ -63,7 +55,7 @@ def gather_history(kv_cache, page_offsets, page_ids, last_page_lens):
     starts = page_offsets.tolist()
     ids = page_ids.tolist()
     keys, values, offsets = [], [], [0]
-    for b, length in enumerate(_cached_lengths(page_offsets, last_page_lens, page_size)):
+    for b, length in enumerate(cached_lengths(page_offsets, last_page_lens, page_size).tolist()):
         pages = ids[starts[b]:starts[b + 1]]
         rows = kv_cache[pages].transpose(0, 1).reshape(2, len(pages) * page_size, *kv_cache.shape[3:])
         keys.append(rows[0, :length])

@@ -18,7 +18,7 @@ from .arch import device_arch, kernel_path, num_sms
 from .cache import default_cache
 from .compile import build
 from .kernel_args import ordered
-from .validation import DTYPE_NAMES, Problem
+from .validation import DTYPE_NAMES, Problem, cached_lengths
 from .variants import (
     FUSED_MIN_SEQLEN_K,
     HEAD_DIMS,
@@ -351,7 +351,7 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
     shared_tokens = k.shape[0]
     if p.page_size:
         values.update(_paged_args(p, paged))
-        if rab is not None and path == "hopper":
+        if rab is not None:
             values["mRabNew"] = rab_among_new(rab, paged[1], paged[3], p.page_size, max_seqlen_q)
         shared_tokens = p.batch * max_seqlen_k
     if path == "hopper":
@@ -367,8 +367,6 @@ def _paged_args(p: Problem, paged: tuple) -> dict:
     """The paged cache's runtime arguments: the cache seen as (pages * 2 * page_size, H, D) rows
     (validation checked that its strides allow that view; no copy)."""
     kv_cache, page_offsets, page_ids, last_page_lens = paged
-    if page_ids.shape[0] == 0:  # the kernels clamp page-table reads into it: one entry at least
-        page_ids = torch.zeros(1, dtype=torch.int32, device=page_ids.device)
     rows = kv_cache.shape[0] * 2 * p.page_size
     cache_rows = kv_cache.as_strided((rows, kv_cache.shape[3], kv_cache.shape[4]), (kv_cache.stride(2),
                                      kv_cache.stride(3), 1))
@@ -378,11 +376,10 @@ def _paged_args(p: Problem, paged: tuple) -> dict:
 
 def rab_among_new(rab: torch.Tensor, page_offsets, last_page_lens, page_size: int, new_len: int) -> torch.Tensor:
     """(B, H_rab, new_len, new_len) rab among each sequence's new tokens, rab[b, h, C_b + i, C_b + j]
-    (C_b cached tokens, from the page tables on the device: no sync), 16-byte aligned rows: a
-    load can not start at column C_b of rab itself. Indices past rab read its last row/column
-    (those keys and queries are past the sequence)."""
-    pages = (page_offsets[1:] - page_offsets[:-1]).long()
-    cached = torch.where(pages > 0, (pages - 1) * page_size + last_page_lens.long().clamp(1, page_size), 0)
+    (C_b cached tokens, from the page tables on the device: no sync), 16-byte aligned rows: a TMA
+    box or a 16-byte load can not start at column C_b of rab itself. Indices past rab read its
+    last row/column (those keys and queries are past the sequence)."""
+    cached = cached_lengths(page_offsets, last_page_lens, page_size)
     width = -(-max(new_len, 1) // 8) * 8
     steps = torch.arange(width, device=rab.device)
     rows = (cached[:, None] + steps[None, :]).clamp(max=rab.shape[2] - 1)

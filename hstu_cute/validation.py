@@ -313,7 +313,16 @@ def validate(
     return Problem(batch, heads, head_dim, q.dtype, mask, wl, wr, scale_seqlen, rab_heads, quant_mode, page_size)
 
 
-def cached_lengths(kv_cache, page_offsets, page_ids, last_page_lens) -> torch.Tensor:
+def cached_lengths(page_offsets: torch.Tensor, last_page_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """(B,) int64 cached tokens per sequence, ``(pages - 1) * page_size + last_page_lens[b]`` (0
+    without pages; the last page's length clamped into [1, page_size] as the kernels read it), on
+    the tables' device with no sync."""
+    pages = (page_offsets[1:] - page_offsets[:-1]).long()
+    last = last_page_lens.long().clamp(1, page_size)
+    return torch.where(pages > 0, (pages - 1) * page_size + last, torch.zeros_like(pages))
+
+
+def checked_cached_lengths(kv_cache, page_offsets, page_ids, last_page_lens) -> torch.Tensor:
     """(B,) int64 cached tokens per sequence, on the host, after checking the page tables: offsets
     from 0, non-decreasing, within page_ids; page ids within the cache; last page lengths in
     [1, page_size] where a sequence has pages (a GPU sync: HSTU_CUTE_CHECK=1 only)."""
@@ -335,14 +344,14 @@ def cached_lengths(kv_cache, page_offsets, page_ids, last_page_lens) -> torch.Te
     if bool(bad.any()):
         fail(ValueError, "last_page_lens", f"1 <= last_page_lens <= {page_size} (page_size) for sequences with pages",
              last[bad].tolist()[:16])
-    return torch.where(pages > 0, (pages - 1) * page_size + last, torch.zeros_like(pages))
+    return cached_lengths(offsets, last, page_size)
 
 
 def check_device_data(p: Problem, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, q, k,
                       num_contexts, num_targets, seqused_q, seqused_k, paged=None):
     """Checks that need the device's data (and a GPU sync): only with HSTU_CUTE_CHECK=1. ``paged``:
     the cache's (kv_cache, page_offsets, page_ids, last_page_lens), whose tokens count as keys."""
-    cached = cached_lengths(*paged) if paged is not None else None
+    cached = checked_cached_lengths(*paged) if paged is not None else None
     for name, off, total, max_len in (("seq_offsets_q", seq_offsets_q, q.shape[0], max_seqlen_q),
                                       ("seq_offsets_k", seq_offsets_k, k.shape[0], max_seqlen_k)):
         o = off.to("cpu", torch.int64)

@@ -79,24 +79,24 @@ def test_requires_grad_and_fp8_are_refused(batch):
 def test_device_data_checks(batch):
     paged, _ = batch
     tables = (paged["kv_cache"], paged["page_offsets"], paged["page_ids"], paged["last_page_lens"])
-    assert validation.cached_lengths(*tables).tolist() == [0, 17, 40, 64]
+    assert validation.checked_cached_lengths(*tables).tolist() == [0, 17, 40, 64]
     bad_ids = paged["page_ids"].clone()
     bad_ids[1] = paged["kv_cache"].shape[0]
     with pytest.raises(ValueError, match=r"page_ids: expected page ids in \[0, "):
-        validation.cached_lengths(tables[0], tables[1], bad_ids, tables[3])
+        validation.checked_cached_lengths(tables[0], tables[1], bad_ids, tables[3])
     for lens_value in (0, 17):
         lens = paged["last_page_lens"].clone()
         lens[1] = lens_value
         with pytest.raises(ValueError, match="last_page_lens"):
-            validation.cached_lengths(tables[0], tables[1], tables[2], lens)
+            validation.checked_cached_lengths(tables[0], tables[1], tables[2], lens)
     offsets = paged["page_offsets"].clone()
     offsets[2] = offsets[1] - 1
     with pytest.raises(ValueError, match="page_offsets: expected non-decreasing"):
-        validation.cached_lengths(tables[0], offsets, tables[2], tables[3])
+        validation.checked_cached_lengths(tables[0], offsets, tables[2], tables[3])
     offsets = paged["page_offsets"].clone()
     offsets[-1] = paged["page_ids"].shape[0] + 1
     with pytest.raises(ValueError, match=r"page_offsets\[-1\]"):
-        validation.cached_lengths(tables[0], offsets, tables[2], tables[3])
+        validation.checked_cached_lengths(tables[0], offsets, tables[2], tables[3])
 
 
 def _segments_allowed(spec, seq, cached):

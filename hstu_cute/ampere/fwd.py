@@ -7,7 +7,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from .. import masks
-from ..common.key_blocks import KeyBlocks, PagedArgs, page_span
+from ..common.key_blocks import KeyBlocks, PagedArgs, cache_row, page_span
 from ..common.mask_apply import KERNEL_OPS, apply_mask_inplace
 from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import silu_scaled_inplace
@@ -39,8 +39,8 @@ class HstuForwardSm80(Sm80Kernel):
     block masked in its segment's coordinates. A cache block's K/V rows are gathered with
     per-row cp.async copies from their pages (page ids clamped into the cache), rows past C not
     loaded (V's zero-filled). Every load checks its segment's end at run time (the last block of
-    each segment crosses it). rab columns are whole-sequence: a new block's start at C, read with
-    an element-wise copy when C is not a multiple of ``rab_vec`` (cp.async needs aligned chunks).
+    each segment crosses it). A new block's rab comes from the rab among the new tokens (mRabNew,
+    its columns start 16-byte aligned; rab's own would start at column C).
     """
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, rab_vec: int, tile_m: int,
@@ -84,26 +84,14 @@ class HstuForwardSm80(Sm80Kernel):
             grid = [num_heads, num_batch, num_m_blocks]
         else:
             grid = [num_m_blocks, num_heads, num_batch]
-        paged, gmem_copy_rab1 = None, None
+        paged = None
         if const_expr(self.paged):
-            paged = PagedArgs(mCache, mPageOffsets, mPageIds, mLastPageLens, log2_page_size)
-            if const_expr(self.has_rab and self.rab_vec > 1):
-                gmem_copy_rab1 = self._rab_copy_scalar()
+            paged = PagedArgs(mCache, mPageOffsets, mPageIds, mLastPageLens, log2_page_size, mRabNew)
         self._launch(
             mQ, mK, mV, mO, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
             ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), paged,
-            sQ_layout, sKV_layout, sRab_layout, gmem_copy_qkv, gmem_copy_o, gmem_copy_rab, gmem_copy_rab1, tiled_mma,
+            sQ_layout, sKV_layout, sRab_layout, gmem_copy_qkv, gmem_copy_o, gmem_copy_rab, tiled_mma,
             SharedStorage, grid=grid, stream=stream,
-        )
-
-    def _rab_copy_scalar(self):
-        """Paged: the rab tiled copy one element at a time (synchronous), for a new segment whose
-        first column (the cached length) is not a multiple of ``rab_vec``."""
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=self.dtype.width)
-        threads_per_row = min(self.tile_n, self.num_threads)
-        return cute.make_tiled_copy_tv(
-            atom, cute.make_ordered_layout((self.num_threads // threads_per_row, threads_per_row), order=(1, 0)),
-            cute.make_layout((1, 1)),
         )
 
     # ------------------------------------------------------------------------------------------
@@ -112,7 +100,7 @@ class HstuForwardSm80(Sm80Kernel):
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, seqs, mRab,
                scalars, paged, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout, sRab_layout,
-               gmem_copy_qkv: cute.TiledCopy, gmem_copy_o: cute.TiledCopy, gmem_copy_rab, gmem_copy_rab1,
+               gmem_copy_qkv: cute.TiledCopy, gmem_copy_o: cute.TiledCopy, gmem_copy_rab,
                tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
         if const_expr(self.lpt_grid):
@@ -184,8 +172,7 @@ class HstuForwardSm80(Sm80Kernel):
                 tRcR = thr_copy_rab.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_n)))
                 rab_row_limit = rab_rows - row_first
                 if const_expr(self.paged):
-                    rab_new = self._new_segment_rab(slab, seq.row_offset, m_block, span.cached_len, thr_copy_rab,
-                                                    gmem_copy_rab1, sRab, tidx)
+                    rab_new = self._new_segment_rab(paged.mRabNew, batch, head, blocks.seq, m_block, thr_copy_rab)
             else:
                 tRgR = tRsR = tRcR = None
                 rab_row_limit = rab_cols = Int32(0)
@@ -349,39 +336,20 @@ class HstuForwardSm80(Sm80Kernel):
 
     def _cache_view(self, paged: PagedArgs, span, head: Int32, thr_copy):
         """What a cache block's loads read (:meth:`load_cache_rows`): the thread's partition of a
-        (rows, D) view, this head's cache rows, the page table, log2(page size), the sequence's
-        first page entry and last page index, the last page id of the cache, and the cached rows
-        that may be read (none when the cache has no page)."""
-        log2 = paged.log2_page_size
-        num_pages = paged.mCache.shape[0] >> (log2 + 1)
+        (rows, D) view, this head's cache rows, the tables and the sequence's pages, the last page
+        id of the cache, and the cached rows that may be read (none when the cache has no page)."""
+        num_pages = paged.mCache.shape[0] >> (paged.log2_page_size + 1)
         cached_rows = cutlass.select_(num_pages > 0, span.cached_len, Int32(0))
-        return (thr_copy.partition_S, paged.mCache[None, head, None], paged.mPageIds, log2, span.first,
-                span.count - 1, num_pages - 1, cached_rows)
+        return thr_copy.partition_S, paged.mCache[None, head, None], paged, span, num_pages - 1, cached_rows
 
-    def _new_segment_rab(self, slab, row_offset: Int32, m_block: Int32, cached_len: Int32, thr_copy_rab,
-                         gmem_copy_rab1, sRab, tidx: Int32):
-        """The new segment's rab tiles: columns from the cached length on (whole-sequence
-        coordinates). Returns (their partition for the rab copy, whether that copy may read them
-        (its chunks must start ``rab_vec``-aligned), the scalar copy and its partitions (source,
-        destination, coordinates) or None (``rab_vec`` 1: the rab copy is scalar already), the
-        cached length)."""
-        vec = self.rab_vec
-        # Rounded down to rab_vec (the cached length itself when aligned): a divisibility that
-        # holds for every input, so the aligned flag below is not folded away.
-        cached_len = Int32(cached_len)
-        col_aligned = cute.assume(cached_len & Int32(-vec), divby=vec) if const_expr(vec > 1) else cached_len
-        gRab_new = cute.local_tile(cute.domain_offset((row_offset, col_aligned), slab), (self.tile_m, self.tile_n),
-                                   (m_block, None))
-        tRgR_new = thr_copy_rab.partition_S(gRab_new)
-        if const_expr(vec == 1):
-            return tRgR_new, None, None, cached_len
-        aligned = (cached_len & Int32(vec - 1)) == 0
-        gRab1 = cute.local_tile(cute.domain_offset((row_offset, cached_len), slab), (self.tile_m, self.tile_n),
-                                (m_block, None))
-        thr1 = gmem_copy_rab1.get_slice(tidx)
-        scalar = (gmem_copy_rab1, thr1.partition_S(gRab1), thr1.partition_D(sRab),
-                  thr1.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_n))))
-        return tRgR_new, aligned, scalar, cached_len
+    def _new_segment_rab(self, mRabNew, batch: Int32, head: Int32, new_seq, m_block: Int32, thr_copy_rab):
+        """The new segment's rab: (its tiles' partition for the rab copy, their row limit, their
+        column limit before the block offset), from the rab among the new tokens in the segment's
+        coordinates."""
+        row_first = new_seq.row_offset + m_block * self.tile_m
+        gRab_new = self._rab_tiles(self._rab_slab(mRabNew, batch, head), new_seq.row_offset, (m_block, None))
+        row_limit = cutlass.min(new_seq.row_offset + new_seq.seqlen_q, mRabNew.shape[2]) - row_first
+        return thr_copy_rab.partition_S(gRab_new), row_limit, cutlass.min(new_seq.seqlen_k, mRabNew.shape[3])
 
     @cute.jit
     def load_paged_kv(self, gmem_copy, cache, kind: cutlass.Constexpr[int], cached, tXgX, tXsX, tXcX,
@@ -389,7 +357,7 @@ class HstuForwardSm80(Sm80Kernel):
         """K (``kind`` 0) or V (1) of a paged tile's block: gathered from the cache's pages
         (``cached``), else the new keys' tile. The last block of either segment crosses its end
         (``seg_len``), so every load checks it at run time."""
-        cached_rows = cache[7]
+        cached_rows = cache[5]
         if cached:
             self.load_cache_rows(gmem_copy, cache, kind, tXsX, tXcX, n_block, stage,
                                  cached_rows - n_block * self.tile_n, zero_fill)
@@ -401,23 +369,18 @@ class HstuForwardSm80(Sm80Kernel):
                         stage: Int32, row_limit: Int32, zero_fill: cutlass.Constexpr[bool]):
         """Rows < row_limit of a cache block, each from its page (cp.async, 16 bytes per copy);
         the others zero-filled or left alone (as :meth:`load_rows`). Key position p = n_block *
-        tile_n + row lives at cache row ((page_id * 2 + kind) << log2) + p % page_size; the page
-        index is clamped into the sequence's pages and the page id into the cache, so that no
-        input reads outside it."""
-        partition, mCacheH, mPageIds, log2, first, last_page, last_id, _ = cache
+        tile_n + row lives at :func:`common.key_blocks.cache_row`, the page id clamped into the
+        cache (no TMA bounds the reads here), so that no input reads outside it."""
+        partition, mCacheH, paged, span, last_id, _ = cache
         stage_idx = stage if const_expr(self.num_stages > 1) else 0
-        in_page_mask = (Int32(1) << log2) - 1
         num_rows = cute.size(tXsX.shape[1])
-        # Every row's page-table read first (all in bounds: the page index is clamped), so that
-        # they are in flight together; then the predicated copies.
+        # Every row's page-table read first, so that they are in flight together; then the
+        # predicated copies.
         shifts = []
         for m in cutlass.range_constexpr(num_rows):
             r = tXcX[0, m, 0][0]
-            p = n_block * self.tile_n + r
-            page = cutlass.min(p >> log2, last_page)
-            page_id = cutlass.max(cutlass.min(mPageIds[first + page], last_id), Int32(0))
-            # Tile row r is read from cache row ((page_id * 2 + kind) << log2) + p % page_size.
-            shifts.append(((page_id * 2 + kind) << log2) + (p & in_page_mask) - r)
+            # Tile row r is read from the cache row of key position n_block * tile_n + r.
+            shifts.append(cache_row(paged, span, n_block * self.tile_n + r, kind, rows=1, last_id=last_id) - r)
         for m in cutlass.range_constexpr(num_rows):
             shift = shifts[m]
             if tXcX[0, m, 0][0] < row_limit:
@@ -431,32 +394,13 @@ class HstuForwardSm80(Sm80Kernel):
     @cute.jit
     def load_paged_rab(self, gmem_copy, tRgR, tRsR, tRcR, rab_new, cached, n_block: Int32, stage: Int32,
                        row_limit: Int32, rab_cols: Int32):
-        """rab of a paged tile's block: a cache block's columns start at n_block * tile_n, a new
-        block's at the cached length plus that (:meth:`_new_segment_rab`)."""
+        """rab of a paged tile's block: a cache block's tiles from rab (columns n_block * tile_n),
+        a new block's from the rab among the new tokens (:meth:`_new_segment_rab`)."""
         stage_idx = stage if const_expr(self.num_stages > 1) else 0
-        tRgR_new, aligned, scalar, cached_len = rab_new
+        tRgR_new, new_row_limit, new_cols = rab_new
         if cached:
             self.load_rab(gmem_copy, tRgR, tRsR, tRcR, row_limit, rab_cols - n_block * self.tile_n, False,
                           (n_block,), (stage_idx,))
         else:
-            col_limit = rab_cols - cached_len - n_block * self.tile_n
-            if const_expr(scalar is None):
-                self.load_rab(gmem_copy, tRgR_new, tRsR, tRcR, row_limit, col_limit, False, (n_block,), (stage_idx,))
-            else:
-                gmem_copy1, tRgR1, tRsR1, tRcR1 = scalar
-                if aligned:
-                    self.load_rab(gmem_copy, tRgR_new, tRsR, tRcR, row_limit, col_limit, False, (n_block,),
-                                  (stage_idx,))
-                else:
-                    self.load_rab_elements(gmem_copy1, tRgR1, tRsR1, tRcR1, row_limit, col_limit, n_block, stage_idx)
-
-    @cute.jit
-    def load_rab_elements(self, gmem_copy, tRgR, tRsR, tRcR, row_limit: Int32, col_limit: Int32, n_block: Int32,
-                          stage_idx):
-        """The rab elements of block ``n_block`` in rows < row_limit and columns < col_limit, one
-        at a time (the scalar copy of :meth:`_rab_copy_scalar`), the others left alone; a runtime
-        loop over the thread's rows keeps the code small (the unaligned fallback only)."""
-        for m in cutlass.range(cute.size(tRsR.shape[1]), unroll=8):
-            for n in cutlass.range_constexpr(cute.size(tRsR.shape[2])):
-                if tRcR[0, m, n][0] < row_limit and tRcR[0, m, n][1] < col_limit:
-                    cute.copy(gmem_copy, tRgR[None, m, n, n_block], tRsR[None, m, n, stage_idx])
+            self.load_rab(gmem_copy, tRgR_new, tRsR, tRcR, new_row_limit, new_cols - n_block * self.tile_n, False,
+                          (n_block,), (stage_idx,))

@@ -66,15 +66,16 @@ def page_span(paged: PagedArgs, batch) -> PageSpan:
     return PageSpan(first, count, cached_len)
 
 
-def cache_row(paged: PagedArgs, span: PageSpan, position, kind: int, rows: int = PAGE_CHUNK):
+def cache_row(paged: PagedArgs, span: PageSpan, position, kind: int, rows: int = PAGE_CHUNK, last_id=None):
     """The cache row of key ``position`` (a multiple of ``rows``, which divides the page size) of
-    K (``kind`` 0) or V (1), in units of ``rows`` rows. Positions past the last page read the last
-    page (their keys are masked and their V rows zeroed); a page id outside the cache makes TMA
-    read zeros."""
-    page = cutlass.max(cutlass.min(position >> paged.log2_page_size, span.count - 1), Int32(0))
-    # Clamped into page_ids (never empty: the launcher passes one entry at least), so that the
-    # rows of a block outside the cache may be computed ahead of knowing it.
-    page_id = paged.mPageIds[cutlass.min(span.first + page, paged.mPageIds.shape[0] - 1)]
+    K (``kind`` 0) or V (1), in units of ``rows`` rows, for a sequence with pages. Positions past
+    the last page read the last page (their keys are masked and their V rows zeroed). A page id
+    outside the cache makes TMA read zeros; loads that no TMA bounds pass ``last_id`` (the
+    cache's last page) to clamp it."""
+    page = cutlass.min(position >> paged.log2_page_size, span.count - 1)
+    page_id = paged.mPageIds[span.first + page]
+    if last_id is not None:
+        page_id = cutlass.max(cutlass.min(page_id, last_id), Int32(0))
     in_page = position & ((Int32(1) << paged.log2_page_size) - 1)
     return (((page_id * 2 + kind) << paged.log2_page_size) + in_page) // rows
 

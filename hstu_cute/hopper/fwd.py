@@ -331,11 +331,9 @@ class HstuForwardSm90(HstuSm90Base):
         # block i+1 before P.V of block i.
         for it in cutlass.range(n_count, unroll=1):
             _, n_block = block_at(n_count - 1 - it)
-            rows_k = self.page_rows(blocks, n_block, 0)  # the page table read before the wait for a stage
             pipe_k.producer_acquire(k_state)
             if const_expr(self.paged):
-                self.load_paged(pages, 0, blocks, n_count - 1 - it, n_block, rows_k, tma_atom_k, tKgK, tKsK, pipe_k,
-                                k_state)
+                self.load_paged(pages, 0, blocks, n_count - 1 - it, n_block, tma_atom_k, tKgK, tKsK, pipe_k, k_state)
             else:
                 cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, k_state.index],
                           tma_bar_ptr=pipe_k.producer_get_barrier(k_state))
@@ -350,20 +348,17 @@ class HstuForwardSm90(HstuSm90Base):
             k_state = advanced(k_state)
             if it > 0:
                 _, n_prev = block_at(n_count - it)
-                rows_v = self.page_rows(blocks, n_prev, 1)
                 pipe_v.producer_acquire(v_state)
                 if const_expr(self.paged):
-                    self.load_paged(pages, 1, blocks, n_count - it, n_prev, rows_v, tma_atom_v, tVgV, tVsV, pipe_v,
-                                    v_state)
+                    self.load_paged(pages, 1, blocks, n_count - it, n_prev, tma_atom_v, tVgV, tVsV, pipe_v, v_state)
                 else:
                     cute.copy(tma_atom_v, tVgV[None, n_prev], tVsV[None, v_state.index],
                               tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
                 v_state = advanced(v_state)
         _, n_last = block_at(Int32(0))
-        rows_v = self.page_rows(blocks, n_last, 1)
         pipe_v.producer_acquire(v_state)
         if const_expr(self.paged):
-            self.load_paged(pages, 1, blocks, Int32(0), n_last, rows_v, tma_atom_v, tVgV, tVsV, pipe_v, v_state)
+            self.load_paged(pages, 1, blocks, Int32(0), n_last, tma_atom_v, tVgV, tVsV, pipe_v, v_state)
         else:
             cute.copy(tma_atom_v, tVgV[None, n_last], tVsV[None, v_state.index],
                       tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
@@ -407,32 +402,22 @@ class HstuForwardSm90(HstuSm90Base):
         16-row boxes for every page size cost 10-14% over contiguous keys, whole blocks 1-2%)."""
         return [PAGE_CHUNK << i for i in range((self.tile_n // PAGE_CHUNK).bit_length())]
 
-    def page_rows(self, blocks, n_block, kind: int):
-        """Paged: the cache rows (in PAGE_CHUNK units) of block ``n_block``'s chunks, for K
-        (``kind`` 0) or V (1); None without a cache. Read before the producer waits for a free
-        stage, so that the page table's latency overlaps the wait (also computed, unused, for
-        blocks of new keys)."""
-        if const_expr(not self.paged):
-            return None
-        return [cache_row(self.paged_args, blocks.span, n_block * self.tile_n + c * PAGE_CHUNK, kind)
-                for c in range(self.tile_n // PAGE_CHUNK)]
-
     @cute.jit
-    def load_paged(self, pages, kind: cutlass.Constexpr[int], blocks, i: Int32, n_block: Int32, rows, tma_atom, tXgX,
-                   tXsX, pipe, state):
+    def load_paged(self, pages, kind: cutlass.Constexpr[int], blocks, i: Int32, n_block: Int32, tma_atom, tXgX, tXsX,
+                   pipe, state):
         """K (``kind`` 0) or V (1) of block ``i``: from the cache in boxes of min(page_size,
         tile_n) rows (:meth:`page_boxes`; the stage's transaction count is met either way), else
-        the new keys' tile. ``rows``: :meth:`page_rows`."""
+        the new keys' tile."""
         boxes = pages[0]
-        in_cache = blocks.in_cache(i)
+        in_cache, span = blocks.in_cache(i), blocks.span
         log2_box = cutlass.min(self.paged_args.log2_page_size, Int32(self.tile_n.bit_length() - 1))
         if in_cache:
             for b, (atom, tBgB, box_dst) in enumerate(boxes):
                 box = PAGE_CHUNK << b
                 if log2_box == box.bit_length() - 1:
-                    step = box // PAGE_CHUNK
                     for c in cutlass.range_constexpr(self.tile_n // box):
-                        cute.copy(atom, tBgB[None, rows[c * step] // step], box_dst[kind][None, c, 0, state.index],
+                        row = cache_row(self.paged_args, span, n_block * self.tile_n + c * box, kind, box)
+                        cute.copy(atom, tBgB[None, row], box_dst[kind][None, c, 0, state.index],
                                   tma_bar_ptr=pipe.producer_get_barrier(state))
         else:
             cute.copy(tma_atom, tXgX[None, n_block], tXsX[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))

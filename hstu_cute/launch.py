@@ -382,11 +382,15 @@ def rab_among_new(rab: torch.Tensor, page_offsets, last_page_lens, page_size: in
     cached = cached_lengths(page_offsets, last_page_lens, page_size)
     width = -(-max(new_len, 1) // 8) * 8
     steps = torch.arange(width, device=rab.device)
-    rows = (cached[:, None] + steps[None, :]).clamp(max=rab.shape[2] - 1)
-    cols = (cached[:, None] + steps[None, :]).clamp(max=rab.shape[3] - 1)
-    batch = torch.arange(rab.shape[0], device=rab.device)[:, None, None, None]
-    heads = torch.arange(rab.shape[1], device=rab.device)[None, :, None, None]
-    return rab[batch, heads, rows[:, None, :, None], cols[:, None, None, :]]
+    rows = (cached[:, None] + steps).clamp(max=rab.shape[2] - 1)
+    cols = (cached[:, None] + steps).clamp(max=rab.shape[3] - 1)
+    # One gather from rab's storage by element offset, any strides.
+    s_b, s_h, s_r, s_c = rab.stride()
+    extent = sum((n - 1) * st for n, st in zip(rab.shape, rab.stride())) + 1
+    first = (torch.arange(rab.shape[0], device=rab.device) * s_b)[:, None, None, None] + (
+        torch.arange(rab.shape[1], device=rab.device) * s_h)[None, :, None, None]
+    offsets = first + (rows * s_r)[:, None, :, None] + (cols * s_c)[:, None, None, :]
+    return rab.as_strided((extent,), (1,)).take(offsets)
 
 
 def prepare_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, p: Problem, descale_q=None,

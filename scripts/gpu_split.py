@@ -1,0 +1,65 @@
+"""Split keys on the GPU: serving workloads with few query tiles, each call with the launcher's
+parts (launch.key_splits) and with one part, paged and on contiguous keys, in the same run; one
+JSON line per workload (``--out``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from hstu_cute import launch, validation
+from hstu_cute.bench import time_flushed
+from hstu_cute.bench_serving import ServingWorkload, _pairs, make_serving_inputs, serving_calls
+
+WORKLOADS = [
+    ServingWorkload("1 user x (4096 + 256), 64 targets", 1, 4096, 256, 64),
+    ServingWorkload("1 user x (4096 + 1)", 1, 4096, 1, 0),
+    ServingWorkload("1 user x (16384 + 256), 64 targets", 1, 16384, 256, 64),
+    ServingWorkload("8 users x (4096 + 64), 16 targets", 8, 4096, 64, 16),
+    ServingWorkload("16 users x (2048 + 128), 32 targets", 16, 2048, 128, 32),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--reps", type=int, default=30)
+    args = parser.parse_args()
+    default_splits = launch.key_splits
+    for w in WORKLOADS:
+        x = make_serving_inputs(w)
+        calls = serving_calls(w, x)
+        row = dict(workload=w.name, page_size=w.page_size, gpu=torch.cuda.get_device_name())
+        p = validation.problem_of_op_args(x["q_new"], x["offsets_new"], w.new, w.cached + w.new, None,
+                                                 x["num_targets"], -1, 0, None, True, w.new)
+        row["splits"] = default_splits(p, 128, 128, w.new, w.cached + w.new, launch.num_sms(x["q_new"].device))
+        flops = 4 * w.heads * w.head_dim * _pairs(w) * w.users
+        with torch.no_grad():
+            outs = {}
+            for label, chooser in (("split", default_splits), ("one", lambda *a: 1)):
+                launch.key_splits = chooser
+                for name in ("paged", "contiguous"):
+                    outs[(label, name)] = calls[name]().float()
+                    ms, _ = time_flushed([calls[name]], reps=args.reps)
+                    row[f"{name}_{label}_us"] = round(ms * 1e3, 1)
+                    row[f"{name}_{label}_tflops"] = round(flops / ms / 1e9, 1)
+            launch.key_splits = default_splits
+        ref = outs[("one", "contiguous")]
+        row["max_rel_diff_split_vs_one"] = max(
+            ((outs[(l, n)] - ref).abs().max() / ref.abs().max()).item() for l, n in outs)
+        row["paged_speedup"] = round(row["paged_one_us"] / row["paged_split_us"], 2)
+        row["contiguous_speedup"] = round(row["contiguous_one_us"] / row["contiguous_split_us"], 2)
+        row["paged_over_contiguous_split"] = round(row["paged_split_us"] / row["contiguous_split_us"], 3)
+        line = json.dumps(row)
+        print(line, flush=True)
+        if args.out:
+            with open(args.out, "a", encoding="utf-8") as fh:
+                fh.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -26,10 +26,17 @@ try:
 except ImportError:  # pragma: no cover
     __version__ = "0.1.0"
 
-__all__ = ["hstu_attn_varlen_func", "warmup", "__version__"]
+__all__ = ["hstu_attn_varlen_func", "warmup", "__version__", "HSTUAttention", "HSTUBlock", "hstu_attn_padded",
+           "to_jagged", "to_padded"]
+
+# Names loaded on first use: public name -> the submodule that defines it.
+_LAZY = {"HSTUAttention": "nn", "HSTUBlock": "nn", "hstu_attn_padded": "padded", "to_jagged": "padded",
+         "to_padded": "padded"}
 
 if TYPE_CHECKING:  # pragma: no cover
     from .api import hstu_attn_varlen_func
+    from .nn import HSTUAttention, HSTUBlock
+    from .padded import hstu_attn_padded, to_jagged, to_padded
 
 
 def __getattr__(name: str) -> Any:
@@ -38,6 +45,12 @@ def __getattr__(name: str) -> Any:
 
         globals()[name] = hstu_attn_varlen_func
         return hstu_attn_varlen_func
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -12,8 +12,8 @@ Copies, stated once:
   fused projection); otherwise ``reshape`` copies. The output is a fresh tensor viewed as
   ``(B, N, H, D)``.
 * :func:`to_jagged`: a view when every length equals ``N`` (or ``B == 1``); otherwise one gather
-  copy. It reads the lengths on the host (one device sync for a CUDA ``lengths`` tensor): the
-  jagged tensor's size depends on them.
+  copy. It reads the lengths on the host (one device sync for a CUDA ``lengths`` tensor; none for
+  a list or a CPU tensor): the jagged tensor's size depends on them.
 * :func:`to_padded`: a view when ``values`` holds exactly ``B * max_len`` rows (then every
   sequence is full); otherwise one gather, without a host sync.
 """
@@ -32,16 +32,19 @@ __all__ = ["hstu_attn_padded", "to_jagged", "to_padded", "offsets_from_lengths"]
 
 
 def _lengths_tensor(lengths, batch: int, max_len: int, device) -> torch.Tensor:
-    """(B,) int32 lengths on ``device`` from a tensor or a sequence of ints (a host sequence is
-    range-checked here; a device tensor only with HSTU_CUTE_CHECK=1, by the operator)."""
+    """(B,) int32 lengths on ``device`` from a tensor or a sequence of ints. Host values (a
+    sequence, or a CPU tensor for a batch on another device) are range-checked here and copied to
+    the device; a device tensor is checked only with HSTU_CUTE_CHECK=1, by the operator."""
     if isinstance(lengths, torch.Tensor):
         if lengths.dtype not in (torch.int32, torch.int64):
             fail(TypeError, "lengths.dtype", "torch.int32 or torch.int64", lengths.dtype)
         if lengths.dim() != 1 or lengths.shape[0] != batch:
             fail(ValueError, "lengths", f"shape ({batch},) (one length per sequence)", tuple(lengths.shape))
-        if lengths.device != torch.device(device):
-            fail(ValueError, "lengths.device", f"{device} (same as the batch)", lengths.device)
-        return lengths.to(torch.int32)
+        if lengths.device == torch.device(device):
+            return lengths.to(torch.int32)
+        if lengths.device.type != "cpu":
+            fail(ValueError, "lengths.device", f"{device} (same as the batch) or cpu", lengths.device)
+        lengths = lengths.tolist()
     if not isinstance(lengths, Sequence) or not all(_is_int(n) for n in lengths):
         fail(TypeError, "lengths", "a (B,) int tensor or a sequence of ints", type(lengths).__name__)
     if len(lengths) != batch:

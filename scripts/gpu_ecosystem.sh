@@ -16,7 +16,8 @@ if [[ $STAGES == *" warmup "* ]]; then
   t0=$(date +%s)
   # Head dim 64, bf16: the Hopper forward and backward variants, the sm80 backward ones with rab (drab
   # at D64 comes from the sm80 dQ kernel); causal forwards at D128/D256 for the performance rows.
-  python - > "$OUT/warmup.log" 2>&1 <<'PY'
+  # (python -c: the warmup's worker processes re-import the main module, which a script on stdin is not.)
+  python -c "$(cat <<'PY'
 import os
 from hstu_cute import variants, warmup
 bf16 = ("bfloat16",)
@@ -28,6 +29,7 @@ results = warmup(arch="sm_90a", keys=keys, workers=os.cpu_count(), raise_errors=
 bad = [r for r in results if not r["ok"]]
 print(f"{len(results)} variants, {len(bad)} failed", *(r["error"] for r in bad[:5]), sep="\n")
 PY
+)" > "$OUT/warmup.log" 2>&1
   status+=("warmup rc=$? $(stamp $t0): $(head -n 1 "$OUT/warmup.log")")
 fi
 if [[ $STAGES == *" tests "* ]]; then

@@ -100,6 +100,10 @@ def test_padded_meta_tensors_take_the_kernel_path():
     lengths = torch.empty(3, dtype=torch.int32, device="meta")
     out = hstu_attn_padded(q, q, q, lengths, num_targets=lengths)
     assert out.shape == (3, 16, 2, 64) and out.device.type == "meta"
+    # Host lengths (a CPU tensor) for a batch on another device: checked on the host, then copied.
+    assert hstu_attn_padded(q, q, q, torch.tensor([16, 0, 3])).shape == (3, 16, 2, 64)
+    with pytest.raises(ValueError, match=r"lengths: expected values in \[0, 16\] .*, got \[17\]"):
+        hstu_attn_padded(q, q, q, torch.tensor([16, 17, 3]))
 
 
 def test_padded_errors_name_the_argument():
@@ -114,6 +118,8 @@ def test_padded_errors_name_the_argument():
          r"lengths\.dtype: expected torch.int32 or torch.int64, got torch.float32"),
         ((q, k, v, torch.tensor(LENGTHS[:2])), ValueError, r"lengths: expected shape \(5,\) .*, got \(2,\)"),
         ((q, k, v, "7"), TypeError, r"lengths: expected a \(B,\) int tensor or a sequence of ints, got str"),
+        ((q, k, v, torch.tensor(LENGTHS, device="meta")), ValueError,
+         r"lengths\.device: expected cpu \(same as the batch\) or cpu, got meta"),
     ]
     for args, exc, pattern in cases:
         with pytest.raises(exc, match=pattern):

@@ -31,21 +31,20 @@ sys.path.insert(0, str(ROOT))
 # A fresh process's first call of one variant: compile (empty cache) or disk load (warm cache).
 FIRST_CALL = """
 import time, torch
-t0 = time.perf_counter()
-from hstu_cute import hstu_attn_varlen_func
-t_import = time.perf_counter() - t0
 x = torch.randn(512, 2, 64, device="cuda", dtype=torch.bfloat16)
 offsets = torch.tensor([0, 256, 512], dtype=torch.int32, device="cuda")
 torch.cuda.synchronize()
 t0 = time.perf_counter()
-hstu_attn_varlen_func(x, x, x, offsets, offsets, 256, 256, window_size=(16, 16))
-torch.cuda.synchronize()
-first = time.perf_counter() - t0
-t0 = time.perf_counter()
-hstu_attn_varlen_func(x, x, x, offsets, offsets, 256, 256, window_size=(16, 16))
-torch.cuda.synchronize()
-second = time.perf_counter() - t0
-print(t_import, first, second)
+import cutlass.cute, hstu_cute.api
+from hstu_cute import hstu_attn_varlen_func
+t_import = time.perf_counter() - t0
+times = []
+for _ in range(2):
+    t0 = time.perf_counter()
+    hstu_attn_varlen_func(x, x, x, offsets, offsets, 256, 256, window_size=(16, 16))
+    torch.cuda.synchronize()
+    times.append(time.perf_counter() - t0)
+print(t_import, *times)
 """
 
 
@@ -100,11 +99,27 @@ def padded_rows() -> dict:
                                                to_jagged(v, lengths_dev)[0], offsets, offsets, N, N,
                                                window_size=(-1, 0), alpha=0.125), offsets, N)
 
+    flat = [t.flatten(0, 1) for t in (q, k, v)]
+    uniform = torch.arange(B + 1, dtype=torch.int32, device="cuda") * N
+
+    def padded_layout_op():  # the operator alone on the padded layout (what hstu_attn_padded calls)
+        return hstu_attn_varlen_func(*flat, uniform, uniform, N, N, window_size=(-1, 0), alpha=0.125,
+                                     seqused_q=lengths_dev, seqused_k=lengths_dev)
+
     same = (to_jagged(padded(), lengths)[0].float() - jagged().float()).abs().max().item()
     result = {"shape": f"B{B} N{N} H{H} D{D}, lengths uniform[1, {N}], causal, bf16",
               "max_abs_diff_padded_vs_jagged": same}
-    for name, fn in (("padded_ms", padded), ("jagged_ms", jagged), ("convert_and_back_ms", convert)):
+    for name, fn in (("padded_ms", padded), ("padded_layout_op_ms", padded_layout_op), ("jagged_ms", jagged),
+                     ("convert_and_back_ms", convert)):
         result[name] = bench.time_cuda([fn], warmup=3, reps=20)[0]
+    # Host time per call (queued, no sync): what each entry costs the CPU.
+    for name, fn in (("padded_host_us", padded), ("jagged_host_us", jagged)):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            fn()
+        result[name] = (time.perf_counter() - t0) / 50 * 1e6
+        torch.cuda.synchronize()
     print("padded", result, flush=True)
     return result
 
@@ -121,7 +136,9 @@ def cache_rows() -> dict:
             if out.returncode != 0:
                 raise RuntimeError(out.stderr[-2000:])
             t_import, first, second = (float(x) for x in out.stdout.split()[-3:])
-            result[label] = {"import_s": t_import, "first_call_s": first, "second_call_s": second}
+            result[label] = {"import_s": t_import, "first_call_s": first, "second_call_s": second,
+                             "what": "fresh process: import of the DSL and hstu_cute.api, then two calls of one "
+                                     "variant (bf16 D64 local window)"}
             print("cache", label, result[label], flush=True)
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, HSTU_CUTE_CACHE_DIR=cache)

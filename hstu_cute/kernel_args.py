@@ -248,6 +248,23 @@ def _paged(key) -> bool:
     return key.paged
 
 
+def _split_keys(key) -> bool:
+    return getattr(key, "split_keys", False)
+
+
+def _forward_out(s: FakeShapes):
+    """The forward's output (T_q, H, D); with split keys the fp32 partial outputs of every part,
+    part after part: (parts x T_q, H, D), a row count of its own."""
+    if not _split_keys(s.key):
+        return _tokens("tokens_q")(s)
+    import cutlass
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_tensor(cutlass.Float32, (cute.sym_int(), s.heads, s.key.head_dim),
+                                         (cute.sym_int64(divisibility=8), cute.sym_int(divisibility=8), 1),
+                                         assumed_align=16)
+
+
 # A paged KV cache ahead of each sequence's new keys (common.key_blocks.PagedArgs), in this order.
 _PAGES = (
     Arg("mCache", _cache_rows, _paged),
@@ -279,8 +296,9 @@ SPECS: dict[str, tuple[Arg, ...]] = {
                       Arg("mdRabAccum", _slab(3, 1, "Float32"), lambda key: key.rab_sum_heads),
                       *_SCALARS, Arg("num_m_blocks", _i32)),
     "ampere_bwd_dkdv": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _SM80_RAB16, *_SCALARS, Arg("num_n_blocks", _i32)),
-    "hopper_fwd": (_Q, _K, _V, Arg("mO", _tokens("tokens_q")), *_SEQUENCES, _TMA_RAB, *_SCALARS,
-                   Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER, *_PAGES),
+    "hopper_fwd": (_Q, _K, _V, Arg("mO", _forward_out), *_SEQUENCES, _TMA_RAB, *_SCALARS,
+                   Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER, *_PAGES,
+                   Arg("num_splits", _i32, _split_keys)),  # parts of each tile's key blocks
     # FP8: mV is V^T (hstu_cute.hopper.vt, made by "hopper_fwd_vt"); the descales are (1,) fp32
     # tensors, or (B, blocks, H) tables with scaled P (read on the device: no host sync).
     "hopper_fwd_fp8": (_Q, _K, Arg("mV", _tokens_transposed), Arg("mO", _tokens("tokens_q", "out")), *_SEQUENCES,

@@ -35,6 +35,7 @@ from .variants import (
     make_hopper_paged_fwd_key,
     make_hopper_quant_key,
     make_hopper_vt_key,
+    SPLIT_KEY_MASKS,
     vt_width,
 )
 from .fp8_format import SCALE_FLOOR
@@ -182,18 +183,44 @@ def _launch(key, compiled, values: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------------------------
-def fwd_key(p: Problem, arch: str, rab, tiles: dict | None = None, path: str = "ampere"):
-    """The forward compile key of this call (memoized by :func:`_made`)."""
+def fwd_key(p: Problem, arch: str, rab, tiles: dict | None = None, path: str = "ampere", split_keys: bool = False):
+    """The forward compile key of this call (memoized by :func:`_made`); ``split_keys``: the
+    Hopper variant whose tiles take parts of the key blocks (:func:`key_splits`)."""
     context_target = p.mask.has_context or p.mask.has_target
     dtype = DTYPE_NAMES[p.dtype]
     if path == "hopper":
         factory = make_hopper_paged_fwd_key if p.page_size else make_hopper_fwd_key
-        return _made(factory, arch, dtype, p.head_dim, p.mask.kind, context_target, rab is not None, tiles)
+        return _made(factory, arch, dtype, p.head_dim, p.mask.kind, context_target, rab is not None, tiles,
+                     split_keys)
     if p.page_size:  # rab rows come padded to 16 bytes (forward)
         return _made(make_ampere_paged_fwd_key, arch, dtype, p.head_dim, p.mask.kind, context_target,
                      rab is not None, 8, tiles)
     vec = rab_vec(rab) if rab is not None else 8
     return _made(make_fwd_key, arch, dtype, p.head_dim, p.mask.kind, context_target, rab is not None, vec, tiles)
+
+
+#: Split keys: at least this many key blocks per part (each part pays a pipeline fill and an fp32
+#: partial output), between these many parts. H100, device time (CUDA graph), 16-bit D128: 16 parts
+#: for one user x (4096 + 256) 1.8-2.0x, x (16384 + 256) 4.0-4.1x, 4 parts for 8 users x (4096 + 64)
+#: 1.1-1.2x, but 2 parts for 16 users x (2048 + 128) 0.8x.
+MIN_BLOCKS_PER_SPLIT = 2
+MIN_SPLITS = 4
+MAX_SPLITS = 16
+
+
+def key_splits(p: Problem, tile_m: int, tile_n: int, max_seqlen_q: int, max_seqlen_k: int, sms: int) -> int:
+    """Parts to split every tile's key blocks into (1: no split), from host values only (no
+    sync): when at most a quarter of the SMs would get a query tile, as many parts as fill the
+    SMs, keeping :data:`MIN_BLOCKS_PER_SPLIT` blocks of the longest keys in each. One user's serving
+    call (256 new tokens, 4 heads) has 8 query tiles for 132 SMs."""
+    if (p.mask.kind, p.mask.has_context or p.mask.has_target) not in SPLIT_KEY_MASKS:
+        return 1
+    tiles = p.batch * p.heads * -(-max_seqlen_q // tile_m)
+    if MIN_SPLITS * tiles > sms:
+        return 1
+    blocks = -(-max_seqlen_k // tile_n)
+    splits = min(sms // max(tiles, 1), blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS)
+    return splits if splits >= MIN_SPLITS else 1
 
 
 class Fp8Operands:
@@ -314,12 +341,14 @@ def fp8_fwd_key(p: Problem, arch: str, rab, out_dtype: torch.dtype, tiles: dict 
 def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
             target_group_size, alpha, rab, seqused_q, seqused_k, p: Problem, tiles: dict | None = None,
             out: torch.Tensor | None = None, path: str | None = None, fp8: "Fp8Operands | None" = None,
-            paged: tuple | None = None) -> torch.Tensor:
+            paged: tuple | None = None, splits: int | None = None) -> torch.Tensor:
     """Launch the forward kernel of ``path`` ('hopper' or 'ampere'; default: :func:`kernel_path`)
     and return ``out`` (T_q, H, D); ``tiles`` overrides the key's default tiles (benchmarks).
     With ``fp8`` q and k are e4m3 and the Hopper FP8 kernel runs (``v`` is unused: the kernel
     reads ``fp8.vt``); ``out`` is in ``fp8.out_dtype``. ``paged``: (kv_cache, page_offsets,
-    page_ids, last_page_lens) of a call with ``p.page_size`` (validated)."""
+    page_ids, last_page_lens) of a call with ``p.page_size`` (validated). ``splits``: parts of the
+    key blocks on the Hopper 16-bit path (None: :func:`key_splits`; more than 1 needs a split-key
+    variant), the fp32 partial outputs summed here."""
     if fp8 is not None:
         path = "hopper"
     elif path is None:
@@ -340,11 +369,21 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
     if fp8 is None:
         key = fwd_key(p, device_arch(device), rab, tiles, path)
         extra = {}
+        if path == "hopper":
+            if splits is None:
+                splits = key_splits(p, key.tile_m, key.tile_n, max_seqlen_q, max_seqlen_k, num_sms(device))
+            if splits > 1:
+                key = fwd_key(p, device_arch(device), rab, tiles, path, split_keys=True)
+                # Rows past seqused_q are never written: their partials must add up to zero.
+                parts = (torch.zeros if seqused_q is not None else torch.empty)(
+                    (splits * q.shape[0],) + tuple(q.shape[1:]), dtype=torch.float32, device=device)
+                extra = dict(mO=parts, num_splits=splits)
     else:
         key = fp8_fwd_key(p, device_arch(device), rab, fp8.out_dtype, tiles, fp8.scaled_p, fp8.two_direction)
         extra = dict(zip(("mDescaleQ", "mDescaleK", "mDescaleV"), fp8.descales))
     compiled = _compiled(key)
-    values = dict(mQ=q, mK=k, mV=v, mO=out, mRab=rab, num_m_blocks=-(-max_seqlen_q // key.tile_m), **extra,
+    num_m_blocks = -(-max_seqlen_q // key.tile_m) * extra.get("num_splits", 1)
+    values = dict(mQ=q, mK=k, mV=v, mO=extra.pop("mO", out), mRab=rab, num_m_blocks=num_m_blocks, **extra,
                   **_sequence_args(p, device, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
                                    num_targets, key.has_context),
                   **_scalar_args(p, alpha, target_group_size))
@@ -360,6 +399,8 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
     # devices costs ~10 us, so only do it when q lives elsewhere.
     with _on_device(device):
         _launch(key, compiled, values)
+        if "num_splits" in extra:
+            torch.sum(values["mO"].view((extra["num_splits"],) + tuple(out.shape)), dim=0, out=out)
     return out
 
 

@@ -35,7 +35,7 @@ __all__ = [
     "KEY_CLASSES", "make_fwd_key", "make_bwd_keys", "make_hopper_fwd_key", "make_hopper_bwd_key",
     "HopperFp8FwdKey", "make_hopper_fp8_fwd_key", "FP8_DTYPE", "FP8_HEAD_DIMS", "HopperVtKey", "HopperQuantKey",
     "make_hopper_quant_key", "QUANT_VARIANTS", "HopperPagedFwdKey", "make_hopper_paged_fwd_key", "PAGED_MASKS",
-    "PAGE_SIZES", "AmperePagedFwdKey", "make_ampere_paged_fwd_key",
+    "PAGE_SIZES", "SPLIT_KEY_MASKS", "AmperePagedFwdKey", "make_ampere_paged_fwd_key",
     "make_hopper_vt_key", "vt_width", "HopperCastKey", "make_hopper_cast_key",
     "shipped_keys", "has_hopper_kernels",
 ]
@@ -241,11 +241,14 @@ class HopperFwdKey(_Variant):
     # Persistent CTAs claim tiles from a global counter instead of walking a static snake
     # (common.tile_scheduler.TileClaims): jagged batches balance whatever their lengths.
     dynamic_tiles: bool = False
+    # A tile's key blocks split into parts over CTAs, fp32 partial outputs summed by the launcher
+    # (HstuForwardSm90 split_keys; launch.key_splits picks the parts).
+    split_keys: bool = False
 
     def describe(self) -> str:
         flags = ("o" if self.intra_wg_overlap else "") + ("p" if self.pingpong else "") + (
             "P" if self.persistent else "") + (f"q{self.q_stages}" if self.q_stages != 1 else "") + (
-            "d" if self.dynamic_tiles else "")
+            "d" if self.dynamic_tiles else "") + ("k" if self.split_keys else "")
         return self._describe(f"{self.tile_m}x{self.tile_n}s{self.num_stages}{flags}",
                               ["rab"] if self.has_rab else [])
 
@@ -262,9 +265,10 @@ def default_hopper_fwd_tiles(head_dim: int, has_rab: bool) -> dict:
     return dict(tile_m=128, tile_n=64, num_stages=2, ptxas_opt=3, dynamic_tiles=True)
 
 
-def make_hopper_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, tiles=None) -> HopperFwdKey:
+def make_hopper_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, tiles=None,
+                        split_keys: bool = False) -> HopperFwdKey:
     return HopperFwdKey(**_variant_fields(arch, dtype, head_dim, kind, context_target, has_rab),
-                        **(tiles or default_hopper_fwd_tiles(head_dim, has_rab)))
+                        **(tiles or default_hopper_fwd_tiles(head_dim, has_rab)), split_keys=split_keys)
 
 
 @dataclass(frozen=True)
@@ -279,13 +283,16 @@ class HopperPagedFwdKey(HopperFwdKey):
 
 #: The masks of the paged (serving) variants: the causal family, as HSTU serves.
 PAGED_MASKS = ((MaskKind.CAUSAL, False), (MaskKind.CAUSAL, True))
+#: The masks with split-key forward variants (HopperFwdKey.split_keys): the serving family.
+SPLIT_KEY_MASKS = PAGED_MASKS
 #: The page sizes a paged KV cache may have (tokens per page).
 PAGE_SIZES = (16, 32, 64, 128)
 
 
-def make_hopper_paged_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, tiles=None) -> HopperPagedFwdKey:
+def make_hopper_paged_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, tiles=None,
+                              split_keys: bool = False) -> HopperPagedFwdKey:
     return HopperPagedFwdKey(**_variant_fields(arch, dtype, head_dim, kind, context_target, has_rab),
-                             **(tiles or default_hopper_fwd_tiles(head_dim, has_rab)))
+                             **(tiles or default_hopper_fwd_tiles(head_dim, has_rab)), split_keys=split_keys)
 
 
 #: The FP8 element type of q, k and v, by DSL name, and the head dims of the FP8 forward
@@ -509,14 +516,19 @@ def shipped_ampere_bwd_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> li
 
 
 def shipped_hopper_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[HopperFwdKey]:
-    return [make_hopper_fwd_key(arch, *variant, has_rab) for variant in _shipped_variants(dtypes, head_dims)
-            for has_rab in (False, True)]
+    """Every mask's variants, then the split-key ones of the causal family (serving calls and
+    other few-tile calls over long keys)."""
+    return ([make_hopper_fwd_key(arch, *variant, has_rab) for variant in _shipped_variants(dtypes, head_dims)
+             for has_rab in (False, True)]
+            + [make_hopper_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, split_keys=True)
+               for dtype in dtypes for head_dim in head_dims for kind, context_target in SPLIT_KEY_MASKS
+               for has_rab in (False, True)])
 
 
 def shipped_hopper_paged_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
-    return [make_hopper_paged_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab)
-            for dtype in dtypes for head_dim in head_dims for kind, context_target in PAGED_MASKS
-            for has_rab in (False, True)]
+    return [make_hopper_paged_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, split_keys=split_keys)
+            for split_keys in (False, True) for dtype in dtypes for head_dim in head_dims
+            for kind, context_target in PAGED_MASKS for has_rab in (False, True)]
 
 
 def shipped_hopper_fp8_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:

@@ -7,12 +7,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import torch
 
 from hstu_cute import launch, validation
 from hstu_cute.bench import time_flushed
-from hstu_cute.bench_serving import ServingWorkload, _pairs, make_serving_inputs, serving_calls
+from hstu_cute.bench_serving import ServingWorkload, _graphed, _pairs, make_serving_inputs, serving_calls
 
 WORKLOADS = [
     ServingWorkload("1 user x (4096 + 256), 64 targets", 1, 4096, 256, 64),
@@ -45,14 +46,23 @@ def main() -> int:
                     outs[(label, name)] = calls[name]().float()
                     ms, _ = time_flushed([calls[name]], reps=args.reps)
                     row[f"{name}_{label}_us"] = round(ms * 1e3, 1)
-                    row[f"{name}_{label}_tflops"] = round(flops / ms / 1e9, 1)
+                    graph_ms, _ = time_flushed([_graphed(calls[name])], reps=args.reps)
+                    row[f"{name}_{label}_graph_us"] = round(graph_ms * 1e3, 1)
+                    row[f"{name}_{label}_graph_tflops"] = round(flops / graph_ms / 1e9, 1)
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    for _ in range(50):
+                        calls[name]()
+                    row[f"{name}_{label}_host_us"] = round((time.perf_counter() - start) / 50 * 1e6, 1)
+                    torch.cuda.synchronize()
             launch.key_splits = default_splits
         ref = outs[("one", "contiguous")]
         row["max_rel_diff_split_vs_one"] = max(
             ((outs[(l, n)] - ref).abs().max() / ref.abs().max()).item() for l, n in outs)
-        row["paged_speedup"] = round(row["paged_one_us"] / row["paged_split_us"], 2)
-        row["contiguous_speedup"] = round(row["contiguous_one_us"] / row["contiguous_split_us"], 2)
-        row["paged_over_contiguous_split"] = round(row["paged_split_us"] / row["contiguous_split_us"], 3)
+        for g in ("", "_graph"):
+            row[f"paged_speedup{g}"] = round(row[f"paged_one{g}_us"] / row[f"paged_split{g}_us"], 2)
+            row[f"contiguous_speedup{g}"] = round(row[f"contiguous_one{g}_us"] / row[f"contiguous_split{g}_us"], 2)
+            row[f"paged_over_contiguous_split{g}"] = round(row[f"paged_split{g}_us"] / row[f"contiguous_split{g}_us"], 3)
         line = json.dumps(row)
         print(line, flush=True)
         if args.out:

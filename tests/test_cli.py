@@ -155,14 +155,16 @@ def test_warmup_select_keys_filters():
     # (2 dtypes x 4 masks x 4 rab/drab modes) with its dQ kernel (16); the FP8 forward (2 output
     # dtypes x 3 head dims x 4 masks x rab or not x P cast, scaled or scaled with mode 1's
     # descales: 144), its V^T kernel (3 input dtypes x 3 head dims), quant_mode 0's cast (2 x 3)
-    # and the block quantizers of modes 1-5 (2 x 3 x 7 roles); the paged forward, sm80 and Hopper (32 each).
-    assert len(select_keys("sm_90a")) == 96 + 192 + 64 + 96 + 16 + 32 + 16 + 144 + 9 + 6 + 42 + 32 + 32
-    assert len(select_keys("sm_90a", kernels="fwd")) == 96 + 64 + 144 + 9 + 6 + 42 + 32 + 32
+    # and the block quantizers of modes 1-5 (2 x 3 x 7 roles); the paged forward, sm80 and Hopper (32 each);
+    # the split-key Hopper forward, contiguous and paged (2 dtypes x 4 head dims x 2 masks x rab or not).
+    assert len(select_keys("sm_90a")) == 96 + 192 + 64 + 96 + 16 + 32 + 16 + 144 + 9 + 6 + 42 + 32 + 32 + 32 + 32
+    assert len(select_keys("sm_90a", kernels="fwd")) == 96 + 64 + 144 + 9 + 6 + 42 + 32 + 32 + 32 + 32
     assert len(select_keys("sm_90a", kernels="bwd")) == 192 + 96 + 16 + 32 + 16
     keys = select_keys("sm_90a", ["bfloat16"], [128], ["causal"], "none", kernels="fwd")
-    assert [k.kernel_name for k in keys] == (["ampere_fwd", "ampere_fwd_paged", "hopper_fwd"] + ["hopper_fwd_fp8"] * 3
-                                             + ["hopper_fwd_paged"])
-    assert [(k.scaled_p, k.two_direction) for k in keys[3:6]] == [(False, False), (True, False), (True, True)]
+    assert [k.kernel_name for k in keys] == (["ampere_fwd", "ampere_fwd_paged", "hopper_fwd", "hopper_fwd"]
+                                             + ["hopper_fwd_fp8"] * 3 + ["hopper_fwd_paged"] * 2)
+    assert [k.split_keys for k in keys if k.kernel_name in ("hopper_fwd", "hopper_fwd_paged")] == [False, True] * 2
+    assert [(k.scaled_p, k.two_direction) for k in keys[4:7]] == [(False, False), (True, False), (True, True)]
     assert not any(k.kernel_name == "hopper_fwd" for k in select_keys("sm_89"))
 
 

@@ -123,3 +123,19 @@ def test_key_segments_partition_the_mask(cached, new, ctx, tgt, group):
     seq = masks.seq_mask_from_lengths(spec, new, whole, num_context=ctx, num_target=tgt, group_size=group)
     expected = masks.dense_mask(spec, seq)
     assert torch.equal(_segments_allowed(spec, seq, cached), expected)
+
+
+@pytest.mark.parametrize("count,parts", [(0, 4), (1, 16), (5, 3), (34, 16), (17, 17), (2, 5)])
+def test_key_block_parts_cover_each_block_once(count, parts):
+    """Split keys: the parts of a tile's key blocks (common.key_blocks.KeyBlocks.part) are
+    consecutive, in order, and cover every block exactly once (some may be empty)."""
+    pytest.importorskip("cutlass")
+    from hstu_cute.common.key_blocks import KeyBlocks
+
+    blocks = KeyBlocks(None, (0, 0, 0, count))
+    covered = []
+    for index in range(parts):
+        part = blocks.part(index, parts)
+        assert part.part_index == index and part.count >= 0
+        covered += [part.first + i for i in range(part.count)]
+    assert covered == list(range(count))

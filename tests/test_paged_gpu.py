@@ -66,7 +66,7 @@ def _batch(page_size, lengths, mask, dtype, head_dim, seed, heads=2):
                               alpha=0.5, seed=seed)
 
 
-def _run(paged, path):
+def _run(paged, path, splits=None):
     p = validation.validate(
         paged["q"], paged["k"], paged["v"], paged["seq_offsets_q"], paged["seq_offsets_k"], paged["max_seqlen_q"],
         paged["max_seqlen_k"], paged["num_contexts"], paged["num_targets"], paged["target_group_size"],
@@ -76,7 +76,23 @@ def _run(paged, path):
     launch.forward(paged["q"], paged["k"], paged["v"], paged["seq_offsets_q"], paged["seq_offsets_k"],
                    paged["max_seqlen_q"], paged["max_seqlen_k"], paged["num_contexts"], paged["num_targets"],
                    paged["target_group_size"], paged["alpha"], paged["rab"], None, None, p, out=out, path=path,
-                   paged=(paged["kv_cache"], paged["page_offsets"], paged["page_ids"], paged["last_page_lens"]))
+                   paged=(paged["kv_cache"], paged["page_offsets"], paged["page_ids"], paged["last_page_lens"]),
+                   splits=splits)
+    torch.cuda.synchronize()
+    return out
+
+
+def _run_contiguous(dense, splits, seqused_q=None):
+    """The same kernel family on contiguous keys (delta_q), ``splits`` parts of the key blocks.
+    The public call refuses delta_q with targets (FBGEMM's V1 rule), the launcher does not: the
+    problem comes from the op-level constructor, as in the serving benchmark."""
+    p = validation.problem_of_op_args(dense["q"], dense["seq_offsets_q"], dense["max_seqlen_q"], dense["max_seqlen_k"],
+                                      dense["num_contexts"], dense["num_targets"], -1, 0, dense["rab"], True, -1)
+    out = torch.full_like(dense["q"], float("nan"))
+    launch.forward(dense["q"], dense["k"], dense["v"], dense["seq_offsets_q"], dense["seq_offsets_k"],
+                   dense["max_seqlen_q"], dense["max_seqlen_k"], dense["num_contexts"], dense["num_targets"],
+                   dense["target_group_size"], dense["alpha"], dense["rab"], seqused_q, None, p, out=out,
+                   path="hopper", splits=splits)
     torch.cuda.synchronize()
     return out
 
@@ -93,6 +109,52 @@ def test_paged_matches_dense_oracle(path, page_size, lengths, mask, dtype, head_
     seed = _seed(page_size, lengths, sorted(mask.items()), str(dtype), head_dim)
     paged, dense = _batch(page_size, lengths, mask, dtype, head_dim, seed)
     _check(_run(paged, path), dense, seed)
+
+
+def _hopper_only(path):
+    if path != "hopper":
+        pytest.skip("split keys: the Hopper forward")
+
+
+@pytest.mark.parametrize("mname,dtype,head_dim", [("causal", torch.bfloat16, 128), ("ctx+tgt g1", torch.float16, 64),
+                                                  ("tgt g11 rabH", torch.bfloat16, 256), ("ctx rab1", torch.bfloat16, 32)])
+def test_split_keys_match_dense_oracle(path, mname, dtype, head_dim):
+    """Split keys (each tile's key blocks in parts over CTAs, fp32 partial outputs summed), paged
+    and on contiguous keys, for part counts that leave short sequences' parts empty (1, 3 and
+    16 parts over a 4096-token history beside 17-, 0- and 300-token ones), against the oracle;
+    the parts' sum differs from one CTA's sum only by rounding."""
+    _hopper_only(path)
+    seed = _seed("split", mname, str(dtype), head_dim)
+    paged, dense = _batch(64, ([4096, 17, 0, 300], [256, 1, 5, 64]), MASKS[mname], dtype, head_dim, seed)
+    whole = _run(paged, path, splits=1)
+    _check(whole, dense, seed)
+    for splits in (3, 16):
+        out = _run(paged, path, splits=splits)
+        _check(out, dense, seed)
+        assert (out.float() - whole.float()).abs().max() <= 1e-2 * whole.float().abs().max()
+    for splits in (1, 5):
+        _check(_run_contiguous(dense, splits), dense, seed)
+
+
+def test_split_keys_default_and_seqused(path):
+    """The launcher splits one user's decode-like call by itself (launch.key_splits), and rows
+    past seqused_q stay zero with split keys (their partials are zeros)."""
+    _hopper_only(path)
+    seed = _seed("split-default")
+    paged, dense = _batch(32, ([4096], [200]), MASKS["causal"], torch.bfloat16, 128, seed, heads=4)
+    p = validation.validate(paged["q"], paged["k"], paged["v"], paged["seq_offsets_q"], paged["seq_offsets_k"],
+                            paged["max_seqlen_q"], paged["max_seqlen_k"], None, None, 1, (-1, 0), 0.5, None, False,
+                            False, None, None, None, None, -1, -1, None, None, paged["kv_cache"],
+                            paged["page_offsets"], paged["page_ids"], paged["last_page_lens"])
+    from hstu_cute.arch import num_sms
+
+    assert launch.key_splits(p, 128, 128, paged["max_seqlen_q"], paged["max_seqlen_k"], num_sms(paged["q"].device)) > 1
+    _check(_run(paged, path), dense, seed)
+    used = torch.tensor([150], dtype=torch.int32, device="cuda")
+    out = _run_contiguous(dense, 8, seqused_q=used)
+    ref = _run_contiguous(dense, 1, seqused_q=used)
+    assert torch.all(out[150:] == 0) and torch.all(ref[150:] == 0)
+    assert (out[:150].float() - ref[:150].float()).abs().max() <= 1e-2 * ref[:150].float().abs().max()
 
 
 def test_paged_public_call_and_checks(path, monkeypatch):

@@ -16,11 +16,14 @@ so one mask engine serves both. HSTU has no softmax: the two segments' contribut
 into one accumulator.
 
 :class:`KeyBlocks` lists a tile's blocks by index ``i`` in ``[0, count)``, ascending (cache
-segment first); :meth:`KeyBlocks.at` gives the block's segment mask and n-block.
+segment first); :meth:`KeyBlocks.at` gives the block's segment mask and n-block. With split keys
+(few query tiles over long keys: a decode-like serving call) :meth:`KeyBlocks.part` cuts that
+range into parts that separate CTAs reduce; HSTU has no softmax, so their partial outputs add.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, NamedTuple
 
@@ -102,6 +105,8 @@ class KeyBlocks:
         self.seq, self.sched = seq, sched
         self.cache_seq, self.cache_sched, self.span = cache_seq, cache_sched, span
         self.count = sched[3] if cache_sched is None else cache_sched[3] + sched[3]
+        # A part of the blocks (:meth:`part`): its first block among the tile's, and its index.
+        self.first = self.part_index = None
 
     @staticmethod
     def of_tile(spec: masks.MaskSpec, seq: masks.SeqMask, m_block, tile_m: int, tile_n: int, span=None):
@@ -113,12 +118,25 @@ class KeyBlocks:
         return KeyBlocks(new, masks.n_block_schedule(spec, new, m_block, tile_m, tile_n, KERNEL_OPS), cached,
                          masks.n_block_schedule(spec, cached, m_block, tile_m, tile_n, KERNEL_OPS), span)
 
+    def part(self, index, parts):
+        """Part ``index`` of ``parts``: the blocks ``[count * index // parts, count * (index + 1) //
+        parts)``, renumbered from 0 (a part may be empty)."""
+        lo = self.count * index // parts
+        view = copy.copy(self)
+        view.first, view.part_index = lo, index
+        view.count = self.count * (index + 1) // parts - lo
+        return view
+
+    def _tile_index(self, i):
+        return i if const_expr(self.first is None) else i + self.first
+
     def in_cache(self, i):
         """Whether block ``i`` is read from the cache's pages (paged tiles only)."""
-        return i < self.cache_sched[3]
+        return self._tile_index(i) < self.cache_sched[3]
 
     def at(self, i):
         """(segment mask, n-block) of block ``i``."""
+        i = self._tile_index(i)
         n_lo, hole_lo, hole_size, _ = self.sched
         if const_expr(self.cache_sched is None):
             return self.seq, masks.n_block_at(i, n_lo, hole_lo, hole_size, KERNEL_OPS)

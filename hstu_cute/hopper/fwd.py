@@ -77,14 +77,21 @@ class HstuForwardSm90(HstuSm90Base):
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
                  num_stages: int, fast_silu: bool, intra_wg_overlap: bool = True, pingpong: bool = True,
                  persistent: bool = True, q_stages: int = 1, dynamic_tiles: bool = False, out_dtype=None,
-                 scaled_p: bool = False, two_direction: bool = False, paged: bool = False):
+                 scaled_p: bool = False, two_direction: bool = False, paged: bool = False, split_keys: bool = False):
         # The CTA launches with 168 x 384 registers; setmaxnreg moves them between roles, so the
         # consumers' 240 must come out of that pool (common.sm90.sm90_register_split).
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, tile_m // 64,
                          persistent, dynamic_tiles)
         # FP8 (e4m3) q, k and V^T; the output and rab stay 16-bit (HstuForwardFp8Sm90).
         self.fp8 = dtype.width == 8
-        self.out_dtype = self.rab_dtype = out_dtype or dtype
+        self.rab_dtype = out_dtype or dtype
+        # Split keys: a tile's key blocks come in ``num_splits`` parts (a runtime argument), one
+        # CTA tile each (common.key_blocks.KeyBlocks.part), each storing an fp32 partial output
+        # (the launcher sums them): few query tiles over long keys (one user's serving call) keep
+        # the SMs busy.
+        self.split_keys = split_keys
+        assert not (split_keys and self.fp8)
+        self.out_dtype = Float32 if split_keys else self.rab_dtype
         # FP8 quant modes >= 1: P re-quantized per row with a running power-of-two scale
         # (hstu_cute.fp8_format), descales per (sequence, block, head). A query tile is one
         # quantizer block and a key tile lies inside one.
@@ -115,21 +122,23 @@ class HstuForwardSm90(HstuSm90Base):
     def __call__(self, mQ, mK, mV, mO, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
                  alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks, num_sms,
                  bh_per_section, mTileCounter, mCache, mPageOffsets, mPageIds, mLastPageLens, log2_page_size, mRabNew,
-                 stream):
+                 num_splits, stream):
         paged = None
         if const_expr(self.paged):
             paged = PagedArgs(mCache, mPageOffsets, mPageIds, mLastPageLens, log2_page_size, mRabNew)
         self.compile_forward(mQ, mK, mV, mO, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
                                                           mNumTargets), mRab,
                              ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q),
-                             num_m_blocks, num_sms, bh_per_section, mTileCounter, None, stream, paged)
+                             num_m_blocks, num_sms, bh_per_section, mTileCounter, None, stream, paged, num_splits)
 
     def compile_forward(self, mQ, mK, mV, mO, seqs, mRab, scalars, num_m_blocks, num_sms, bh_per_section,
-                        mTileCounter, descales, stream, paged=None):
+                        mTileCounter, descales, stream, paged=None, num_splits=None):
         """The body of ``__call__`` (traced inside it): layouts, TMA atoms, smem plan and the
         launch. ``mV`` is V (T, H, D), or for FP8 its token-contiguous copy V^T (H, D, W);
         ``descales``: None, or the FP8 kernel's (q, k, v) descale tensors; ``paged``: None, or
-        the cache's :class:`PagedArgs`."""
+        the cache's :class:`PagedArgs`; ``num_splits``: split keys, the parts of every tile's key
+        blocks (``num_m_blocks`` counts m-blocks times parts, and ``mO`` holds the fp32 partial
+        outputs, part after part)."""
         D = self.head_dim
         sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, self.q_stages)
         sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, self.num_stages)
@@ -180,7 +189,7 @@ class HstuForwardSm90(HstuSm90Base):
         self.launch(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, mQ, mO, mK, seqs, mRab,
             scalars, num_m_blocks, bh_per_section, mTileCounter, descales, page_loads,
-            paged._replace(mCache=None, mRabNew=None) if const_expr(self.paged) else None, statics=dict(
+            paged._replace(mCache=None, mRabNew=None) if const_expr(self.paged) else None, num_splits, statics=dict(
                 sQ_layout=sQ_layout, sK_layout=sK_layout, sV_layout=sV_layout, sRab_layout=sRab_layout,
                 tiled_mma_qk=trivial_mma(self.dtype, self.tile_n, False, self.num_mma_wg),
                 # P (registers) x V: 16-bit V is (n, D) with D contiguous, an MN-major B operand;
@@ -198,7 +207,7 @@ class HstuForwardSm90(HstuSm90Base):
     @cute.kernel
     def kernel(self, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, mQ, mO, mK,
                seqs, mRab, scalars, num_m_blocks: Int32, bh_per_section: Int32, mTileCounter, descales, page_loads,
-               paged, statics):
+               paged, num_splits, statics):
         self.bind(statics)
         page_atoms = ()
         if const_expr(self.paged):
@@ -206,6 +215,10 @@ class HstuForwardSm90(HstuSm90Base):
                 page_loads[0][0] if const_expr(self.has_rab) else None,)
         tidx, warp_idx = self.prologue(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_rab, *page_atoms)
         self.paged_args = paged
+        self.num_splits = num_splits
+        if const_expr(self.split_keys):
+            # Part p of a tile stores rows q_start + p * T_q of the partial outputs.
+            self.part_rows = mQ.shape[0]
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
@@ -260,11 +273,18 @@ class HstuForwardSm90(HstuSm90Base):
         ``live``: the m-block starts inside its sequence (else the tile is skipped). ``seq``: the
         whole sequence's mask (paged: the cached keys included)."""
         m_block, head, batch = tiles.coords(tile)
+        part = None
+        if const_expr(self.split_keys):
+            # The walk's blocks are (m-block, part) pairs, parts fastest.
+            part = m_block % self.num_splits
+            m_block = m_block // self.num_splits
         span = None
         if const_expr(self.paged):
             span = page_span(self.paged_args, batch)
         q_start, k_start, seq = seqinfo.at(batch, span.cached_len if const_expr(self.paged) else None)
         blocks = KeyBlocks.of_tile(self.mask, seq, m_block, self.tile_m, self.tile_n, span)
+        if const_expr(self.split_keys):
+            blocks = blocks.part(part, self.num_splits)
         live = m_block * self.tile_m < seq.seqlen_q
         return live, (m_block, head, batch, q_start, k_start, seq, blocks)
 
@@ -557,7 +577,8 @@ class HstuForwardSm90(HstuSm90Base):
                     seg_last, n_last = block_at(Int32(0))
                     pending = cutlass.Boolean(True)
                     prev_v_rows = seg_last.seqlen_k - n_last * self.tile_n
-                    prev_head, prev_q_start, prev_m_block, prev_seqlen_q = head, q_start, m_block, seq.seqlen_q
+                    prev_head, prev_q_start, prev_m_block, prev_seqlen_q = (head, self.out_start(q_start, blocks), m_block,
+                                                                            seq.seqlen_q)
                     prev_batch, prev_n_last = batch, n_last
                 else:
                     # No key for this tile: finish the pending one, then store this tile's zeros.
@@ -568,12 +589,20 @@ class HstuForwardSm90(HstuSm90Base):
                                         prev_m_block, prev_seqlen_q, p_scale, (prev_batch, prev_n_last))
                         acc_O.fill(0.0)
                         pending = cutlass.Boolean(False)
-                    self.store_tile(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, head, q_start, m_block, seq.seqlen_q)
+                    self.store_tile(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, head, self.out_start(q_start, blocks),
+                                    m_block, seq.seqlen_q)
             tile, tile_token = next_tile(tile, tile_token)
         if pending:
             v_state = self.last_pv(pipe_v, v_state, sV, zero_copy_v, tidx, wg, prev_v_rows, acc_O, tOrP, tOrVt)
             self.store_tile(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, prev_head, prev_q_start, prev_m_block,
                             prev_seqlen_q, p_scale, (prev_batch, prev_n_last))
+
+    def out_start(self, q_start, blocks):
+        """The first output row of a tile's sequence: with split keys the part's slab of the fp32
+        partial outputs (``part_rows`` rows each)."""
+        if const_expr(self.split_keys):
+            return q_start + blocks.part_index * self.part_rows
+        return q_start
 
     def rows_of(self, seg, m_block, row_first):
         """The first row of an m-block in the coordinates of a key block's segment: a paged

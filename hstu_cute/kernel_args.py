@@ -39,6 +39,7 @@ class FakeShapes:
         self.tokens_q, self.tokens_k, self.heads = cute.sym_int(), cute.sym_int(), cute.sym_int()
         self.batch, self.batch1 = cute.sym_int(), cute.sym_int()
         self.pages = cute.sym_int()
+        self.arrivals = cute.sym_int()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,11 +253,9 @@ def _split_keys(key) -> bool:
     return getattr(key, "split_keys", False)
 
 
-def _forward_out(s: FakeShapes):
-    """The forward's output (T_q, H, D); with split keys the fp32 partial outputs of every part,
-    part after part: (parts x T_q, H, D), a row count of its own."""
-    if not _split_keys(s.key):
-        return _tokens("tokens_q")(s)
+def _partials(s: FakeShapes):
+    """Split keys: the fp32 partial outputs of every part, part after part: (parts x T_q, H, D),
+    a row count of its own."""
     import cutlass
     import cutlass.cute as cute
 
@@ -296,9 +295,12 @@ SPECS: dict[str, tuple[Arg, ...]] = {
                       Arg("mdRabAccum", _slab(3, 1, "Float32"), lambda key: key.rab_sum_heads),
                       *_SCALARS, Arg("num_m_blocks", _i32)),
     "ampere_bwd_dkdv": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _SM80_RAB16, *_SCALARS, Arg("num_n_blocks", _i32)),
-    "hopper_fwd": (_Q, _K, _V, Arg("mO", _forward_out), *_SEQUENCES, _TMA_RAB, *_SCALARS,
+    "hopper_fwd": (_Q, _K, _V, Arg("mO", _tokens("tokens_q")), *_SEQUENCES, _TMA_RAB, *_SCALARS,
                    Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER, *_PAGES,
-                   Arg("num_splits", _i32, _split_keys)),  # parts of each tile's key blocks
+                   # Split keys: partial outputs, arrival counts per (sequence, head, m-block,
+                   # warpgroup) (zero at launch, left zero), parts of each tile's key blocks.
+                   Arg("mPartials", _partials, _split_keys), Arg("mArrivals", _int_vec("arrivals"), _split_keys),
+                   Arg("num_splits", _i32, _split_keys)),
     # FP8: mV is V^T (hstu_cute.hopper.vt, made by "hopper_fwd_vt"); the descales are (1,) fp32
     # tensors, or (B, blocks, H) tables with scaled P (read on the device: no host sync).
     "hopper_fwd_fp8": (_Q, _K, Arg("mV", _tokens_transposed), Arg("mO", _tokens("tokens_q", "out")), *_SEQUENCES,

@@ -150,6 +150,23 @@ def tile_counter(device) -> torch.Tensor:
     return counter
 
 
+_SPLIT_ARRIVALS: dict = {}
+
+
+def split_arrivals(device, count: int) -> torch.Tensor:
+    """At least ``count`` int32 arrival counts of the split-key forward, zero at launch (the
+    kernel leaves them zero): like :func:`tile_counter`, one buffer per (device, stream), grown
+    when a call needs more; a CUDA-graph capture gets a fresh zeroed one."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(count, dtype=torch.int32, device=device)
+    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
+    counts = _SPLIT_ARRIVALS.get(key)
+    if counts is None or counts.shape[0] < count:
+        # Stream-ordered: the old buffer's last kernel runs before anything reuses its memory.
+        counts = _SPLIT_ARRIVALS[key] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+    return counts
+
+
 def _new_tile_counter(device) -> torch.Tensor:
     """A zeroed counter in memory of its own (cudaMalloc, never freed), outside torch's caching
     allocator: torch.compile's cudagraph trees route the current thread's allocations to their
@@ -374,16 +391,15 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
                 splits = key_splits(p, key.tile_m, key.tile_n, max_seqlen_q, max_seqlen_k, num_sms(device))
             if splits > 1:
                 key = fwd_key(p, device_arch(device), rab, tiles, path, split_keys=True)
-                # Rows past seqused_q are never written: their partials must add up to zero.
-                parts = (torch.zeros if seqused_q is not None else torch.empty)(
-                    (splits * q.shape[0],) + tuple(q.shape[1:]), dtype=torch.float32, device=device)
-                extra = dict(mO=parts, num_splits=splits)
+                parts = torch.empty((splits * q.shape[0],) + tuple(q.shape[1:]), dtype=torch.float32, device=device)
+                arrivals = split_arrivals(device, p.batch * p.heads * -(-max_seqlen_q // key.tile_m) * 2)
+                extra = dict(mPartials=parts, mArrivals=arrivals, num_splits=splits)
     else:
         key = fp8_fwd_key(p, device_arch(device), rab, fp8.out_dtype, tiles, fp8.scaled_p, fp8.two_direction)
         extra = dict(zip(("mDescaleQ", "mDescaleK", "mDescaleV"), fp8.descales))
     compiled = _compiled(key)
     num_m_blocks = -(-max_seqlen_q // key.tile_m) * extra.get("num_splits", 1)
-    values = dict(mQ=q, mK=k, mV=v, mO=extra.pop("mO", out), mRab=rab, num_m_blocks=num_m_blocks, **extra,
+    values = dict(mQ=q, mK=k, mV=v, mO=out, mRab=rab, num_m_blocks=num_m_blocks, **extra,
                   **_sequence_args(p, device, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
                                    num_targets, key.has_context),
                   **_scalar_args(p, alpha, target_group_size))
@@ -399,8 +415,6 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
     # devices costs ~10 us, so only do it when q lives elsewhere.
     with _on_device(device):
         _launch(key, compiled, values)
-        if "num_splits" in extra:
-            torch.sum(values["mO"].view((extra["num_splits"],) + tuple(out.shape)), dim=0, out=out)
     return out
 
 

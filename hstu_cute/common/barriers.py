@@ -21,3 +21,6 @@ class NamedBarrier(enum.IntEnum):
     PDS_FREE = 7
     # Fused backward: a warpgroup's sdQ buffer free, then written and fenced (8 + warpgroup).
     DQ_WG0 = 8
+    # Split-key forward (sm90): a consumer warpgroup's partial output stored and fenced, then its
+    # arrival count read out (10 + warpgroup).
+    SPLIT_WG0 = 10

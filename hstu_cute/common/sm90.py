@@ -135,6 +135,17 @@ def store_acc_rows(rOut: cute.Tensor, tOg: cute.Tensor, tOc_rc: cute.Tensor, row
             cute.autovec_copy(rc[i, None], g_rc[i, None])
 
 @cute.jit
+def load_acc_rows(tOg: cute.Tensor, rDst: cute.Tensor, tOc_rc: cute.Tensor, row_limit: Int32):
+    """The inverse of :func:`store_acc_rows`: a WGMMA-layout register tile from global memory,
+    the thread's rows at and past ``row_limit`` left as they are."""
+    rc = cute.make_tensor(rDst.iterator, wgmma_acc_rows_cols(rDst.layout))
+    g_rc = cute.make_tensor(tOg.iterator, wgmma_acc_rows_cols(tOg.layout))
+    for i in cutlass.range_constexpr(cute.size(rc.shape[0])):
+        if tOc_rc[i, 0][0] < row_limit:
+            cute.autovec_copy(g_rc[i, None], rc[i, None])
+
+
+@cute.jit
 def red_add_f32(ptr: cute.Pointer, value: Float32):
     """*ptr += value in global memory (red.global.add.f32: no value comes back)."""
     llvm.inline_asm(None, [ptr.toint().ir_value(), Float32(value).ir_value()], "red.global.add.f32 [$0], $1;",

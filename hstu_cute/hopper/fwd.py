@@ -34,6 +34,7 @@ from ..common.sm90 import (
     sm90_tma_atom_rab,
     sm90_tma_atom_tokens,
     smem_tensors,
+    load_acc_rows,
     store_acc_rows,
     trivial_mma,
     wgmma,
@@ -86,12 +87,13 @@ class HstuForwardSm90(HstuSm90Base):
         self.fp8 = dtype.width == 8
         self.rab_dtype = out_dtype or dtype
         # Split keys: a tile's key blocks come in ``num_splits`` parts (a runtime argument), one
-        # CTA tile each (common.key_blocks.KeyBlocks.part), each storing an fp32 partial output
-        # (the launcher sums them): few query tiles over long keys (one user's serving call) keep
-        # the SMs busy.
+        # CTA tile each (common.key_blocks.KeyBlocks.part): few query tiles over long keys (one
+        # user's serving call) keep the SMs busy. Each part stores its fp32 partial output; the
+        # warpgroup that finishes a tile's rows last adds the parts up in part order and stores
+        # the output (store_split_tile).
         self.split_keys = split_keys
         assert not (split_keys and self.fp8)
-        self.out_dtype = Float32 if split_keys else self.rab_dtype
+        self.out_dtype = self.rab_dtype
         # FP8 quant modes >= 1: P re-quantized per row with a running power-of-two scale
         # (hstu_cute.fp8_format), descales per (sequence, block, head). A query tile is one
         # quantizer block and a key tile lies inside one.
@@ -122,23 +124,24 @@ class HstuForwardSm90(HstuSm90Base):
     def __call__(self, mQ, mK, mV, mO, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
                  alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks, num_sms,
                  bh_per_section, mTileCounter, mCache, mPageOffsets, mPageIds, mLastPageLens, log2_page_size, mRabNew,
-                 num_splits, stream):
+                 mPartials, mArrivals, num_splits, stream):
         paged = None
         if const_expr(self.paged):
             paged = PagedArgs(mCache, mPageOffsets, mPageIds, mLastPageLens, log2_page_size, mRabNew)
         self.compile_forward(mQ, mK, mV, mO, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
                                                           mNumTargets), mRab,
                              ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q),
-                             num_m_blocks, num_sms, bh_per_section, mTileCounter, None, stream, paged, num_splits)
+                             num_m_blocks, num_sms, bh_per_section, mTileCounter, None, stream, paged,
+                             (mPartials, mArrivals, num_splits) if const_expr(self.split_keys) else None)
 
     def compile_forward(self, mQ, mK, mV, mO, seqs, mRab, scalars, num_m_blocks, num_sms, bh_per_section,
-                        mTileCounter, descales, stream, paged=None, num_splits=None):
+                        mTileCounter, descales, stream, paged=None, split=None):
         """The body of ``__call__`` (traced inside it): layouts, TMA atoms, smem plan and the
         launch. ``mV`` is V (T, H, D), or for FP8 its token-contiguous copy V^T (H, D, W);
         ``descales``: None, or the FP8 kernel's (q, k, v) descale tensors; ``paged``: None, or
-        the cache's :class:`PagedArgs`; ``num_splits``: split keys, the parts of every tile's key
-        blocks (``num_m_blocks`` counts m-blocks times parts, and ``mO`` holds the fp32 partial
-        outputs, part after part)."""
+        the cache's :class:`PagedArgs`; ``split``: split keys, (fp32 partial outputs part after
+        part (parts x T_q, H, D), arrival counts (B x H x m-blocks x 2, zero at launch and left
+        zero), parts); ``num_m_blocks`` counts m-blocks times parts."""
         D = self.head_dim
         sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, self.q_stages)
         sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, self.num_stages)
@@ -175,6 +178,8 @@ class HstuForwardSm90(HstuSm90Base):
         self.rab_bytes = self.tile_m * self.tile_n * (self.rab_dtype.width // 8)
         kv = (self.dtype, cute.cosize(sK_layout))
         ring_barriers, ring_words = self.tile_ring_storage()
+        if const_expr(self.split_keys):
+            ring_words = dict(ring_words, sArrived=2)  # a warpgroup's arrival count, for its threads
         self.shared_storage = shared_storage(
             dict(mbar_q=2 * self.q_stages, mbar_k=2 * self.num_stages, mbar_v=2 * self.num_stages, mbar_rab=2 * self.num_stages,
                  **ring_barriers),
@@ -189,7 +194,7 @@ class HstuForwardSm90(HstuSm90Base):
         self.launch(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, mQ, mO, mK, seqs, mRab,
             scalars, num_m_blocks, bh_per_section, mTileCounter, descales, page_loads,
-            paged._replace(mCache=None, mRabNew=None) if const_expr(self.paged) else None, num_splits, statics=dict(
+            paged._replace(mCache=None, mRabNew=None) if const_expr(self.paged) else None, split, statics=dict(
                 sQ_layout=sQ_layout, sK_layout=sK_layout, sV_layout=sV_layout, sRab_layout=sRab_layout,
                 tiled_mma_qk=trivial_mma(self.dtype, self.tile_n, False, self.num_mma_wg),
                 # P (registers) x V: 16-bit V is (n, D) with D contiguous, an MN-major B operand;
@@ -207,7 +212,7 @@ class HstuForwardSm90(HstuSm90Base):
     @cute.kernel
     def kernel(self, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, mQ, mO, mK,
                seqs, mRab, scalars, num_m_blocks: Int32, bh_per_section: Int32, mTileCounter, descales, page_loads,
-               paged, num_splits, statics):
+               paged, split, statics):
         self.bind(statics)
         page_atoms = ()
         if const_expr(self.paged):
@@ -215,11 +220,14 @@ class HstuForwardSm90(HstuSm90Base):
                 page_loads[0][0] if const_expr(self.has_rab) else None,)
         tidx, warp_idx = self.prologue(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_rab, *page_atoms)
         self.paged_args = paged
-        self.num_splits = num_splits
         if const_expr(self.split_keys):
+            self.mPartials, self.mArrivals, self.num_splits = split
             # Part p of a tile stores rows q_start + p * T_q of the partial outputs.
             self.part_rows = mQ.shape[0]
+            self.heads, self.m_blocks = mQ.shape[1], num_m_blocks // self.num_splits
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        if const_expr(self.split_keys):
+            self.sArrived = storage.sArrived.get_tensor(cute.make_layout(2))
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
 
@@ -577,9 +585,8 @@ class HstuForwardSm90(HstuSm90Base):
                     seg_last, n_last = block_at(Int32(0))
                     pending = cutlass.Boolean(True)
                     prev_v_rows = seg_last.seqlen_k - n_last * self.tile_n
-                    prev_head, prev_q_start, prev_m_block, prev_seqlen_q = (head, self.out_start(q_start, blocks), m_block,
-                                                                            seq.seqlen_q)
-                    prev_batch, prev_n_last = batch, n_last
+                    prev_head, prev_q_start, prev_m_block, prev_seqlen_q = head, q_start, m_block, seq.seqlen_q
+                    prev_batch, prev_n_last = batch, self.pending_tag(n_last, blocks)
                 else:
                     # No key for this tile: finish the pending one, then store this tile's zeros.
                     if pending:
@@ -589,20 +596,23 @@ class HstuForwardSm90(HstuSm90Base):
                                         prev_m_block, prev_seqlen_q, p_scale, (prev_batch, prev_n_last))
                         acc_O.fill(0.0)
                         pending = cutlass.Boolean(False)
-                    self.store_tile(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, head, self.out_start(q_start, blocks),
-                                    m_block, seq.seqlen_q)
+                    self.store_tile(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, head, q_start, m_block, seq.seqlen_q,
+                                    None, self.split_tile(batch, blocks))
             tile, tile_token = next_tile(tile, tile_token)
         if pending:
             v_state = self.last_pv(pipe_v, v_state, sV, zero_copy_v, tidx, wg, prev_v_rows, acc_O, tOrP, tOrVt)
             self.store_tile(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, prev_head, prev_q_start, prev_m_block,
                             prev_seqlen_q, p_scale, (prev_batch, prev_n_last))
 
-    def out_start(self, q_start, blocks):
-        """The first output row of a tile's sequence: with split keys the part's slab of the fp32
-        partial outputs (``part_rows`` rows each)."""
-        if const_expr(self.split_keys):
-            return q_start + blocks.part_index * self.part_rows
-        return q_start
+    def pending_tag(self, n_last, blocks):
+        """What the pending tile's epilogue needs besides its coordinates: its last key block
+        (two_direction: the V descales of the output's columns), or with split keys its part."""
+        return blocks.part_index if const_expr(self.split_keys) else n_last
+
+    def split_tile(self, batch, blocks):
+        """The ``last_block`` argument of :meth:`store_tile` for a tile without keys: with split
+        keys (batch, part) (its zeros still count as a part), else None."""
+        return (batch, blocks.part_index) if const_expr(self.split_keys) else None
 
     def rows_of(self, seg, m_block, row_first):
         """The first row of an m-block in the coordinates of a key block's segment: a paged
@@ -673,11 +683,22 @@ class HstuForwardSm90(HstuSm90Base):
         pipe_v.consumer_release(v_state)
         return advanced(v_state)
 
+    def store_tile(self, acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, head, q_start, m_block, seqlen_q, p_scale=None,
+                   last_block=None):
+        """Epilogue (plain Python: the choice is static): :meth:`store_output`, or with split keys
+        :meth:`store_split_tile`, ``last_block`` then being (batch, part)."""
+        if const_expr(self.split_keys):
+            self.store_split_tile(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, head, q_start, m_block, seqlen_q,
+                                  last_block[0], last_block[1])
+        else:
+            self.store_output(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, head, q_start, m_block, seqlen_q, p_scale,
+                              last_block)
+
     @cute.jit
-    def store_tile(self, acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale: Float32, head: Int32, q_start: Int32,
-                   m_block: Int32, seqlen_q: Int32, p_scale=None, last_block=None):
-        """Epilogue: O * (1/S) -> the input dtype, stored from registers (pairs of columns), rows
-        past seqlen_q skipped; scaled P: each row times its final P scale first (``acc_O`` is
+    def store_output(self, acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale: Float32, head: Int32, q_start: Int32,
+                     m_block: Int32, seqlen_q: Int32, p_scale=None, last_block=None):
+        """O * (1/S) -> the input dtype, stored from registers (pairs of columns), rows past
+        seqlen_q skipped; scaled P: each row times its final P scale first (``acc_O`` is
         overwritten; None for a tile without keys: its zeros); two_direction: each column times
         the V descale of the tile's last key block (``last_block``: (batch, n_block))."""
         if const_expr(p_scale is not None):
@@ -698,6 +719,51 @@ class HstuForwardSm90(HstuSm90Base):
         gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, head, None]), (self.tile_m, self.head_dim),
                              (m_block, 0))
         store_acc_rows(rO, thr_mma_pv.partition_C(gO), tOcO_rc, seqlen_q - m_block * self.tile_m)
+
+    @cute.jit
+    def store_split_tile(self, acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale: Float32, head: Int32, q_start: Int32,
+                         m_block: Int32, seqlen_q: Int32, batch: Int32, part: Int32):
+        """Split keys: store this part's fp32 output (times 1/S) to its slab of the partials, then
+        count the warpgroup's arrival for its 64 rows of the tile (release: every thread's stores
+        are fenced first); the warpgroup that arrives last adds the parts up in part order (the
+        sum is the same whichever part ends last) and stores the output, then zeroes the count
+        for the next launch."""
+        tid_in_wg = (cute.arch.thread_idx()[0] - 128) % 128
+        wg = cute.arch.make_warp_uniform((cute.arch.thread_idx()[0] - 128) // 128)
+        # No attribute of self inside the runtime branches and loop below.
+        sArrived, mArrivals, num_splits = self.sArrived, self.mArrivals, self.num_splits
+        partials = self.mPartials[None, head, None]
+        part_rows, tile_shape, out_dtype = self.part_rows, (self.tile_m, self.head_dim), self.out_dtype
+        rows = seqlen_q - m_block * self.tile_m
+        mine = cute.make_rmem_tensor(acc_O.layout, Float32)
+        mine.store(acc_O.load() * inv_scale)
+        tPgP = thr_mma_pv.partition_C(cute.local_tile(cute.domain_offset((q_start + part * part_rows, 0), partials),
+                                                      tile_shape, (m_block, 0)))
+        store_acc_rows(mine, tPgP, tOcO_rc, rows)
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier(barrier_id=NamedBarrier.SPLIT_WG0 + wg, number_of_threads=128)
+        slot = ((batch * self.heads + head) * self.m_blocks + m_block) * 2 + wg
+        if tid_in_wg == 0:
+            sArrived[wg] = cute.arch.atomic_add(mArrivals.iterator + slot, Int32(1), sem="acq_rel", scope="gpu")
+        cute.arch.barrier(barrier_id=NamedBarrier.SPLIT_WG0 + wg, number_of_threads=128)
+        if sArrived[wg] == num_splits - 1:
+            cute.arch.fence_acq_rel_gpu()
+            # Every part from memory, its own too (the same values, and no registers held for
+            # them): two parts' loads in flight at a time where registers allow.
+            total = cute.make_rmem_tensor(acc_O.layout, Float32)
+            total.fill(0.0)
+            for p in cutlass.range(num_splits, unroll=2 if const_expr(self.head_dim <= 128) else 1):
+                theirs = cute.make_rmem_tensor(acc_O.layout, Float32)
+                tPgP = thr_mma_pv.partition_C(cute.local_tile(
+                    cute.domain_offset((q_start + p * part_rows, 0), partials), tile_shape, (m_block, 0)))
+                load_acc_rows(tPgP, theirs, tOcO_rc, rows)
+                total.store(total.load() + theirs.load())
+            rO = cute.make_rmem_tensor(acc_O.layout, out_dtype)
+            rO.store(total.load().to(out_dtype))
+            gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, head, None]), tile_shape, (m_block, 0))
+            store_acc_rows(rO, thr_mma_pv.partition_C(gO), tOcO_rc, rows)
+            if tid_in_wg == 0:
+                mArrivals[slot] = Int32(0)
 
     @cute.jit
     def wait_v_rows(self, pipe_v, v_state, sV, zero_copy_v, tidx: Int32, wg: Int32, v_rows):

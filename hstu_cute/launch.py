@@ -10,6 +10,7 @@ ordered by the family's spec (:mod:`hstu_cute.kernel_args`).
 from __future__ import annotations
 
 import contextlib
+import math
 import dataclasses
 
 import torch
@@ -18,7 +19,7 @@ from .arch import device_arch, kernel_path, num_sms
 from .cache import default_cache
 from .compile import build
 from .kernel_args import ordered
-from .validation import DTYPE_NAMES, Problem, cached_lengths
+from .validation import DTYPE_NAMES, Problem, cached_lengths, fail
 from .variants import (
     FUSED_MIN_SEQLEN_K,
     HEAD_DIMS,
@@ -85,10 +86,39 @@ def _filler(batch: int, device: torch.device, value: int) -> torch.Tensor:
     key = (batch, device, value)
     t = _FILLERS.get(key)
     if t is None:
+        if torch.cuda.is_current_stream_capturing():
+            return torch.full((batch,), value, dtype=torch.int32, device=device)
         if len(_FILLERS) > 64:
             _FILLERS.clear()
-        t = _FILLERS[key] = torch.full((batch,), value, dtype=torch.int32, device=device)
+        # Views of one buffer per (device, value), grown by doubling: the buffers are never freed.
+        base = _FILLER_BASES.get((device, value))
+        if base is None or base.shape[0] < batch:
+            size = max(batch, 2 * base.shape[0] if base is not None else 64)
+            base = _FILLER_BASES[(device, value)] = _outside_torch_pool((size,), torch.int32, device).fill_(value)
+        t = _FILLERS[key] = base[:batch]
     return t
+
+
+_FILLER_BASES: dict = {}
+
+
+def _outside_torch_pool(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """A tensor in memory of its own (cudaMalloc, never freed), for cached constants that outlive
+    the call: torch.compile's cudagraph trees (mode="reduce-overhead") route the thread's
+    allocations to their pool while they warm up and reject a live tensor there that is not an
+    output. A capture itself gets fresh tensors instead (callers check)."""
+    assert dtype.itemsize == 4, dtype
+    if device.type != "cuda":
+        return torch.empty(shape, dtype=dtype, device=device)
+    from cuda.bindings import runtime as cudart
+
+    nbytes = max(1, math.prod(shape)) * dtype.itemsize
+    with torch.cuda.device(device):
+        err, ptr = cudart.cudaMalloc(nbytes)
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaMalloc of a cached constant failed: {err}")
+    words = torch.as_tensor(_DeviceWords(int(ptr), nbytes // 4), device=device)
+    return words.view(dtype)[: math.prod(shape)].view(shape)
 
 
 def _sequence_args(p: Problem, device, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
@@ -107,7 +137,10 @@ def _sequence_args(p: Problem, device, seq_offsets_q, seq_offsets_k, seqused_q, 
 
 
 def _scalar_args(p: Problem, alpha, target_group_size) -> dict:
-    return dict(alpha=float(alpha), inv_scale=1.0 / p.scale_seqlen, window_left=p.window_left,
+    alpha = float(alpha)
+    if not math.isfinite(alpha):  # traced calls skip the check in validation (a symbolic alpha)
+        fail(ValueError, "alpha", "a finite Python float", repr(alpha))
+    return dict(alpha=alpha, inv_scale=1.0 / p.scale_seqlen, window_left=p.window_left,
                 window_right=p.window_right, group_size=int(target_group_size), is_delta_q=int(p.mask.is_delta_q))
 
 
@@ -344,7 +377,9 @@ def unit_descale(device) -> torch.Tensor:
     """A cached (1,) fp32 one on ``device``: the descale of an FP8 operand given none."""
     t = _ONES.get(device)
     if t is None:
-        t = _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
+        if torch.cuda.is_current_stream_capturing():
+            return torch.ones(1, dtype=torch.float32, device=device)
+        t = _ONES[device] = _outside_torch_pool((1,), torch.float32, device).fill_(1.0)
     return t
 
 

@@ -264,9 +264,11 @@ def validate(
         raise NotImplementedError(f"window_size: a paged KV cache serves the causal family (window (-1, 0), with "
                                   f"contexts and targets); got {tuple(window_size)}")
 
-    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
+    if isinstance(alpha, bool) or not (isinstance(alpha, (numbers.Real, torch.SymFloat, torch.SymInt))):
         fail(TypeError, "alpha", "a finite Python float", repr(alpha))
-    if not math.isfinite(alpha):
+    # torch.compile makes alpha a symbolic float once it recompiles for a second value, and
+    # math.isfinite can not be traced: traced calls check it when the op runs (launch._scalar_args).
+    if not torch.compiler.is_compiling() and not math.isfinite(alpha):
         fail(ValueError, "alpha", "a finite Python float", repr(alpha))
     _check_python_int("scaling_seqlen", scaling_seqlen)
     if scaling_seqlen != -1 and scaling_seqlen < 1:

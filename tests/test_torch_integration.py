@@ -342,6 +342,28 @@ def test_compile_with_changing_lengths_meta(no_launch):
     assert len(graphs) == 2, f"{len(graphs)} graphs: expected one static and one dynamic"
 
 
+def test_compile_with_changing_alpha_meta(no_launch):
+    """alpha changes between calls: after the first recompile dynamo passes it as a symbolic
+    float, which validation must trace without math.isfinite (a graph break under fullgraph);
+    a non-finite alpha is still refused when the op runs."""
+
+    def call(q, offsets, alpha: float):
+        return hstu_attn_varlen_func(q, q, q, offsets, offsets, 8, 8, window_size=(-1, 0), alpha=alpha)
+
+    compiled = torch.compile(call, fullgraph=True, backend="eager")
+    offsets = torch.empty(3, dtype=torch.int32, device="meta")
+    q = torch.empty(14, H, D, dtype=BF16, device="meta", requires_grad=True)
+    for alpha in (0.1, 0.2, 0.3):
+        y = compiled(q, offsets, alpha)
+        y.sum().backward()
+        assert y.shape == q.shape
+    from hstu_cute import launch
+
+    with pytest.raises(ValueError, match="alpha: expected a finite Python float, got nan"):
+        launch._scalar_args(validation.problem_of_op_args(q, offsets, 8, 8, None, None, -1, 0, None, False, -1),
+                            float("nan"), 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # CPU numerics of the wiring, with the oracle standing in for the kernels
 # ---------------------------------------------------------------------------------------------

@@ -379,3 +379,125 @@ def hstu_attn_fp8_emulation(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q,
             p, dv[starts[b]:starts[b] + p.shape[2]].transpose(0, 1), tile_n)
     return hstu_attn_reference(qe, ke, ve, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, *args,
                                compute_dtype=torch.float32, p_round=p_round, **kwargs)
+
+
+def running_scale_e4m3(x: torch.Tensor, block: int, ascending: bool, visited: torch.Tensor, floor: float
+                       ) -> torch.Tensor:
+    """``x`` (H, rows, cols) through e4m3 with a running power-of-two scale per row, dequantized:
+    the columns in blocks of ``block`` from column 0, visited in ascending (or descending) order
+    where ``visited[j]`` (the kernel skips a tile that its mask leaves empty); at each visited
+    block ``s = max(s, pow2_ceil(max(max |x|, floor) / 448))`` and the block is ``e4m3(x / s) s``
+    (saturating). What a kernel that re-quantizes an operand per accumulator row (P^T and G^T of
+    the FP8 backward) computes, up to the accumulation order."""
+    from .fp8_format import E4M3_MAX
+
+    heads, rows, cols = x.shape
+    scale = torch.zeros(heads, rows, dtype=torch.float32, device=x.device)
+    out = torch.zeros_like(x, dtype=torch.float32)
+    starts = list(range(0, cols, block))
+    for j in (starts if ascending else reversed(starts)):
+        if not bool(visited[j // block]):
+            continue
+        tile = x[:, :, j:j + block].to(torch.float32)
+        amax = tile.abs().amax(dim=2).clamp(min=floor)
+        scale = torch.maximum(scale, _pow2_ceil(amax * (1.0 / E4M3_MAX)))
+        s = scale[:, :, None]
+        out[:, :, j:j + block] = (tile / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32) * s
+    return out
+
+
+def _blocks_visited(mask: torch.Tensor, row_block: int, col_block: int) -> torch.Tensor:
+    """(row blocks, col blocks) bool: which tiles of a (rows, cols) mask hold an allowed entry."""
+    rows, cols = mask.shape
+    padded = torch.zeros(-(-rows // row_block) * row_block, -(-cols // col_block) * col_block, dtype=torch.bool,
+                         device=mask.device)
+    padded[:rows, :cols] = mask
+    return padded.view(padded.shape[0] // row_block, row_block, -1, col_block).any(dim=3).any(dim=1)
+
+
+def hstu_attn_fp8_grad_emulation(q, k, v, dout, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
+                                 num_contexts=None, num_targets=None, target_group_size=1, window_size=(-1, -1),
+                                 alpha=1.0, rab=None, is_delta_q=False, *, quant_mode: int, scaling_seqlen=-1,
+                                 quantize_inputs: bool = True, round_products: bool = True, tile_m: int = 64,
+                                 tile_n: int = 128) -> dict:
+    """The FP8 backward's oracle (docs/design/fp8-backward.md): ``dict(dq, dk, dv, drab)`` in fp32.
+
+    With ``quantize_inputs``, q, k, v and dO (dO with q's groups) are quantized with
+    ``quant_mode``'s groups and dequantized; mode 1's token-reduction products (dV = P^T dO,
+    dK = G^T Q, dQ = G K) read the token-contiguous copies, as the kernels' K-major operands do.
+    With ``round_products`` the register operands are re-quantized per accumulator row with a
+    running power-of-two scale (:func:`running_scale_e4m3`): P^T and G^T per key over the query
+    blocks of ``tile_m`` in ascending order (the dK/dV kernel's walk), G per query over the key
+    blocks of ``tile_n`` in descending order (the dQ kernel's walk); the rounding is of the
+    unscaled values (silu(z), alpha silu'(z) dP), 1/S applied after the products. Without
+    either flag this is the fp32 backward of spec section 2 written out (the tests compare it
+    with autograd of :func:`hstu_attn_reference`). No seqused."""
+    from .fp8_format import P_AMAX_FLOOR
+    from .quantize import QuantMode, dequantize, quantize
+
+    def inputs(x, offsets, max_seqlen):
+        if not quantize_inputs:
+            wide = x.to(torch.promote_types(x.dtype, torch.float32))
+            return wide, wide
+        qx = quantize(x, quant_mode, offsets, max_seqlen)
+        per_token = dequantize(qx, quant_mode, offsets, max_seqlen)
+        if QuantMode(quant_mode) == QuantMode.TWO_DIRECTION:
+            return per_token, dequantize(qx, quant_mode, offsets, max_seqlen, token_contiguous=True)
+        return per_token, per_token
+
+    (qe, qt), (ke, kt), (ve, _), (de, dt) = (inputs(q, seq_offsets_q, max_seqlen_q), inputs(k, seq_offsets_k, max_seqlen_k),
+                                             inputs(v, seq_offsets_k, max_seqlen_k),
+                                             inputs(dout, seq_offsets_q, max_seqlen_q))
+    dq, dk, dv = torch.zeros_like(qe), torch.zeros_like(ke), torch.zeros_like(ve)
+    drab = None if rab is None else torch.zeros(rab.shape, dtype=qe.dtype, device=rab.device)
+    offs_q, offs_k = seq_offsets_q.tolist(), seq_offsets_k.tolist()
+    ctx = None if num_contexts is None else num_contexts.tolist()
+    tgt = None if num_targets is None else num_targets.tolist()
+    kind, wl, wr = normalize_window(window_size, max_seqlen_k)
+    spec = MaskSpec(kind, has_context=ctx is not None, has_target=tgt is not None, is_delta_q=bool(is_delta_q))
+    S = scaling_seqlen if scaling_seqlen != -1 else max(max_seqlen_q, 1)
+    # Rows whose tiles hold nothing but masked or zero entries keep a scale above zero.
+    g_floor = 2.0 ** -120
+    for b in range(len(offs_q) - 1):
+        sq, Lq, sk, Lk = offs_q[b], offs_q[b + 1] - offs_q[b], offs_k[b], offs_k[b + 1] - offs_k[b]
+        if Lq == 0 or Lk == 0:
+            continue
+        seq = seq_mask_from_lengths(spec, Lq, Lk, wl, wr, ctx[b] if ctx else 0, tgt[b] if tgt else 0,
+                                    int(target_group_size))
+        mask = dense_mask(spec, seq, device=q.device).expand(Lq, Lk)
+        row0 = seq.row_offset
+
+        def heads(x, start, length):
+            return x[start:start + length].transpose(0, 1)  # (H, L, D)
+
+        z = torch.matmul(heads(qe, sq, Lq), heads(ke, sk, Lk).transpose(1, 2))
+        if rab is not None:
+            z = z + rab[b, :, row0:row0 + Lq, :Lk].to(z.dtype)
+        z = z * alpha
+        sig = torch.sigmoid(z)
+        zero = torch.zeros((), dtype=z.dtype, device=q.device)
+        p = torch.where(mask, z * sig, zero)
+        dp = torch.matmul(heads(de, sq, Lq), heads(ve, sk, Lk).transpose(1, 2))
+        g = torch.where(mask, alpha * sig * (1 + z * (1 - sig)) * dp, zero)
+        p_t, g_t, g_q = p.transpose(1, 2), g.transpose(1, 2), g
+        if round_products:
+            visited = _blocks_visited(mask, tile_m, tile_n)  # (query blocks, key blocks)
+            p_t, g_t, g_q = p_t.clone(), g_t.clone(), g.clone()
+            # The dK/dV kernel: one CTA per key block walks its query blocks.
+            for kb in range(visited.shape[1]):
+                keys = slice(kb * tile_n, (kb + 1) * tile_n)
+                p_t[:, keys] = running_scale_e4m3(p_t[:, keys], tile_m, True, visited[:, kb], P_AMAX_FLOOR)
+                g_t[:, keys] = running_scale_e4m3(g_t[:, keys], tile_m, True, visited[:, kb], g_floor)
+            # The dQ kernel: one CTA per query block walks its key blocks, last first.
+            for qb in range(visited.shape[0]):
+                rows = slice(qb * tile_m, (qb + 1) * tile_m)
+                g_q[:, rows] = running_scale_e4m3(g[:, rows], tile_n, False, visited[qb], g_floor)
+        dv[sk:sk + Lk] += torch.matmul(p_t, heads(dt, sq, Lq)).transpose(0, 1) / S
+        dk[sk:sk + Lk] += torch.matmul(g_t, heads(qt, sq, Lq)).transpose(0, 1) / S
+        dq[sq:sq + Lq] += torch.matmul(g_q, heads(kt, sk, Lk)).transpose(0, 1) / S
+        if drab is not None:
+            gr = g / S
+            if rab.shape[1] == 1:
+                gr = gr.sum(dim=0, keepdim=True)
+            drab[b, :, row0:row0 + Lq, :Lk] += gr
+    return dict(dq=dq, dk=dk, dv=dv, drab=drab)

@@ -1,0 +1,92 @@
+"""The FP8 backward's oracle (reference.hstu_attn_fp8_grad_emulation, docs/design/fp8-backward.md):
+written out, its fp32 backward equals autograd of the forward oracle; quantization and the
+per-row re-quantization of P^T / G^T / G change the gradients by an e4m3-sized amount, less with
+finer quantizer groups; and the running scale matches a direct per-row computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hstu_cute import reference
+from hstu_cute.testing import random_jagged_batch
+
+CASES = {
+    "causal": dict(window_size=(-1, 0)),
+    "ctx+tgt g3 rab1": dict(window_size=(-1, 0), num_contexts=5, num_targets=9, target_group_size=3, rab_heads=1),
+    "local rabH": dict(window_size=(20, 7), rab_heads=2),
+    "delta_q": dict(window_size=(-1, 0), is_delta_q=True, max_seqlen_k=190),
+    "none": dict(window_size=(-1, -1)),
+}
+ORACLE_KEYS = ("q", "k", "v", "seq_offsets_q", "seq_offsets_k", "max_seqlen_q", "max_seqlen_k", "num_contexts",
+               "num_targets", "target_group_size", "window_size", "alpha", "rab", "is_delta_q")
+
+
+def _batch(case, seed, lengths=(150, 1, 17, 0, 97)):
+    kw = dict(CASES[case])
+    max_k = kw.pop("max_seqlen_k", None)
+    batch = random_jagged_batch(len(lengths), 2, 32, max(lengths), max_k, lengths=list(lengths), alpha=0.4,
+                                dtype=torch.float32, seed=seed, **kw)
+    dout = torch.randn(batch["q"].shape, generator=torch.Generator().manual_seed(seed + 1)) * 1e-2
+    return {k: batch[k] for k in ORACLE_KEYS}, dout
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_written_out_backward_equals_autograd(case):
+    args, dout = _batch(case, 3)
+    want = reference.reference_grads(**args, dout=dout, compute_dtype=torch.float64)
+    got = reference.hstu_attn_fp8_grad_emulation(**{k: (v.double() if isinstance(v, torch.Tensor) and
+                                                        v.is_floating_point() else v) for k, v in args.items()},
+                                                 dout=dout.double(), quant_mode=5, quantize_inputs=False,
+                                                 round_products=False)
+    for name in ("dq", "dk", "dv") + (("drab",) if args["rab"] is not None else ()):
+        scale = want[name].abs().max().item() or 1.0
+        assert (got[name] - want[name]).abs().max().item() <= 1e-9 * scale, name
+
+
+def _errors(args, dout, mode, **flags):
+    exact = reference.reference_grads(**args, dout=dout, compute_dtype=torch.float32)
+    got = reference.hstu_attn_fp8_grad_emulation(**args, dout=dout, quant_mode=mode, **flags)
+    return {n: ((got[n] - exact[n]).norm() / exact[n].norm()).item() for n in ("dq", "dk", "dv")}
+
+
+@pytest.mark.parametrize("case", ["causal", "ctx+tgt g3 rab1"])
+def test_quantization_error_is_e4m3_sized_and_finer_groups_help(case):
+    args, dout = _batch(case, 11)
+    per_block = _errors(args, dout, 2)
+    per_tensor = _errors(args, dout, 5)
+    products_only = _errors(args, dout, 2, quantize_inputs=False)
+    for name in ("dq", "dk", "dv"):
+        # e4m3 keeps 3 mantissa bits: relative errors of a few percent, never zero.
+        assert 1e-3 < products_only[name] < 0.1, (name, products_only)
+        assert 1e-3 < per_block[name] < 0.15, (name, per_block)
+        assert per_block[name] <= per_tensor[name] * 1.05, (name, per_block, per_tensor)
+
+
+def test_mode_zero_casts_a_small_do_away():
+    """Mode 0 casts dO as it is: a typical upstream gradient (1e-4) is below e4m3's subnormals,
+    so dV vanishes, where per-block scales (mode 2) keep it."""
+    args, dout = _batch("causal", 5)
+    dout = dout * 1e-2
+    exact = reference.reference_grads(**args, dout=dout, compute_dtype=torch.float32)
+    cast = reference.hstu_attn_fp8_grad_emulation(**args, dout=dout, quant_mode=0)
+    scaled = reference.hstu_attn_fp8_grad_emulation(**args, dout=dout, quant_mode=2)
+    assert cast["dv"].abs().max() == 0
+    assert ((scaled["dv"] - exact["dv"]).norm() / exact["dv"].norm()) < 0.15
+
+
+def test_running_scale_against_per_row_rule():
+    """Ascending blocks, the scale only grows, skipped blocks untouched; every value is e4m3 times
+    its block's running scale."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 40, generator=gen) * torch.tensor([1e-3, 1.0, 30.0, 1e3, 0.0])[None, :, None]
+    visited = torch.tensor([True, False, True])
+    out = reference.running_scale_e4m3(x, 16, True, visited, 1e-30)
+    assert torch.all(out[:, :, 16:32] == 0)
+    scale = torch.zeros(2, 5)
+    for j in (0, 32):
+        tile = x[:, :, j:j + 16]
+        need = 2.0 ** torch.ceil(torch.log2(tile.abs().amax(dim=2).clamp(min=1e-30) / 448))
+        scale = torch.maximum(scale, need)
+        expect = (tile / scale[:, :, None]).to(torch.float8_e4m3fn).float() * scale[:, :, None]
+        assert torch.equal(out[:, :, j:j + 16], expect)

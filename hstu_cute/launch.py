@@ -250,12 +250,14 @@ def fwd_key(p: Problem, arch: str, rab, tiles: dict | None = None, path: str = "
 
 
 #: Split keys: at least this many key blocks per part (each part pays a pipeline fill and an fp32
-#: partial output), between these many parts. H100, device time (CUDA graph), 16-bit D128: 16 parts
-#: for one user x (4096 + 256) 1.8-2.0x, x (16384 + 256) 4.0-4.1x, 4 parts for 8 users x (4096 + 64)
-#: 1.1-1.2x, but 2 parts for 16 users x (2048 + 128) 0.8x.
+#: partial output), between these many parts. H100, device time (CUDA graph), 16-bit D128
+#: (scripts/sweep_splits.py, docs/perf-log.md session 15): one user x (4096 + 256) 59.7 us with one
+#: part, 37.1 / 36.6 / 37.8 with 4 / 8 / 12, but 16 parts ran 33-187 us across runs (erratic, not
+#: understood); x (16384 + 256) 199.7 -> 56.6 with 8; 2 parts over 16 users lost (0.8x); more
+#: CTAs than SMs lost badly (8 users x 8 parts 118 us against 52 with 4).
 MIN_BLOCKS_PER_SPLIT = 2
 MIN_SPLITS = 4
-MAX_SPLITS = 16
+MAX_SPLITS = 8
 
 
 def key_splits(p: Problem, tile_m: int, tile_n: int, max_seqlen_q: int, max_seqlen_k: int, sms: int) -> int:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Session 15 GPU batch: the launcher's constants outside the cudagraph pool, torch integration,
-# the ecosystem tests (issue 19) and the compiled example from a cold process.
+# Session 15 GPU batch: paged / split-key tests at the final part cap, and the split benchmark.
 set -uo pipefail
 mkdir -p "$OUT"
-python -m pytest -q -p no:cacheprovider tests/test_torch_integration_gpu.py -k "reduce_overhead_first" 2>&1 | tail -3
-python -m pytest -q -p no:cacheprovider tests/test_torch_integration_gpu.py tests/test_ecosystem_gpu.py tests/test_training_step_gpu.py 2>&1 | tail -3
+python -m hstu_cute warmup --arch sm_90a --kernels fwd --mask causal --mask target --workers 16 2>&1 | tail -1
+python -m pytest -q -p no:cacheprovider tests/test_paged_gpu.py 2>&1 | tail -2 | tee "$OUT/paged_tests.txt"
+python scripts/gpu_split.py --out "$OUT/split.jsonl" 2>&1 | tail -8

@@ -319,9 +319,10 @@ def cached_lengths(page_offsets: torch.Tensor, last_page_lens: torch.Tensor, pag
     """(B,) int64 cached tokens per sequence, ``(pages - 1) * page_size + last_page_lens[b]`` (0
     without pages; the last page's length clamped into [1, page_size] as the kernels read it), on
     the tables' device with no sync."""
-    pages = (page_offsets[1:] - page_offsets[:-1]).long()
-    last = last_page_lens.long().clamp(1, page_size)
-    return torch.where(pages > 0, (pages - 1) * page_size + last, torch.zeros_like(pages))
+    # Without pages (pages - 1) * page_size + last <= 0: the final clamp makes it 0. Few ops: the
+    # paged call runs this on every launch with rab (each op costs host time).
+    pages = torch.diff(page_offsets).long()
+    return (pages * page_size + last_page_lens.clamp(1, page_size) - page_size).clamp_(min=0)
 
 
 def checked_cached_lengths(kv_cache, page_offsets, page_ids, last_page_lens) -> torch.Tensor:

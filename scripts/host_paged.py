@@ -4,7 +4,10 @@ rab gathered among the new tokens)."""
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import statistics
+import sys
 
 import torch
 
@@ -13,7 +16,7 @@ from hstu_cute.bench import host_us_per_call
 from hstu_cute.testing import random_jagged_batch, random_paged_batch
 
 
-def main(n: int = 1000, repeats: int = 5) -> None:
+def main(n: int = 1000, repeats: int = 5, profile: bool = False) -> None:
     plain = random_jagged_batch(4, 2, 128, 64, window_size=(-1, 0), device="cuda", seed=0)
     paged, _ = random_paged_batch([40, 17, 64, 5], [8, 8, 8, 8], 2, 128, 16, device="cuda", seed=0)
     paged_rab, _ = random_paged_batch([40, 17, 64, 5], [8, 8, 8, 8], 2, 128, 16, device="cuda", rab_heads=2, seed=0)
@@ -30,7 +33,16 @@ def main(n: int = 1000, repeats: int = 5) -> None:
         for name, kw in calls.items():
             samples = [host_us_per_call(lambda kw=kw: hstu_attn_varlen_func(**kw), n) for _ in range(repeats)]
             print(f"{name}: {statistics.median(samples):.1f} us per call (median of {repeats} x {n})", flush=True)
+        if profile:
+            # Where the rab case's host time goes: the functions with the most time of their own.
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(n):
+                hstu_attn_varlen_func(**paged_rab)
+            prof.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(15)
 
 
 if __name__ == "__main__":
-    main()
+    main(profile="--profile" in sys.argv)

@@ -139,3 +139,25 @@ def test_key_block_parts_cover_each_block_once(count, parts):
         assert part.part_index == index and part.count >= 0
         covered += [part.first + i for i in range(part.count)]
     assert covered == list(range(count))
+
+
+def test_cached_lengths_and_rab_among_new():
+    """The launcher's C_b (validation.cached_lengths) and the rab among the new tokens
+    (launch.rab_among_new: rab[b, h, C_b + i, C_b + j] inside each sequence), against a direct
+    loop, for a strided rab and a sequence without pages."""
+    from hstu_cute import launch
+
+    page_size = 16
+    page_offsets = torch.tensor([0, 3, 3, 4, 6], dtype=torch.int32)
+    last_page_lens = torch.tensor([5, 1, 16, 9], dtype=torch.int32)
+    cached = validation.cached_lengths(page_offsets, last_page_lens, page_size)
+    assert cached.tolist() == [37, 0, 16, 25]
+    new = [6, 11, 3, 8]
+    max_k = max(c + n for c, n in zip(cached.tolist(), new))
+    base = torch.randn(4, 3, max_k + 2, max_k + 5)
+    rab = base[:, ::2, :max_k, 1:max_k + 1]  # strided: every other head, an offset column
+    for _ in range(2):  # the second call takes the cached geometry
+        got = launch.rab_among_new(rab, page_offsets, last_page_lens, page_size, max(new))
+    assert got.shape == (4, 2, 16, 16)
+    for b, (c, n) in enumerate(zip(cached.tolist(), new)):
+        assert torch.equal(got[b, :, :n, :n], rab[b, :, c:c + n, c:c + n])

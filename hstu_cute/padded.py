@@ -62,6 +62,27 @@ def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     return offsets
 
 
+_UNIFORM_OFFSETS: dict = {}
+
+
+def _uniform_offsets(batch: int, max_len: int, device) -> torch.Tensor:
+    """(B+1,) int32 offsets 0, N, 2N, ...: a view of one buffer per (N, device), grown by doubling
+    (two torch ops per call cost the padded entry ~20-40 us of host time on the H100 host). The
+    buffers live outside torch's allocator (reduce-overhead's cudagraph pool rejects a live tensor
+    it does not own) and are never freed; a capture gets fresh offsets."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return torch.arange(batch + 1, dtype=torch.int32, device=device) * max_len
+    buffer = _UNIFORM_OFFSETS.get((max_len, device))
+    if buffer is None or buffer.shape[0] < batch + 1:
+        from .launch import _outside_torch_pool
+
+        size = max(batch + 1, 2 * buffer.shape[0] if buffer is not None else 64)
+        buffer = _UNIFORM_OFFSETS[(max_len, device)] = _outside_torch_pool((size,), torch.int32, device)
+        buffer.copy_(torch.arange(size, dtype=torch.int32) * max_len)
+    return buffer[: batch + 1]
+
+
 def _flatten_batch(name: str, t: torch.Tensor) -> torch.Tensor:
     """(B, N, H, D) -> (B * N, H, D): a view when dims 0 and 1 merge, a copy otherwise."""
     if not isinstance(t, torch.Tensor):
@@ -110,7 +131,7 @@ def hstu_attn_padded(
             fail(ValueError, f"{name}.shape[:3]", f"{tuple(q.shape[:3])} (q's batch, max_len, heads)",
                  tuple(t.shape[:3]))
     seqused = _lengths_tensor(lengths, batch, max_len, q.device)
-    offsets = torch.arange(batch + 1, dtype=torch.int32, device=q.device) * max_len
+    offsets = _uniform_offsets(batch, max_len, q.device)
     out = hstu_attention(
         *flat, offsets, max_len, num_contexts=num_contexts, num_targets=num_targets,
         target_group_size=target_group_size, window_size=window_size, alpha=alpha, rab=rab, has_drab=has_drab,

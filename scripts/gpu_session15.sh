@@ -1,7 +1,5 @@
 #!/usr/bin/env bash
-# Session 15 GPU batch: the paged tests and the paged call's host time after the leaner rab gather.
+# Session 15 GPU batch: the padded entry's host time with cached offsets, and its GPU tests.
 set -uo pipefail
-mkdir -p "$OUT"
-python -m hstu_cute warmup --arch sm_90a --kernels fwd --mask causal --mask target --workers 16 2>&1 | tail -1
-python -m pytest -q -p no:cacheprovider tests/test_paged_gpu.py tests/test_kv_cache.py 2>&1 | tail -2
-python scripts/host_paged.py --profile 2>&1 | tail -25
+python scripts/host_padded.py 2>&1 | head -3
+python -m pytest -q -p no:cacheprovider tests/test_ecosystem_gpu.py -k padded 2>&1 | tail -1

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The one GPU call: precompile (parallel) -> GPU tests -> compute-sanitizer -> backward smoke -> benchmark.
-# Usage on the GPU machine: [STAGES="warmup tests sanitizer smoke perf"] scripts/gpu_check.sh [perf modes]
+# The one GPU call: precompile (parallel) -> GPU tests -> compute-sanitizer -> backward smoke -> benchmark
+# -> serving (paged and split-key calls beside their same-run lines).
+# Usage on the GPU machine: [STAGES="warmup tests sanitizer smoke perf serving"] scripts/gpu_check.sh [perf modes]
 # (perf modes: scripts/gpu_perf.py's, default all). Logs under $OUT (or ./gpu-out). STAGES picks a
 # subset, so a long check can be split over two calls within one device command's time limit.
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
 export HSTU_CUTE_CACHE_DIR="${HSTU_CUTE_CACHE_DIR:-/tmp/hstu-cute-cache}"
-STAGES=" ${STAGES:-warmup tests sanitizer smoke perf} "
+STAGES=" ${STAGES:-warmup tests sanitizer smoke perf serving} "
 status=()
 if [[ $STAGES == *" warmup "* ]]; then
   t0=$(date +%s)
@@ -32,6 +33,12 @@ fi
 if [[ $STAGES == *" perf "* ]]; then
   python scripts/gpu_perf.py "${1:-all}" > "$OUT/perf.log" 2>&1; status+=("perf rc=$?")
   sed -n '/=== summary ===/,$p' "$OUT/perf.log"
+fi
+if [[ $STAGES == *" serving "* ]]; then
+  python scripts/gpu_serving.py --page-sizes 16 32 --out "$OUT/serving.jsonl" > "$OUT/serving.log" 2>&1
+  status+=("serving grid rc=$?: $OUT/serving.jsonl")
+  python scripts/gpu_split.py --out "$OUT/split.jsonl" > "$OUT/split.log" 2>&1
+  status+=("split keys rc=$?: $OUT/split.jsonl")
 fi
 echo "=== gpu_check ==="
 printf '%s\n' "${status[@]}"

@@ -86,39 +86,50 @@ def _filler(batch: int, device: torch.device, value: int) -> torch.Tensor:
     key = (batch, device, value)
     t = _FILLERS.get(key)
     if t is None:
-        if torch.cuda.is_current_stream_capturing():
-            return torch.full((batch,), value, dtype=torch.int32, device=device)
         if len(_FILLERS) > 64:
             _FILLERS.clear()
-        # Views of one buffer per (device, value), grown by doubling: the buffers are never freed.
-        base = _FILLER_BASES.get((device, value))
-        if base is None or base.shape[0] < batch:
-            size = max(batch, 2 * base.shape[0] if base is not None else 64)
-            base = _FILLER_BASES[(device, value)] = _outside_torch_pool((size,), torch.int32, device).fill_(value)
-        t = _FILLERS[key] = base[:batch]
+        t = constant_prefix(_FILLER_BASES, (device, value), batch, device,
+                            lambda n: torch.full((n,), value, dtype=torch.int32, device=device))
+        if not torch.cuda.is_current_stream_capturing():
+            _FILLERS[key] = t
     return t
 
 
 _FILLER_BASES: dict = {}
 
 
+def constant_prefix(buffers: dict, key, length: int, device, values) -> torch.Tensor:
+    """The first ``length`` entries of a cached int32 constant ``values(n)`` (n entries made on
+    ``device``, copied device to device: no host sync): a view of one buffer per ``key`` in
+    ``buffers``, grown by doubling, outside torch's allocator (:func:`_outside_torch_pool`; the
+    buffers are never freed). Inside a CUDA-graph capture, or off CUDA, a fresh tensor (a buffer
+    filled there would hold its values only when the graph replays)."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return values(length)
+    buffer = buffers.get(key)
+    if buffer is None or buffer.shape[0] < length:
+        size = max(length, 2 * buffer.shape[0] if buffer is not None else 64)
+        buffer = buffers[key] = _outside_torch_pool((size,), torch.int32, device).copy_(values(size))
+    return buffer[:length]
+
+
 def _outside_torch_pool(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
-    """A tensor in memory of its own (cudaMalloc, never freed), for cached constants that outlive
-    the call: torch.compile's cudagraph trees (mode="reduce-overhead") route the thread's
-    allocations to their pool while they warm up and reject a live tensor there that is not an
-    output. A capture itself gets fresh tensors instead (callers check)."""
+    """An uninitialized tensor in memory of its own (cudaMalloc, never freed), for cached device
+    state that outlives the call (tile counters, split-key arrival counts, constants):
+    torch.compile's cudagraph trees (mode="reduce-overhead") route the thread's allocations to
+    their pool while they warm up and reject a live tensor there that is not an output. A capture
+    itself gets fresh tensors instead (callers check)."""
     assert dtype.itemsize == 4, dtype
     if device.type != "cuda":
         return torch.empty(shape, dtype=dtype, device=device)
     from cuda.bindings import runtime as cudart
 
-    nbytes = max(1, math.prod(shape)) * dtype.itemsize
+    words = max(1, math.prod(shape))
     with torch.cuda.device(device):
-        err, ptr = cudart.cudaMalloc(nbytes)
+        err, ptr = cudart.cudaMalloc(words * 4)
     if err != cudart.cudaError_t.cudaSuccess:
-        raise RuntimeError(f"cudaMalloc of a cached constant failed: {err}")
-    words = torch.as_tensor(_DeviceWords(int(ptr), nbytes // 4), device=device)
-    return words.view(dtype)[: math.prod(shape)].view(shape)
+        raise RuntimeError(f"cudaMalloc of {words * 4} bytes of cached device state failed: {err}")
+    return torch.as_tensor(_DeviceWords(int(ptr), words), device=device).view(dtype)[: math.prod(shape)].view(shape)
 
 
 def _sequence_args(p: Problem, device, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
@@ -195,8 +206,10 @@ def split_arrivals(device, count: int) -> torch.Tensor:
     key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
     counts = _SPLIT_ARRIVALS.get(key)
     if counts is None or counts.shape[0] < count:
-        # Stream-ordered: the old buffer's last kernel runs before anything reuses its memory.
-        counts = _SPLIT_ARRIVALS[key] = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        # Grown by doubling (the old buffer is never freed); zeroed on this stream, ahead of the
+        # kernel that first uses it.
+        size = max(count, 2 * counts.shape[0] if counts is not None else 4096)
+        counts = _SPLIT_ARRIVALS[key] = _outside_torch_pool((size,), torch.int32, device).zero_()
     return counts
 
 
@@ -205,17 +218,7 @@ def _new_tile_counter(device) -> torch.Tensor:
     allocator: torch.compile's cudagraph trees route the current thread's allocations to their
     pool while they warm up and reject a live tensor there that is not an output, and this one
     outlives the call. Zeroed on the current stream, ahead of the kernel that first uses it."""
-    from cuda.bindings import runtime as cudart
-
-    with torch.cuda.device(device):
-        err, ptr = cudart.cudaMalloc(8)
-        if err != cudart.cudaError_t.cudaSuccess:
-            raise RuntimeError(f"cudaMalloc of the tile counter failed: {err}")
-        stream = cudart.cudaStream_t(torch.cuda.current_stream(device).cuda_stream)
-        (err,) = cudart.cudaMemsetAsync(ptr, 0, 8, stream)
-        if err != cudart.cudaError_t.cudaSuccess:
-            raise RuntimeError(f"cudaMemsetAsync of the tile counter failed: {err}")
-    return torch.as_tensor(_DeviceWords(int(ptr), 2), device=device)
+    return _outside_torch_pool((2,), torch.int32, device).zero_()
 
 
 class _DeviceWords:
@@ -401,8 +404,8 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
     With ``fp8`` q and k are e4m3 and the Hopper FP8 kernel runs (``v`` is unused: the kernel
     reads ``fp8.vt``); ``out`` is in ``fp8.out_dtype``. ``paged``: (kv_cache, page_offsets,
     page_ids, last_page_lens) of a call with ``p.page_size`` (validated). ``splits``: parts of the
-    key blocks on the Hopper 16-bit path (None: :func:`key_splits`; more than 1 needs a split-key
-    variant), the fp32 partial outputs summed here."""
+    key blocks on the Hopper 16-bit path (None: :func:`key_splits`; more than 1 takes the
+    split-key variant, whose parts add up inside the kernel)."""
     if fp8 is not None:
         path = "hopper"
     elif path is None:
@@ -491,6 +494,8 @@ def _rab_gather_geometry(rab: torch.Tensor, width: int) -> tuple[torch.Tensor, t
     key = (tuple(rab.shape), rab.stride(), rab.device, width)
     geometry = _RAB_GATHER.get(key)
     if geometry is None:
+        # Made inside a CUDA-graph capture its values exist only when the graph replays: not kept.
+        capturing = rab.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if len(_RAB_GATHER) > 64:
             _RAB_GATHER.clear()
         s_b, s_h, s_r, s_c = rab.stride()
@@ -499,7 +504,9 @@ def _rab_gather_geometry(rab: torch.Tensor, width: int) -> tuple[torch.Tensor, t
             torch.arange(rab.shape[1], device=rab.device) * s_h)[None, :, None, None]
         steps = torch.arange(width, device=rab.device)
         grid = steps[:, None] * s_r + steps[None, :] * s_c
-        geometry = _RAB_GATHER[key] = (base, grid, extent)
+        geometry = (base, grid, extent)
+        if not capturing:
+            _RAB_GATHER[key] = geometry
     return geometry
 
 

@@ -66,21 +66,13 @@ _UNIFORM_OFFSETS: dict = {}
 
 
 def _uniform_offsets(batch: int, max_len: int, device) -> torch.Tensor:
-    """(B+1,) int32 offsets 0, N, 2N, ...: a view of one buffer per (N, device), grown by doubling
-    (two torch ops per call cost the padded entry ~20-40 us of host time on the H100 host). The
-    buffers live outside torch's allocator (reduce-overhead's cudagraph pool rejects a live tensor
-    it does not own) and are never freed; a capture gets fresh offsets."""
-    device = torch.device(device)
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return torch.arange(batch + 1, dtype=torch.int32, device=device) * max_len
-    buffer = _UNIFORM_OFFSETS.get((max_len, device))
-    if buffer is None or buffer.shape[0] < batch + 1:
-        from .launch import _outside_torch_pool
+    """(B+1,) int32 offsets 0, N, 2N, ..., cached per (N, device) (two torch ops per call cost the
+    padded entry ~20-40 us of host time on the H100 host): :func:`hstu_cute.launch.constant_prefix`."""
+    from .launch import constant_prefix
 
-        size = max(batch + 1, 2 * buffer.shape[0] if buffer is not None else 64)
-        buffer = _UNIFORM_OFFSETS[(max_len, device)] = _outside_torch_pool((size,), torch.int32, device)
-        buffer.copy_(torch.arange(size, dtype=torch.int32) * max_len)
-    return buffer[: batch + 1]
+    device = torch.device(device)
+    return constant_prefix(_UNIFORM_OFFSETS, (max_len, device), batch + 1, device,
+                           lambda n: torch.arange(n, dtype=torch.int32, device=device) * max_len)
 
 
 def _flatten_batch(name: str, t: torch.Tensor) -> torch.Tensor:

@@ -85,7 +85,7 @@ class HstuForwardSm90(HstuSm90Base):
                          persistent, dynamic_tiles)
         # FP8 (e4m3) q, k and V^T; the output and rab stay 16-bit (HstuForwardFp8Sm90).
         self.fp8 = dtype.width == 8
-        self.rab_dtype = out_dtype or dtype
+        self.out_dtype = self.rab_dtype = out_dtype or dtype
         # Split keys: a tile's key blocks come in ``num_splits`` parts (a runtime argument), one
         # CTA tile each (common.key_blocks.KeyBlocks.part): few query tiles over long keys (one
         # user's serving call) keep the SMs busy. Each part stores its fp32 partial output; the
@@ -93,7 +93,6 @@ class HstuForwardSm90(HstuSm90Base):
         # the output (store_split_tile).
         self.split_keys = split_keys
         assert not (split_keys and self.fp8)
-        self.out_dtype = self.rab_dtype
         # FP8 quant modes >= 1: P re-quantized per row with a running power-of-two scale
         # (hstu_cute.fp8_format), descales per (sequence, block, head). A query tile is one
         # quantizer block and a key tile lies inside one.

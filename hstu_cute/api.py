@@ -10,7 +10,7 @@ import torch
 import tvm_ffi  # noqa: F401  (the kernels' calling convention; importing it here keeps its ~50 ms
 #                  one-time cost out of the first call, e.g. out of a disk-cache load)
 
-from .launch import backward, forward, forward_fp8
+from .launch import backward, backward_fp8, check_fp8_backward, forward, forward_fp8
 from .validation import (
     check_device_data,
     device_checks_enabled,
@@ -21,7 +21,7 @@ from .validation import (
     validate_memoized,
 )
 
-__all__ = ["hstu_attn_varlen_func", "fwd_op", "bwd_op", "fwd_fp8_op", "fwd_paged_op"]
+__all__ = ["hstu_attn_varlen_func", "fwd_op", "bwd_op", "fwd_fp8_op", "bwd_fp8_op", "fwd_paged_op"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,6 +113,46 @@ def _fwd_fp8_fake(q, *rest):
     return q.new_empty(q.shape, dtype=output_dtype(q.dtype))
 
 
+# The FP8 backward (quant modes 0, 2-5): quantization of q, k, v, dO, the token-contiguous copies and
+# both kernels in one opaque op, registered as fwd_fp8's autograd formula.
+_BWD_FP8_SCHEMA = f"(Tensor dout, Tensor q, Tensor k, Tensor v, {_OP_ARGS}, int quant_mode) -> (Tensor, Tensor, Tensor)"
+
+
+def _bwd_fp8_impl(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
+                  num_targets, target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen,
+                  seqused_q, seqused_k, quant_mode):
+    p = problem_of_op_args(q, seq_offsets_q, max_seqlen_q, max_seqlen_k, num_contexts, num_targets, window_left,
+                           window_right, rab, is_delta_q, scaling_seqlen, quant_mode)
+    return backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
+                        num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p)
+
+
+def _bwd_fp8_fake(dout, q, k, v, *rest):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _fwd_fp8_setup_context(ctx, inputs, output):
+    (q, k, v, _, _, _, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+     target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen, seqused_q, seqused_k,
+     quant_mode) = inputs
+    ctx.save_for_backward(q, k, v, rab, seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q,
+                          seqused_k)
+    ctx.scalars = (max_seqlen_q, max_seqlen_k, target_group_size, window_left, window_right, alpha, is_delta_q,
+                   scaling_seqlen, quant_mode)
+
+
+def _fwd_fp8_backward(ctx, dout):
+    q, k, v, rab, seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = ctx.saved_tensors
+    (max_seqlen_q, max_seqlen_k, target_group_size, window_left, window_right, alpha, is_delta_q, scaling_seqlen,
+     quant_mode) = ctx.scalars
+    dq, dk, dv = torch.ops.hstu_cute.bwd_fp8(
+        dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+        target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen, seqused_q, seqused_k,
+        quant_mode)
+    # One gradient per input of fwd_fp8: q, k, v, then none for the descales, sequences, scalars and rab.
+    return (dq, dk, dv) + (None,) * 19
+
+
 # Serving from a paged KV cache: inference only (no autograd), one op with the cache's tables.
 _FWD_PAGED_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, {_OP_ARGS}, Tensor kv_cache, Tensor page_offsets, "
                      f"Tensor page_ids, Tensor last_page_lens) -> Tensor")
@@ -136,6 +176,9 @@ bwd_op = torch.library.custom_op("hstu_cute::bwd", _bwd_impl, mutates_args=(), s
 bwd_op.register_fake(_bwd_fake)
 fwd_fp8_op = torch.library.custom_op("hstu_cute::fwd_fp8", _fwd_fp8_impl, mutates_args=(), schema=_FWD_FP8_SCHEMA)
 fwd_fp8_op.register_fake(_fwd_fp8_fake)
+bwd_fp8_op = torch.library.custom_op("hstu_cute::bwd_fp8", _bwd_fp8_impl, mutates_args=(), schema=_BWD_FP8_SCHEMA)
+bwd_fp8_op.register_fake(_bwd_fp8_fake)
+fwd_fp8_op.register_autograd(_fwd_fp8_backward, setup_context=_fwd_fp8_setup_context)
 fwd_paged_op = torch.library.custom_op("hstu_cute::fwd_paged", _fwd_paged_impl, mutates_args=(),
                                        schema=_FWD_PAGED_SCHEMA)
 fwd_paged_op.register_fake(_fwd_fake)
@@ -374,11 +417,10 @@ def hstu_attn_varlen_func(
                                              p.window_right, alpha, rab, True, scaling_seqlen, seqused_q, seqused_k,
                                              kv_cache, page_offsets, page_ids, last_page_lens)
     if p.fp8:
-        if needs_grad or (rab is not None and rab.requires_grad and torch.is_grad_enabled()):
-            raise NotImplementedError(
-                "q/k/v.requires_grad: the FP8 path (pre-quantized inputs or quant_mode >= 0) is forward-only "
-                "so far; run it under torch.no_grad() or pass detached tensors (no silent 16-bit backward)")
-        if eager:
+        if needs_grad:
+            # Before any work: a call no FP8 backward serves fails here, never with a 16-bit backward.
+            check_fp8_backward(p, has_drab)
+        if eager and not needs_grad:
             return forward_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
                                num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p, descale_q,
                                descale_k, descale_v)

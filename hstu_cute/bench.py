@@ -409,16 +409,58 @@ def run_workload_bwd(w: Workload, sets: int = 3, tiles_dq: dict | None = None, t
     return row
 
 
-def run_training_step(w: Workload, sets: int = 3) -> dict:
+def run_workload_bwd_fp8(w: Workload, mode: int, entry: str = "kernel", sets: int = 3) -> dict:
+    """The FP8 backward (quant ``mode`` 0 or 2-5) on ``w``; FLOPs = 2.5 x forward, as for 16-bit.
+    ``entry``: "kernel" (quantized operands and copies made beforehand: the two kernels alone),
+    "quant" (the quantizers and copies alone: the row adds ``gbps``, 16-bit q, k, v, dO read and
+    e4m3 data plus three copies written once) or "end2end" (both, per call)."""
+    from . import launch, validation
+
+    calls = []
+    for s in range(sets):
+        full = make_inputs(w, seed=s)
+        kw = {k: v for k, v in full.items() if not k.startswith("_")}
+        p = validation.validate(
+            kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
+            kw["max_seqlen_k"], kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1),
+            kw["window_size"], 1.0, kw.get("rab"), False, kw["is_delta_q"], None, None, None, None, mode, -1, None,
+            None)
+        dout = (torch.rand_like(kw["q"]) - 0.5) * 0.02
+        offsets = (kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"], kw["max_seqlen_k"])
+        operands = launch.fp8_backward_operands(dout, kw["q"], kw["k"], kw["v"], *offsets, mode)
+        args = (dout, kw["q"], kw["k"], kw["v"], *offsets, kw.get("num_contexts"), kw.get("num_targets"),
+                kw.get("target_group_size", 1), 1.0, kw.get("rab"), None, None, p)
+        if entry == "kernel":
+            calls.append(lambda a=args, o=operands: launch.backward_fp8(*a, operands=o))
+        elif entry == "quant":
+            calls.append(lambda a=args: launch.fp8_backward_operands(*a[:8], mode))
+        else:
+            calls.append(lambda a=args: launch.backward_fp8(*a))
+    calls[0]()
+    ms, iqr = time_cuda(calls)
+    f, convention = flops(w, full["_lens_q"], full["_lens_k"])
+    row = dict(workload=w.name + " bwd", entry=f"fp8 bwd mode{mode} {entry}", ms=ms, iqr_ms=iqr,
+               tflops=2.5 * f / ms / 1e9, flops=convention + " x2.5", tiles="fp8 bwd default", path="hopper")
+    if entry == "quant":
+        moved = sum(x.numel() * (x.element_size() + 1) for x in (kw["q"], kw["k"], kw["v"], dout))
+        moved += sum(x.numel() for x in (kw["q"], kw["k"], dout))  # the three e4m3 copies
+        row.update(tflops=0.0, gbps=moved / ms / 1e6)
+    return row
+
+
+def run_training_step(w: Workload, sets: int = 3, quant_mode: int = -1) -> dict:
     """A training step as a model runs it: autograd forward + backward of the public call per
     sample (gradients of q, k, v), L2 flushed before each sample, launches queued with no host
-    sync inside; FLOPs 3.5 x the forward's."""
+    sync inside; FLOPs 3.5 x the forward's. ``quant_mode`` >= 0: the FP8 path (quantizers
+    included)."""
     from .api import hstu_attn_varlen_func
 
     calls = []
     for s in range(sets):
         full = make_inputs(w, seed=s)
         kw = {k: v for k, v in full.items() if not k.startswith("_")}
+        if quant_mode >= 0:
+            kw["quant_mode"] = quant_mode
         for name in ("q", "k", "v"):
             kw[name].requires_grad_(True)
         dout = torch.rand_like(kw["q"])
@@ -427,7 +469,7 @@ def run_training_step(w: Workload, sets: int = 3) -> dict:
     ms, iqr = time_flushed(calls)
     f, convention = flops(w, full["_lens_q"], full["_lens_k"])
     row = dict(workload=w.name + " step", ms=ms, iqr_ms=iqr, tflops=3.5 * f / ms / 1e9, flops=convention + " x3.5",
-               tiles="training step")
+               tiles="training step" + (f" fp8 mode{quant_mode}" if quant_mode >= 0 else ""))
     _sdpa_lines(w, row, f, "step")
     return row
 

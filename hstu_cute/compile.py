@@ -82,10 +82,19 @@ def _hopper_bwd(key):
                                 dynamic_tiles=key.dynamic_tiles)
 
 
+def _hopper_bwd_fp8(key):
+    from .hopper.bwd_fp8 import HstuBackwardDkDvFp8Sm90, HstuBackwardDqFp8Sm90
+
+    cls = HstuBackwardDqFp8Sm90 if key.role == "dq" else HstuBackwardDkDvFp8Sm90
+    return cls(key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n, key.num_stages,
+               dsl_dtype(key.out_dtype), persistent=key.persistent, dynamic_tiles=key.dynamic_tiles)
+
+
 KERNELS = {"ampere_fwd": _ampere_fwd, "ampere_fwd_paged": _ampere_fwd, "ampere_bwd_dq": _ampere_bwd, "ampere_bwd_dkdv": _ampere_bwd,
            "hopper_fwd": _hopper_fwd, "hopper_fwd_paged": _hopper_fwd, "hopper_fwd_fp8": _hopper_fwd_fp8, "hopper_fwd_vt": _hopper_vt,
            "hopper_fwd_cast": _hopper_cast, "hopper_fwd_quant": _hopper_quant, "hopper_bwd_dkdv": _hopper_bwd, "hopper_bwd_fused": _hopper_bwd,
-           "hopper_bwd_dq": _hopper_bwd, "hopper_bwd_wide": _hopper_bwd}
+           "hopper_bwd_dq": _hopper_bwd, "hopper_bwd_wide": _hopper_bwd, "hopper_bwd_fp8_dkdv": _hopper_bwd_fp8,
+           "hopper_bwd_fp8_dq": _hopper_bwd_fp8}
 
 
 def kernel_for(key):

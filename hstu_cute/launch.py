@@ -769,3 +769,93 @@ def _backward_pair(values, common, device, path, rab, drab, sum_heads, has_drab,
         _launch(key_dq, fn_dq, dict(values, mdRab=drab, mdRabAccum=drab_accum,
                                     num_m_blocks=-(-max_seqlen_q // key_dq.tile_m),
                                     **_walk_args(key_dq, p, values["mK"].shape[0], max_seqlen_k, device)))
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 backward
+# ---------------------------------------------------------------------------------------------
+def quantized_with_table(x: torch.Tensor, seq_offsets: torch.Tensor, max_seqlen: int, mode: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 (T, H, D), (B, blocks, H) descale table) of a 16-bit tensor with quant mode 0 or
+    2-5: mode 0 is a plain cast with a table of ones (a zero-strided view of a cached one)."""
+    if mode == QuantMode.CAST:
+        batch = seq_offsets.shape[0] - 1
+        return cast_e4m3(x), unit_descale(x.device).view(1, 1, 1).expand(batch, 1, x.shape[1])
+    return quantize_blocks(x, seq_offsets, max_seqlen, mode, False)
+
+
+def check_fp8_backward(p: Problem, has_drab: bool) -> None:
+    """NotImplementedError, naming the argument, for an FP8 training call no backward kernel
+    serves: raised before the forward runs, so that a training step fails before any work."""
+    from .variants import FP8_BWD_HEAD_DIMS
+
+    if p.quant_mode == -1:
+        raise NotImplementedError(
+            "q/k/v.requires_grad: pre-quantized float8_e4m3fn inputs are forward-only (FBGEMM's FP8 entry); "
+            "train with 16-bit inputs and quant_mode >= 0")
+    if p.quant_mode == QuantMode.TWO_DIRECTION:
+        raise NotImplementedError("quant_mode=1 with inputs that require grad: the FP8 backward serves quant "
+                                  "modes 0 and 2-5 so far (mode 1 is forward-only)")
+    if p.head_dim not in FP8_BWD_HEAD_DIMS:
+        raise NotImplementedError(f"q.shape[2] (head dim) with quant_mode={p.quant_mode} and inputs that require "
+                                  f"grad: the FP8 backward supports {FP8_BWD_HEAD_DIMS}, got {p.head_dim}")
+    if has_drab:
+        raise NotImplementedError(f"has_drab=True with quant_mode={p.quant_mode}: the FP8 backward computes "
+                                  "dq, dk, dv only so far")
+
+
+def fp8_backward_operands(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, mode: int
+                          ) -> dict:
+    """What the FP8 backward kernels read, by argument name: q, k, v and dO quantized with quant
+    mode 0 or 2-5 on the device (dO with q's groups), the token-contiguous copies Q^T, dO^T, K^T,
+    and the four descale tables (benchmarks time it apart from the kernels)."""
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    (q8, table_q), (do8, table_do) = (quantized_with_table(x, seq_offsets_q, max_seqlen_q, mode) for x in (q, dout))
+    (k8, table_k), (v8, table_v) = (quantized_with_table(x, seq_offsets_k, max_seqlen_k, mode) for x in (k, v))
+    return dict(mQ=q8, mK=k8, mV=v8, mdO=do8, mQt=transposed_for_pv(q8, seq_offsets_q),
+                mdOt=transposed_for_pv(do8, seq_offsets_q), mKt=transposed_for_pv(k8, seq_offsets_k),
+                mDescaleQ=table_q, mDescaleK=table_k, mDescaleV=table_v, mDescaleDO=table_do)
+
+
+def backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
+                 num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p: Problem,
+                 operands: dict | None = None):
+    """The FP8 backward of a validated quant-mode call (modes 0, 2-5; :func:`check_fp8_backward`):
+    :func:`fp8_backward_operands` (or the given ``operands``), then the FP8 dK/dV kernel and the dQ
+    kernel beside it (:mod:`hstu_cute.hopper.bwd_fp8`). Returns ``(dq, dk, dv)`` in the input
+    dtype; every gradient is summed in a fixed order (deterministic)."""
+    from .variants import make_hopper_fp8_bwd_key
+
+    check_fp8_backward(p, False)
+    device = q.device
+    if kernel_path(device) != "hopper":
+        raise NotImplementedError(f"quant_mode={p.quant_mode} backward: the FP8 kernels are Hopper-only (sm90); "
+                                  f"got {device_arch(device)}")
+    zero_q, zero_k = seqused_q is not None, seqused_k is not None
+    dq = (torch.zeros if zero_q else torch.empty)(q.shape, dtype=q.dtype, device=device)
+    dk = (torch.zeros if zero_k else torch.empty)(k.shape, dtype=k.dtype, device=device)
+    dv = (torch.zeros if zero_k else torch.empty)(v.shape, dtype=v.dtype, device=device)
+    if q.shape[0] == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or p.batch == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    if operands is None:
+        operands = fp8_backward_operands(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
+                                         p.quant_mode)
+    if rab is not None and rab_vec(rab) != 8:
+        rab = pad_rab_rows(rab)
+    context_target = p.mask.has_context or p.mask.has_target
+    values = dict(operands, mdQ=dq, mdK=dk, mdV=dv, mRab=rab, num_sms=num_sms(device),
+                  **_sequence_args(p, device, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
+                                   num_targets, context_target),
+                  **_scalar_args(p, alpha, target_group_size))
+    common = (device_arch(device), DTYPE_NAMES[p.dtype], p.head_dim, p.mask.kind, context_target, rab is not None)
+    key_kv = _made(make_hopper_fp8_bwd_key, "dkdv", *common)
+    key_q = _made(make_hopper_fp8_bwd_key, "dq", *common)
+    fn_kv, fn_q = _compiled(key_kv), _compiled(key_q)
+    with _on_device(device):
+        _launch(key_kv, fn_kv, dict(values, num_n_blocks=-(-max_seqlen_k // key_kv.tile_n),
+                                    **_walk_args(key_kv, p, q.shape[0], max_seqlen_q, device)))
+        with _beside(device):
+            _launch(key_q, fn_q, dict(values, num_m_blocks=-(-max_seqlen_q // key_q.tile_m),
+                                      **_walk_args(key_q, p, k.shape[0], max_seqlen_k, device)))
+    return dq, dk, dv

@@ -278,7 +278,7 @@ def validate(
     if not isinstance(has_drab, bool):
         fail(TypeError, "has_drab", "a bool", type(has_drab).__name__)
     if fp8 and has_drab:
-        raise NotImplementedError("has_drab: the FP8 path is forward-only so far (no FP8 backward); pass False")
+        raise NotImplementedError("has_drab: the FP8 backward computes dq, dk, dv only so far (no drab); pass False")
     if page_size and has_drab:
         raise NotImplementedError("has_drab: the paged KV cache path is inference-only (no backward); pass False")
     rab_heads = 0

@@ -33,7 +33,8 @@ SHIPPED_MASKS = ((MaskKind.NONE, False), (MaskKind.LOCAL, False), (MaskKind.CAUS
 __all__ = [
     "HEAD_DIMS", "DTYPES", "SHIPPED_MASKS", "AmpereFwdKey", "AmpereBwdKey", "HopperFwdKey", "HopperBwdKey",
     "KEY_CLASSES", "make_fwd_key", "make_bwd_keys", "make_hopper_fwd_key", "make_hopper_bwd_key",
-    "HopperFp8FwdKey", "make_hopper_fp8_fwd_key", "FP8_DTYPE", "FP8_HEAD_DIMS", "HopperVtKey", "HopperQuantKey",
+    "HopperFp8FwdKey", "make_hopper_fp8_fwd_key", "FP8_DTYPE", "FP8_HEAD_DIMS", "HopperFp8BwdKey",
+    "make_hopper_fp8_bwd_key", "FP8_BWD_HEAD_DIMS", "HopperVtKey", "HopperQuantKey",
     "make_hopper_quant_key", "QUANT_VARIANTS", "HopperPagedFwdKey", "make_hopper_paged_fwd_key", "PAGED_MASKS",
     "PAGE_SIZES", "SPLIT_KEY_MASKS", "AmperePagedFwdKey", "make_ampere_paged_fwd_key",
     "make_hopper_vt_key", "vt_width", "HopperCastKey", "make_hopper_cast_key",
@@ -476,6 +477,36 @@ def make_hopper_bwd_key(role, arch, dtype, head_dim, kind, context_target, has_r
                         **(tiles or hopper_bwd_tiles(role, head_dim, has_rab)))
 
 
+@dataclass(frozen=True)
+class HopperFp8BwdKey(HopperBwdKey):
+    """Compile key of the FP8 backward pair (:mod:`hstu_cute.hopper.bwd_fp8`): role "dkdv" or
+    "dq"; ``dtype`` is e4m3 (q, k, v, dO and their token-contiguous copies), ``out_dtype`` the
+    gradients' (and rab's) 16-bit type. Descales are (B, blocks, H) tables (quant modes 0, 2-5)."""
+
+    kernel_family: ClassVar[str] = "hopper_bwd_fp8"
+
+    out_dtype: str = "bfloat16"
+
+    def describe(self) -> str:
+        return super().describe() + f" ->{self.out_dtype}"
+
+
+#: Head dims of the FP8 backward: its dK and dV accumulators (2 x 64 x D fp32 per warpgroup) fit
+#: the registers up to D128 (D256 needs the wide kernel's split of D: docs/design/fp8-backward.md).
+FP8_BWD_HEAD_DIMS = (64, 128)
+# A dK/dV tile is one quantizer block of keys (128), its m-blocks and the dQ kernel's n-blocks lie
+# inside one block: the descales are scalars per GEMM.
+_FP8_BWD_TILES = {"dkdv": dict(tile_m=64, tile_n=128, persistent=True, dynamic_tiles=True),
+                  "dq": dict(tile_m=128, tile_n=64, persistent=True, dynamic_tiles=True)}
+
+
+def make_hopper_fp8_bwd_key(role, arch, out_dtype, head_dim, kind, context_target, has_rab,
+                            tiles=None) -> HopperFp8BwdKey:
+    fields = _variant_fields(arch, FP8_DTYPE, head_dim, kind, context_target, has_rab)
+    fields["fast_silu"] = True
+    return HopperFp8BwdKey(role=role, **fields, out_dtype=out_dtype, **(tiles or _FP8_BWD_TILES[role]))
+
+
 def _hopper_role_serves(role: str, head_dim: int) -> bool:
     if head_dim in HOPPER_WIDE_HEAD_DIMS:
         return role in ("wide", "dq")
@@ -483,7 +514,7 @@ def _hopper_role_serves(role: str, head_dim: int) -> bool:
 
 
 KEY_CLASSES = {cls.__name__: cls for cls in (AmpereFwdKey, AmpereBwdKey, HopperFwdKey, HopperBwdKey,
-                                              HopperFp8FwdKey, HopperVtKey, HopperCastKey, HopperQuantKey,
+                                              HopperFp8FwdKey, HopperFp8BwdKey, HopperVtKey, HopperCastKey, HopperQuantKey,
                                               HopperPagedFwdKey, AmperePagedFwdKey)}
 
 
@@ -554,6 +585,13 @@ def shipped_hopper_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_
     ]
 
 
+def shipped_hopper_fp8_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
+    """FP8 backward pairs (``dtypes``: the gradients' and rab's types)."""
+    return [make_hopper_fp8_bwd_key(role, arch, *variant, has_rab) for role in ("dkdv", "dq")
+            for variant in _shipped_variants(dtypes, [d for d in head_dims if d in FP8_BWD_HEAD_DIMS])
+            for has_rab in (False, True)]
+
+
 def shipped_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
     """Every compile key (forward and backward, every kernel family) the API can select for ``arch``."""
     dtypes, head_dims = tuple(dtypes), tuple(head_dims)
@@ -562,5 +600,6 @@ def shipped_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
     if has_hopper_kernels(arch):
         keys += (shipped_hopper_fwd_keys(arch, dtypes, head_dims) + shipped_hopper_bwd_keys(arch, dtypes, head_dims)
                  + shipped_hopper_fp8_fwd_keys(arch, dtypes, head_dims)
+                 + shipped_hopper_fp8_bwd_keys(arch, dtypes, head_dims)
                  + shipped_hopper_paged_fwd_keys(arch, dtypes, head_dims))
     return keys

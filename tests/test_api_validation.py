@@ -313,7 +313,7 @@ def test_fp8_not_built_cases_say_so(no_launch):
     small = {n: _t(16, H, 32, dtype=FP8) for n in "qkv"}
     with pytest.raises(NotImplementedError, match=r"head dim.*\(64, 128, 256\).*32"):
         hstu_cute.hstu_attn_varlen_func(**fp8_args(**small))
-    with pytest.raises(NotImplementedError, match="has_drab.*forward-only"):
+    with pytest.raises(NotImplementedError, match="has_drab.*dq, dk, dv only"):
         hstu_cute.hstu_attn_varlen_func(**base_args(quant_mode=0, rab=_t(2, 1, L, L), has_drab=True))
 
 
@@ -331,10 +331,12 @@ def test_descale_needs_fp8_inputs(name, no_launch):
 
 
 @needs_fp8
-@pytest.mark.parametrize("entry", ["prequantized", "mode0"])
-def test_fp8_on_meta_is_shapes_only_and_forward_only(entry, no_launch):
+@pytest.mark.parametrize("entry", ["prequantized", "mode0", "mode2"])
+def test_fp8_on_meta_is_shapes_only(entry, no_launch):
     """Meta tensors trace the FP8 op's fake implementation (bf16 out for e4m3 inputs, the inputs'
-    dtype for quant_mode); inputs that require grad raise (no FP8 backward yet)."""
+    dtype for quant_mode). With inputs that require grad, quant modes trace the registered FP8
+    backward (hstu_cute::bwd_fp8's fake: gradients shaped and typed like q, k, v); pre-quantized
+    inputs and mode 1 raise before any work (forward-only)."""
     args = fp8_args() if entry == "prequantized" else base_args(quant_mode=0, q=_t(16, H, D, dtype=FP16),
                                                                   k=_t(16, H, D, dtype=FP16),
                                                                   v=_t(16, H, D, dtype=FP16))
@@ -342,10 +344,20 @@ def test_fp8_on_meta_is_shapes_only_and_forward_only(entry, no_launch):
     out = hstu_cute.hstu_attn_varlen_func(**args)
     assert out.device.type == "meta" and out.shape == args["q"].shape
     assert out.dtype == (torch.bfloat16 if entry == "prequantized" else FP16)
-    if entry == "mode0":
-        args["q"] = args["q"].requires_grad_()
-        with pytest.raises(NotImplementedError, match="forward-only"):
-            hstu_cute.hstu_attn_varlen_func(**args)
+    if entry == "prequantized":
+        with pytest.raises(NotImplementedError, match="pre-quantized.*forward-only"):
+            hstu_cute.hstu_attn_varlen_func(**dict(args, q=args["q"].requires_grad_()))
+        return
+    mode = int(entry[-1])
+    args = dict(args, quant_mode=mode)
+    q, k, v = (args[n].requires_grad_() for n in "qkv")
+    out = hstu_cute.hstu_attn_varlen_func(**args)
+    assert out.requires_grad
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert all(g.device.type == "meta" and g.shape == x.shape and g.dtype == x.dtype
+               for g, x in ((dq, q), (dk, k), (dv, v)))
+    with pytest.raises(NotImplementedError, match="quant_mode=1.*forward-only"):
+        hstu_cute.hstu_attn_varlen_func(**dict(args, quant_mode=1))
 
 
 def test_all_on_meta_is_shapes_only(no_launch):

@@ -200,6 +200,57 @@ def silu_to_scaled_fp8_words(acc_S: cute.Tensor, half_alpha: Float32, dv: Float3
     return words
 
 
+def e4m3x4(x0: Float32, x1: Float32, x2: Float32, x3: Float32) -> Uint32:
+    """e4m3 of four fp32 values (round to nearest, saturating at +-448), packed low to high."""
+    return _asm(
+        Uint32, [Float32(x) for x in (x0, x1, x2, x3)],
+        "{\n"
+        ".reg .b16 lo, hi;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+        "mov.b32 $0, {lo, hi};\n"
+        "}",
+        "=r,f,f,f,f")
+
+
+#: The least running scale of a re-quantized row (the backward's P^T, G^T and G): a row that is all
+#: zeros (masked) keeps a normal power of two, so its reciprocal stays exact and finite.
+MIN_ROW_SCALE = 2.0 ** -100
+
+
+@cute.jit
+def scaled_fp8_words(acc: cute.Tensor, base: Float32, floor: Float32, row_scale: cute.Tensor,
+                     rescale: cute.Tensor) -> cute.Tensor:
+    """e4m3 words in operand order (as :func:`silu_to_fp8_words` packs them) of ``acc * base``, a
+    fp32 WGMMA accumulator of any sign re-quantized per row with a running power-of-two scale
+    (the FP8 backward's P^T, G^T and G; ``base``: the descale of the other operand of the GEMM the
+    words feed, folded in here). Each row's ``max(max |x|, floor) * base / 448`` (the quad's four
+    lanes hold the whole row) sets ``need``; ``row_scale`` (2,) <- max(row_scale, pow2_ceil(need)),
+    and ``rescale`` (2,) <- s_old / s_new, what the rows accumulated so far must be multiplied by
+    (0 where s was 0). The values are scaled in fp32: G can be far below f16's normal range."""
+    n = cute.size(acc)
+    flat = cute.make_tensor(acc.iterator, cute.make_layout(n))
+    magnitudes = [cute.arch.fmax(flat[k], -flat[k]) for k in range(n)]
+    # Accumulator order: flat[4j + 2i + c] is row g + 8i.
+    row_max = [_tree([magnitudes[k] for k in range(n) if (k % 4) // 2 == i], cute.arch.fmax) for i in (0, 1)]
+    multipliers = []
+    for i in cutlass.range_constexpr(2):
+        amax = cute.arch.fmax(row_max[i], cute.arch.shuffle_sync_bfly(row_max[i], 1))
+        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 2))
+        need = cute.arch.fmax(cute.arch.fmax(amax, floor) * base * Float32(1.0 / E4M3_MAX), Float32(MIN_ROW_SCALE))
+        scale = cute.arch.fmax(row_scale[i], pow2_ceil(need))
+        inverse = pow2_reciprocal(scale)
+        rescale[i] = row_scale[i] * inverse
+        row_scale[i] = scale
+        multipliers.append(base * inverse)
+    words = cute.make_rmem_tensor(cute.make_layout(n // 4), Uint32)
+    for h in cutlass.range_constexpr(n // 8):
+        for r in cutlass.range_constexpr(2):
+            slots = (ROW_G_SLOTS, ROW_G8_SLOTS)[r]
+            words[2 * h + r] = e4m3x4(*(flat[8 * h + s] * multipliers[r] for s in slots))
+    return words
+
+
 @cute.jit
 def scale_rows(acc: cute.Tensor, factors: cute.Tensor):
     """Multiply the thread's rows (g, g + 8) of a WGMMA accumulator by ``factors`` (2,)."""

@@ -35,7 +35,8 @@ from ..common.sm90 import (
     zero_smem_rows_past,
 )
 from ..common.tile_scheduler import SectionWalk
-from .bwd_base import HstuBackwardSm90Base, KeyBlockProducer, store_dk_dv
+from ..fp8_format import vt_column_start
+from .bwd_base import HstuBackwardSm90Base, KeyBlockProducer, store_dk_dv, transposed_tiles
 
 
 class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
@@ -382,6 +383,9 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
     0 * NaN would be NaN). Epilogue: dQ stored from registers, query rows past seqlen_q skipped.
     """
 
+    # The FP8 kernel's K^T loads (atom, tensor, smem ring): they go with K and V.
+    transposed_k_loads = None
+
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
                  num_stages: int, fast_silu: bool, persistent: bool = False, dynamic_tiles: bool = False):
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, tile_m // 64,
@@ -510,6 +514,11 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
                                        (self.tile_m, self.tile_n), (m_block, None))
                 tRsR, tRgR = cpasync.tma_partition(tma_atom_rab, 0, one, cute.group_modes(sRab, 0, 2),
                                                    cute.group_modes(gRab, 0, 2))
+            transposed = self.transposed_k_loads
+            if const_expr(transposed is not None):
+                atom_kt, tma_kt, sKt = transposed
+                tKtsKt, tKtgKt = transposed_tiles(atom_kt, tma_kt, sKt, head, vt_column_start(k_start, batch), D,
+                                                  self.tile_n)
             if const_expr(not q_after_kv):
                 self.load_q(tma_atom_q, tQgQ, tQsQ, tma_atom_do, tOgO, tOsO, pipe_q, q_state)
             for it in cutlass.range(n_count, unroll=1):
@@ -520,6 +529,8 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
                 cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, kv_state.index], tma_bar_ptr=bar)
                 if const_expr(self.has_rab):
                     cute.copy(tma_atom_rab, tRgR[None, n_block], tRsR[None, kv_state.index], tma_bar_ptr=bar)
+                if const_expr(transposed is not None):
+                    cute.copy(atom_kt, tKtgKt[None, n_block], tKtsKt[None, kv_state.index], tma_bar_ptr=bar)
                 kv_state = advanced(kv_state)
                 if const_expr(q_after_kv):
                     if it == 0:

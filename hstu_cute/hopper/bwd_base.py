@@ -12,6 +12,7 @@ from cutlass.cute.nvgpu import cpasync
 from .. import masks
 from ..common.mask_apply import KERNEL_OPS
 from ..common.sm90 import advanced, sm90_tma_atom_rab, sm90_tma_atom_tokens, store_acc_rows, wgmma_acc_rows_cols
+from ..fp8_format import vt_column_start
 from .base import HstuSm90Base
 
 
@@ -56,16 +57,33 @@ class HstuBackwardSm90Base(HstuSm90Base):
         return tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab, tma_rab
 
 
+@cute.jit
+def transposed_tiles(tma_atom, tma_xt, sXt, head: Int32, column0: Int32, rows: cutlass.Constexpr,
+                     tile: cutlass.Constexpr):
+    """(smem, global) TMA partitions of the (``rows``, ``tile``) tiles of an FP8 token-contiguous
+    copy (H, D, W) (:func:`hstu_cute.launch.transposed_for_pv`) of one head, the sequence's
+    columns starting at ``column0`` (16-byte aligned: :func:`hstu_cute.fp8_format.vt_column_start`)."""
+    gXt = cute.local_tile(cute.domain_offset((0, column0), tma_xt[None, None, head]), (rows, tile), (0, None))
+    return cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sXt, 0, 2),
+                                 cute.group_modes(gXt, 0, 2))
+
+
 class KeyBlockProducer:
     """The producer of the dK/dV kernels: K and V of one n-block (1-stage pipeline ``pipe_kv``),
-    then Q, dO (and rab) of every m-block that sees it into the ring ``pipe_q``."""
+    then Q, dO (and rab) of every m-block that sees it into the ring ``pipe_q``; the FP8 kernel
+    sets ``transposed_q_loads`` (Q^T and dO^T atoms, tensors and smem rings) and they go with them."""
+
+    transposed_q_loads = None
+    transposed_q_tiles = False
 
     def key_block_bytes(self):
         """Transaction bytes of the two pipelines: ``kv_bytes`` (K+V), ``q_bytes`` (Q+dO+rab)."""
         D = self.head_dim
         elem = self.dtype.width // 8
+        q_tiles = 4 if const_expr(self.transposed_q_tiles) else 2  # FP8: Q^T and dO^T with Q and dO
         self.kv_bytes = 2 * self.tile_n * D * elem
-        self.q_bytes = 2 * self.tile_m * D * elem + (self.tile_m * self.tile_n * elem if const_expr(self.has_rab) else 0)
+        self.q_bytes = q_tiles * self.tile_m * D * elem + (
+            self.tile_m * self.tile_n * (self.rab_dtype.width // 8) if const_expr(self.has_rab) else 0)
 
     @cute.jit
     def produce_key_block(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do,
@@ -98,6 +116,12 @@ class KeyBlockProducer:
                                    (self.tile_m, self.tile_n), (None, n_block))
             tRsR, tRgR = cpasync.tma_partition(tma_atom_rab, 0, one, cute.group_modes(sRab, 0, 2),
                                                cute.group_modes(gRab, 0, 2))
+        transposed = self.transposed_q_loads
+        if const_expr(transposed is not None):
+            atom_qt, tma_qt, atom_dot, tma_dot, sQt, sdOt = transposed
+            column0 = vt_column_start(q_start, batch)
+            tQtsQt, tQtgQt = transposed_tiles(atom_qt, tma_qt, sQt, head, column0, D, self.tile_m)
+            tOtsOt, tOtgOt = transposed_tiles(atom_dot, tma_dot, sdOt, head, column0, D, self.tile_m)
         kv_pending = Int32(1)
         if const_expr(not kv_after_q):
             self.load_kv(tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state)
@@ -109,6 +133,9 @@ class KeyBlockProducer:
                 cute.copy(tma_atom_do, tOgO[None, m_block], tOsO[None, q_state.index], tma_bar_ptr=bar)
                 if const_expr(self.has_rab):
                     cute.copy(tma_atom_rab, tRgR[None, m_block], tRsR[None, q_state.index], tma_bar_ptr=bar)
+                if const_expr(transposed is not None):
+                    cute.copy(atom_qt, tQtgQt[None, m_block], tQtsQt[None, q_state.index], tma_bar_ptr=bar)
+                    cute.copy(atom_dot, tOtgOt[None, m_block], tOtsOt[None, q_state.index], tma_bar_ptr=bar)
                 q_state = advanced(q_state)
                 if const_expr(kv_after_q):
                     if kv_pending != 0:

@@ -1,0 +1,458 @@
+"""FP8 (e4m3) backward for sm90a: the deterministic pair of the 16-bit backward
+(:mod:`hstu_cute.hopper.bwd`) with 8-bit WGMMAs (docs/design/fp8-backward.md, option A).
+
+Every operand of an 8-bit WGMMA in shared memory is K-major. The score products (S^T = K Q^T,
+dP^T = V dO^T in the dK/dV kernel, S = Q K^T, dP = dO V^T in the dQ kernel) read the (T, H, D)
+e4m3 tensors as they are; the token-reduction products take their B operand from a
+token-contiguous copy (Q^T, dO^T, K^T: (H, D, W), :func:`hstu_cute.launch.transposed_for_pv`)
+whose tokens sit in ``fp8_format.KEY_AT_COLUMN`` order within every 16-token group, so that
+P^T, G^T and G go from the fp32 accumulator into the register A operand with no data movement
+(:func:`hstu_cute.common.fp8.scaled_fp8_words`). Those three are re-quantized per accumulator
+row with a running power-of-two scale (the rule of :func:`hstu_cute.reference.running_scale_e4m3`);
+the descale of the GEMM's other operand is folded into the multiplier, the accumulated rows are
+rescaled when a row's scale grows, and the epilogue multiplies by the final scale.
+
+Descales: (B, blocks, H) fp32 tables of q, k, v and dO (quant modes 2-5; blocks of
+``fp8_format.BLOCK_TOKENS`` tokens from each sequence start; mode 0 passes tables of ones). A
+dK/dV tile (128 keys) is one key block; its m-blocks (64 queries) lie inside one query block,
+and so do the dQ kernel's n-blocks (64 keys) inside one key block.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from .. import masks
+from ..common.fp8 import rescale_rows_if_needed, scale_rows, scaled_fp8_words, words_to_operand_a, zero_smem_cols_past
+from ..common.mask_apply import KERNEL_OPS, apply_mask_key_major, apply_mask_rows_cols
+from ..common.seqinfo import ScoreScalars, SequenceArgs
+from ..common.silu import silu_and_grad_unscaled
+from ..common.sm90 import (
+    advanced,
+    rows_zero_copy,
+    shared_storage,
+    sm90_bwd_pipelines,
+    sm90_smem_layout,
+    smem_tensors,
+    store_acc_rows,
+    trivial_mma,
+    wgmma,
+    wgmma_acc_rows_cols,
+    zero_smem_rows_past,
+)
+from ..common.tile_scheduler import SectionWalk
+from ..fp8_format import BLOCK_TOKENS, P_AMAX_FLOOR
+from .bwd import HstuBackwardDkDvSm90, HstuBackwardDqSm90
+from .bwd_base import store_dk_dv
+
+# G has no natural floor (dO can be any size): a row of zeros keeps common.fp8.MIN_ROW_SCALE.
+G_AMAX_FLOOR = 0.0
+
+
+def transposed_atom(mXt, stage_layout, rows: int, cols: int):
+    """TMA load atom over an FP8 token-contiguous copy (H, D, W) seen as (D, W, H): (``rows`` dims,
+    ``cols`` tokens) tiles of one head."""
+    view = cute.make_tensor(mXt.iterator, cute.select(mXt.layout, mode=[1, 2, 0]))
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view, stage_layout, (rows, cols))
+
+
+@cute.jit
+def block_descale(mTable, batch: Int32, token: Int32, head: Int32) -> Float32:
+    """The descale of the quantizer block holding ``token`` (counted from its sequence's start)
+    in a (B, blocks, H) table (block index clamped into the table: modes 3-5 have one)."""
+    return mTable[batch, cutlass.min(token // BLOCK_TOKENS, mTable.shape[1] - 1), head]
+
+
+@cute.jit
+def epilogue_rows(acc, row_scale, factor: Float32):
+    """Multiply the thread's two accumulator rows by their final running scale times ``factor``."""
+    factors = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+    for i in cutlass.range_constexpr(2):
+        factors[i] = row_scale[i] * factor
+    scale_rows(acc, factors)
+
+
+class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
+    """dK, dV kernel of the FP8 backward: the 16-bit dK/dV kernel's tiles, walk and warp roles, with
+    e4m3 K, V (the CTA's, 1-stage pipeline) and Q, dO, Q^T, dO^T (+ 16-bit rab) per m-block in the
+    ring. Per m-block: S^T = K Q^T and dP^T = V dO^T (SS, descaled by dq dk and ddO dv), P^T and G^T
+    (tanh SiLU, unscaled as in bf16), then dV += P^T8 dO^T8 and dK += G^T8 Q^T8 (RS, the register
+    operands re-quantized per key row: P^T with ddO folded in, G^T with ddO dv dq).
+
+    Warp roles, pipelines and barriers as :class:`~hstu_cute.hopper.bwd.HstuBackwardDkDvSm90` (not
+    fused). Named barriers 4/5: a warpgroup zeroes the Q/dO rows and Q^T/dO^T columns past
+    seqlen_q (TMA reads the next sequence, or the copies' padding, there). Epilogue: dK and dV times
+    each row's final scale, in ``grad_dtype``."""
+
+    transposed_q_tiles = True
+
+    def __init__(self, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
+                 num_stages: int, grad_dtype, persistent: bool = False, dynamic_tiles: bool = False):
+        super().__init__(cutlass.Float8E4M3FN, head_dim, mask, has_rab, tile_m, tile_n, num_stages, True,
+                         fuse_dq=False, persistent=persistent, dynamic_tiles=dynamic_tiles)
+        self.grad_dtype = self.rab_dtype = grad_dtype
+        assert tile_n == BLOCK_TOKENS and BLOCK_TOKENS % tile_m == 0 and tile_m % 32 == 0
+
+    @cute.jit
+    def __call__(self, mQ, mK, mV, mdO, mQt, mdOt, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK,
+                 mNumContexts, mNumTargets, mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
+                 num_n_blocks, num_sms, bh_per_section, mTileCounter, mDescaleQ, mDescaleK, mDescaleV, mDescaleDO,
+                 stream):
+        D = self.head_dim
+        self.sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, None)
+        self.sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, self.num_stages)
+        # Q^T / dO^T stages (D, queries), queries contiguous: the K-major B operands of the dV and dK GEMMs.
+        self.sQt_layout = sm90_smem_layout(self.dtype, D, self.tile_m, self.num_stages)
+        self.sRab_layout = self.rab_ring_layout()
+        self.tiled_mma_s = trivial_mma(self.dtype, self.tile_m, False, self.num_mma_wg)
+        self.tiled_mma_d = trivial_mma(self.dtype, D, False, self.num_mma_wg, a_in_registers=True)
+        self.key_block_bytes()
+        loads = self.token_load_atoms(mQ, mK, mV, mdO, mRab, cute.slice_(self.sQ_layout, (None, None, 0)),
+                                      self.sK_layout, self.sRab_layout)
+        sQt_stage = cute.slice_(self.sQt_layout, (None, None, 0))
+        tma_atom_qt, tma_qt = transposed_atom(mQt, sQt_stage, D, self.tile_m)
+        tma_atom_dot, tma_dot = transposed_atom(mdOt, sQt_stage, D, self.tile_m)
+        tile = (self.dtype, cute.cosize(self.sK_layout))
+        ring = (self.dtype, cute.cosize(self.sQ_layout))
+        ring_t = (self.dtype, cute.cosize(self.sQt_layout))
+        ring_barriers, ring_words = self.tile_ring_storage()
+        self.shared_storage = shared_storage(
+            dict(mbar_kv=2, mbar_q=2 * self.num_stages, **ring_barriers),
+            dict(sK=tile, sV=tile, sQ=ring, sdO=ring, sQt=ring_t, sdOt=ring_t,
+                 sRab=(self.rab_dtype, self.smem_elems(self.sRab_layout))),
+            words=ring_words)
+        num_ctas = num_n_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
+        if const_expr(self.persistent):
+            num_ctas = cutlass.min(num_ctas, num_sms)
+        self.launch(*loads, tma_atom_qt, tma_qt, tma_atom_dot, tma_dot, mQ, mK, mdK, mdV,
+                    SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
+                    ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_n_blocks,
+                    bh_per_section, mTileCounter, (mDescaleQ, mDescaleK, mDescaleV, mDescaleDO),
+                    statics=dict(sK_layout=self.sK_layout, sQ_layout=self.sQ_layout, sQt_layout=self.sQt_layout,
+                                 sRab_layout=self.sRab_layout, tiled_mma_s=self.tiled_mma_s,
+                                 tiled_mma_d=self.tiled_mma_d, zero_rows=rows_zero_copy(self.dtype, D),
+                                 zero_cols=rows_zero_copy(self.dtype, self.tile_m)),
+                    grid=[num_ctas, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
+               tma_rab, tma_atom_qt, tma_qt, tma_atom_dot, tma_dot, mQ, mK, mdK, mdV, seqs, mRab, scalars,
+               num_n_blocks: Int32, bh_per_section: Int32, mTileCounter, descales, statics):
+        self.bind(statics)
+        tidx, warp_idx = self.prologue(tma_atom_k, tma_atom_v, tma_atom_q, tma_atom_do, tma_atom_rab, tma_atom_qt,
+                                       tma_atom_dot)
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        pipe_kv, pipe_q = sm90_bwd_pipelines(storage.mbar_kv, storage.mbar_q, self.kv_bytes,
+                                              self.q_bytes, self.num_stages, self.num_mma_threads)
+        s = smem_tensors(storage, dict(sK=self.sK_layout, sV=self.sK_layout, sQ=self.sQ_layout, sdO=self.sQ_layout,
+                                       sQt=self.sQt_layout, sdOt=self.sQt_layout, sRab=self.sRab_layout))
+        walk = SectionWalk(num_n_blocks, mQ.shape[1], seqs.mOffsetsQ.shape[0] - 1, bh_per_section, reverse=False)
+        seqinfo = self.sequence_info(seqs, scalars, mQ, mK)
+        claims = self.tile_claims(storage, walk, mTileCounter)
+        self.descales = descales
+        self.transposed_q_loads = (tma_atom_qt, tma_qt, tma_atom_dot, tma_dot, s["sQt"], s["sdOt"])
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.produce((tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do,
+                              tma_atom_rab, tma_rab, s["sK"], s["sV"], s["sQ"], s["sdO"], s["sRab"], pipe_kv, pipe_q,
+                              mRab), walk, seqinfo, claims)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            self.consume_fp8(tidx - 128, mdK, mdV, s["sK"], s["sV"], s["sQ"], s["sdO"], s["sQt"], s["sdOt"],
+                             s["sRab"], pipe_kv, pipe_q, scalars.alpha, scalars.inv_scale, walk, seqinfo, claims)
+
+    @cute.jit
+    def consume_fp8(self, tidx: Int32, mdK, mdV, sK, sV, sQ, sdO, sQt, sdOt, sRab, pipe_kv, pipe_q, alpha: Float32,
+                    inv_scale: Float32, walk, seqinfo, claims):
+        tiled_mma_s, tiled_mma_d = self.tiled_mma_s, self.tiled_mma_d
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        thr_mma_s = tiled_mma_s.get_slice(tidx)
+        wg_mma_s = tiled_mma_s.get_slice(wg * 128)
+        wg_mma_d = tiled_mma_d.get_slice(wg * 128)
+        tSrK = wg_mma_s.make_fragment_A(wg_mma_s.partition_A(sK))
+        tSrV = wg_mma_s.make_fragment_A(wg_mma_s.partition_A(sV))
+        tSrQ = wg_mma_s.make_fragment_B(wg_mma_s.partition_B(sQ))
+        tSrdO = wg_mma_s.make_fragment_B(wg_mma_s.partition_B(sdO))
+        # Q^T / dO^T (D, queries) are already the (N, K) B operands, K-major.
+        tDrQt = wg_mma_d.make_fragment_B(wg_mma_d.partition_B(sQt))
+        tDrdOt = wg_mma_d.make_fragment_B(wg_mma_d.partition_B(sdOt))
+        tScS = thr_mma_s.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
+        tSsRabT = None
+        if const_expr(self.has_rab):
+            sRabT = cute.composition(sRab, cute.make_ordered_layout((self.tile_n, self.tile_m, self.num_stages),
+                                                                    order=(1, 0, 2)))
+            tSsRabT = thr_mma_s.partition_C(sRabT)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        tile_args = (tidx, mdK, mdV, sQ, sdO, sQt, sdOt, pipe_kv, pipe_q, alpha, inv_scale, tSrK, tSrV, tSrQ, tSrdO,
+                     tDrQt, tDrdOt, tScS, tSsRabT)
+        self.for_each_tile(walk, seqinfo, self.consume_key_block, tile_args, (q_state, kv_state), claims=claims)
+
+    @cute.jit
+    def consume_key_block(self, tidx: Int32, mdK, mdV, sQ, sdO, sQt, sdOt, pipe_kv, pipe_q, alpha: Float32,
+                          inv_scale: Float32, tSrK, tSrV, tSrQ, tSrdO, tDrQt, tDrdOt, tScS, tSsRabT, n_block: Int32,
+                          head: Int32, batch: Int32, q_start: Int32, k_start: Int32, seq, m_lo: Int32, m_hi: Int32,
+                          q_state, kv_state):
+        """One n-block: dK and dV of its keys. Returns the advanced pipeline states."""
+        D = self.head_dim
+        tiled_mma_s, tiled_mma_d = self.tiled_mma_s, self.tiled_mma_d
+        spec = self.mask
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        tid_in_wg = tidx % 128
+        thr_mma_d = tiled_mma_d.get_slice(tidx)
+        wg_mma_d = tiled_mma_d.get_slice(wg * 128)
+        shape_S = tiled_mma_s.get_slice(wg * 128).partition_shape_C((self.tile_n, self.tile_m))
+        col0 = n_block * self.tile_n
+        k_rows = seq.seqlen_k - col0
+        mDescaleQ, mDescaleK, mDescaleV, mDescaleDO = self.descales
+        dk = block_descale(mDescaleK, batch, col0, head)
+        dv = block_descale(mDescaleV, batch, col0, head)
+        acc_dK = cute.make_rmem_tensor(wg_mma_d.partition_shape_C((self.tile_n, D)), Float32)
+        acc_dV = cute.make_rmem_tensor(wg_mma_d.partition_shape_C((self.tile_n, D)), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+        # The register operands, written only after the WGMMAs reading them retired (words_to_operand_a).
+        rP = wg_mma_d.make_fragment_A(wg_mma_d.partition_shape_A((self.tile_n, self.tile_m)))
+        rG = wg_mma_d.make_fragment_A(wg_mma_d.partition_shape_A((self.tile_n, self.tile_m)))
+        p_scale = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        g_scale = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        p_scale.fill(0.0)
+        g_scale.fill(0.0)
+        p_rescale = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        g_rescale = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        pipe_kv.consumer_wait(kv_state)
+        for m_block in cutlass.range(m_lo, m_hi, unroll=1):
+            if masks.tile_nonempty(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
+                pipe_q.consumer_wait(q_state)
+                stage = q_state.index
+                q_rows = seq.seqlen_q - m_block * self.tile_m
+                if q_rows < self.tile_m:
+                    zero_smem_rows_past(self.zero_rows, (sQ[None, None, stage], sdO[None, None, stage]),
+                                        (self.tile_m, D), tid_in_wg, wg, q_rows)
+                    zero_smem_cols_past(self.zero_cols, sQt[None, None, stage], (D, self.tile_m), tid_in_wg, wg,
+                                        q_rows)
+                    zero_smem_cols_past(self.zero_cols, sdOt[None, None, stage], (D, self.tile_m), tid_in_wg, wg,
+                                        q_rows)
+                dq = block_descale(mDescaleQ, batch, m_block * self.tile_m, head)
+                ddo = block_descale(mDescaleDO, batch, m_block * self.tile_m, head)
+                acc_S = cute.make_rmem_tensor(shape_S, Float32)
+                acc_dP = cute.make_rmem_tensor(shape_S, Float32)
+                wgmma(tiled_mma_s, acc_S, tSrK, tSrQ[None, None, None, stage], True, -1)
+                wgmma(tiled_mma_s, acc_dP, tSrV, tSrdO[None, None, None, stage], True, 1)
+                half_alpha = alpha * (dq * dk) * Float32(0.5)
+                if const_expr(self.has_rab):
+                    rRab = cute.make_rmem_tensor(shape_S, self.rab_dtype)
+                    cute.autovec_copy(tSsRabT[None, None, None, stage], rRab)
+                    acc_S.store(acc_S.load() * (dq * dk) + rRab.load().to(Float32))
+                    half_alpha = alpha * Float32(0.5)
+                warpgroup.wait_group(0)
+                silu_and_grad_unscaled(acc_S, acc_dP, half_alpha)
+                row_first = seq.row_offset + m_block * self.tile_m
+                is_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n,
+                                             KERNEL_OPS) & (q_rows >= self.tile_m)
+                if not is_full:
+                    apply_mask_key_major(acc_S, acc_dP, tScS, spec, seq, row_first, col0, q_rows)
+                p_words = scaled_fp8_words(acc_S, ddo, Float32(P_AMAX_FLOOR), p_scale, p_rescale)
+                g_words = scaled_fp8_words(acc_dP, ddo * dv * dq, Float32(G_AMAX_FLOOR), g_scale, g_rescale)
+                # The previous m-block's dV and dK GEMMs retired (wait_group(0) below).
+                rescale_rows_if_needed(acc_dV, p_rescale)
+                rescale_rows_if_needed(acc_dK, g_rescale)
+                words_to_operand_a(p_words, rP)
+                words_to_operand_a(g_words, rG)
+                wgmma(tiled_mma_d, acc_dV, rP, tDrdOt[None, None, None, stage], False, -1)
+                wgmma(tiled_mma_d, acc_dK, rG, tDrQt[None, None, None, stage], False, 0)
+                pipe_q.consumer_release(q_state)
+                q_state = advanced(q_state)
+
+        # Every WGMMA reading sK/sV has retired (the last dK GEMM waited for all).
+        pipe_kv.consumer_release(kv_state)
+        epilogue_rows(acc_dV, p_scale, inv_scale)
+        epilogue_rows(acc_dK, g_scale, alpha * inv_scale * Float32(0.5))
+        store_dk_dv(thr_mma_d, acc_dK, acc_dV, mdK, mdV, self.grad_dtype, self.tile_n, D, k_start, head, n_block,
+                    k_rows)
+        return q_state, advanced(kv_state)
+
+
+class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
+    """dQ kernel of the FP8 backward: the 16-bit dQ kernel's tiles, walk and warp roles, with e4m3
+    Q, dO (the CTA's) and K, V, K^T (+ 16-bit rab) per n-block in the ring. Per n-block: S = Q K^T
+    and dP = dO V^T (SS, descaled by dq dk and ddO dv), G (tanh SiLU, unscaled), dQ += G8 K^T8 (RS,
+    G re-quantized per query row with ddO dv dk folded in).
+
+    Warp roles, pipelines and barriers as :class:`~hstu_cute.hopper.bwd.HstuBackwardDqSm90`; named
+    barriers 4/5 after a warpgroup zeroes the K^T columns past seqlen_k. Epilogue: dQ times each
+    row's final scale, in ``grad_dtype``, query rows past seqlen_q skipped."""
+
+    def __init__(self, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
+                 num_stages: int, grad_dtype, persistent: bool = False, dynamic_tiles: bool = False):
+        super().__init__(cutlass.Float8E4M3FN, head_dim, mask, has_rab, tile_m, tile_n, num_stages, True,
+                         persistent=persistent, dynamic_tiles=dynamic_tiles)
+        self.grad_dtype = self.rab_dtype = grad_dtype
+        assert tile_m == BLOCK_TOKENS and BLOCK_TOKENS % tile_n == 0 and tile_n % 32 == 0
+
+    @cute.jit
+    def __call__(self, mQ, mK, mV, mdO, mKt, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
+                 mNumTargets, mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks,
+                 num_sms, bh_per_section, mTileCounter, mDescaleQ, mDescaleK, mDescaleV, mDescaleDO, stream):
+        D = self.head_dim
+        self.sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, None)
+        self.sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, self.num_stages)
+        # K^T stages (D, keys), keys contiguous: the K-major B operand of dQ += G K.
+        self.sKt_layout = sm90_smem_layout(self.dtype, D, self.tile_n, self.num_stages)
+        self.sRab_layout = self.rab_ring_layout()
+        self.tiled_mma_s = trivial_mma(self.dtype, self.tile_n, False, self.num_mma_wg)
+        self.tiled_mma_dq = trivial_mma(self.dtype, D, False, self.num_mma_wg, a_in_registers=True)
+        loads = self.token_load_atoms(mQ, mK, mV, mdO, mRab, self.sQ_layout,
+                                      cute.slice_(self.sK_layout, (None, None, 0)), self.sRab_layout)
+        tma_atom_kt, tma_kt = transposed_atom(mKt, cute.slice_(self.sKt_layout, (None, None, 0)), D, self.tile_n)
+        self.q_bytes = 2 * self.tile_m * D
+        self.kv_bytes = 3 * self.tile_n * D + (
+            self.tile_m * self.tile_n * (self.rab_dtype.width // 8) if const_expr(self.has_rab) else 0)
+        tile = (self.dtype, cute.cosize(self.sQ_layout))
+        ring = (self.dtype, cute.cosize(self.sK_layout))
+        ring_barriers, ring_words = self.tile_ring_storage()
+        self.shared_storage = shared_storage(
+            dict(mbar_q=2, mbar_kv=2 * self.num_stages, **ring_barriers),
+            dict(sQ=tile, sdO=tile, sK=ring, sV=ring, sKt=(self.dtype, cute.cosize(self.sKt_layout)),
+                 sRab=(self.rab_dtype, self.smem_elems(self.sRab_layout))),
+            words=ring_words)
+        num_ctas = num_m_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
+        if const_expr(self.persistent):
+            num_ctas = cutlass.min(num_ctas, num_sms)
+        k_v, q_do, rab = loads[0:4], loads[4:8], loads[8:10]
+        self.launch(*q_do, *k_v, *rab, tma_atom_kt, tma_kt, mQ, mK, mdQ,
+                    SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
+                    ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_m_blocks,
+                    bh_per_section, mTileCounter, (mDescaleQ, mDescaleK, mDescaleV, mDescaleDO),
+                    statics=dict(sQ_layout=self.sQ_layout, sK_layout=self.sK_layout, sKt_layout=self.sKt_layout,
+                                 sRab_layout=self.sRab_layout, tiled_mma_s=self.tiled_mma_s,
+                                 tiled_mma_dq=self.tiled_mma_dq, zero_cols=rows_zero_copy(self.dtype, self.tile_n)),
+                    grid=[num_ctas, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab,
+               tma_rab, tma_atom_kt, tma_kt, mQ, mK, mdQ, seqs, mRab, scalars, num_m_blocks: Int32,
+               bh_per_section: Int32, mTileCounter, descales, statics):
+        self.bind(statics)
+        tidx, warp_idx = self.prologue(tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_rab, tma_atom_kt)
+        storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        pipe_q, pipe_kv = sm90_bwd_pipelines(storage.mbar_q, storage.mbar_kv, self.q_bytes,
+                                              self.kv_bytes, self.num_stages, self.num_mma_threads)
+        s = smem_tensors(storage, dict(sQ=self.sQ_layout, sdO=self.sQ_layout, sK=self.sK_layout, sV=self.sK_layout,
+                                       sKt=self.sKt_layout, sRab=self.sRab_layout))
+        walk = SectionWalk(num_m_blocks, mQ.shape[1], seqs.mOffsetsQ.shape[0] - 1, bh_per_section, reverse=True)
+        seqinfo = self.sequence_info(seqs, scalars, mQ, mK)
+        claims = self.tile_claims(storage, walk, mTileCounter)
+        self.descales = descales
+        self.transposed_k_loads = (tma_atom_kt, tma_kt, s["sKt"])
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.produce((tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
+                              tma_atom_rab, tma_rab, s["sQ"], s["sdO"], s["sK"], s["sV"], s["sRab"], pipe_q, pipe_kv,
+                              mRab), walk, seqinfo, claims)
+        else:
+            cute.arch.setmaxregister_increase(self.mma_regs)
+            block_args = (tidx - 128, mdQ, s["sQ"], s["sdO"], s["sK"], s["sV"], s["sKt"], s["sRab"], pipe_q, pipe_kv,
+                          scalars.alpha, scalars.inv_scale)
+            states = ()
+            if const_expr(self.persistent):
+                states = (pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
+                          pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages))
+            self.for_each_tile(walk, seqinfo, self.consume_query_block_fp8, block_args, states, claims=claims)
+
+    @cute.jit
+    def consume_query_block_fp8(self, tidx: Int32, mdQ, sQ, sdO, sK, sV, sKt, sRab, pipe_q, pipe_kv, alpha: Float32,
+                                inv_scale: Float32, m_block: Int32, head: Int32, batch: Int32, q_start: Int32,
+                                k_start: Int32, seq, sched, q_state=None, kv_state=None):
+        """dQ of one m-block; returns the advanced pipeline states (persistent CTAs pass theirs)."""
+        persistent = q_state is not None
+        tiled_mma_s, tiled_mma_dq = self.tiled_mma_s, self.tiled_mma_dq
+        D = self.head_dim
+        spec = self.mask
+        n_lo, hole_lo, hole_size, n_count = sched
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        thr_mma_s = tiled_mma_s.get_slice(tidx)
+        thr_mma_dq = tiled_mma_dq.get_slice(tidx)
+        wg_mma_s = tiled_mma_s.get_slice(wg * 128)
+        wg_mma_dq = tiled_mma_dq.get_slice(wg * 128)
+        tSrQ = wg_mma_s.make_fragment_A(wg_mma_s.partition_A(sQ))
+        tSrdO = wg_mma_s.make_fragment_A(wg_mma_s.partition_A(sdO))
+        tSrK = wg_mma_s.make_fragment_B(wg_mma_s.partition_B(sK))
+        tSrV = wg_mma_s.make_fragment_B(wg_mma_s.partition_B(sV))
+        tDrKt = wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(sKt))
+        shape_S = wg_mma_s.partition_shape_C((self.tile_m, self.tile_n))
+        acc_dQ = cute.make_rmem_tensor(wg_mma_dq.partition_shape_C((self.tile_m, D)), Float32)
+        acc_dQ.fill(0.0)
+        rG = wg_mma_dq.make_fragment_A(wg_mma_dq.partition_shape_A((self.tile_m, self.tile_n)))
+        g_scale = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        g_scale.fill(0.0)
+        g_rescale = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        tScS = thr_mma_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        tScS_rc = cute.make_tensor(tScS.iterator, wgmma_acc_rows_cols(tScS.layout))
+        tSsRab = None
+        if const_expr(self.has_rab):
+            tSsRab = thr_mma_s.partition_C(sRab)
+        row_first = seq.row_offset + m_block * self.tile_m
+        mDescaleQ, mDescaleK, mDescaleV, mDescaleDO = self.descales
+        dq = block_descale(mDescaleQ, batch, m_block * self.tile_m, head)
+        ddo = block_descale(mDescaleDO, batch, m_block * self.tile_m, head)
+
+        if const_expr(not persistent):
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        if n_count > 0:
+            pipe_q.consumer_wait(q_state)
+            for it in cutlass.range(n_count, unroll=1):
+                n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
+                pipe_kv.consumer_wait(kv_state)
+                stage = kv_state.index
+                k_rows = seq.seqlen_k - n_block * self.tile_n
+                if k_rows < self.tile_n:
+                    zero_smem_cols_past(self.zero_cols, sKt[None, None, stage], (D, self.tile_n), tidx % 128, wg,
+                                        k_rows)
+                dk = block_descale(mDescaleK, batch, n_block * self.tile_n, head)
+                dv = block_descale(mDescaleV, batch, n_block * self.tile_n, head)
+                acc_S = cute.make_rmem_tensor(shape_S, Float32)
+                acc_dP = cute.make_rmem_tensor(shape_S, Float32)
+                wgmma(tiled_mma_s, acc_S, tSrQ, tSrK[None, None, None, stage], True, -1)
+                wgmma(tiled_mma_s, acc_dP, tSrdO, tSrV[None, None, None, stage], True, 1)
+                half_alpha = alpha * (dq * dk) * Float32(0.5)
+                if const_expr(self.has_rab):
+                    rRab = cute.make_rmem_tensor(shape_S, self.rab_dtype)
+                    cute.autovec_copy(tSsRab[None, None, None, stage], rRab)
+                    acc_S.store(acc_S.load() * (dq * dk) + rRab.load().to(Float32))
+                    half_alpha = alpha * Float32(0.5)
+                warpgroup.wait_group(0)
+                silu_and_grad_unscaled(acc_S, acc_dP, half_alpha)
+                if not masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
+                    acc_rc = cute.make_tensor(acc_dP.iterator, wgmma_acc_rows_cols(acc_dP.layout))
+                    apply_mask_rows_cols(acc_rc, tScS_rc, spec, seq, row_first, n_block * self.tile_n)
+                words = scaled_fp8_words(acc_dP, ddo * dv * dk, Float32(G_AMAX_FLOOR), g_scale, g_rescale)
+                # The previous n-block's dQ GEMM retired (wait_group(0) below).
+                rescale_rows_if_needed(acc_dQ, g_rescale)
+                words_to_operand_a(words, rG)
+                wgmma(tiled_mma_dq, acc_dQ, rG, tDrKt[None, None, None, stage], False, 0)
+                pipe_kv.consumer_release(kv_state)
+                kv_state = advanced(kv_state)
+            if const_expr(persistent):
+                # The last dQ GEMM waited for every WGMMA: sQ / sdO are free for the next m-block.
+                pipe_q.consumer_release(q_state)
+                q_state = advanced(q_state)
+
+        epilogue_rows(acc_dQ, g_scale, alpha * inv_scale * Float32(0.5))
+        rOut = cute.make_rmem_tensor(acc_dQ.layout, self.grad_dtype)
+        rOut.store(acc_dQ.load().to(self.grad_dtype))
+        gOut = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]), (self.tile_m, D),
+                               (m_block, 0))
+        tQc = thr_mma_dq.partition_C(cute.make_identity_tensor((self.tile_m, D)))
+        tQc_rc = cute.make_tensor(tQc.iterator, wgmma_acc_rows_cols(tQc.layout))
+        store_acc_rows(rOut, thr_mma_dq.partition_C(gOut), tQc_rc, seq.seqlen_q - m_block * self.tile_m)
+        return q_state, kv_state

@@ -1,0 +1,88 @@
+"""The FP8 backward on the GPU in one call: precompile (parallel) the FP8 forward and backward
+variants the tests and benchmark use, run tests/test_fp8_backward_gpu.py, then the benchmark: the
+16-bit backward (default and deterministic pair) beside the FP8 backward (kernels alone, quantizers
+alone, end to end) and the training step bf16 vs FP8, same run. JSON lines to ``--out``.
+
+Usage on the GPU machine: python scripts/gpu_fp8_bwd.py [--stages warmup tests bench] [--out F]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+STAGES = ("warmup", "tests", "bench")
+
+
+def warmup() -> None:
+    from hstu_cute import variants
+    from hstu_cute.warmup import warmup as compile_all
+
+    keys = (variants.shipped_hopper_fp8_bwd_keys("sm_90a")
+            + variants.shipped_hopper_fp8_fwd_keys("sm_90a", head_dims=variants.FP8_BWD_HEAD_DIMS))
+    t0 = time.time()
+    results = compile_all("sm_90a", keys, workers=os.cpu_count(), raise_errors=False)
+    bad = [r for r in results if not r["ok"]]
+    print(f"warmup: {len(results)} keys, {len(bad)} failed, {time.time() - t0:.0f} s", flush=True)
+    for r in bad[:5]:
+        print("  FAILED", r["variant"], r["error"], flush=True)
+
+
+def bench(out) -> None:
+    import torch
+
+    from hstu_cute import bench as B
+
+    rows = []
+    for d in (128, 64):
+        w = B.Workload(f"full B8 N4096 D{d}", 8, 4096, head_dim=d)
+        steps = [lambda: B.run_workload_bwd(w), lambda: B.run_workload_bwd(w, deterministic=True)]
+        steps += [lambda m=m: B.run_workload_bwd_fp8(w, m, "kernel") for m in (2, 5, 0)]
+        steps += [lambda: B.run_workload_bwd_fp8(w, 2, "quant"), lambda: B.run_workload_bwd_fp8(w, 2, "end2end")]
+        steps += [lambda: B.run_training_step(w), lambda: B.run_training_step(w, quant_mode=2),
+                  lambda: B.run_training_step(w, quant_mode=5)]
+        for step in steps:
+            try:
+                row = step()
+            except Exception as e:  # keep the rest of the run
+                row = dict(workload=w.name, error=f"{type(e).__name__}: {e}")
+            row["gpu"] = torch.cuda.get_device_name()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if out:
+                with open(out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    print("=== summary ===")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['workload']:<22} ERROR {r['error']}")
+        else:
+            extra = f" {r['gbps']:.0f} GB/s" if "gbps" in r else ""
+            print(f"{r['workload']:<26} {r.get('entry', r.get('tiles', '')):<28} {r['ms']:.3f} ms "
+                  f"{r['tflops']:.1f} TF{extra}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stages", nargs="*", default=list(STAGES), choices=STAGES)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--pytest-args", default="")
+    args = parser.parse_args()
+    rc = 0
+    if "warmup" in args.stages:
+        warmup()
+    if "tests" in args.stages:
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_fp8_backward_gpu.py",
+               *args.pytest_args.split()]
+        rc = subprocess.call(cmd)
+        print(f"tests rc={rc}", flush=True)
+    if "bench" in args.stages:
+        bench(args.out)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -257,8 +257,11 @@ def fwd_key(p: Problem, arch: str, rab, tiles: dict | None = None, path: str = "
 #: (scripts/sweep_splits.py, docs/perf-log.md session 15): one user x (4096 + 256) 59.7 us with one
 #: part, 37.1 / 36.6 / 37.8 with 4 / 8 / 12, but 16 parts ran 33-187 us across runs (erratic, not
 #: understood); x (16384 + 256) 199.7 -> 56.6 with 8; 2 parts over 16 users lost (0.8x); more
-#: CTAs than SMs lost badly (8 users x 8 parts 118 us against 52 with 4).
-MIN_BLOCKS_PER_SPLIT = 2
+#: CTAs than SMs lost badly (8 users x 8 parts 118 us against 52 with 4). At least 4 blocks per part
+#: (session 16, scripts/gpu_split_training.py, causal training forwards, H100 graph time, 4 parts
+#: against one): B1 N1024 H4 (8 key blocks) 25.5 vs 22.1 us lost, N2048 H2 28.7 vs 30.8 and N4096
+#: H1 34.7 vs 48.3 won.
+MIN_BLOCKS_PER_SPLIT = 4
 MIN_SPLITS = 4
 MAX_SPLITS = 8
 

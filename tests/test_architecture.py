@@ -102,7 +102,8 @@ def test_api_holds_only_the_public_surface():
     defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     assert defined == {"hstu_attn_varlen_func", "_HstuAttnFunction", "_HstuAttnEager", "_bwd_through_op",
                        "_fwd_impl", "_fwd_fake", "_bwd_impl", "_bwd_fake", "_empty_drab", "_eager", "_dedupe",
-                       "_check_data", "_fwd_fp8_impl", "_fwd_fp8_fake", "_fwd_paged_impl"}, defined
+                       "_check_data", "_fwd_fp8_impl", "_fwd_fp8_fake", "_fwd_paged_impl", "_bwd_fp8_impl",
+                       "_bwd_fp8_fake", "_fwd_fp8_setup_context", "_fwd_fp8_backward"}, defined
 
 
 def _one_key_per_family():
@@ -116,7 +117,8 @@ def _one_key_per_family():
                 + variants.shipped_hopper_bwd_keys("sm_90a", ("bfloat16",), (128, 256))
                 + variants.shipped_hopper_fp8_fwd_keys("sm_90a", ("bfloat16",), (128,))
                 + variants.shipped_hopper_paged_fwd_keys("sm_90a", ("bfloat16",), (128,))
-                + variants.shipped_ampere_paged_fwd_keys("sm_80", ("bfloat16",), (64,))):
+                + variants.shipped_ampere_paged_fwd_keys("sm_80", ("bfloat16",), (64,))
+                + variants.shipped_hopper_fp8_bwd_keys("sm_90a", ("bfloat16",), (128,))):
         if key.mask_kind == int(MaskKind.CAUSAL) and key.has_context and key.has_rab:
             keys.setdefault(key.kernel_name, key)
     keys["hopper_fwd_vt"] = variants.make_hopper_vt_key("sm_90a", "bfloat16", 128)

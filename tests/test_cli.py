@@ -157,9 +157,10 @@ def test_warmup_select_keys_filters():
     # descales: 144), its V^T kernel (3 input dtypes x 3 head dims), quant_mode 0's cast (2 x 3)
     # and the block quantizers of modes 1-5 (2 x 3 x 7 roles); the paged forward, sm80 and Hopper (32 each);
     # the split-key Hopper forward, contiguous and paged (2 dtypes x 4 head dims x 2 masks x rab or not).
-    assert len(select_keys("sm_90a")) == 96 + 192 + 64 + 96 + 16 + 32 + 16 + 144 + 9 + 6 + 42 + 32 + 32 + 32 + 32
+    assert len(select_keys("sm_90a")) == (96 + 192 + 64 + 96 + 16 + 32 + 16 + 144 + 9 + 6 + 42 + 32 + 32 + 32 + 32
+                                          + 64)
     assert len(select_keys("sm_90a", kernels="fwd")) == 96 + 64 + 144 + 9 + 6 + 42 + 32 + 32 + 32 + 32
-    assert len(select_keys("sm_90a", kernels="bwd")) == 192 + 96 + 16 + 32 + 16
+    assert len(select_keys("sm_90a", kernels="bwd")) == 192 + 96 + 16 + 32 + 16 + 64  # + the FP8 pair
     keys = select_keys("sm_90a", ["bfloat16"], [128], ["causal"], "none", kernels="fwd")
     assert [k.kernel_name for k in keys] == (["ampere_fwd", "ampere_fwd_paged", "hopper_fwd", "hopper_fwd"]
                                              + ["hopper_fwd_fp8"] * 3 + ["hopper_fwd_paged"] * 2)
@@ -177,7 +178,7 @@ def test_key_variant_parses_every_key_class():
     assert {k.kernel_name for k in keys} == {"ampere_fwd", "ampere_bwd_dq", "ampere_bwd_dkdv", "hopper_fwd",
                                              "hopper_bwd_dkdv", "hopper_bwd_dq", "hopper_fwd_fp8", "hopper_fwd_vt",
                                              "hopper_fwd_cast", "hopper_fwd_quant", "ampere_fwd_paged",
-                                             "hopper_fwd_paged"}
+                                             "hopper_fwd_paged", "hopper_bwd_fp8_dkdv", "hopper_bwd_fp8_dq"}
     for k in keys:
         assert _key_variant(repr(k)) == describe_variant(k)
     # Never evaluated: anything but a known key class comes back verbatim.

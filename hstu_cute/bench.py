@@ -409,7 +409,8 @@ def run_workload_bwd(w: Workload, sets: int = 3, tiles_dq: dict | None = None, t
     return row
 
 
-def run_workload_bwd_fp8(w: Workload, mode: int, entry: str = "kernel", sets: int = 3) -> dict:
+def run_workload_bwd_fp8(w: Workload, mode: int, entry: str = "kernel", sets: int = 3, tiles: dict | None = None,
+                         kernels=("dkdv", "dq")) -> dict:
     """The FP8 backward (quant ``mode`` 0 or 2-5) on ``w``; FLOPs = 2.5 x forward, as for 16-bit.
     ``entry``: "kernel" (quantized operands and copies made beforehand: the two kernels alone),
     "quant" (the quantizers and copies alone: the row adds ``gbps``, 16-bit q, k, v, dO read and
@@ -431,7 +432,7 @@ def run_workload_bwd_fp8(w: Workload, mode: int, entry: str = "kernel", sets: in
         args = (dout, kw["q"], kw["k"], kw["v"], *offsets, kw.get("num_contexts"), kw.get("num_targets"),
                 kw.get("target_group_size", 1), 1.0, kw.get("rab"), None, None, p)
         if entry == "kernel":
-            calls.append(lambda a=args, o=operands: launch.backward_fp8(*a, operands=o))
+            calls.append(lambda a=args, o=operands: launch.backward_fp8(*a, operands=o, tiles=tiles, kernels=kernels))
         elif entry == "quant":
             calls.append(lambda a=args: launch.fp8_backward_operands(*a[:8], mode))
         else:
@@ -440,7 +441,8 @@ def run_workload_bwd_fp8(w: Workload, mode: int, entry: str = "kernel", sets: in
     ms, iqr = time_cuda(calls)
     f, convention = flops(w, full["_lens_q"], full["_lens_k"])
     row = dict(workload=w.name + " bwd", entry=f"fp8 bwd mode{mode} {entry}", ms=ms, iqr_ms=iqr,
-               tflops=2.5 * f / ms / 1e9, flops=convention + " x2.5", tiles="fp8 bwd default", path="hopper")
+               tflops=2.5 * f / ms / 1e9, flops=convention + " x2.5", tiles=f"{tiles or 'default'} {'+'.join(kernels)}",
+               path="hopper")
     if entry == "quant":
         moved = sum(x.numel() * (x.element_size() + 1) for x in (kw["q"], kw["k"], kw["v"], dout))
         moved += sum(x.numel() for x in (kw["q"], kw["k"], dout))  # the three e4m3 copies

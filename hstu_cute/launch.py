@@ -823,11 +823,12 @@ def fp8_backward_operands(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqle
 
 def backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
                  num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p: Problem,
-                 operands: dict | None = None):
+                 operands: dict | None = None, tiles: dict | None = None, kernels=("dkdv", "dq")):
     """The FP8 backward of a validated quant-mode call (modes 0, 2-5; :func:`check_fp8_backward`):
     :func:`fp8_backward_operands` (or the given ``operands``), then the FP8 dK/dV kernel and the dQ
     kernel beside it (:mod:`hstu_cute.hopper.bwd_fp8`). Returns ``(dq, dk, dv)`` in the input
-    dtype; every gradient is summed in a fixed order (deterministic)."""
+    dtype; every gradient is summed in a fixed order (deterministic). ``tiles`` (role -> the keys'
+    tile fields) and ``kernels`` (the roles to launch) serve benchmark sweeps."""
     from .variants import make_hopper_fp8_bwd_key
 
     check_fp8_backward(p, False)
@@ -852,13 +853,15 @@ def backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
                                    num_targets, context_target),
                   **_scalar_args(p, alpha, target_group_size))
     common = (device_arch(device), DTYPE_NAMES[p.dtype], p.head_dim, p.mask.kind, context_target, rab is not None)
-    key_kv = _made(make_hopper_fp8_bwd_key, "dkdv", *common)
-    key_q = _made(make_hopper_fp8_bwd_key, "dq", *common)
-    fn_kv, fn_q = _compiled(key_kv), _compiled(key_q)
+    tiles = tiles or {}
+    key_kv = _made(make_hopper_fp8_bwd_key, "dkdv", *common, tiles.get("dkdv"))
+    key_q = _made(make_hopper_fp8_bwd_key, "dq", *common, tiles.get("dq"))
     with _on_device(device):
-        _launch(key_kv, fn_kv, dict(values, num_n_blocks=-(-max_seqlen_k // key_kv.tile_n),
-                                    **_walk_args(key_kv, p, q.shape[0], max_seqlen_q, device)))
-        with _beside(device):
-            _launch(key_q, fn_q, dict(values, num_m_blocks=-(-max_seqlen_q // key_q.tile_m),
-                                      **_walk_args(key_q, p, k.shape[0], max_seqlen_k, device)))
+        if "dkdv" in kernels:
+            _launch(key_kv, _compiled(key_kv), dict(values, num_n_blocks=-(-max_seqlen_k // key_kv.tile_n),
+                                                    **_walk_args(key_kv, p, q.shape[0], max_seqlen_q, device)))
+        if "dq" in kernels:
+            with _beside(device):
+                _launch(key_q, _compiled(key_q), dict(values, num_m_blocks=-(-max_seqlen_q // key_q.tile_m),
+                                                      **_walk_args(key_q, p, k.shape[0], max_seqlen_k, device)))
     return dq, dk, dv

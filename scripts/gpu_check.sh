@@ -26,6 +26,9 @@ if [[ $STAGES == *" sanitizer "* ]]; then
   t0=$(date +%s)
   timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 python scripts/sanitize_fp8.py > "$OUT/sanitizer-fp8.log" 2>&1; rc=$?
   status+=("compute-sanitizer memcheck (FP8) rc=$rc $(( $(date +%s) - t0 ))s: $(grep -E 'ERROR SUMMARY|skipped' "$OUT/sanitizer-fp8.log" | tail -n 1)")
+  t0=$(date +%s)
+  timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 python scripts/sanitize_fp8_bwd.py > "$OUT/sanitizer-fp8-bwd.log" 2>&1; rc=$?
+  status+=("compute-sanitizer memcheck (FP8 backward) rc=$rc $(( $(date +%s) - t0 ))s: $(grep -E 'ERROR SUMMARY|skipped' "$OUT/sanitizer-fp8-bwd.log" | tail -n 1)")
 fi
 if [[ $STAGES == *" smoke "* ]]; then
   python scripts/gpu_bwd_smoke.py > "$OUT/bwd-smoke.log" 2>&1; status+=("backward smoke rc=$?: $(tail -n 1 "$OUT/bwd-smoke.log")")

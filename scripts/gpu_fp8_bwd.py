@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-STAGES = ("warmup", "tests", "bench")
+STAGES = ("warmup", "tests", "sanitize", "sweep", "bench")
 
 
 def warmup() -> None:
@@ -65,6 +65,33 @@ def bench(out) -> None:
                   f"{r['tflops']:.1f} TF{extra}")
 
 
+def sweep(out) -> None:
+    """Each FP8 kernel alone and a few tile choices (B8 N4096 D128 causal, mode 2), beside the
+    16-bit backward of the same run."""
+    import torch
+
+    from hstu_cute import bench as B
+
+    w = B.Workload("full B8 N4096 D128", 8, 4096, head_dim=128)
+    dq128 = dict(tile_m=128, tile_n=128, persistent=True, dynamic_tiles=True)
+    kv3 = dict(tile_m=64, tile_n=128, num_stages=3, persistent=True, dynamic_tiles=True)
+    steps = [lambda: B.run_workload_bwd(w), lambda: B.run_workload_bwd(w, deterministic=True),
+             lambda: B.run_workload_bwd_fp8(w, 2), lambda: B.run_workload_bwd_fp8(w, 2, kernels=("dkdv",)),
+             lambda: B.run_workload_bwd_fp8(w, 2, kernels=("dq",)),
+             lambda: B.run_workload_bwd_fp8(w, 2, tiles=dict(dq=dq128), kernels=("dq",)),
+             lambda: B.run_workload_bwd_fp8(w, 2, tiles=dict(dkdv=kv3), kernels=("dkdv",))]
+    for step in steps:
+        try:
+            row = step()
+        except Exception as e:
+            row = dict(workload=w.name, error=f"{type(e).__name__}: {e}")
+        row["gpu"] = torch.cuda.get_device_name()
+        print("SWEEP", json.dumps(row), flush=True)
+        if out:
+            with open(out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--stages", nargs="*", default=list(STAGES), choices=STAGES)
@@ -79,6 +106,14 @@ def main() -> int:
                *args.pytest_args.split()]
         rc = subprocess.call(cmd)
         print(f"tests rc={rc}", flush=True)
+    if "sanitize" in args.stages:
+        t0 = time.time()
+        log = subprocess.run(["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", sys.executable,
+                              "scripts/sanitize_fp8_bwd.py"], capture_output=True, text=True)
+        summary = [line for line in (log.stdout + log.stderr).splitlines() if "ERROR SUMMARY" in line or "Error" in line]
+        print(f"sanitize rc={log.returncode} {time.time() - t0:.0f} s: {summary[-3:]}", flush=True)
+    if "sweep" in args.stages:
+        sweep(args.out)
     if "bench" in args.stages:
         bench(args.out)
     return rc

@@ -1,0 +1,36 @@
+"""A small jagged batch through every mask family (and rab, delta_q, seqused) on the Hopper FP8
+backward (quant modes 0, 2 and 4: the cast, the one-pass and the two-pass quantizers), gradients by
+autograd, for compute-sanitizer. Lengths are random, so sequences start at tokens that are not
+multiples of 16 (the token-contiguous copies' padding). Skips (exit 0) without a compute
+capability 9.x GPU."""
+import sys
+
+import torch
+
+from hstu_cute import hstu_attn_varlen_func, testing
+
+if torch.cuda.get_device_capability()[0] != 9:
+    print("no sm90 GPU: the FP8 kernels do not run here; skipped")
+    sys.exit(0)
+
+CASES = {
+    "none": dict(window_size=(-1, -1)),
+    "causal": dict(window_size=(-1, 0)),
+    "local": dict(window_size=(13, 5)),
+    "context+target": dict(window_size=(-1, 0), num_contexts=9, num_targets=40, target_group_size=3),
+    "delta_q causal": dict(window_size=(-1, 0), is_delta_q=True, max_seqlen_k=150),
+    "rab H_rab=1": dict(window_size=(-1, 0), rab_heads=1),
+    "rab H_rab=H, seqused": dict(window_size=(-1, 0), rab_heads=2, seqused=True),
+}
+for name, kw in CASES.items():
+    for head_dim in (64, 128):
+        b = testing.random_jagged_batch(7, 2, head_dim, 99 if kw.get("is_delta_q") else 131, device="cuda", seed=7,
+                                        **kw)
+        rest = {k: v for k, v in b.items() if k not in ("q", "k", "v")}
+        for mode in (0, 2, 4):
+            q, k, v = (b[n].detach().clone().requires_grad_() for n in "qkv")
+            out = hstu_attn_varlen_func(q, k, v, **rest, quant_mode=mode)
+            grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out) * 1e-2)
+            torch.cuda.synchronize()
+            assert all(torch.isfinite(g).all() for g in grads), (name, head_dim, mode)
+        print(f"fp8 backward {name} D{head_dim}: ok", flush=True)

@@ -79,7 +79,9 @@ def sweep(out) -> None:
              lambda: B.run_workload_bwd_fp8(w, 2), lambda: B.run_workload_bwd_fp8(w, 2, kernels=("dkdv",)),
              lambda: B.run_workload_bwd_fp8(w, 2, kernels=("dq",)),
              lambda: B.run_workload_bwd_fp8(w, 2, tiles=dict(dq=dq128), kernels=("dq",)),
-             lambda: B.run_workload_bwd_fp8(w, 2, tiles=dict(dkdv=kv3), kernels=("dkdv",))]
+             lambda: B.run_workload_bwd_fp8(w, 2, tiles=dict(dkdv=kv3), kernels=("dkdv",)),
+             lambda: B.run_workload_bwd_fp8(w, 2, tiles=dict(dq=dq128)),
+             lambda: B.run_workload_bwd_fp8(w, 2, tiles=dict(dq=dq128, dkdv=kv3))]
     for step in steps:
         try:
             row = step()

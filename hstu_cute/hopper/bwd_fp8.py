@@ -27,20 +27,10 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .. import masks
-from cutlass import Uint32
-
-from ..common.fp8 import (
-    _asm,
-    f16_half_to_f32,
-    rescale_rows_if_needed,
-    scale_rows,
-    scaled_fp8_words,
-    words_to_operand_a,
-    zero_smem_cols_past,
-)
+from ..common.fp8 import rescale_rows_if_needed, scale_rows, scaled_fp8_words, words_to_operand_a, zero_smem_cols_past
 from ..common.mask_apply import KERNEL_OPS, apply_mask_key_major, apply_mask_rows_cols
 from ..common.seqinfo import ScoreScalars, SequenceArgs
-from ..common.silu import tanh_approx
+from ..common.silu import silu_and_grad_unscaled
 from ..common.sm90 import (
     advanced,
     rows_zero_copy,
@@ -84,49 +74,6 @@ def epilogue_rows(acc, row_scale, factor: Float32):
     for i in cutlass.range_constexpr(2):
         factors[i] = row_scale[i] * factor
     scale_rows(acc, factors)
-
-
-def copied(state):
-    """A copy of a pipeline state (a plain function: no method call on a loop-carried name)."""
-    return state.clone()
-
-
-def f32x2_to_f16x2(lo: Float32, hi: Float32) -> Uint32:
-    return _asm(Uint32, [Float32(lo), Float32(hi)], "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f")
-
-
-@cute.jit
-def silu_and_grad_factor(acc_S: cute.Tensor, half_alpha: Float32, factor: cute.Tensor):
-    """acc_S <- silu(alpha s) and ``factor`` <- 2 silu'(alpha s) (tanh SiLU, the unscaled forms of
-    :func:`hstu_cute.common.silu.silu_and_grad_unscaled`), before dP is complete: G = factor dP
-    follows once it is. ``factor`` is either fp32 like ``acc_S`` or f16x2 words, half as many
-    (the value is in (0, 2.2]: f16 keeps far more than e4m3's 3 mantissa bits); it may be
-    ``acc_S`` itself (fp32) when P is not needed (the dQ kernel)."""
-    packed = factor.element_type == Uint32
-    n = cute.size(acc_S)
-    for i in cutlass.range_constexpr(n // 2):
-        pair = []
-        for c in cutlass.range_constexpr(2):
-            h = acc_S[2 * i + c] * half_alpha
-            t = tanh_approx(h)
-            pair.append(((h + Float32(1.0)) - h * t) * (Float32(1.0) + t))
-            if const_expr(factor is not acc_S):
-                acc_S[2 * i + c] = h + h * t
-        if const_expr(packed):
-            factor[i] = f32x2_to_f16x2(pair[0], pair[1])
-        else:
-            factor[2 * i] = pair[0]
-            factor[2 * i + 1] = pair[1]
-
-
-@cute.jit
-def grad_from_factor(acc_dP: cute.Tensor, factor: cute.Tensor):
-    """acc_dP <- G = factor dP (:func:`silu_and_grad_factor`'s factor, fp32 or f16x2)."""
-    packed = factor.element_type == Uint32
-    for i in cutlass.range_constexpr(cute.size(acc_dP) // 2):
-        for c in cutlass.range_constexpr(2):
-            f = f16_half_to_f32(factor[i], c == 1) if const_expr(packed) else factor[2 * i + c]
-            acc_dP[2 * i + c] = acc_dP[2 * i + c] * f
 
 
 class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
@@ -279,11 +226,6 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         g_scale.fill(0.0)
         p_rescale = cute.make_rmem_tensor(cute.make_layout(2), Float32)
         g_rescale = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-        factor = cute.make_rmem_tensor(cute.make_layout(cute.size(shape_S) // 2), Uint32)
-        # The m-block whose dV / dK GEMMs may still run: its Q stage is released once the next
-        # block's S^T GEMM completes (WGMMA groups of a warpgroup complete in order).
-        pending = Int32(0)
-        pending_state = copied(q_state)
         pipe_kv.consumer_wait(kv_state)
         for m_block in cutlass.range(m_lo, m_hi, unroll=1):
             if masks.tile_nonempty(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
@@ -303,41 +245,32 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
                 acc_dP = cute.make_rmem_tensor(shape_S, Float32)
                 wgmma(tiled_mma_s, acc_S, tSrK, tSrQ[None, None, None, stage], True, -1)
                 wgmma(tiled_mma_s, acc_dP, tSrV, tSrdO[None, None, None, stage], True, 1)
-                # S^T is complete, and with it the previous block's dV and dK GEMMs.
-                if pending != 0:
-                    pipe_q.consumer_release(pending_state)
                 half_alpha = alpha * (dq * dk) * Float32(0.5)
                 if const_expr(self.has_rab):
                     rRab = cute.make_rmem_tensor(shape_S, self.rab_dtype)
                     cute.autovec_copy(tSsRabT[None, None, None, stage], rRab)
                     acc_S.store(acc_S.load() * (dq * dk) + rRab.load().to(Float32))
                     half_alpha = alpha * Float32(0.5)
-                # P^T while dP^T is still being computed, then dV's GEMM while G^T is.
-                silu_and_grad_factor(acc_S, half_alpha, factor)
+                warpgroup.wait_group(0)
+                silu_and_grad_unscaled(acc_S, acc_dP, half_alpha)
                 row_first = seq.row_offset + m_block * self.tile_m
                 is_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n,
                                              KERNEL_OPS) & (q_rows >= self.tile_m)
                 if not is_full:
-                    apply_mask_key_major(acc_S, acc_S, tScS, spec, seq, row_first, col0, q_rows)
+                    apply_mask_key_major(acc_S, acc_dP, tScS, spec, seq, row_first, col0, q_rows)
                 p_words = scaled_fp8_words(acc_S, ddo, Float32(P_AMAX_FLOOR), p_scale, p_rescale)
-                rescale_rows_if_needed(acc_dV, p_rescale)
-                words_to_operand_a(p_words, rP)
-                wgmma(tiled_mma_d, acc_dV, rP, tDrdOt[None, None, None, stage], False, 1)
-                grad_from_factor(acc_dP, factor)
-                if not is_full:
-                    apply_mask_key_major(acc_dP, acc_dP, tScS, spec, seq, row_first, col0, q_rows)
                 g_words = scaled_fp8_words(acc_dP, ddo * dv * dq, Float32(G_AMAX_FLOOR), g_scale, g_rescale)
+                # The previous m-block's dV and dK GEMMs retired (wait_group(0) below).
+                rescale_rows_if_needed(acc_dV, p_rescale)
                 rescale_rows_if_needed(acc_dK, g_rescale)
+                words_to_operand_a(p_words, rP)
                 words_to_operand_a(g_words, rG)
-                wgmma(tiled_mma_d, acc_dK, rG, tDrQt[None, None, None, stage], False, -1)
-                pending_state = copied(q_state)
-                pending = Int32(1)
+                wgmma(tiled_mma_d, acc_dV, rP, tDrdOt[None, None, None, stage], False, -1)
+                wgmma(tiled_mma_d, acc_dK, rG, tDrQt[None, None, None, stage], False, 0)
+                pipe_q.consumer_release(q_state)
                 q_state = advanced(q_state)
 
-        warpgroup.wait_group(0)
-        if pending != 0:
-            pipe_q.consumer_release(pending_state)
-        # Every WGMMA reading sK/sV has retired (wait_group(0) above).
+        # Every WGMMA reading sK/sV has retired (the last dK GEMM waited for all).
         pipe_kv.consumer_release(kv_state)
         epilogue_rows(acc_dV, p_scale, inv_scale)
         epilogue_rows(acc_dK, g_scale, alpha * inv_scale * Float32(0.5))
@@ -477,10 +410,6 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         if n_count > 0:
             pipe_q.consumer_wait(q_state)
-            # The n-block whose dQ GEMM may still run: its K/V stage is released once the next
-            # block's S GEMM completes (WGMMA groups of a warpgroup complete in order).
-            pending = Int32(0)
-            pending_state = copied(kv_state)
             for it in cutlass.range(n_count, unroll=1):
                 n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
                 pipe_kv.consumer_wait(kv_state)
@@ -495,34 +424,26 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
                 acc_dP = cute.make_rmem_tensor(shape_S, Float32)
                 wgmma(tiled_mma_s, acc_S, tSrQ, tSrK[None, None, None, stage], True, -1)
                 wgmma(tiled_mma_s, acc_dP, tSrdO, tSrV[None, None, None, stage], True, 1)
-                # S is complete, and with it the previous block's dQ GEMM.
-                if pending != 0:
-                    pipe_kv.consumer_release(pending_state)
                 half_alpha = alpha * (dq * dk) * Float32(0.5)
                 if const_expr(self.has_rab):
                     rRab = cute.make_rmem_tensor(shape_S, self.rab_dtype)
                     cute.autovec_copy(tSsRab[None, None, None, stage], rRab)
                     acc_S.store(acc_S.load() * (dq * dk) + rRab.load().to(Float32))
                     half_alpha = alpha * Float32(0.5)
-                # The SiLU factor while dP is still being computed (P itself is not needed here).
-                silu_and_grad_factor(acc_S, half_alpha, acc_S)
                 warpgroup.wait_group(0)
-                grad_from_factor(acc_dP, acc_S)
+                silu_and_grad_unscaled(acc_S, acc_dP, half_alpha)
                 if not masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
                     acc_rc = cute.make_tensor(acc_dP.iterator, wgmma_acc_rows_cols(acc_dP.layout))
                     apply_mask_rows_cols(acc_rc, tScS_rc, spec, seq, row_first, n_block * self.tile_n)
                 words = scaled_fp8_words(acc_dP, ddo * dv * dk, Float32(G_AMAX_FLOOR), g_scale, g_rescale)
+                # The previous n-block's dQ GEMM retired (wait_group(0) below).
                 rescale_rows_if_needed(acc_dQ, g_rescale)
                 words_to_operand_a(words, rG)
-                wgmma(tiled_mma_dq, acc_dQ, rG, tDrKt[None, None, None, stage], False, -1)
-                pending_state = copied(kv_state)
-                pending = Int32(1)
+                wgmma(tiled_mma_dq, acc_dQ, rG, tDrKt[None, None, None, stage], False, 0)
+                pipe_kv.consumer_release(kv_state)
                 kv_state = advanced(kv_state)
-            warpgroup.wait_group(0)
-            if pending != 0:
-                pipe_kv.consumer_release(pending_state)
             if const_expr(persistent):
-                # Every WGMMA has retired: sQ / sdO are free for the next m-block.
+                # The last dQ GEMM waited for every WGMMA: sQ / sdO are free for the next m-block.
                 pipe_q.consumer_release(q_state)
                 q_state = advanced(q_state)
 

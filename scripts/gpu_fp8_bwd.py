@@ -55,6 +55,24 @@ def bench(out) -> None:
             if out:
                 with open(out, "a") as f:
                     f.write(json.dumps(row) + "\n")
+    # Host time of a training step on a tiny batch (the GPU work is negligible): bf16 and FP8 mode 2.
+    from hstu_cute import hstu_attn_varlen_func
+
+    tiny = B.make_inputs(B.Workload("tiny B2 N128 D128", 2, 128, head_dim=128))
+    kw = {k: v for k, v in tiny.items() if not k.startswith("_")}
+    for name in "qkv":
+        kw[name].requires_grad_(True)
+    dout = torch.rand_like(kw["q"])
+    for mode in (-1, 2):
+        def step(mode=mode):
+            return torch.autograd.grad(hstu_attn_varlen_func(**kw, quant_mode=mode), (kw["q"], kw["k"], kw["v"]), dout)
+        row = dict(workload="tiny B2 N128 D128 step host", entry=f"mode{mode}", us=B.host_us_per_call(step, 300),
+                   gpu=torch.cuda.get_device_name())
+        rows.append(dict(row, ms=row["us"] / 1e3, tflops=0.0))
+        print(json.dumps(row), flush=True)
+        if out:
+            with open(out, "a") as f:
+                f.write(json.dumps(row) + "\n")
     print("=== summary ===")
     for r in rows:
         if "error" in r:

@@ -25,9 +25,10 @@ the memory pool of the compiled CUDA graphs. Under ``torchrun``, rank 0 runs it 
 others wait: it fills the module cache (``HSTU_CUTE_CACHE_DIR``, shared by all ranks of the
 machine), and the other ranks then load the variants from disk instead of compiling them too.
 
-``--quant-mode`` is passed to the attention. FP8 is forward-only in hstu-cute today, so any mode
-but -1 stops at the first training step with the library's ``NotImplementedError``, reported
-plainly, and the script exits with status 2.
+``--quant-mode`` is passed to the attention. FP8 trains on Hopper GPUs with quant modes 0 and 2-5
+at head dims 64 and 128; anywhere else (CPU tensors, sm80, mode 1, other head dims) the first
+training step raises the library's ``NotImplementedError``, reported plainly, and the script exits
+with status 2.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (mode reduce-overhead)")
     parser.add_argument("--quant-mode", type=int, default=-1, choices=range(-1, 6),
-                        help="FP8 quant_mode of the attention; -1 = bf16 (FP8 training is not implemented yet)")
+                        help="FP8 quant_mode of the attention; -1 = bf16 (FP8 training: Hopper, modes 0 and 2-5)")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per step and rank")
     parser.add_argument("--max-len", type=int, default=64, help="longest sequence; also the attention divisor S")
     parser.add_argument("--vocab", type=int, default=256, help="number of item ids")
@@ -134,8 +135,8 @@ def refuse(args, error: NotImplementedError):
     """FP8 training: say plainly what is missing, exit non-zero. Anything else propagates."""
     if args.quant_mode == -1:
         raise error
-    print(f"--quant-mode {args.quant_mode}: FP8 training is not implemented in hstu-cute yet (the FP8 path is "
-          f"forward-only); train with --quant-mode -1. The library said: {error}", file=sys.stderr)
+    print(f"--quant-mode {args.quant_mode}: FP8 training needs a Hopper GPU, quant mode 0 or 2-5 and head dim 64 "
+          f"or 128; train with --quant-mode -1 otherwise. The library said: {error}", file=sys.stderr)
     sys.exit(EXIT_NOT_IMPLEMENTED)
 
 

@@ -195,7 +195,7 @@ def hstu_attention(
         if quant_mode != -1:
             raise NotImplementedError(
                 f"quant_mode: the PyTorch reference path (CPU tensors or backend='reference') has no FP8; "
-                f"expected -1, got {quant_mode}. FP8 runs on Hopper GPUs, forward only.")
+                f"expected -1, got {quant_mode}. FP8 runs on Hopper GPUs.")
         if rab is not None and not has_drab:
             rab = rab.detach()  # as the kernel: no gradient for rab unless has_drab
         from .reference import hstu_attn_reference
@@ -239,7 +239,7 @@ class HSTUAttention(nn.Module):
     The settings of the operator are attributes: ``alpha`` (scales ``q.k + rab``), ``window``
     (``(left, right)``, default causal ``(-1, 0)``), ``scaling_seqlen`` (the divisor ``S``; -1 means
     the call's ``max_seqlen``), ``target_group_size``, ``deterministic`` (bitwise reproducible
-    backward), ``quant_mode`` (FP8, Hopper, forward only) and ``backend`` (see the module doc).
+    backward), ``quant_mode`` (FP8, Hopper; training with modes 0 and 2-5) and ``backend`` (see the module doc).
     The module holds no parameters.
 
     ``forward(q, k, v, seq_offsets, max_seqlen, num_contexts=None, num_targets=None, rab=None,

@@ -45,7 +45,7 @@ def test_fp8_training_exits_non_zero_with_a_clear_message():
     proc = subprocess.run([sys.executable, str(EXAMPLE), *SMALL, "--steps", "2", "--quant-mode", "0"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
-    assert "--quant-mode 0: FP8 training is not implemented in hstu-cute yet" in proc.stderr
+    assert "--quant-mode 0: FP8 training needs a Hopper GPU" in proc.stderr
     assert "quant_mode" in proc.stderr.split("The library said:")[1]
 
 

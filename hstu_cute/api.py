@@ -141,14 +141,22 @@ def _fwd_fp8_setup_context(ctx, inputs, output):
                    scaling_seqlen, quant_mode)
 
 
-def _fwd_fp8_backward(ctx, dout):
-    q, k, v, rab, seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = ctx.saved_tensors
+def _bwd_fp8_through_op(dout, q, k, v, rab, sequences, scalars):
+    """hstu_cute::bwd_fp8 on a saved call: ``sequences`` are the six integer tensors (offsets,
+    contexts, targets, seqused), ``scalars`` the op's non-tensor arguments in
+    :func:`_fwd_fp8_setup_context`'s order."""
+    seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = sequences
     (max_seqlen_q, max_seqlen_k, target_group_size, window_left, window_right, alpha, is_delta_q, scaling_seqlen,
-     quant_mode) = ctx.scalars
-    dq, dk, dv = torch.ops.hstu_cute.bwd_fp8(
+     quant_mode) = scalars
+    return torch.ops.hstu_cute.bwd_fp8(
         dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
         target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen, seqused_q, seqused_k,
         quant_mode)
+
+
+def _fwd_fp8_backward(ctx, dout):
+    q, k, v, rab, *sequences = ctx.saved_tensors
+    dq, dk, dv = _bwd_fp8_through_op(dout, q, k, v, rab, sequences, ctx.scalars)
     # One gradient per input of fwd_fp8: q, k, v, then none for the descales, sequences, scalars and rab.
     return (dq, dk, dv) + (None,) * 19
 
@@ -326,10 +334,9 @@ class _HstuAttnFp8Eager(torch.autograd.Function):
                                       num_contexts, num_targets, target_group_size, alpha, rab, seqused_q, seqused_k,
                                       p)
         else:  # a dispatch mode or tensor subclass is watching the backward: it must see the op
-            dq, dk, dv = torch.ops.hstu_cute.bwd_fp8(
-                dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-                target_group_size, p.window_left, p.window_right, alpha, rab, p.mask.is_delta_q, p.scale_seqlen,
-                seqused_q, seqused_k, p.quant_mode)
+            dq, dk, dv = _bwd_fp8_through_op(dout, q, k, v, rab, sequences, (
+                max_seqlen_q, max_seqlen_k, target_group_size, p.window_left, p.window_right, alpha,
+                p.mask.is_delta_q, p.scale_seqlen, p.quant_mode))
         return None, dq, dk, dv, None
 
 
@@ -456,7 +463,7 @@ def hstu_attn_varlen_func(
     if p.fp8:
         if needs_grad:
             # Before any work: a call no FP8 backward serves fails here, never with a 16-bit backward.
-            check_fp8_backward(p, has_drab)
+            check_fp8_backward(p)
             if eager:
                 sequences = (seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k)
                 return _HstuAttnFp8Eager.apply((p, sequences, (max_seqlen_q, max_seqlen_k, target_group_size, alpha)),

@@ -27,8 +27,10 @@ from .variants import (
     HOPPER_WIDE_HEAD_DIMS,
     make_bwd_keys,
     make_fwd_key,
+    FP8_BWD_HEAD_DIMS,
     FP8_DTYPE,
     make_hopper_bwd_key,
+    make_hopper_fp8_bwd_key,
     make_hopper_cast_key,
     make_ampere_paged_fwd_key,
     make_hopper_fp8_fwd_key,
@@ -653,6 +655,19 @@ def _on_device(device):
     return contextlib.nullcontext() if device.index == torch.cuda.current_device() else torch.cuda.device(device)
 
 
+def _gradient_buffers(q, k, v, seqused_q, seqused_k) -> tuple:
+    """dq, dk, dv shaped like q, k, v: zeros where seqused leaves rows the kernels do not write."""
+    zero_q, zero_k = seqused_q is not None, seqused_k is not None
+    return ((torch.zeros if zero_q else torch.empty)(q.shape, dtype=q.dtype, device=q.device),
+            (torch.zeros if zero_k else torch.empty)(k.shape, dtype=k.dtype, device=k.device),
+            (torch.zeros if zero_k else torch.empty)(v.shape, dtype=v.dtype, device=v.device))
+
+
+def _nothing_to_do(q, k, max_seqlen_q: int, p: Problem) -> bool:
+    """No query or key token: every gradient is zero and no kernel runs."""
+    return q.shape[0] == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or p.batch == 0
+
+
 def backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
              target_group_size, alpha, rab, has_drab, seqused_q, seqused_k, p: Problem, deterministic: bool = False,
              tiles_dq: dict | None = None, tiles_dkdv: dict | None = None, path: str | None = None):
@@ -671,12 +686,9 @@ def backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seql
         path = kernel_path(q.device)
     if p.head_dim not in HEAD_DIMS:
         raise NotImplementedError(f"q.shape[2] (head dim): the backward kernels support {HEAD_DIMS}, got {p.head_dim}")
-    zero_q, zero_k = seqused_q is not None, seqused_k is not None
-    dq = (torch.zeros if zero_q else torch.empty)(q.shape, dtype=q.dtype, device=q.device)
-    dk = (torch.zeros if zero_k else torch.empty)(k.shape, dtype=k.dtype, device=k.device)
-    dv = (torch.zeros if zero_k else torch.empty)(v.shape, dtype=v.dtype, device=v.device)
+    dq, dk, dv = _gradient_buffers(q, k, v, seqused_q, seqused_k)
     drab = torch.zeros_like(rab) if has_drab else None
-    if q.shape[0] == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or p.batch == 0:
+    if _nothing_to_do(q, k, max_seqlen_q, p):
         return dq.zero_(), dk.zero_(), dv.zero_(), drab
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
@@ -787,11 +799,10 @@ def quantized_with_table(x: torch.Tensor, seq_offsets: torch.Tensor, max_seqlen:
     return quantize_blocks(x, seq_offsets, max_seqlen, mode, False)
 
 
-def check_fp8_backward(p: Problem, has_drab: bool) -> None:
+def check_fp8_backward(p: Problem) -> None:
     """NotImplementedError, naming the argument, for an FP8 training call no backward kernel
-    serves: raised before the forward runs, so that a training step fails before any work."""
-    from .variants import FP8_BWD_HEAD_DIMS
-
+    serves: raised before the forward runs, so that a training step fails before any work
+    (``has_drab`` with FP8 is refused by validation)."""
     if p.quant_mode == -1:
         raise NotImplementedError(
             "q/k/v.requires_grad: pre-quantized float8_e4m3fn inputs are forward-only (FBGEMM's FP8 entry); "
@@ -802,9 +813,6 @@ def check_fp8_backward(p: Problem, has_drab: bool) -> None:
     if p.head_dim not in FP8_BWD_HEAD_DIMS:
         raise NotImplementedError(f"q.shape[2] (head dim) with quant_mode={p.quant_mode} and inputs that require "
                                   f"grad: the FP8 backward supports {FP8_BWD_HEAD_DIMS}, got {p.head_dim}")
-    if has_drab:
-        raise NotImplementedError(f"has_drab=True with quant_mode={p.quant_mode}: the FP8 backward computes "
-                                  "dq, dk, dv only so far")
 
 
 def fp8_backward_operands(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, mode: int
@@ -829,18 +837,13 @@ def backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
     kernel beside it (:mod:`hstu_cute.hopper.bwd_fp8`). Returns ``(dq, dk, dv)`` in the input
     dtype; every gradient is summed in a fixed order (deterministic). ``tiles`` (role -> the keys'
     tile fields) and ``kernels`` (the roles to launch) serve benchmark sweeps."""
-    from .variants import make_hopper_fp8_bwd_key
-
-    check_fp8_backward(p, False)
+    check_fp8_backward(p)
     device = q.device
     if kernel_path(device) != "hopper":
         raise NotImplementedError(f"quant_mode={p.quant_mode} backward: the FP8 kernels are Hopper-only (sm90); "
                                   f"got {device_arch(device)}")
-    zero_q, zero_k = seqused_q is not None, seqused_k is not None
-    dq = (torch.zeros if zero_q else torch.empty)(q.shape, dtype=q.dtype, device=device)
-    dk = (torch.zeros if zero_k else torch.empty)(k.shape, dtype=k.dtype, device=device)
-    dv = (torch.zeros if zero_k else torch.empty)(v.shape, dtype=v.dtype, device=device)
-    if q.shape[0] == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or p.batch == 0:
+    dq, dk, dv = _gradient_buffers(q, k, v, seqused_q, seqused_k)
+    if _nothing_to_do(q, k, max_seqlen_q, p):
         return dq.zero_(), dk.zero_(), dv.zero_()
     if operands is None:
         operands = fp8_backward_operands(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,

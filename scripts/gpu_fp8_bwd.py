@@ -91,15 +91,15 @@ def sweep(out) -> None:
     from hstu_cute import bench as B
 
     w = B.Workload("full B8 N4096 D128", 8, 4096, head_dim=128)
-    dq128 = dict(tile_m=128, tile_n=64, persistent=True, dynamic_tiles=True)  # the former default
+    dq64 = dict(tile_m=128, tile_n=64, persistent=True, dynamic_tiles=True)  # the former default
     kv3 = dict(tile_m=64, tile_n=128, num_stages=3, persistent=True, dynamic_tiles=True)
     steps = [lambda: B.run_workload_bwd(w), lambda: B.run_workload_bwd(w, deterministic=True),
              lambda: B.run_workload_bwd_fp8(w, 2), lambda: B.run_workload_bwd_fp8(w, 2, kernels=("dkdv",)),
              lambda: B.run_workload_bwd_fp8(w, 2, kernels=("dq",)),
-             lambda: B.run_workload_bwd_fp8(w, 2, tiles=dict(dq=dq128), kernels=("dq",)),  # 64-key blocks
+             lambda: B.run_workload_bwd_fp8(w, 2, tiles=dict(dq=dq64), kernels=("dq",)),  # 64-key blocks
              lambda: B.run_workload_bwd_fp8(w, 2, tiles=dict(dkdv=kv3), kernels=("dkdv",)),
-             lambda: B.run_workload_bwd_fp8(w, 2, tiles=dict(dq=dq128)),
-             lambda: B.run_workload_bwd_fp8(w, 2, tiles=dict(dq=dq128, dkdv=kv3))]
+             lambda: B.run_workload_bwd_fp8(w, 2, tiles=dict(dq=dq64)),
+             lambda: B.run_workload_bwd_fp8(w, 2, tiles=dict(dq=dq64, dkdv=kv3))]
     for step in steps:
         try:
             row = step()

@@ -103,7 +103,8 @@ def test_api_holds_only_the_public_surface():
     assert defined == {"hstu_attn_varlen_func", "_HstuAttnFunction", "_HstuAttnEager", "_bwd_through_op",
                        "_fwd_impl", "_fwd_fake", "_bwd_impl", "_bwd_fake", "_empty_drab", "_eager", "_dedupe",
                        "_check_data", "_fwd_fp8_impl", "_fwd_fp8_fake", "_fwd_paged_impl", "_bwd_fp8_impl",
-                       "_bwd_fp8_fake", "_fwd_fp8_setup_context", "_fwd_fp8_backward", "_HstuAttnFp8Eager"}, defined
+                       "_bwd_fp8_fake", "_fwd_fp8_setup_context", "_fwd_fp8_backward", "_HstuAttnFp8Eager",
+                       "_bwd_fp8_through_op"}, defined
 
 
 def _one_key_per_family():

@@ -27,7 +27,6 @@ from ..common.sm90 import (
     smem_tensors,
     store_acc_16bit_sw128_64cols,
     store_acc_fp32_sw128,
-    store_acc_rows,
     trivial_mma,
     wgmma,
     wgmma_acc_as_operand_a,
@@ -36,7 +35,7 @@ from ..common.sm90 import (
 )
 from ..common.tile_scheduler import SectionWalk
 from ..fp8_format import vt_column_start
-from .bwd_base import HstuBackwardSm90Base, KeyBlockProducer, store_dk_dv, transposed_tiles
+from .bwd_base import HstuBackwardSm90Base, KeyBlockProducer, store_dk_dv, store_dq, transposed_tiles
 
 
 class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
@@ -624,13 +623,7 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
                 pipe_q.consumer_release(q_state)
                 q_state = advanced(q_state)
 
-        rOut = cute.make_rmem_tensor(acc_dQ.layout, self.dtype)
         if const_expr(self.unscaled_grad):
             acc_dQ.store(acc_dQ.load() * (alpha * inv_scale * Float32(0.5)))
-        rOut.store(acc_dQ.load().to(self.dtype))
-        gOut = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]), (self.tile_m, D),
-                               (m_block, 0))
-        tQc = thr_mma_dq.partition_C(cute.make_identity_tensor((self.tile_m, D)))
-        tQc_rc = cute.make_tensor(tQc.iterator, wgmma_acc_rows_cols(tQc.layout))
-        store_acc_rows(rOut, thr_mma_dq.partition_C(gOut), tQc_rc, seq.seqlen_q - m_block * self.tile_m)
+        store_dq(thr_mma_dq, acc_dQ, mdQ, self.dtype, self.tile_m, D, q_start, head, m_block, seq)
         return q_state, kv_state

@@ -31,6 +31,19 @@ def store_dk_dv(thr_mma, acc_dK, acc_dV, mdK, mdV, dtype: cutlass.Constexpr, til
         store_acc_rows(rOut, thr_mma.partition_C(gOut), tKcK_rc, k_rows)
 
 
+@cute.jit
+def store_dq(thr_mma, acc_dQ, mdQ, dtype: cutlass.Constexpr, tile_m: cutlass.Constexpr, head_dim: cutlass.Constexpr,
+             q_start: Int32, head: Int32, m_block: Int32, seq):
+    """dQ of one m-block from WGMMA accumulators (this thread's slice of ``thr_mma``) to (T_q, H,
+    D) global memory in ``dtype``, query rows past the sequence (``seq.seqlen_q``) skipped."""
+    rOut = cute.make_rmem_tensor(acc_dQ.layout, dtype)
+    rOut.store(acc_dQ.load().to(dtype))
+    gOut = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]), (tile_m, head_dim), (m_block, 0))
+    tQc = thr_mma.partition_C(cute.make_identity_tensor((tile_m, head_dim)))
+    tQc_rc = cute.make_tensor(tQc.iterator, wgmma_acc_rows_cols(tQc.layout))
+    store_acc_rows(rOut, thr_mma.partition_C(gOut), tQc_rc, seq.seqlen_q - m_block * tile_m)
+
+
 class HstuBackwardSm90Base(HstuSm90Base):
     """The sm90 backward kernels: two TMA pipelines, a 1-stage one for the tiles the CTA owns
     (K+V in the dK/dV kernels, Q+dO in the dQ kernel) and a ``num_stages`` ring for the tiles it

@@ -38,7 +38,6 @@ from ..common.sm90 import (
     sm90_bwd_pipelines,
     sm90_smem_layout,
     smem_tensors,
-    store_acc_rows,
     trivial_mma,
     wgmma,
     wgmma_acc_rows_cols,
@@ -47,7 +46,7 @@ from ..common.sm90 import (
 from ..common.tile_scheduler import SectionWalk
 from ..fp8_format import BLOCK_TOKENS, P_AMAX_FLOOR
 from .bwd import HstuBackwardDkDvSm90, HstuBackwardDqSm90
-from .bwd_base import store_dk_dv
+from .bwd_base import store_dk_dv, store_dq
 
 # G has no natural floor (dO can be any size): a row of zeros keeps common.fp8.MIN_ROW_SCALE.
 G_AMAX_FLOOR = 0.0
@@ -448,11 +447,5 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
                 q_state = advanced(q_state)
 
         epilogue_rows(acc_dQ, g_scale, alpha * inv_scale * Float32(0.5))
-        rOut = cute.make_rmem_tensor(acc_dQ.layout, self.grad_dtype)
-        rOut.store(acc_dQ.load().to(self.grad_dtype))
-        gOut = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]), (self.tile_m, D),
-                               (m_block, 0))
-        tQc = thr_mma_dq.partition_C(cute.make_identity_tensor((self.tile_m, D)))
-        tQc_rc = cute.make_tensor(tQc.iterator, wgmma_acc_rows_cols(tQc.layout))
-        store_acc_rows(rOut, thr_mma_dq.partition_C(gOut), tQc_rc, seq.seqlen_q - m_block * self.tile_m)
+        store_dq(thr_mma_dq, acc_dQ, mdQ, self.grad_dtype, self.tile_m, D, q_start, head, m_block, seq)
         return q_state, kv_state

@@ -37,7 +37,8 @@ def _ampere_fwd(key):
     from .ampere.fwd import HstuForwardSm80
 
     return HstuForwardSm80(dsl_dtype(key.dtype), key.head_dim, key.mask, key.has_rab, key.rab_vec, key.tile_m,
-                           key.tile_n, key.num_warps, key.num_stages, key.fast_silu, key.lpt_grid, paged=key.paged)
+                           key.tile_n, key.num_warps, key.num_stages, key.fast_silu, key.lpt_grid, paged=key.paged,
+                           split_keys=key.split_keys)
 
 
 def _ampere_bwd(key):

@@ -277,6 +277,12 @@ _PAGES = (
 )
 
 
+# Split keys: partial outputs, arrival counts per (sequence, head, m-block[, warpgroup]) (zero at
+# launch, left zero), parts of each tile's key blocks.
+_SPLITS = (Arg("mPartials", _partials, _split_keys), Arg("mArrivals", _int_vec("arrivals"), _split_keys),
+           Arg("num_splits", _i32, _split_keys))
+
+
 def _wide_drab(s: FakeShapes):
     import cutlass
     import cutlass.cute as cute
@@ -289,18 +295,14 @@ def _wide_drab(s: FakeShapes):
 
 SPECS: dict[str, tuple[Arg, ...]] = {
     "ampere_fwd": (_Q, _K, _V, Arg("mO", _tokens("tokens_q")), *_SEQUENCES, Arg("mRab", _ampere_rab, _has_rab),
-                   *_SCALARS, Arg("num_m_blocks", _i32), *_PAGES),
+                   *_SCALARS, Arg("num_m_blocks", _i32), *_PAGES, *_SPLITS),
     "ampere_bwd_dq": (_Q, _K, _V, _DO, _DQ, *_SEQUENCES, _SM80_RAB16,
                       Arg("mdRab", _slab(4, 1), lambda key: key.has_drab),
                       Arg("mdRabAccum", _slab(3, 1, "Float32"), lambda key: key.rab_sum_heads),
                       *_SCALARS, Arg("num_m_blocks", _i32)),
     "ampere_bwd_dkdv": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _SM80_RAB16, *_SCALARS, Arg("num_n_blocks", _i32)),
     "hopper_fwd": (_Q, _K, _V, Arg("mO", _tokens("tokens_q")), *_SEQUENCES, _TMA_RAB, *_SCALARS,
-                   Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER, *_PAGES,
-                   # Split keys: partial outputs, arrival counts per (sequence, head, m-block,
-                   # warpgroup) (zero at launch, left zero), parts of each tile's key blocks.
-                   Arg("mPartials", _partials, _split_keys), Arg("mArrivals", _int_vec("arrivals"), _split_keys),
-                   Arg("num_splits", _i32, _split_keys)),
+                   Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER, *_PAGES, *_SPLITS),
     # FP8: mV is V^T (hstu_cute.hopper.vt, made by "hopper_fwd_vt"); the descales are (1,) fp32
     # tensors, or (B, blocks, H) tables with scaled P (read on the device: no host sync).
     "hopper_fwd_fp8": (_Q, _K, Arg("mV", _tokens_transposed), Arg("mO", _tokens("tokens_q", "out")), *_SEQUENCES,

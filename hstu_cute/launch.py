@@ -240,7 +240,8 @@ def _launch(key, compiled, values: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 def fwd_key(p: Problem, arch: str, rab, tiles: dict | None = None, path: str = "ampere", split_keys: bool = False):
     """The forward compile key of this call (memoized by :func:`_made`); ``split_keys``: the
-    Hopper variant whose tiles take parts of the key blocks (:func:`key_splits`)."""
+    variant whose tiles take parts of the key blocks (:func:`key_splits`; sm80: rab rows come
+    padded to 16 bytes)."""
     context_target = p.mask.has_context or p.mask.has_target
     dtype = DTYPE_NAMES[p.dtype]
     if path == "hopper":
@@ -249,9 +250,10 @@ def fwd_key(p: Problem, arch: str, rab, tiles: dict | None = None, path: str = "
                      split_keys)
     if p.page_size:  # rab rows come padded to 16 bytes (forward)
         return _made(make_ampere_paged_fwd_key, arch, dtype, p.head_dim, p.mask.kind, context_target,
-                     rab is not None, 8, tiles)
+                     rab is not None, 8, tiles, split_keys)
     vec = rab_vec(rab) if rab is not None else 8
-    return _made(make_fwd_key, arch, dtype, p.head_dim, p.mask.kind, context_target, rab is not None, vec, tiles)
+    return _made(make_fwd_key, arch, dtype, p.head_dim, p.mask.kind, context_target, rab is not None, vec, tiles,
+                 split_keys)
 
 
 #: Split keys: at least this many key blocks per part (each part pays a pipeline fill and an fp32
@@ -409,8 +411,8 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
     With ``fp8`` q and k are e4m3 and the Hopper FP8 kernel runs (``v`` is unused: the kernel
     reads ``fp8.vt``); ``out`` is in ``fp8.out_dtype``. ``paged``: (kv_cache, page_offsets,
     page_ids, last_page_lens) of a call with ``p.page_size`` (validated). ``splits``: parts of the
-    key blocks on the Hopper 16-bit path (None: :func:`key_splits`; more than 1 takes the
-    split-key variant, whose parts add up inside the kernel)."""
+    key blocks on the 16-bit paths (None: :func:`key_splits`; more than 1 takes the split-key
+    variant, whose parts add up inside the kernel)."""
     if fp8 is not None:
         path = "hopper"
     elif path is None:
@@ -431,14 +433,15 @@ def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, n
     if fp8 is None:
         key = fwd_key(p, device_arch(device), rab, tiles, path)
         extra = {}
-        if path == "hopper":
-            if splits is None:
-                splits = key_splits(p, key.tile_m, key.tile_n, max_seqlen_q, max_seqlen_k, num_sms(device))
-            if splits > 1:
-                key = fwd_key(p, device_arch(device), rab, tiles, path, split_keys=True)
-                parts = torch.empty((splits * q.shape[0],) + tuple(q.shape[1:]), dtype=torch.float32, device=device)
-                arrivals = split_arrivals(device, p.batch * p.heads * -(-max_seqlen_q // key.tile_m) * 2)
-                extra = dict(mPartials=parts, mArrivals=arrivals, num_splits=splits)
+        if splits is None:
+            splits = key_splits(p, key.tile_m, key.tile_n, max_seqlen_q, max_seqlen_k, num_sms(device))
+        if splits > 1:
+            if rab is not None:
+                rab = pad_rab_rows(rab)  # the split variants read 16-byte aligned rab rows
+            key = fwd_key(p, device_arch(device), rab, tiles, path, split_keys=True)
+            parts = torch.empty((splits * q.shape[0],) + tuple(q.shape[1:]), dtype=torch.float32, device=device)
+            arrivals = split_arrivals(device, p.batch * p.heads * -(-max_seqlen_q // key.tile_m) * 2)
+            extra = dict(mPartials=parts, mArrivals=arrivals, num_splits=splits)
     else:
         key = fp8_fwd_key(p, device_arch(device), rab, fp8.out_dtype, tiles, fp8.scaled_p, fp8.two_direction)
         extra = dict(zip(("mDescaleQ", "mDescaleK", "mDescaleV"), fp8.descales))

@@ -118,10 +118,13 @@ class AmpereFwdKey(_Variant):
     lpt_grid: bool = True
     # ptxas optimization level: -O2 assembles ~0.4 s faster than -O3 on 2 cores (2026-11-20).
     ptxas_opt: int = 3
+    # A tile's key blocks split into parts over CTAs, the last CTA to finish adds the fp32 parts
+    # (HstuForwardSm80 split_keys; launch.key_splits picks the parts).
+    split_keys: bool = False
 
     def describe(self) -> str:
-        return self._describe(f"{self.tile_m}x{self.tile_n}w{self.num_warps}s{self.num_stages}",
-                              [f"rab/{self.rab_vec}"] if self.has_rab else [])
+        return self._describe(f"{self.tile_m}x{self.tile_n}w{self.num_warps}s{self.num_stages}"
+                              + ("k" if self.split_keys else ""), [f"rab/{self.rab_vec}"] if self.has_rab else [])
 
 
 def default_fwd_tiles(head_dim: int) -> dict:
@@ -139,10 +142,12 @@ def default_fwd_tiles(head_dim: int) -> dict:
     return dict(tile_m=64, tile_n=64, num_warps=4, num_stages=1, ptxas_opt=3)
 
 
-def make_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, rab_vec, tiles=None) -> AmpereFwdKey:
+def make_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, rab_vec, tiles=None,
+                 split_keys: bool = False) -> AmpereFwdKey:
     return AmpereFwdKey(
         **_variant_fields(arch, dtype, head_dim, kind, context_target, has_rab), rab_vec=rab_vec if has_rab else 8,
         **(tiles or dict(default_fwd_tiles(head_dim), lpt_grid=MaskKind(kind) == MaskKind.CAUSAL)),
+        split_keys=split_keys,
     )
 
 
@@ -156,10 +161,10 @@ class AmperePagedFwdKey(AmpereFwdKey):
 
 
 def make_ampere_paged_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, rab_vec,
-                              tiles=None) -> AmperePagedFwdKey:
+                              tiles=None, split_keys: bool = False) -> AmperePagedFwdKey:
     return AmperePagedFwdKey(
         **_variant_fields(arch, dtype, head_dim, kind, context_target, has_rab), rab_vec=rab_vec if has_rab else 8,
-        **(tiles or dict(default_fwd_tiles(head_dim), lpt_grid=False)),
+        **(tiles or dict(default_fwd_tiles(head_dim), lpt_grid=False)), split_keys=split_keys,
     )
 
 
@@ -290,10 +295,22 @@ SPLIT_KEY_MASKS = PAGED_MASKS
 PAGE_SIZES = (16, 32, 64, 128)
 
 
+def default_hopper_paged_fwd_tiles(head_dim: int, has_rab: bool) -> dict:
+    """The forward's tiles with a third K/V stage where smem allows it (D <= 128 without rab,
+    224 KB with one Q stage): cache blocks arrive in several page-sized boxes, whose latency the
+    deeper ring hides. H100, 64 users x (4096 + 256) causal D128, page sizes 16 / 32 / 64 / 128:
+    paged 0.290 / 0.255 / 0.259 / 0.257 ms with 3 stages against 0.296 / 0.268 / 0.261 / 0.255
+    with the forward's 2 (two Q stages); contiguous keys 0.248 ms on the forward's tiles."""
+    tiles = default_hopper_fwd_tiles(head_dim, has_rab)
+    if head_dim <= 128 and not has_rab:
+        tiles.update(num_stages=3, q_stages=1)
+    return tiles
+
+
 def make_hopper_paged_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, tiles=None,
                               split_keys: bool = False) -> HopperPagedFwdKey:
     return HopperPagedFwdKey(**_variant_fields(arch, dtype, head_dim, kind, context_target, has_rab),
-                             **(tiles or default_hopper_fwd_tiles(head_dim, has_rab)), split_keys=split_keys)
+                             **(tiles or default_hopper_paged_fwd_tiles(head_dim, has_rab)), split_keys=split_keys)
 
 
 #: The FP8 element type of q, k and v, by DSL name, and the head dims of the FP8 forward
@@ -531,15 +548,20 @@ def _shipped_variants(dtypes, head_dims) -> list[tuple]:
 
 
 def shipped_ampere_fwd_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[AmpereFwdKey]:
-    return [make_fwd_key(arch, *variant, has_rab, rab_vec) for variant in _shipped_variants(dtypes, head_dims)
-            for has_rab, rab_vec in ((False, 8), (True, 8), (True, 1))]
+    """Every mask's variants, then the split-key ones of the causal family (rab rows 16-byte
+    aligned: the launcher pads others when it splits)."""
+    return ([make_fwd_key(arch, *variant, has_rab, rab_vec) for variant in _shipped_variants(dtypes, head_dims)
+             for has_rab, rab_vec in ((False, 8), (True, 8), (True, 1))]
+            + [make_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, 8, split_keys=True)
+               for dtype in dtypes for head_dim in head_dims for kind, context_target in SPLIT_KEY_MASKS
+               for has_rab in (False, True)])
 
 
 def shipped_ampere_paged_fwd_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
     # rab rows 16-byte aligned only (the launcher pads others): serving calls are few and long.
-    return [make_ampere_paged_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, 8)
-            for dtype in dtypes for head_dim in head_dims for kind, context_target in PAGED_MASKS
-            for has_rab in (False, True)]
+    return [make_ampere_paged_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, 8, split_keys=split_keys)
+            for split_keys in (False, True) for dtype in dtypes for head_dim in head_dims
+            for kind, context_target in PAGED_MASKS for has_rab in (False, True)]
 
 
 def shipped_ampere_bwd_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[AmpereBwdKey]:

@@ -1,6 +1,6 @@
 """Split keys on the GPU: serving workloads with few query tiles, each call with the launcher's
 parts (launch.key_splits) and with one part, paged and on contiguous keys, in the same run; one
-JSON line per workload (``--out``)."""
+JSON line per workload (``--out``). HSTU_CUTE_ARCH=sm80 times the sm80 kernels (on any GPU)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,10 @@ def main() -> int:
         row = dict(workload=w.name, page_size=w.page_size, gpu=torch.cuda.get_device_name())
         p = validation.problem_of_op_args(x["q_new"], x["offsets_new"], w.new, w.cached + w.new, None,
                                                  x["num_targets"], -1, 0, None, True, w.new)
-        row["splits"] = default_splits(p, 128, 128, w.new, w.cached + w.new, launch.num_sms(x["q_new"].device))
+        device = x["q_new"].device
+        row["path"] = launch.kernel_path(device)
+        key = launch.fwd_key(p, launch.device_arch(device), None, path=row["path"])
+        row["splits"] = default_splits(p, key.tile_m, key.tile_n, w.new, w.cached + w.new, launch.num_sms(device))
         flops = 4 * w.heads * w.head_dim * _pairs(w) * w.users
         with torch.no_grad():
             outs = {}

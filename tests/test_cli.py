@@ -120,16 +120,17 @@ WARMUP_ARGS = ("warmup", "--arch", "sm_80", "--head-dim", "64", "--dtype", "bflo
 
 def test_warmup_compiles_then_hits_disk(tmp_path):
     out = run_cli(*WARMUP_ARGS, cache_dir=tmp_path)
-    # The forward and the paged (KV-cache) forward of each mask.
-    assert "4 variants for sm_80: 4 compiled, 0 disk hits" in out, out
+    # The forward and the paged (KV-cache) forward of each mask, each also with split keys.
+    assert "8 variants for sm_80: 8 compiled, 0 disk hits" in out, out
     assert "ampere_fwd sm_80 bfloat16 d64 128x128w4s2 causal+context+target" in out
+    assert "ampere_fwd sm_80 bfloat16 d64 128x128w4s2k causal+context+target" in out
     objs = sorted(tmp_path.rglob("*.o"))
-    assert len(objs) == 4
+    assert len(objs) == 8
     out = run_cli(*WARMUP_ARGS, cache_dir=tmp_path)
-    assert "4 variants for sm_80: 0 compiled, 4 disk hits" in out, out
+    assert "8 variants for sm_80: 0 compiled, 8 disk hits" in out, out
     assert sorted(tmp_path.rglob("*.o")) == objs
     out = run_cli("info", cache_dir=tmp_path)
-    assert "cached entries" in out and re.search(r"cached entries\s*│?\s*4 ", out), out
+    assert "cached entries" in out and re.search(r"cached entries\s*│?\s*8 ", out), out
     assert "causal+context+target" in out
 
 
@@ -137,17 +138,18 @@ def test_warmup_select_keys_filters():
     from hstu_cute.cli import select_keys
 
     # Backward: 2 dtypes x 4 head dims x 4 masks x (4 dQ + 2 dK/dV variants).
-    # sm80: the forward (96), the backward (192) and the paged KV-cache forward (2 dtypes x 4 head
-    # dims x 2 causal masks x rab or not: 32).
-    assert len(select_keys("sm_80")) == 96 + 192 + 32
-    assert len(select_keys("sm_80", kernels="fwd")) == 96 + 32
+    # sm80: the forward (96), the backward (192), the paged KV-cache forward (2 dtypes x 4 head
+    # dims x 2 causal masks x rab or not: 32) and the split-key forward, contiguous and paged (32 each).
+    assert len(select_keys("sm_80")) == 96 + 192 + 32 + 64
+    assert len(select_keys("sm_80", kernels="fwd")) == 96 + 32 + 64
     assert len(select_keys("sm_80", kernels="bwd")) == 192
     assert len(select_keys("sm_80", head_dims=[256], kernels="bwd")) == 2 * 4 * 6
     keys = select_keys("sm_80", ["bfloat16"], [64], ["causal", "target"], "none", kernels="fwd")
-    assert [k.describe().split()[-1] for k in keys] == ["causal", "causal+context+target"] * 2
-    assert [k.kernel_name for k in keys] == ["ampere_fwd"] * 2 + ["ampere_fwd_paged"] * 2
+    assert [k.describe().split()[-1] for k in keys] == ["causal", "causal+context+target"] * 4
+    assert [k.kernel_name for k in keys] == ["ampere_fwd"] * 4 + ["ampere_fwd_paged"] * 4
+    assert [k.split_keys for k in keys] == [False, False, True, True] * 2
     assert all(k.arch == "sm_80" and k.head_dim == 64 and not k.has_rab for k in keys)
-    assert len(select_keys("sm_86", head_dims=[32], rab="only", kernels="fwd")) == 2 * 4 * 2 + 2 * 2
+    assert len(select_keys("sm_86", head_dims=[32], rab="only", kernels="fwd")) == 2 * 4 * 2 + 2 * 2 + 2 * 2 * 2
     assert len(select_keys("sm_86", head_dims=[32], rab="only", kernels="bwd")) == 2 * 4 * 4
     assert len(select_keys("sm_80", limit=5)) == 5
     # sm_90a: the Hopper forward and backward kernels too (hstu_cute.variants.shipped_keys): the
@@ -158,14 +160,14 @@ def test_warmup_select_keys_filters():
     # and the block quantizers of modes 1-5 (2 x 3 x 7 roles); the paged forward, sm80 and Hopper (32 each);
     # the split-key Hopper forward, contiguous and paged (2 dtypes x 4 head dims x 2 masks x rab or not).
     assert len(select_keys("sm_90a")) == (96 + 192 + 64 + 96 + 16 + 32 + 16 + 144 + 9 + 6 + 42 + 32 + 32 + 32 + 32
-                                          + 64)
-    assert len(select_keys("sm_90a", kernels="fwd")) == 96 + 64 + 144 + 9 + 6 + 42 + 32 + 32 + 32 + 32
+                                          + 64 + 64)
+    assert len(select_keys("sm_90a", kernels="fwd")) == 96 + 64 + 144 + 9 + 6 + 42 + 32 + 32 + 32 + 32 + 64
     assert len(select_keys("sm_90a", kernels="bwd")) == 192 + 96 + 16 + 32 + 16 + 64  # + the FP8 pair
     keys = select_keys("sm_90a", ["bfloat16"], [128], ["causal"], "none", kernels="fwd")
-    assert [k.kernel_name for k in keys] == (["ampere_fwd", "ampere_fwd_paged", "hopper_fwd", "hopper_fwd"]
+    assert [k.kernel_name for k in keys] == (["ampere_fwd"] * 2 + ["ampere_fwd_paged"] * 2 + ["hopper_fwd"] * 2
                                              + ["hopper_fwd_fp8"] * 3 + ["hopper_fwd_paged"] * 2)
-    assert [k.split_keys for k in keys if k.kernel_name in ("hopper_fwd", "hopper_fwd_paged")] == [False, True] * 2
-    assert [(k.scaled_p, k.two_direction) for k in keys[4:7]] == [(False, False), (True, False), (True, True)]
+    assert [k.split_keys for k in keys if k.kernel_name != "hopper_fwd_fp8"] == [False, True] * 4
+    assert [(k.scaled_p, k.two_direction) for k in keys[6:9]] == [(False, False), (True, False), (True, True)]
     assert not any(k.kernel_name == "hopper_fwd" for k in select_keys("sm_89"))
 
 
@@ -314,7 +316,7 @@ def test_failed_compile_leaves_no_lock_files_and_no_ansi(cache_dir, monkeypatch,
     out = capsys.readouterr()
     text = out.out + out.err
     assert rc == 1, text
-    assert "3 variants for sm_80: 0 compiled, 0 disk hits, 0 already in memory, 3 failed" in text, text
+    assert "5 variants for sm_80: 0 compiled, 0 disk hits, 0 already in memory, 5 failed" in text, text
     assert "FAILED ampere_fwd sm_80 float16 d32" in text and "RuntimeError: DSL failure for [sm_80] stop" in text
     assert "Traceback" in text  # -v
     assert ANSI not in text, repr(text)

@@ -82,7 +82,7 @@ def _run(paged, path, splits=None):
     return out
 
 
-def _run_contiguous(dense, splits, seqused_q=None):
+def _run_contiguous(dense, splits, path, seqused_q=None):
     """The same kernel family on contiguous keys (delta_q), ``splits`` parts of the key blocks.
     The public call refuses delta_q with targets (FBGEMM's V1 rule), the launcher does not: the
     problem comes from the op-level constructor, as in the serving benchmark."""
@@ -92,7 +92,7 @@ def _run_contiguous(dense, splits, seqused_q=None):
     launch.forward(dense["q"], dense["k"], dense["v"], dense["seq_offsets_q"], dense["seq_offsets_k"],
                    dense["max_seqlen_q"], dense["max_seqlen_k"], dense["num_contexts"], dense["num_targets"],
                    dense["target_group_size"], dense["alpha"], dense["rab"], seqused_q, None, p, out=out,
-                   path="hopper", splits=splits)
+                   path=path, splits=splits)
     torch.cuda.synchronize()
     return out
 
@@ -111,11 +111,6 @@ def test_paged_matches_dense_oracle(path, page_size, lengths, mask, dtype, head_
     _check(_run(paged, path), dense, seed)
 
 
-def _hopper_only(path):
-    if path != "hopper":
-        pytest.skip("split keys: the Hopper forward")
-
-
 @pytest.mark.parametrize("mname,dtype,head_dim", [("causal", torch.bfloat16, 128), ("ctx+tgt g1", torch.float16, 64),
                                                   ("tgt g11 rabH", torch.bfloat16, 256), ("ctx rab1", torch.bfloat16, 32)])
 def test_split_keys_match_dense_oracle(path, mname, dtype, head_dim):
@@ -123,7 +118,6 @@ def test_split_keys_match_dense_oracle(path, mname, dtype, head_dim):
     and on contiguous keys, for part counts that leave short sequences' parts empty (1, 3 and
     16 parts over a 4096-token history beside 17-, 0- and 300-token ones), against the oracle;
     the parts' sum differs from one CTA's sum only by rounding."""
-    _hopper_only(path)
     seed = _seed("split", mname, str(dtype), head_dim)
     paged, dense = _batch(64, ([4096, 17, 0, 300], [256, 1, 5, 64]), MASKS[mname], dtype, head_dim, seed)
     whole = _run(paged, path, splits=1)
@@ -133,13 +127,12 @@ def test_split_keys_match_dense_oracle(path, mname, dtype, head_dim):
         _check(out, dense, seed)
         assert (out.float() - whole.float()).abs().max() <= 1e-2 * whole.float().abs().max()
     for splits in (1, 5):
-        _check(_run_contiguous(dense, splits), dense, seed)
+        _check(_run_contiguous(dense, splits, path), dense, seed)
 
 
 def test_split_keys_default_and_seqused(path):
     """The launcher splits one user's decode-like call by itself (launch.key_splits), and rows
     past seqused_q stay zero with split keys (their partials are zeros)."""
-    _hopper_only(path)
     seed = _seed("split-default")
     paged, dense = _batch(32, ([4096], [200]), MASKS["causal"], torch.bfloat16, 128, seed, heads=4)
     p = validation.validate(paged["q"], paged["k"], paged["v"], paged["seq_offsets_q"], paged["seq_offsets_k"],
@@ -148,11 +141,14 @@ def test_split_keys_default_and_seqused(path):
                             paged["page_offsets"], paged["page_ids"], paged["last_page_lens"])
     from hstu_cute.arch import num_sms
 
-    assert launch.key_splits(p, 128, 128, paged["max_seqlen_q"], paged["max_seqlen_k"], num_sms(paged["q"].device)) > 1
+    device = paged["q"].device
+    key = launch.fwd_key(p, launch.device_arch(device), None, path=path)
+    assert launch.key_splits(p, key.tile_m, key.tile_n, paged["max_seqlen_q"], paged["max_seqlen_k"],
+                             num_sms(device)) > 1
     _check(_run(paged, path), dense, seed)
     used = torch.tensor([150], dtype=torch.int32, device="cuda")
-    out = _run_contiguous(dense, 8, seqused_q=used)
-    ref = _run_contiguous(dense, 1, seqused_q=used)
+    out = _run_contiguous(dense, 8, path, seqused_q=used)
+    ref = _run_contiguous(dense, 1, path, seqused_q=used)
     assert torch.all(out[150:] == 0) and torch.all(ref[150:] == 0)
     assert (out[:150].float() - ref[:150].float()).abs().max() <= 1e-2 * ref[:150].float().abs().max()
 

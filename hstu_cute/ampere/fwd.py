@@ -41,15 +41,23 @@ class HstuForwardSm80(Sm80Kernel):
     loaded (V's zero-filled). Every load checks its segment's end at run time (the last block of
     each segment crosses it). A new block's rab comes from the rab among the new tokens (mRabNew,
     its columns start 16-byte aligned; rab's own would start at column C).
+
+    ``split_keys``: each tile's key blocks come in ``num_splits`` parts (a runtime argument;
+    the grid's m-blocks count every part, :meth:`KeyBlocks.part`), one CTA each, so few query
+    tiles over long keys (one user's serving call) fill the GPU. Each part stores its fp32
+    output (times 1/S) to its slab of the partials and counts its arrival (acq_rel atomic); the
+    CTA that arrives last adds the parts up in part order (the same sum whichever ends last) and
+    stores the output, then zeroes the count for the next launch.
     """
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, rab_vec: int, tile_m: int,
                  tile_n: int, num_warps: int, num_stages: int, fast_silu: bool, lpt_grid: bool = False,
-                 paged: bool = False):
+                 paged: bool = False, split_keys: bool = False):
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_warps, fast_silu)
         self.rab_vec, self.num_stages, self.lpt_grid = rab_vec, num_stages, lpt_grid
         # Keys of a paged KV cache ahead of each sequence's new keys (common.key_blocks).
         self.paged = paged
+        self.split_keys = split_keys
         assert tile_m % (16 * num_warps) == 0
         assert head_dim % 32 == 0 and tile_n % 16 == 0
 
@@ -60,7 +68,7 @@ class HstuForwardSm80(Sm80Kernel):
     def __call__(self, mQ, mK, mV, mO, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
                  alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32, group_size: Int32,
                  is_delta_q: Int32, num_m_blocks: Int32, mCache, mPageOffsets, mPageIds, mLastPageLens, log2_page_size,
-                 mRabNew, stream):
+                 mRabNew, mPartials, mArrivals, num_splits, stream):
         atom, gmem_copy_qkv, gmem_copy_o, gmem_copy_rab, tiled_mma = self._atoms()
         sQ_layout = self._tile_layout(atom, self.tile_m)
         # K, V and rab keep their stage mode with a single stage too.
@@ -77,6 +85,8 @@ class HstuForwardSm80(Sm80Kernel):
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, kv_elems], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, kv_elems], 1024]
             sRab: cute.struct.Align[cute.struct.MemRange[self.dtype, rab_elems], 1024]
+            # Split keys: the CTA's arrival count, for its threads.
+            sArrived: cute.struct.MemRange[Int32, 1]
 
         num_batch = mOffsetsQ.shape[0] - 1
         num_heads = mQ.shape[1]
@@ -90,7 +100,7 @@ class HstuForwardSm80(Sm80Kernel):
         self._launch(
             mQ, mK, mV, mO, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
             ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), paged,
-            sQ_layout, sKV_layout, sRab_layout, gmem_copy_qkv, gmem_copy_o, gmem_copy_rab, tiled_mma,
+            (mPartials, mArrivals, num_splits) if const_expr(self.split_keys) else None, sQ_layout, sKV_layout, sRab_layout, gmem_copy_qkv, gmem_copy_o, gmem_copy_rab, tiled_mma,
             SharedStorage, grid=grid, stream=stream,
         )
 
@@ -99,7 +109,7 @@ class HstuForwardSm80(Sm80Kernel):
     # ------------------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, seqs, mRab,
-               scalars, paged, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout, sRab_layout,
+               scalars, paged, split, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout, sRab_layout,
                gmem_copy_qkv: cute.TiledCopy, gmem_copy_o: cute.TiledCopy, gmem_copy_rab,
                tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
         tidx, _, _ = cute.arch.thread_idx()
@@ -113,6 +123,9 @@ class HstuForwardSm80(Sm80Kernel):
             m_block_rev, head, batch = cute.arch.block_idx()
             num_m_blocks, _, _ = cute.arch.grid_dim()
         m_block = num_m_blocks - 1 - m_block_rev
+        part = Int32(0)
+        if const_expr(self.split_keys):
+            part, m_block = m_block % split[2], m_block // split[2]
 
         q_start, k_start, seqlen_q, seqlen_k, mask_of = self._sequence(seqs, scalars, mQ, mK, batch)
         alpha, inv_scale = scalars.alpha, scalars.inv_scale
@@ -127,6 +140,8 @@ class HstuForwardSm80(Sm80Kernel):
             else:
                 seq = mask_of(batch, seqlen_q, seqlen_k)
             blocks = KeyBlocks.of_tile(spec, seq, m_block, self.tile_m, self.tile_n, span)
+            if const_expr(self.split_keys):
+                blocks = blocks.part(part, split[2])
             # No method call on a name inside the runtime branches and loops below (it would be
             # carried through them).
             n_count, block_at = blocks.count, blocks.at
@@ -288,7 +303,49 @@ class HstuForwardSm80(Sm80Kernel):
             # ---- epilogue: scale by 1/S, stage through sQ, predicated 128-bit stores ----
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
-            self.store_rows(gmem_copy_o, tiled_mma, acc_O, sQ, gO, tidx, seqlen_q - m_block * self.tile_m, inv_scale)
+            if const_expr(self.split_keys):
+                slot = (batch * mQ.shape[1] + head) * (num_m_blocks // split[2]) + m_block
+                self.store_split_tile(gmem_copy_o, tiled_mma, acc_O, sQ, gO, tidx, seqlen_q - m_block * self.tile_m,
+                                      inv_scale, split, storage.sArrived.get_tensor(cute.make_layout(1)), head,
+                                      q_start, m_block, part, slot)
+            else:
+                self.store_rows(gmem_copy_o, tiled_mma, acc_O, sQ, gO, tidx, seqlen_q - m_block * self.tile_m,
+                                inv_scale)
+
+    @cute.jit
+    def store_split_tile(self, gmem_copy_o, tiled_mma, acc_O, sQ, gO, tidx, rows: Int32, inv_scale: Float32, split,
+                         sArrived, head: Int32, q_start: Int32, m_block: Int32, part: Int32, slot: Int32):
+        """Split keys: this part's fp32 output (times 1/S) to its slab of the partials (rows <
+        ``rows``), the CTA's arrival counted (release: every thread's stores fenced first); the
+        CTA that arrives last sums the parts in part order and stores the output through sQ."""
+        mPartials, mArrivals, num_splits = split
+        thr_mma = tiled_mma.get_slice(tidx)
+        partials = mPartials[None, head, None]
+        part_rows, tile_shape = mPartials.shape[0] // num_splits, (self.tile_m, self.head_dim)
+        tOcO = thr_mma.partition_C(cute.make_identity_tensor(tile_shape))
+        tPgP = thr_mma.partition_C(cute.local_tile(cute.domain_offset((q_start + part * part_rows, 0), partials),
+                                                   tile_shape, (m_block, 0)))
+        for e in cutlass.range_constexpr(cute.size(acc_O)):
+            if tOcO[e][0] < rows:
+                tPgP[e] = acc_O[e] * inv_scale
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier()
+        if tidx == 0:
+            sArrived[0] = cute.arch.atomic_add(mArrivals.iterator + slot, Int32(1), sem="acq_rel", scope="gpu")
+        cute.arch.barrier()
+        if sArrived[0] == num_splits - 1:
+            cute.arch.fence_acq_rel_gpu()
+            total = cute.make_fragment_like(acc_O, Float32)
+            total.fill(0.0)
+            for p in cutlass.range(num_splits, unroll=1):
+                tXgP = thr_mma.partition_C(cute.local_tile(cute.domain_offset((q_start + p * part_rows, 0), partials),
+                                                           tile_shape, (m_block, 0)))
+                for e in cutlass.range_constexpr(cute.size(total)):
+                    if tOcO[e][0] < rows:
+                        total[e] = total[e] + tXgP[e]
+            self.store_rows(gmem_copy_o, tiled_mma, total, sQ, gO, tidx, rows)
+            if tidx == 0:
+                mArrivals[slot] = Int32(0)
 
     # ------------------------------------------------------------------------------------------
     # cp.async tile loads

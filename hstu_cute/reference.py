@@ -340,11 +340,11 @@ def scaled_p_e4m3(p: torch.Tensor, dv: torch.Tensor, tile_n: int) -> torch.Tenso
     return out
 
 
-def fp8_p_tile_n(head_dim: int, has_rab: bool = False) -> int:
+def fp8_p_tile_n(head_dim: int, has_rab: bool = False, two_direction: bool = False) -> int:
     """Keys per block of the FP8 forward's scaled P (its key tile)."""
     from .variants import default_hopper_fp8_fwd_tiles
 
-    return default_hopper_fp8_fwd_tiles(head_dim, has_rab, scaled_p=True)["tile_n"]
+    return default_hopper_fp8_fwd_tiles(head_dim, has_rab, scaled_p=True, two_direction=two_direction)["tile_n"]
 
 
 def hstu_attn_fp8_emulation(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, *args,
@@ -374,7 +374,7 @@ def hstu_attn_fp8_emulation(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q,
         dv = (torch.ones(v.shape[:2], dtype=torch.float32, device=v.device) if quant_mode == QuantMode.TWO_DIRECTION
               else token_scales(quantized["v"], quant_mode, seq_offsets_k, max_seqlen_k))
         starts = seq_offsets_k.tolist()
-        tile_n = fp8_p_tile_n(q.shape[2], kwargs.get("rab") is not None)
+        tile_n = fp8_p_tile_n(q.shape[2], kwargs.get("rab") is not None, quant_mode == QuantMode.TWO_DIRECTION)
         p_round = lambda p, b: scaled_p_e4m3(  # noqa: E731
             p, dv[starts[b]:starts[b] + p.shape[2]].transpose(0, 1), tile_n)
     return hstu_attn_reference(qe, ke, ve, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, *args,

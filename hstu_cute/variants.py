@@ -404,14 +404,21 @@ def make_hopper_cast_key(arch, dtype, head_dim) -> HopperCastKey:
     return HopperCastKey(arch=arch, dtype=dtype, head_dim=head_dim)
 
 
-def default_hopper_fp8_fwd_tiles(head_dim: int, has_rab: bool, scaled_p: bool = False) -> dict:
+def default_hopper_fp8_fwd_tiles(head_dim: int, has_rab: bool, scaled_p: bool = False,
+                                 two_direction: bool = False) -> dict:
     """FP8 tiles: K and V^T tiles are half the bytes of 16-bit ones, so the smem plan of
-    :func:`default_hopper_fwd_tiles` fits with a second Q stage even beside rab; at D256 the O
-    accumulator (128 fp32 registers per thread) leaves room for 64-key score tiles only. D256
-    with P cast: 3 stages (176 KB with rab), H100 B8 N4096 causal, three samples each: 1038-1048
-    TF/s against 1021-1027 with 2; scaled P gains nothing from them (852-855 against 855-860)."""
+    :func:`default_hopper_fwd_tiles` fits with a second Q stage even beside rab. D256 (H100, B8
+    N4096, TF/s, same runs, docs/perf-log.md session 17): 128-key tiles (2 stages) beside the
+    128-register O accumulator, causal P cast 1095-1108 against 1022-1045 with 64-key tiles (3
+    stages), scaled P 1008-1028 against 818-839; contexts + targets 808-818 / 727-731 against
+    763-772 / 591-595; local windows even or better. With rab ptxas spills at 128 keys and they
+    lose (P cast 738-749 against 790-804, scaled 601-606 against 707-723), as do quant mode 1's
+    (``two_direction``: 364-377 against 467-499): 64-key tiles, P cast with 3 stages (176 KB with
+    rab; 1038-1048 against 1021-1027 with 2, session 12)."""
     if head_dim <= 128:
         return dict(tile_m=128, tile_n=128, num_stages=2, ptxas_opt=2, q_stages=2, dynamic_tiles=True)
+    if not has_rab and not two_direction:
+        return dict(tile_m=128, tile_n=128, num_stages=2, ptxas_opt=3, dynamic_tiles=True)
     return dict(tile_m=128, tile_n=64, num_stages=2 if scaled_p else 3, ptxas_opt=3, dynamic_tiles=True)
 
 
@@ -420,7 +427,7 @@ def make_hopper_fp8_fwd_key(arch, out_dtype, head_dim, kind, context_target, has
     fields = _variant_fields(arch, FP8_DTYPE, head_dim, kind, context_target, has_rab)
     fields["fast_silu"] = True  # tanh.approx is far below e4m3's rounding of P
     return HopperFp8FwdKey(**fields, out_dtype=out_dtype, scaled_p=scaled_p, two_direction=two_direction,
-                           **(tiles or default_hopper_fp8_fwd_tiles(head_dim, has_rab, scaled_p)))
+                           **(tiles or default_hopper_fp8_fwd_tiles(head_dim, has_rab, scaled_p, two_direction)))
 
 
 @dataclass(frozen=True)

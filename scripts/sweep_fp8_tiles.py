@@ -1,10 +1,10 @@
 """FP8 forward tile sweep, kernel alone (issue 16), beside the bf16 forward of the same run.
 
-    python scripts/sweep_fp8_tiles.py D TILE_N:STAGES [TILE_N:STAGES ...] [--rounds 3]
+    python scripts/sweep_fp8_tiles.py D TILE_N:STAGES[:Q_STAGES[:PTXAS_OPT]] [...] [--rounds 3]
         [--entry kernel|kernel2|...] [--mask causal|ctx|local|rab]
 
 B8 N4096 H4 at head dim D, causal (``--mask``: with 8 contexts and 64 targets, a (256, 0) window,
-or rab with one head); tile_m 128, ptxas -O3, tiles claimed; the configurations are timed in
+or rab with one head); tile_m 128, one Q stage and ptxas -O3 unless given, tiles claimed; the configurations are timed in
 alternating rounds (run-to-run drift shows as spread within a configuration). JSON lines to
 $OUT/fp8_tiles.jsonl."""
 
@@ -25,8 +25,9 @@ KEY_MASKS = {"causal": (MaskKind.CAUSAL, False, False), "ctx": (MaskKind.CAUSAL,
 
 
 def _tiles(config: str) -> dict:
-    tile_n, stages = map(int, config.split(":"))
-    return dict(tile_m=128, tile_n=tile_n, num_stages=stages, ptxas_opt=3, dynamic_tiles=True)
+    """TILE_N:STAGES[:Q_STAGES[:PTXAS_OPT]] (defaults 1 and 3)."""
+    tile_n, stages, q_stages, opt = (list(map(int, config.split(":"))) + [1, 3])[:4]
+    return dict(tile_m=128, tile_n=tile_n, num_stages=stages, q_stages=q_stages, ptxas_opt=opt, dynamic_tiles=True)
 
 
 def main() -> None:

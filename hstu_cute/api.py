@@ -95,12 +95,13 @@ def _bwd_fake(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seq
 # FP8: quantization (quant_mode 0..5) and the kernel in one opaque op, so that torch.compile and
 # torch.export never trace the quantizers' data-dependent work (a peer's host loops broke export).
 _FWD_FP8_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, Tensor? descale_q, Tensor? descale_k, Tensor? descale_v, "
-                   f"{_OP_ARGS}, int quant_mode) -> Tensor")
+                   f"{_OP_ARGS}, int quant_mode, bool has_drab=False, bool deterministic=False) -> Tensor")
 
 
 def _fwd_fp8_impl(q, k, v, descale_q, descale_k, descale_v, seq_offsets_q, seq_offsets_k, max_seqlen_q,
                   max_seqlen_k, num_contexts, num_targets, target_group_size, window_left, window_right, alpha, rab,
-                  is_delta_q, scaling_seqlen, seqused_q, seqused_k, quant_mode):
+                  is_delta_q, scaling_seqlen, seqused_q, seqused_k, quant_mode, has_drab=False, deterministic=False):
+    # has_drab and deterministic concern the backward (the registered autograd reads them).
     p = problem_of_op_args(q, seq_offsets_q, max_seqlen_q, max_seqlen_k, num_contexts, num_targets, window_left,
                            window_right, rab, is_delta_q, scaling_seqlen, quant_mode)
     _check_data(p, q, k, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
@@ -115,30 +116,36 @@ def _fwd_fp8_fake(q, *rest):
 
 # The FP8 backward (quant modes 0, 2-5): quantization of q, k, v, dO, the token-contiguous copies and
 # both kernels in one opaque op, registered as fwd_fp8's autograd formula.
-_BWD_FP8_SCHEMA = f"(Tensor dout, Tensor q, Tensor k, Tensor v, {_OP_ARGS}, int quant_mode) -> (Tensor, Tensor, Tensor)"
+_BWD_FP8_SCHEMA = (f"(Tensor dout, Tensor q, Tensor k, Tensor v, {_OP_ARGS}, int quant_mode, bool has_drab, "
+                   f"bool deterministic) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 def _bwd_fp8_impl(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
                   num_targets, target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen,
-                  seqused_q, seqused_k, quant_mode):
+                  seqused_q, seqused_k, quant_mode, has_drab, deterministic):
     p = problem_of_op_args(q, seq_offsets_q, max_seqlen_q, max_seqlen_k, num_contexts, num_targets, window_left,
                            window_right, rab, is_delta_q, scaling_seqlen, quant_mode)
-    return backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
-                        num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p)
+    dq, dk, dv, drab = backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
+                                    num_contexts, num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p,
+                                    has_drab=has_drab, deterministic=deterministic)
+    return dq, dk, dv, (drab.contiguous() if drab is not None else _empty_drab(q))
 
 
-def _bwd_fp8_fake(dout, q, k, v, *rest):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _bwd_fp8_fake(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
+                  num_targets, target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen,
+                  seqused_q, seqused_k, quant_mode, has_drab, deterministic):
+    drab = rab.new_empty(rab.shape) if has_drab and rab is not None else _empty_drab(q)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), drab
 
 
 def _fwd_fp8_setup_context(ctx, inputs, output):
     (q, k, v, _, _, _, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
      target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen, seqused_q, seqused_k,
-     quant_mode) = inputs
+     quant_mode, has_drab, deterministic) = inputs
     ctx.save_for_backward(q, k, v, rab, seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q,
                           seqused_k)
     ctx.scalars = (max_seqlen_q, max_seqlen_k, target_group_size, window_left, window_right, alpha, is_delta_q,
-                   scaling_seqlen, quant_mode)
+                   scaling_seqlen, quant_mode, has_drab, deterministic)
 
 
 def _bwd_fp8_through_op(dout, q, k, v, rab, sequences, scalars):
@@ -147,18 +154,20 @@ def _bwd_fp8_through_op(dout, q, k, v, rab, sequences, scalars):
     :func:`_fwd_fp8_setup_context`'s order."""
     seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = sequences
     (max_seqlen_q, max_seqlen_k, target_group_size, window_left, window_right, alpha, is_delta_q, scaling_seqlen,
-     quant_mode) = scalars
+     quant_mode, has_drab, deterministic) = scalars
     return torch.ops.hstu_cute.bwd_fp8(
         dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
         target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen, seqused_q, seqused_k,
-        quant_mode)
+        quant_mode, has_drab, deterministic)
 
 
 def _fwd_fp8_backward(ctx, dout):
     q, k, v, rab, *sequences = ctx.saved_tensors
-    dq, dk, dv = _bwd_fp8_through_op(dout, q, k, v, rab, sequences, ctx.scalars)
-    # One gradient per input of fwd_fp8: q, k, v, then none for the descales, sequences, scalars and rab.
-    return (dq, dk, dv) + (None,) * 19
+    dq, dk, dv, drab = _bwd_fp8_through_op(dout, q, k, v, rab, sequences, ctx.scalars)
+    has_drab = ctx.scalars[9]
+    # One gradient per input of fwd_fp8 (24): q, k, v, none for the descales, sequences and
+    # scalars, drab for rab (index 16) with has_drab, none for the rest.
+    return (dq, dk, dv) + (None,) * 13 + (drab if has_drab else None,) + (None,) * 7
 
 
 # Serving from a paged KV cache: inference only (no autograd), one op with the cache's tables.
@@ -317,7 +326,7 @@ class _HstuAttnFp8Eager(torch.autograd.Function):
         ctx.call = call
         p, sequences, scalars = call
         seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = sequences
-        max_seqlen_q, max_seqlen_k, target_group_size, alpha = scalars
+        max_seqlen_q, max_seqlen_k, target_group_size, alpha, _, _ = scalars
         return forward_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
                            num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p)
 
@@ -328,16 +337,16 @@ class _HstuAttnFp8Eager(torch.autograd.Function):
         q, k, v, rab = ctx.saved_tensors
         p, sequences, scalars = ctx.call
         seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = sequences
-        max_seqlen_q, max_seqlen_k, target_group_size, alpha = scalars
+        max_seqlen_q, max_seqlen_k, target_group_size, alpha, has_drab, deterministic = scalars
         if _eager(dout):
-            dq, dk, dv = backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
-                                      num_contexts, num_targets, target_group_size, alpha, rab, seqused_q, seqused_k,
-                                      p)
+            dq, dk, dv, drab = backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
+                                            num_contexts, num_targets, target_group_size, alpha, rab, seqused_q,
+                                            seqused_k, p, has_drab=has_drab, deterministic=deterministic)
         else:  # a dispatch mode or tensor subclass is watching the backward: it must see the op
-            dq, dk, dv = _bwd_fp8_through_op(dout, q, k, v, rab, sequences, (
+            dq, dk, dv, drab = _bwd_fp8_through_op(dout, q, k, v, rab, sequences, (
                 max_seqlen_q, max_seqlen_k, target_group_size, p.window_left, p.window_right, alpha,
-                p.mask.is_delta_q, p.scale_seqlen, p.quant_mode))
-        return None, dq, dk, dv, None
+                p.mask.is_delta_q, p.scale_seqlen, p.quant_mode, has_drab, deterministic))
+        return None, dq, dk, dv, (drab if has_drab else None)
 
 
 def hstu_attn_varlen_func(
@@ -466,8 +475,8 @@ def hstu_attn_varlen_func(
             check_fp8_backward(p)
             if eager:
                 sequences = (seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k)
-                return _HstuAttnFp8Eager.apply((p, sequences, (max_seqlen_q, max_seqlen_k, target_group_size, alpha)),
-                                               q, k, v, rab)
+                return _HstuAttnFp8Eager.apply((p, sequences, (max_seqlen_q, max_seqlen_k, target_group_size, alpha,
+                                                               has_drab, deterministic)), q, k, v, rab)
         if eager:
             return forward_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
                                num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p, descale_q,
@@ -475,7 +484,7 @@ def hstu_attn_varlen_func(
         return torch.ops.hstu_cute.fwd_fp8(q, k, v, descale_q, descale_k, descale_v, seq_offsets_q, seq_offsets_k,
                                            max_seqlen_q, max_seqlen_k, num_contexts, num_targets, target_group_size,
                                            p.window_left, p.window_right, alpha, rab, is_delta_q, scaling_seqlen,
-                                           seqused_q, seqused_k, quant_mode)
+                                           seqused_q, seqused_k, quant_mode, has_drab, deterministic)
     if needs_grad:
         scalars = (max_seqlen_q, max_seqlen_k, target_group_size, p.window_left, p.window_right, alpha, is_delta_q,
                    scaling_seqlen, has_drab, deterministic)

@@ -287,8 +287,8 @@ def _wide_drab(s: FakeShapes):
     import cutlass
     import cutlass.cute as cute
 
-    # (B, H_rab, L_q, L_k) in the input dtype, or the fp32 (B, L_q, L_k) sum over heads.
-    rank, elem = (3, cutlass.Float32) if s.key.rab_sum_heads else (4, s.dtype)
+    # (B, H_rab, L_q, L_k) in the gradients' type, or the fp32 (B, L_q, L_k) sum over heads.
+    rank, elem = (3, cutlass.Float32) if s.key.rab_sum_heads else (4, s.out_dtype)
     return cute.runtime.make_fake_tensor(elem, tuple(cute.sym_int() for _ in range(rank)),
                                          tuple(cute.sym_int64() for _ in range(rank - 1)) + (1,), assumed_align=4)
 
@@ -346,6 +346,8 @@ SPECS["hopper_bwd_fp8_dkdv"] = (
 SPECS["hopper_bwd_fp8_dq"] = (
     _Q, _K, _V, _DO, Arg("mKt", _tokens_transposed), Arg("mdQ", _tokens("tokens_q", "out")), *_SEQUENCES, _TMA_RAB,
     *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER, *_FP8_BWD_DESCALES,
+    # drab: (B, H_rab, L_q, L_k) in the gradients' type, or the fp32 (B, L_q, L_k) sum over heads.
+    Arg("mdRab", _wide_drab, lambda key: key.has_drab),
 )
 
 

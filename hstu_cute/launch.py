@@ -834,34 +834,51 @@ def fp8_backward_operands(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqle
 
 def backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
                  num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p: Problem,
-                 operands: dict | None = None, tiles: dict | None = None, kernels=("dkdv", "dq")):
+                 operands: dict | None = None, tiles: dict | None = None, kernels=("dkdv", "dq"),
+                 has_drab: bool = False, deterministic: bool = False):
     """The FP8 backward of a validated quant-mode call (modes 0, 2-5; :func:`check_fp8_backward`):
     :func:`fp8_backward_operands` (or the given ``operands``), then the FP8 dK/dV kernel and the dQ
-    kernel beside it (:mod:`hstu_cute.hopper.bwd_fp8`). Returns ``(dq, dk, dv)`` in the input
-    dtype; every gradient is summed in a fixed order (deterministic). ``tiles`` (role -> the keys'
-    tile fields) and ``kernels`` (the roles to launch) serve benchmark sweeps."""
+    kernel beside it (:mod:`hstu_cute.hopper.bwd_fp8`). Returns ``(dq, dk, dv, drab)`` in the
+    input dtype (``drab`` shaped like rab with ``has_drab``, else None; the dQ kernel writes it
+    from G in fp32). Every gradient is summed in a fixed order (bitwise reproducible), except
+    drab of one rab head over several heads, added with fp32 atomics unless ``deterministic``
+    (then per-head drab summed afterwards). ``tiles`` (role -> the keys' tile fields) and
+    ``kernels`` (the roles to launch) serve benchmark sweeps."""
     check_fp8_backward(p)
     device = q.device
     if kernel_path(device) != "hopper":
         raise NotImplementedError(f"quant_mode={p.quant_mode} backward: the FP8 kernels are Hopper-only (sm90); "
                                   f"got {device_arch(device)}")
     dq, dk, dv = _gradient_buffers(q, k, v, seqused_q, seqused_k)
+    drab = torch.zeros_like(rab) if has_drab else None
     if _nothing_to_do(q, k, max_seqlen_q, p):
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        return dq.zero_(), dk.zero_(), dv.zero_(), drab
     if operands is None:
         operands = fp8_backward_operands(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
                                          p.quant_mode)
+    drab_view = None
     if rab is not None and rab_vec(rab) != 8:
+        cols = rab.shape[3]
         rab = pad_rab_rows(rab)
+        if has_drab:  # drab is returned as a view of a padded gradient
+            drab = torch.zeros_like(rab)
+            drab_view = drab[..., :cols]
+    sum_heads = has_drab and rab.shape[1] == 1 and p.heads > 1
+    atomic_sum = sum_heads and not deterministic
+    drab_out = drab
+    if atomic_sum:
+        drab_out = torch.zeros((rab.shape[0], rab.shape[2], rab.shape[3]), dtype=torch.float32, device=device)
+    elif sum_heads:
+        drab_out = torch.zeros((rab.shape[0], p.heads, rab.shape[2], rab.shape[3]), dtype=rab.dtype, device=device)
     context_target = p.mask.has_context or p.mask.has_target
-    values = dict(operands, mdQ=dq, mdK=dk, mdV=dv, mRab=rab, num_sms=num_sms(device),
+    values = dict(operands, mdQ=dq, mdK=dk, mdV=dv, mRab=rab, mdRab=drab_out, num_sms=num_sms(device),
                   **_sequence_args(p, device, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
                                    num_targets, context_target),
                   **_scalar_args(p, alpha, target_group_size))
     common = (device_arch(device), DTYPE_NAMES[p.dtype], p.head_dim, p.mask.kind, context_target, rab is not None)
     tiles = tiles or {}
     key_kv = _made(make_hopper_fp8_bwd_key, "dkdv", *common, tiles.get("dkdv"))
-    key_q = _made(make_hopper_fp8_bwd_key, "dq", *common, tiles.get("dq"))
+    key_q = _made(make_hopper_fp8_bwd_key, "dq", *common, tiles.get("dq"), has_drab, atomic_sum)
     with _on_device(device):
         if "dkdv" in kernels:
             _launch(key_kv, _compiled(key_kv), dict(values, num_n_blocks=-(-max_seqlen_k // key_kv.tile_n),
@@ -870,4 +887,6 @@ def backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
             with _beside(device):
                 _launch(key_q, _compiled(key_q), dict(values, num_m_blocks=-(-max_seqlen_q // key_q.tile_m),
                                                       **_walk_args(key_q, p, k.shape[0], max_seqlen_k, device)))
-    return dq, dk, dv
+    if sum_heads:
+        drab[:, 0].copy_(drab_out if atomic_sum else drab_out.float().sum(1))
+    return dq, dk, dv, (drab_view if drab_view is not None else drab)

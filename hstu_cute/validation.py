@@ -277,8 +277,9 @@ def validate(
 
     if not isinstance(has_drab, bool):
         fail(TypeError, "has_drab", "a bool", type(has_drab).__name__)
-    if fp8 and has_drab:
-        raise NotImplementedError("has_drab: the FP8 backward computes dq, dk, dv only so far (no drab); pass False")
+    if fp8 and has_drab and quant_mode == -1:
+        raise NotImplementedError("has_drab: pre-quantized float8_e4m3fn inputs are forward-only (no backward); "
+                                  "train with 16-bit inputs and quant_mode >= 0, or pass False")
     if page_size and has_drab:
         raise NotImplementedError("has_drab: the paged KV cache path is inference-only (no backward); pass False")
     rab_heads = 0

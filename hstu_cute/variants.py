@@ -527,10 +527,13 @@ _FP8_BWD_TILES = {"dkdv": dict(tile_m=64, tile_n=128, persistent=True, dynamic_t
 
 
 def make_hopper_fp8_bwd_key(role, arch, out_dtype, head_dim, kind, context_target, has_rab,
-                            tiles=None) -> HopperFp8BwdKey:
+                            tiles=None, has_drab: bool = False, rab_sum_heads: bool = False) -> HopperFp8BwdKey:
+    """``has_drab`` / ``rab_sum_heads`` (drab of one rab head summed over the heads with fp32
+    atomics) concern role "dq" only: the dQ kernel writes drab."""
     fields = _variant_fields(arch, FP8_DTYPE, head_dim, kind, context_target, has_rab)
     fields["fast_silu"] = True
-    return HopperFp8BwdKey(role=role, **fields, out_dtype=out_dtype, **(tiles or _FP8_BWD_TILES[role]))
+    drab = dict(has_drab=has_drab, rab_sum_heads=has_drab and rab_sum_heads) if role == "dq" else {}
+    return HopperFp8BwdKey(role=role, **fields, out_dtype=out_dtype, **(tiles or _FP8_BWD_TILES[role]), **drab)
 
 
 def _hopper_role_serves(role: str, head_dim: int) -> bool:
@@ -617,10 +620,13 @@ def shipped_hopper_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_
 
 
 def shipped_hopper_fp8_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
-    """FP8 backward pairs (``dtypes``: the gradients' and rab's types)."""
-    return [make_hopper_fp8_bwd_key(role, arch, *variant, has_rab) for role in ("dkdv", "dq")
-            for variant in _shipped_variants(dtypes, [d for d in head_dims if d in FP8_BWD_HEAD_DIMS])
-            for has_rab in (False, True)]
+    """FP8 backward pairs (``dtypes``: the gradients' and rab's types), then the dQ kernels that
+    write drab (per rab head, or summed over heads with atomics)."""
+    variants = _shipped_variants(dtypes, [d for d in head_dims if d in FP8_BWD_HEAD_DIMS])
+    return ([make_hopper_fp8_bwd_key(role, arch, *variant, has_rab) for role in ("dkdv", "dq")
+             for variant in variants for has_rab in (False, True)]
+            + [make_hopper_fp8_bwd_key("dq", arch, *variant, True, has_drab=True, rab_sum_heads=sum_heads)
+               for variant in variants for sum_heads in (False, True)])
 
 
 def shipped_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:

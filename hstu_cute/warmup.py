@@ -71,6 +71,9 @@ def describe_variant(key: Any, rab_heads: int | None = None) -> str:
     if not getattr(key, "has_rab", False):
         return text
     base, sep, tail = text.rpartition(" ")
+    suffix = ""
+    if tail.startswith("->"):  # FP8 keys end with their output type
+        suffix, (base, sep, tail) = " " + tail, base.rpartition(" ")
     if not sep:
         return text
     kept = [t for t in tail.split(",") if not (t.startswith("rab") or t in ("drab", "sum_heads"))]
@@ -82,7 +85,7 @@ def describe_variant(key: Any, rab_heads: int | None = None) -> str:
     if getattr(key, "rab_vec", 8) == 1:
         notes.append("rows not 16-byte aligned")
     label = ("rab+drab" if getattr(key, "has_drab", False) else "rab") + (f" ({', '.join(notes)})" if notes else "")
-    return f"{base} {','.join(kept)}, {label}"
+    return f"{base} {','.join(kept)}, {label}{suffix}"
 
 
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")

@@ -313,8 +313,8 @@ def test_fp8_not_built_cases_say_so(no_launch):
     small = {n: _t(16, H, 32, dtype=FP8) for n in "qkv"}
     with pytest.raises(NotImplementedError, match=r"head dim.*\(64, 128, 256\).*32"):
         hstu_cute.hstu_attn_varlen_func(**fp8_args(**small))
-    with pytest.raises(NotImplementedError, match="has_drab.*dq, dk, dv only"):
-        hstu_cute.hstu_attn_varlen_func(**base_args(quant_mode=0, rab=_t(2, 1, L, L), has_drab=True))
+    with pytest.raises(NotImplementedError, match="has_drab: pre-quantized.*forward-only"):
+        hstu_cute.hstu_attn_varlen_func(**fp8_args(rab=_t(2, 1, L, L, dtype=torch.bfloat16), has_drab=True))
 
 
 @pytest.mark.parametrize("mode", [0, 1, 2, 3, 4, 5])
@@ -358,6 +358,12 @@ def test_fp8_on_meta_is_shapes_only(entry, no_launch):
                for g, x in ((dq, q), (dk, k), (dv, v)))
     with pytest.raises(NotImplementedError, match="quant_mode=1.*forward-only"):
         hstu_cute.hstu_attn_varlen_func(**dict(args, quant_mode=1))
+    # has_drab: the rab gradient comes back shaped and typed like rab (one rab head over H heads too).
+    for rab_heads in (H, 1):
+        rab = _t(2, rab_heads, L, L, dtype=FP16).to("meta").requires_grad_()
+        out = hstu_cute.hstu_attn_varlen_func(**dict(args, rab=rab, has_drab=True))
+        dq, drab = torch.autograd.grad(out, (q, rab), torch.ones_like(out))
+        assert drab.device.type == "meta" and drab.shape == rab.shape and drab.dtype == rab.dtype
 
 
 def test_all_on_meta_is_shapes_only(no_launch):

@@ -84,6 +84,45 @@ def test_fp8_backward_grid(case):
     check(b, mode, seed)
 
 
+# (mode, mask, head dim, rab heads, max lengths q/k, deterministic)
+DRAB_GRID = [
+    (2, "causal", 128, 2, (700, 700), False),  # drab per head
+    (0, "ctx+tgt", 64, 1, (600, 600), False),  # one rab head over 2 heads: fp32 atomics
+    (5, "local", 128, 1, (500, 500), True),  # one rab head, deterministic: per-head drab summed after
+    (2, "causal", 64, 2, (200, 900), False),  # delta_q: drab rows in whole-sequence coordinates
+]
+
+
+@pytest.mark.parametrize("case", DRAB_GRID, ids=lambda c: f"mode{c[0]}-{c[1]}-d{c[2]}-rab{c[3]}-{c[4]}-det{c[5]}")
+def test_fp8_backward_drab(case):
+    """has_drab: drab (written by the FP8 dQ kernel from G in fp32) and dq, dk, dv within 5x of the
+    emulation's error; rab with as many heads as q or one (summed over the heads)."""
+    mode, mask, head_dim, rab_heads, (mq, mk), deterministic = case
+    seed = _seed("drab", case)
+    b = random_jagged_batch(6, 2, head_dim, mq, mk, device="cuda", dtype=torch.bfloat16, seed=seed,
+                            rab_heads=rab_heads, is_delta_q=mq < mk, alpha=0.5, **MASKS[mask])
+    gen = torch.Generator().manual_seed(seed)
+    dout = (torch.randn(b["q"].shape, generator=gen) * 1e-2).to(b["q"].dtype).cuda()
+    q, k, v, rab = (b[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "rab"))
+    rest = {n: x for n, x in b.items() if n not in ("q", "k", "v", "rab")}
+    out = hstu_attn_varlen_func(q, k, v, **rest, rab=rab, has_drab=True, deterministic=deterministic, quant_mode=mode)
+    out.backward(dout)
+    torch.cuda.synchronize()
+    kernel = dict(dq=q.grad, dk=k.grad, dv=v.grad, drab=rab.grad)
+    args = {n: b[n] for n in _EMULATION_ARGS}
+    emul = reference.hstu_attn_fp8_grad_emulation(b["q"], b["k"], b["v"], dout, **args, quant_mode=mode)
+    exact = reference.hstu_attn_fp8_grad_emulation(b["q"], b["k"], b["v"], dout, **args, quant_mode=mode,
+                                                   quantize_inputs=False, round_products=False)
+    assert kernel["drab"].shape == rab.shape and kernel["drab"].dtype == rab.dtype
+    for name in ("dq", "dk", "dv", "drab"):
+        ok, err, emul_err = reference.ratio_check(kernel[name], exact[name], emul[name], 5.0)
+        assert ok, f"[{case}] {name}: kernel err {err:.3e} > 5 x emulation err {emul_err:.3e}"
+    if deterministic:
+        again = torch.autograd.grad(hstu_attn_varlen_func(q, k, v, **rest, rab=rab, has_drab=True,
+                                                          deterministic=True, quant_mode=mode), rab, dout)[0]
+        assert torch.equal(again, kernel["drab"])
+
+
 @pytest.mark.parametrize("mode", [0, 2, 5])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_fp8_backward_edge_lengths(mode, head_dim):

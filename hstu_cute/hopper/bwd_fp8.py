@@ -33,6 +33,7 @@ from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import silu_and_grad_unscaled
 from ..common.sm90 import (
     advanced,
+    red_add_f32,
     rows_zero_copy,
     shared_storage,
     sm90_bwd_pipelines,
@@ -286,19 +287,24 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
 
     Warp roles, pipelines and barriers as :class:`~hstu_cute.hopper.bwd.HstuBackwardDqSm90`; named
     barriers 4/5 after a warpgroup zeroes the K^T columns past seqlen_k. Epilogue: dQ times each
-    row's final scale, in ``grad_dtype``, query rows past seqlen_q skipped."""
+    row's final scale, in ``grad_dtype``, query rows past seqlen_q skipped. ``has_drab``: drab = G
+    in fp32 before its re-quantization, stored per head (each element has one writer) or, with
+    ``rab_sum_heads``, added over the heads into an fp32 (B, L_q, L_k) sum (red.global.add)."""
 
     def __init__(self, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
-                 num_stages: int, grad_dtype, persistent: bool = False, dynamic_tiles: bool = False):
+                 num_stages: int, grad_dtype, persistent: bool = False, dynamic_tiles: bool = False,
+                 has_drab: bool = False, rab_sum_heads: bool = False):
         super().__init__(cutlass.Float8E4M3FN, head_dim, mask, has_rab, tile_m, tile_n, num_stages, True,
                          persistent=persistent, dynamic_tiles=dynamic_tiles)
         self.grad_dtype = self.rab_dtype = grad_dtype
+        self.has_drab, self.rab_sum_heads = has_drab, rab_sum_heads
+        assert has_rab or not has_drab
         assert tile_m == BLOCK_TOKENS and BLOCK_TOKENS % tile_n == 0 and tile_n % 32 == 0
 
     @cute.jit
     def __call__(self, mQ, mK, mV, mdO, mKt, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
                  mNumTargets, mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks,
-                 num_sms, bh_per_section, mTileCounter, mDescaleQ, mDescaleK, mDescaleV, mDescaleDO, stream):
+                 num_sms, bh_per_section, mTileCounter, mDescaleQ, mDescaleK, mDescaleV, mDescaleDO, mdRab, stream):
         D = self.head_dim
         self.sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, None)
         self.sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, self.num_stages)
@@ -328,7 +334,7 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
         self.launch(*q_do, *k_v, *rab, tma_atom_kt, tma_kt, mQ, mK, mdQ,
                     SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
                     ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_m_blocks,
-                    bh_per_section, mTileCounter, (mDescaleQ, mDescaleK, mDescaleV, mDescaleDO),
+                    bh_per_section, mTileCounter, (mDescaleQ, mDescaleK, mDescaleV, mDescaleDO), mdRab,
                     statics=dict(sQ_layout=self.sQ_layout, sK_layout=self.sK_layout, sKt_layout=self.sKt_layout,
                                  sRab_layout=self.sRab_layout, tiled_mma_s=self.tiled_mma_s,
                                  tiled_mma_dq=self.tiled_mma_dq, zero_cols=rows_zero_copy(self.dtype, self.tile_n)),
@@ -337,7 +343,7 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
     @cute.kernel
     def kernel(self, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab,
                tma_rab, tma_atom_kt, tma_kt, mQ, mK, mdQ, seqs, mRab, scalars, num_m_blocks: Int32,
-               bh_per_section: Int32, mTileCounter, descales, statics):
+               bh_per_section: Int32, mTileCounter, descales, mdRab, statics):
         self.bind(statics)
         tidx, warp_idx = self.prologue(tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_rab, tma_atom_kt)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
@@ -349,6 +355,7 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
         seqinfo = self.sequence_info(seqs, scalars, mQ, mK)
         claims = self.tile_claims(storage, walk, mTileCounter)
         self.descales = descales
+        self.mdRab = mdRab
         self.transposed_k_loads = (tma_atom_kt, tma_kt, s["sKt"])
 
         if warp_idx < 4:
@@ -403,6 +410,19 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
         mDescaleQ, mDescaleK, mDescaleV, mDescaleDO = self.descales
         dq = block_descale(mDescaleQ, batch, m_block * self.tile_m, head)
         ddo = block_descale(mDescaleDO, batch, m_block * self.tile_m, head)
+        tSgdRab = None
+        drab_rows = drab_cols = Int32(0)
+        if const_expr(self.has_drab):
+            mdRab = self.mdRab
+            if const_expr(self.rab_sum_heads):
+                mdRab_seq = mdRab[batch, None, None]
+            else:
+                mdRab_seq = mdRab[batch, cutlass.select_(mdRab.shape[1] > 1, head, Int32(0)), None, None]
+            # (queries, keys) tiles of this m-block; rows in whole-sequence coordinates (delta_q).
+            tSgdRab = thr_mma_s.partition_C(cute.local_tile(cute.domain_offset((seq.row_offset, 0), mdRab_seq),
+                                                            (self.tile_m, self.tile_n), (m_block, None)))
+            drab_rows = cutlass.min(seq.seqlen_q + seq.row_offset, mdRab_seq.shape[0]) - row_first
+            drab_cols = cutlass.min(seq.seqlen_k, mdRab_seq.shape[1])
 
         if const_expr(not persistent):
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -434,6 +454,9 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
                 if not masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
                     acc_rc = cute.make_tensor(acc_dP.iterator, wgmma_acc_rows_cols(acc_dP.layout))
                     apply_mask_rows_cols(acc_rc, tScS_rc, spec, seq, row_first, n_block * self.tile_n)
+                if const_expr(self.has_drab):
+                    self.write_drab(acc_dP, tSgdRab[None, None, None, n_block], tScS, drab_rows,
+                                    drab_cols - n_block * self.tile_n, ddo * dv * alpha * inv_scale * Float32(0.5))
                 words = scaled_fp8_words(acc_dP, ddo * dv * dk, Float32(G_AMAX_FLOOR), g_scale, g_rescale)
                 # The previous n-block's dQ GEMM retired (wait_group(0) below).
                 rescale_rows_if_needed(acc_dQ, g_rescale)
@@ -449,3 +472,16 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
         epilogue_rows(acc_dQ, g_scale, alpha * inv_scale * Float32(0.5))
         store_dq(thr_mma_dq, acc_dQ, mdQ, self.grad_dtype, self.tile_m, D, q_start, head, m_block, seq)
         return q_state, kv_state
+
+    @cute.jit
+    def write_drab(self, acc_G, tSgdRab, tScS, rows: Int32, cols: Int32, factor: Float32):
+        """drab = ``factor`` times G on this thread's (query, key) elements inside rab's bounds:
+        stored in ``grad_dtype``, or added to the fp32 sum over heads (``rab_sum_heads``)."""
+        for i in cutlass.range(cute.size(acc_G), unroll_full=True):
+            query, key = tScS[i]
+            if (query < rows) & (key < cols):
+                g = acc_G[i] * factor
+                if const_expr(self.rab_sum_heads):
+                    red_add_f32(tSgdRab.iterator + cute.crd2idx(i, tSgdRab.layout), g)
+                else:
+                    tSgdRab[i] = g.to(self.grad_dtype)

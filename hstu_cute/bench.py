@@ -450,11 +450,11 @@ def run_workload_bwd_fp8(w: Workload, mode: int, entry: str = "kernel", sets: in
     return row
 
 
-def run_training_step(w: Workload, sets: int = 3, quant_mode: int = -1) -> dict:
+def run_training_step(w: Workload, sets: int = 3, quant_mode: int = -1, has_drab: bool = False) -> dict:
     """A training step as a model runs it: autograd forward + backward of the public call per
-    sample (gradients of q, k, v), L2 flushed before each sample, launches queued with no host
-    sync inside; FLOPs 3.5 x the forward's. ``quant_mode`` >= 0: the FP8 path (quantizers
-    included)."""
+    sample (gradients of q, k, v, and rab with ``has_drab``: ``w`` needs rab), L2 flushed before
+    each sample, launches queued with no host sync inside; FLOPs 3.5 x the forward's.
+    ``quant_mode`` >= 0: the FP8 path (quantizers included)."""
     from .api import hstu_attn_varlen_func
 
     calls = []
@@ -463,15 +463,18 @@ def run_training_step(w: Workload, sets: int = 3, quant_mode: int = -1) -> dict:
         kw = {k: v for k, v in full.items() if not k.startswith("_")}
         if quant_mode >= 0:
             kw["quant_mode"] = quant_mode
-        for name in ("q", "k", "v"):
+        names = ("q", "k", "v", "rab") if has_drab else ("q", "k", "v")
+        kw["has_drab"] = has_drab
+        for name in names:
             kw[name].requires_grad_(True)
         dout = torch.rand_like(kw["q"])
-        calls.append(lambda kw=kw, dout=dout: torch.autograd.grad(hstu_attn_varlen_func(**kw),
-                                                                  (kw["q"], kw["k"], kw["v"]), dout))
+        calls.append(lambda kw=kw, dout=dout, names=names: torch.autograd.grad(
+            hstu_attn_varlen_func(**kw), tuple(kw[n] for n in names), dout))
     ms, iqr = time_flushed(calls)
     f, convention = flops(w, full["_lens_q"], full["_lens_k"])
     row = dict(workload=w.name + " step", ms=ms, iqr_ms=iqr, tflops=3.5 * f / ms / 1e9, flops=convention + " x3.5",
-               tiles="training step" + (f" fp8 mode{quant_mode}" if quant_mode >= 0 else ""))
+               tiles="training step" + (f" fp8 mode{quant_mode}" if quant_mode >= 0 else "") + (
+                   " +drab" if has_drab else ""))
     _sdpa_lines(w, row, f, "step")
     return row
 

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-STAGES = ("warmup", "tests", "sanitize", "sweep", "bench")
+STAGES = ("warmup", "tests", "sanitize", "sweep", "bench", "drab")
 
 
 def warmup() -> None:
@@ -112,6 +112,23 @@ def sweep(out) -> None:
                 f.write(json.dumps(row) + "\n")
 
 
+def drab(out) -> None:
+    """Training steps with a learned rab (has_drab), bf16 and FP8 mode 2, beside the same steps
+    without drab: what writing drab costs (B8 N2048 H4 D128 causal, rab with H heads)."""
+    import torch
+
+    from hstu_cute import bench as B
+
+    w = B.Workload("rab H_rab=H B8 N2048 D128", 8, 2048, rab_heads=4)
+    for mode in (-1, 2):
+        for has_drab in (False, True):
+            row = dict(B.run_training_step(w, quant_mode=mode, has_drab=has_drab), gpu=torch.cuda.get_device_name())
+            print(f"{row['workload']:<30} {row['tiles']:<32} {row['ms']:.3f} ms {row['tflops']:.1f} TF", flush=True)
+            if out:
+                with open(out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--stages", nargs="*", default=list(STAGES), choices=STAGES)
@@ -136,6 +153,8 @@ def main() -> int:
         sweep(args.out)
     if "bench" in args.stages:
         bench(args.out)
+    if "drab" in args.stages:
+        drab(args.out)
     return rc
 
 

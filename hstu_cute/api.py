@@ -313,6 +313,10 @@ class _HstuAttnEager(torch.autograd.Function):
         return None, dq, dk, dv, (drab if has_drab else None)
 
 
+# What an eager FP8 training call keeps of its forward's quantization for the backward.
+_KEPT_QUANTIZED = ("mQ", "mK", "mDescaleQ", "mDescaleK")
+
+
 class _HstuAttnFp8Eager(torch.autograd.Function):
     """Autograd of eager FP8 training calls (quant modes 0, 2-5): the launchers called directly, as
     :class:`_HstuAttnEager` does for 16-bit. Through the dispatcher (fwd_fp8's registered
@@ -322,26 +326,31 @@ class _HstuAttnFp8Eager(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call, q, k, v, rab):
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(q, k, v, rab)
         ctx.call = call
         p, sequences, scalars = call
         seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = sequences
         max_seqlen_q, max_seqlen_k, target_group_size, alpha, _, _ = scalars
-        return forward_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
-                           num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p)
+        out, quantized = forward_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
+                                     num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p,
+                                     keep_quantized=True)
+        # The forward's e4m3 q and k (half the bytes of q and k) spare the backward two quantizer
+        # passes: it would make exactly these.
+        ctx.save_for_backward(q, k, v, rab, *(quantized[n] for n in _KEPT_QUANTIZED))
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         if dout is None:
             return None, None, None, None, None
-        q, k, v, rab = ctx.saved_tensors
+        q, k, v, rab, *kept = ctx.saved_tensors
         p, sequences, scalars = ctx.call
         seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = sequences
         max_seqlen_q, max_seqlen_k, target_group_size, alpha, has_drab, deterministic = scalars
         if _eager(dout):
             dq, dk, dv, drab = backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
                                             num_contexts, num_targets, target_group_size, alpha, rab, seqused_q,
-                                            seqused_k, p, has_drab=has_drab, deterministic=deterministic)
+                                            seqused_k, p, has_drab=has_drab, deterministic=deterministic,
+                                            quantized=dict(zip(_KEPT_QUANTIZED, kept)))
         else:  # a dispatch mode or tensor subclass is watching the backward: it must see the op
             dq, dk, dv, drab = _bwd_fp8_through_op(dout, q, k, v, rab, sequences, (
                 max_seqlen_q, max_seqlen_k, target_group_size, p.window_left, p.window_right, alpha,

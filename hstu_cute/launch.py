@@ -552,13 +552,24 @@ def prepare_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_
 
 def forward_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
                 target_group_size, alpha, rab, seqused_q, seqused_k, p: Problem, descale_q=None, descale_k=None,
-                descale_v=None, tiles: dict | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                descale_v=None, tiles: dict | None = None, out: torch.Tensor | None = None,
+                keep_quantized: bool = False):
     """The FP8 forward of a validated call (``p.fp8``): :func:`prepare_fp8`, then the Hopper FP8
-    kernel."""
+    kernel. With ``keep_quantized`` (a quant mode 0 or 2-5 training call) returns ``(out,
+    quantized)``, ``quantized`` being e4m3 q and k with their (B, blocks, H) descale tables by the
+    backward's argument names: the backward quantizes q and k exactly so
+    (:func:`quantized_with_table`), so it can take them instead (:func:`fp8_backward_operands`)."""
     q8, k8, fp8 = prepare_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, p, descale_q,
                               descale_k, descale_v)
-    return forward(q8, k8, None, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-                   target_group_size, alpha, rab, seqused_q, seqused_k, p, tiles=tiles, out=out, fp8=fp8)
+    out = forward(q8, k8, None, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+                  target_group_size, alpha, rab, seqused_q, seqused_k, p, tiles=tiles, out=out, fp8=fp8)
+    if not keep_quantized:
+        return out
+    if fp8.scaled_p:
+        tables = fp8.descales[:2]
+    else:  # mode 0: the backward's zero-strided tables of ones
+        tables = tuple(unit_descale(x.device).view(1, 1, 1).expand(p.batch, 1, x.shape[1]) for x in (q, k))
+    return out, dict(mQ=q8, mK=k8, mDescaleQ=tables[0], mDescaleK=tables[1])
 
 
 # The part of the H100's 50 MB L2 that one section of a kernel's tile walk may fill with the
@@ -818,15 +829,21 @@ def check_fp8_backward(p: Problem) -> None:
                                   f"grad: the FP8 backward supports {FP8_BWD_HEAD_DIMS}, got {p.head_dim}")
 
 
-def fp8_backward_operands(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, mode: int
-                          ) -> dict:
+def fp8_backward_operands(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, mode: int,
+                          quantized: dict | None = None) -> dict:
     """What the FP8 backward kernels read, by argument name: q, k, v and dO quantized with quant
-    mode 0 or 2-5 on the device (dO with q's groups), the token-contiguous copies Q^T, dO^T, K^T,
-    and the four descale tables (benchmarks time it apart from the kernels)."""
+    mode 0 or 2-5 on the device (dO with q's groups; q and k taken from ``quantized``, the
+    forward's, when given: :func:`forward_fp8`), the token-contiguous copies Q^T, dO^T, K^T, and
+    the four descale tables (benchmarks time it apart from the kernels)."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    (q8, table_q), (do8, table_do) = (quantized_with_table(x, seq_offsets_q, max_seqlen_q, mode) for x in (q, dout))
-    (k8, table_k), (v8, table_v) = (quantized_with_table(x, seq_offsets_k, max_seqlen_k, mode) for x in (k, v))
+    if quantized is None:
+        (q8, table_q), (k8, table_k) = (quantized_with_table(x, offsets, max_seqlen, mode) for x, offsets, max_seqlen
+                                        in ((q, seq_offsets_q, max_seqlen_q), (k, seq_offsets_k, max_seqlen_k)))
+    else:
+        q8, k8, table_q, table_k = (quantized[n] for n in ("mQ", "mK", "mDescaleQ", "mDescaleK"))
+    do8, table_do = quantized_with_table(dout, seq_offsets_q, max_seqlen_q, mode)
+    v8, table_v = quantized_with_table(v, seq_offsets_k, max_seqlen_k, mode)
     return dict(mQ=q8, mK=k8, mV=v8, mdO=do8, mQt=transposed_for_pv(q8, seq_offsets_q),
                 mdOt=transposed_for_pv(do8, seq_offsets_q), mKt=transposed_for_pv(k8, seq_offsets_k),
                 mDescaleQ=table_q, mDescaleK=table_k, mDescaleV=table_v, mDescaleDO=table_do)
@@ -835,14 +852,15 @@ def fp8_backward_operands(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqle
 def backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
                  num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p: Problem,
                  operands: dict | None = None, tiles: dict | None = None, kernels=("dkdv", "dq"),
-                 has_drab: bool = False, deterministic: bool = False):
+                 has_drab: bool = False, deterministic: bool = False, quantized: dict | None = None):
     """The FP8 backward of a validated quant-mode call (modes 0, 2-5; :func:`check_fp8_backward`):
     :func:`fp8_backward_operands` (or the given ``operands``), then the FP8 dK/dV kernel and the dQ
     kernel beside it (:mod:`hstu_cute.hopper.bwd_fp8`). Returns ``(dq, dk, dv, drab)`` in the
     input dtype (``drab`` shaped like rab with ``has_drab``, else None; the dQ kernel writes it
     from G in fp32). Every gradient is summed in a fixed order (bitwise reproducible), except
     drab of one rab head over several heads, added with fp32 atomics unless ``deterministic``
-    (then per-head drab summed afterwards). ``tiles`` (role -> the keys' tile fields) and
+    (then per-head drab summed afterwards). ``quantized``: the forward's e4m3 q and k
+    (:func:`forward_fp8` with ``keep_quantized``). ``tiles`` (role -> the keys' tile fields) and
     ``kernels`` (the roles to launch) serve benchmark sweeps."""
     check_fp8_backward(p)
     device = q.device
@@ -855,7 +873,7 @@ def backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
         return dq.zero_(), dk.zero_(), dv.zero_(), drab
     if operands is None:
         operands = fp8_backward_operands(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
-                                         p.quant_mode)
+                                         p.quant_mode, quantized)
     drab_view = None
     if rab is not None and rab_vec(rab) != 8:
         cols = rab.shape[3]

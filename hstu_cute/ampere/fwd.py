@@ -100,7 +100,8 @@ class HstuForwardSm80(Sm80Kernel):
         self._launch(
             mQ, mK, mV, mO, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
             ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), paged,
-            (mPartials, mArrivals, num_splits) if const_expr(self.split_keys) else None, sQ_layout, sKV_layout, sRab_layout, gmem_copy_qkv, gmem_copy_o, gmem_copy_rab, tiled_mma,
+            (mPartials, mArrivals, num_splits) if const_expr(self.split_keys) else None,
+            sQ_layout, sKV_layout, sRab_layout, gmem_copy_qkv, gmem_copy_o, gmem_copy_rab, tiled_mma,
             SharedStorage, grid=grid, stream=stream,
         )
 

@@ -701,24 +701,15 @@ def backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seql
     if p.head_dim not in HEAD_DIMS:
         raise NotImplementedError(f"q.shape[2] (head dim): the backward kernels support {HEAD_DIMS}, got {p.head_dim}")
     dq, dk, dv = _gradient_buffers(q, k, v, seqused_q, seqused_k)
-    drab = torch.zeros_like(rab) if has_drab else None
     if _nothing_to_do(q, k, max_seqlen_q, p):
-        return dq.zero_(), dk.zero_(), dv.zero_(), drab
+        return dq.zero_(), dk.zero_(), dv.zero_(), (torch.zeros_like(rab) if has_drab else None)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     q, k, v, dout = (aligned_16(t) for t in (q, k, v, dout))
 
     device = q.device
-    drab_view = None
-    if rab is not None and rab_vec(rab) != 8:
-        # Rows not 16-byte aligned (e.g. max_seqlen_k % 8 != 0): the kernels read a padded copy,
-        # and drab is returned as a view of a padded gradient.
-        cols = rab.shape[3]
-        rab = pad_rab_rows(rab)
-        if has_drab:
-            drab = torch.zeros_like(rab)
-            drab_view = drab[..., :cols]
-    sum_heads = has_drab and rab is not None and rab.shape[1] == 1 and p.heads > 1
+    rab, drab, drab_view = _aligned_rab_and_drab(rab, has_drab)
+    sum_heads = has_drab and rab.shape[1] == 1 and p.heads > 1
     context_target = p.mask.has_context or p.mask.has_target
     values = dict(mQ=q, mK=k, mV=v, mdO=dout, mdQ=dq, mdK=dk, mdV=dv, mRab=rab,
                   **_sequence_args(p, device, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
@@ -729,8 +720,8 @@ def backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seql
     common = (device_arch(device), DTYPE_NAMES[p.dtype], p.head_dim, p.mask.kind, context_target, rab is not None)
     with _on_device(device):
         if path == "hopper" and p.head_dim in HOPPER_WIDE_HEAD_DIMS:
-            _backward_wide(values, common, device, rab, drab, sum_heads, has_drab, deterministic, p,
-                           max_seqlen_q, max_seqlen_k, tiles_dq, tiles_dkdv)
+            _backward_wide(values, common, device, rab, drab, has_drab, deterministic, p, max_seqlen_q,
+                           max_seqlen_k, tiles_dq, tiles_dkdv)
         else:
             fused = (path == "hopper" and not has_drab and not deterministic
                      and p.head_dim in HOPPER_FUSED_HEAD_DIMS and max_seqlen_k >= FUSED_MIN_SEQLEN_K)
@@ -739,29 +730,54 @@ def backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seql
                 return dq, dk, dv, None
             _backward_pair(values, common, device, path, rab, drab, sum_heads, has_drab, p, max_seqlen_q,
                            max_seqlen_k, tiles_dq, tiles_dkdv)
-    return dq, dk, dv, (drab_view if drab_view is not None else drab)
+    return dq, dk, dv, drab_view
 
 
-def _backward_wide(values, common, device, rab, drab, sum_heads, has_drab, deterministic, p, max_seqlen_q,
-                   max_seqlen_k, tiles_dq, tiles_dkdv) -> None:
+def _aligned_rab_and_drab(rab, has_drab: bool) -> tuple:
+    """(rab as the kernels read it, the drab they write, the drab to return): rab rows not
+    16-byte aligned (e.g. max_seqlen_k % 8 != 0) are read from a padded copy, and drab is then
+    returned as a view of a padded gradient. drab is None without ``has_drab``."""
+    if rab is None:
+        return None, None, None
+    cols = None
+    if rab_vec(rab) != 8:
+        cols = rab.shape[3]
+        rab = pad_rab_rows(rab)
+    drab = torch.zeros_like(rab) if has_drab else None
+    return rab, drab, (drab[..., :cols] if drab is not None and cols is not None else drab)
+
+
+def _drab_over_heads(rab, drab, heads: int, deterministic: bool) -> tuple:
+    """(where a kernel that writes drab per (query, key) tile of one head writes it, whether it
+    adds with fp32 atomics): ``drab`` itself, or for one rab head over several heads an fp32
+    (B, L_q, L_k) sum added to with atomics, or (``deterministic``) per-head drab (B, H, L_q, L_k)
+    summed afterwards in head order (:func:`_sum_drab_heads`)."""
+    if drab is None or rab.shape[1] != 1 or heads == 1:
+        return drab, False
+    B, _, Lq, Lk = rab.shape
+    if not deterministic:
+        return torch.zeros((B, Lq, Lk), dtype=torch.float32, device=rab.device), True
+    return torch.zeros((B, heads, Lq, Lk), dtype=rab.dtype, device=rab.device), False
+
+
+def _sum_drab_heads(drab, target) -> None:
+    """drab from the buffer :func:`_drab_over_heads` gave (nothing to do when it was drab)."""
+    if target is not drab:
+        drab[:, 0].copy_(target if target.dim() == 3 else target.float().sum(1))
+
+
+def _backward_wide(values, common, device, rab, drab, has_drab, deterministic, p, max_seqlen_q, max_seqlen_k,
+                   tiles_dq, tiles_dkdv) -> None:
     """D256 on sm90: the wide dK/dV/drab kernel, the dQ kernel beside it."""
-    # drab of one rab head over H heads: atomic fp32 sums, or (deterministic) per-head drab
-    # summed afterwards in a fixed order.
-    atomic_sum = sum_heads and not deterministic
+    drab_out, atomic_sum = _drab_over_heads(rab, drab, p.heads, deterministic)
     key_kv = _made(make_hopper_bwd_key, "wide", *common, tiles_dkdv, has_drab=has_drab, rab_sum_heads=atomic_sum)
     key_q = _made(make_hopper_bwd_key, "dq", *common, tiles_dq)
     fn_kv, fn_q = _compiled(key_kv), _compiled(key_q)
-    drab_out = drab
-    if atomic_sum:
-        drab_out = torch.zeros((rab.shape[0], rab.shape[2], rab.shape[3]), dtype=torch.float32, device=device)
-    elif sum_heads:
-        drab_out = torch.zeros((rab.shape[0], p.heads, rab.shape[2], rab.shape[3]), dtype=rab.dtype, device=device)
     _launch(key_kv, fn_kv, dict(values, mdRab=drab_out, num_n_blocks=-(-max_seqlen_k // key_kv.tile_n)))
     with _beside(device):
         _launch(key_q, fn_q, dict(values, num_m_blocks=-(-max_seqlen_q // key_q.tile_m),
                                   **_walk_args(key_q, p, values["mK"].shape[0], max_seqlen_k, device)))
-    if sum_heads:
-        drab[:, 0].copy_(drab_out if atomic_sum else drab_out.float().sum(1))
+    _sum_drab_heads(drab, drab_out)
 
 
 def _backward_fused(values, common, device, q, p, max_seqlen_q, max_seqlen_k, tiles_dkdv) -> torch.Tensor:
@@ -868,26 +884,13 @@ def backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
         raise NotImplementedError(f"quant_mode={p.quant_mode} backward: the FP8 kernels are Hopper-only (sm90); "
                                   f"got {device_arch(device)}")
     dq, dk, dv = _gradient_buffers(q, k, v, seqused_q, seqused_k)
-    drab = torch.zeros_like(rab) if has_drab else None
     if _nothing_to_do(q, k, max_seqlen_q, p):
-        return dq.zero_(), dk.zero_(), dv.zero_(), drab
+        return dq.zero_(), dk.zero_(), dv.zero_(), (torch.zeros_like(rab) if has_drab else None)
     if operands is None:
         operands = fp8_backward_operands(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
                                          p.quant_mode, quantized)
-    drab_view = None
-    if rab is not None and rab_vec(rab) != 8:
-        cols = rab.shape[3]
-        rab = pad_rab_rows(rab)
-        if has_drab:  # drab is returned as a view of a padded gradient
-            drab = torch.zeros_like(rab)
-            drab_view = drab[..., :cols]
-    sum_heads = has_drab and rab.shape[1] == 1 and p.heads > 1
-    atomic_sum = sum_heads and not deterministic
-    drab_out = drab
-    if atomic_sum:
-        drab_out = torch.zeros((rab.shape[0], rab.shape[2], rab.shape[3]), dtype=torch.float32, device=device)
-    elif sum_heads:
-        drab_out = torch.zeros((rab.shape[0], p.heads, rab.shape[2], rab.shape[3]), dtype=rab.dtype, device=device)
+    rab, drab, drab_view = _aligned_rab_and_drab(rab, has_drab)
+    drab_out, atomic_sum = _drab_over_heads(rab, drab, p.heads, deterministic)
     context_target = p.mask.has_context or p.mask.has_target
     values = dict(operands, mdQ=dq, mdK=dk, mdV=dv, mRab=rab, mdRab=drab_out, num_sms=num_sms(device),
                   **_sequence_args(p, device, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
@@ -905,6 +908,5 @@ def backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
             with _beside(device):
                 _launch(key_q, _compiled(key_q), dict(values, num_m_blocks=-(-max_seqlen_q // key_q.tile_m),
                                                       **_walk_args(key_q, p, k.shape[0], max_seqlen_k, device)))
-    if sum_heads:
-        drab[:, 0].copy_(drab_out if atomic_sum else drab_out.float().sum(1))
-    return dq, dk, dv, (drab_view if drab_view is not None else drab)
+    _sum_drab_heads(drab, drab_out)
+    return dq, dk, dv, drab_view

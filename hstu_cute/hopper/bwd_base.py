@@ -6,12 +6,19 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Int32, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from .. import masks
 from ..common.mask_apply import KERNEL_OPS
-from ..common.sm90 import advanced, sm90_tma_atom_rab, sm90_tma_atom_tokens, store_acc_rows, wgmma_acc_rows_cols
+from ..common.sm90 import (
+    advanced,
+    red_add_f32,
+    sm90_tma_atom_rab,
+    sm90_tma_atom_tokens,
+    store_acc_rows,
+    wgmma_acc_rows_cols,
+)
 from ..fp8_format import vt_column_start
 from .base import HstuSm90Base
 
@@ -68,6 +75,32 @@ class HstuBackwardSm90Base(HstuSm90Base):
         if sRab_layout is not None:
             tma_atom_rab, tma_rab = sm90_tma_atom_rab(mRab, sRab_layout, self.tile_m, self.tile_n)
         return tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab, tma_rab
+
+    def drab_slab(self, mdRab, batch: Int32, head: Int32):
+        """drab's (L_q, L_k) slab of sequence ``batch`` and ``head``: its rab head's (rab with one
+        head), or with ``rab_sum_heads`` the fp32 sum over heads every head adds into."""
+        if const_expr(self.rab_sum_heads):
+            return mdRab[batch, None, None]
+        return mdRab[batch, cutlass.select_(mdRab.shape[1] > 1, head, Int32(0)), None, None]
+
+    @cute.jit
+    def write_drab(self, acc_G, tSgdRab, tScS, rows: Int32, cols: Int32, g_scale: Float32,
+                   key_major: cutlass.Constexpr[bool]):
+        """drab = G (``g_scale`` times ``acc_G`` when G is unscaled) on this thread's elements
+        inside rab's bounds (``rows`` queries, ``cols`` keys; ``tScS`` gives (key, query) with
+        ``key_major``, else (query, key)): stored in rab's dtype, or added to the fp32 sum over
+        heads (``rab_sum_heads``)."""
+        for i in cutlass.range(cute.size(acc_G), unroll_full=True):
+            if const_expr(key_major):
+                key, query = tScS[i]
+            else:
+                query, key = tScS[i]
+            if (query < rows) & (key < cols):
+                g = acc_G[i] * g_scale if const_expr(self.unscaled_grad) else acc_G[i]
+                if const_expr(self.rab_sum_heads):
+                    red_add_f32(tSgdRab.iterator + cute.crd2idx(i, tSgdRab.layout), g)
+                else:
+                    tSgdRab[i] = g.to(self.rab_dtype)
 
 
 @cute.jit

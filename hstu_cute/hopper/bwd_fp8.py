@@ -33,7 +33,6 @@ from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import silu_and_grad_unscaled
 from ..common.sm90 import (
     advanced,
-    red_add_f32,
     rows_zero_copy,
     shared_storage,
     sm90_bwd_pipelines,
@@ -413,11 +412,7 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
         tSgdRab = None
         drab_rows = drab_cols = Int32(0)
         if const_expr(self.has_drab):
-            mdRab = self.mdRab
-            if const_expr(self.rab_sum_heads):
-                mdRab_seq = mdRab[batch, None, None]
-            else:
-                mdRab_seq = mdRab[batch, cutlass.select_(mdRab.shape[1] > 1, head, Int32(0)), None, None]
+            mdRab_seq = self.drab_slab(self.mdRab, batch, head)
             # (queries, keys) tiles of this m-block; rows in whole-sequence coordinates (delta_q).
             tSgdRab = thr_mma_s.partition_C(cute.local_tile(cute.domain_offset((seq.row_offset, 0), mdRab_seq),
                                                             (self.tile_m, self.tile_n), (m_block, None)))
@@ -456,7 +451,8 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
                     apply_mask_rows_cols(acc_rc, tScS_rc, spec, seq, row_first, n_block * self.tile_n)
                 if const_expr(self.has_drab):
                     self.write_drab(acc_dP, tSgdRab[None, None, None, n_block], tScS, drab_rows,
-                                    drab_cols - n_block * self.tile_n, ddo * dv * alpha * inv_scale * Float32(0.5))
+                                    drab_cols - n_block * self.tile_n, ddo * dv * alpha * inv_scale * Float32(0.5),
+                                    False)
                 words = scaled_fp8_words(acc_dP, ddo * dv * dk, Float32(G_AMAX_FLOOR), g_scale, g_rescale)
                 # The previous n-block's dQ GEMM retired (wait_group(0) below).
                 rescale_rows_if_needed(acc_dQ, g_rescale)
@@ -472,16 +468,3 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
         epilogue_rows(acc_dQ, g_scale, alpha * inv_scale * Float32(0.5))
         store_dq(thr_mma_dq, acc_dQ, mdQ, self.grad_dtype, self.tile_m, D, q_start, head, m_block, seq)
         return q_state, kv_state
-
-    @cute.jit
-    def write_drab(self, acc_G, tSgdRab, tScS, rows: Int32, cols: Int32, factor: Float32):
-        """drab = ``factor`` times G on this thread's (query, key) elements inside rab's bounds:
-        stored in ``grad_dtype``, or added to the fp32 sum over heads (``rab_sum_heads``)."""
-        for i in cutlass.range(cute.size(acc_G), unroll_full=True):
-            query, key = tScS[i]
-            if (query < rows) & (key < cols):
-                g = acc_G[i] * factor
-                if const_expr(self.rab_sum_heads):
-                    red_add_f32(tSgdRab.iterator + cute.crd2idx(i, tSgdRab.layout), g)
-                else:
-                    tSgdRab[i] = g.to(self.grad_dtype)

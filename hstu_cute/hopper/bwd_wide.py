@@ -17,7 +17,6 @@ from ..common.silu import silu_and_grad
 from ..common.sm90 import (
     advanced,
     prefetch_tma_descriptors,
-    red_add_f32,
     rows_zero_copy,
     shared_storage,
     sm90_bwd_pipelines,
@@ -194,10 +193,7 @@ class HstuBackwardWideSm90(KeyBlockProducer, HstuBackwardSm90Base):
         drab_rows = drab_cols = Int32(0)
         if const_expr(self.has_drab):
             # drab tiles are (queries, keys) in global memory; seen transposed like rab.
-            if const_expr(self.rab_sum_heads):
-                mdRab_seq = mdRab[batch, None, None]
-            else:
-                mdRab_seq = mdRab[batch, cutlass.select_(mdRab.shape[1] > 1, head, Int32(0)), None, None]
+            mdRab_seq = self.drab_slab(mdRab, batch, head)
             gdRab = cute.local_tile(cute.domain_offset((seq.row_offset, 0), mdRab_seq), (self.tile_m, self.tile_n),
                                     (None, n_block))
             tSgdRab = thr_mma_s.partition_C(cute.make_tensor(gdRab.iterator, cute.select(gdRab.layout,
@@ -237,7 +233,7 @@ class HstuBackwardWideSm90(KeyBlockProducer, HstuBackwardSm90Base):
                     apply_mask_key_major(acc_S, acc_dP, tScS, spec, seq, row_first, col0, q_rows)
                 if const_expr(self.has_drab):
                     self.write_drab(acc_dP, tSgdRab[None, None, None, m_block], tScS,
-                                    drab_rows - m_block * self.tile_m, drab_cols, g_scale)
+                                    drab_rows - m_block * self.tile_m, drab_cols, g_scale, True)
                 rP = cute.make_rmem_tensor(acc_S.layout, self.dtype)
                 rP.store(acc_S.load().to(self.dtype))
                 rG = cute.make_rmem_tensor(acc_dP.layout, self.dtype)
@@ -262,16 +258,3 @@ class HstuBackwardWideSm90(KeyBlockProducer, HstuBackwardSm90Base):
             acc_dK.store(acc_dK.load() * g_scale)
         store_dk_dv(thr_mma_dkv, acc_dK, acc_dV, mdK, mdV, self.dtype, self.tile_n, D, k_start, head, n_block,
                     k_rows)
-
-    @cute.jit
-    def write_drab(self, acc_G, tSgdRab, tScS, rows: Int32, cols: Int32, g_scale: Float32):
-        """drab = G (``g_scale`` times ``acc_G``) on this thread's (key, query) elements inside the
-        rab tile's bounds."""
-        for i in cutlass.range(cute.size(acc_G), unroll_full=True):
-            key, query = tScS[i]
-            if (query < rows) & (key < cols):
-                g = acc_G[i] * g_scale if const_expr(self.unscaled_grad) else acc_G[i]
-                if const_expr(self.rab_sum_heads):
-                    red_add_f32(tSgdRab.iterator + cute.crd2idx(i, tSgdRab.layout), g)
-                else:
-                    tSgdRab[i] = g.to(self.dtype)

@@ -114,7 +114,7 @@ def _fwd_fp8_fake(q, *rest):
     return q.new_empty(q.shape, dtype=output_dtype(q.dtype))
 
 
-# The FP8 backward (quant modes 0, 2-5): quantization of q, k, v, dO, the token-contiguous copies and
+# The FP8 backward (quant modes 0-5): quantization of q, k, v, dO, the token-contiguous copies and
 # both kernels in one opaque op, registered as fwd_fp8's autograd formula.
 _BWD_FP8_SCHEMA = (f"(Tensor dout, Tensor q, Tensor k, Tensor v, {_OP_ARGS}, int quant_mode, bool has_drab, "
                    f"bool deterministic) -> (Tensor, Tensor, Tensor, Tensor)")
@@ -318,7 +318,7 @@ _KEPT_QUANTIZED = ("mQ", "mK", "mDescaleQ", "mDescaleK")
 
 
 class _HstuAttnFp8Eager(torch.autograd.Function):
-    """Autograd of eager FP8 training calls (quant modes 0, 2-5): the launchers called directly, as
+    """Autograd of eager FP8 training calls (quant modes 0-5): the launchers called directly, as
     :class:`_HstuAttnEager` does for 16-bit. Through the dispatcher (fwd_fp8's registered
     autograd) a tiny training step cost 1749 us of host time against 599 for bf16 (H100 host,
     scripts/host_fp8_step.py): each custom-op call spent ~0.7 ms in torch's op machinery."""
@@ -386,8 +386,9 @@ def hstu_attn_varlen_func(
     ``max_seqlen_q`` gives a smaller output. Full contract: docs/operator.md.
 
     Args:
-        q: ``(T_q, H, D)`` bf16/fp16 CUDA tensor; queries of all sequences packed along dim 0.
-            ``D`` in {32, 64, 128, 256}; last dim stride 1.
+        q: ``(T_q, H, D)`` bf16/fp16 CUDA tensor (or float8_e4m3fn, pre-quantized, on sm90:
+            forward only); queries of all sequences packed along dim 0. ``D`` in {32, 64, 128,
+            256} (FP8: 64, 128, 256; FP8 training: 64, 128); last dim stride 1.
         k: ``(T_k, H, D)`` keys; same dtype, device, ``H`` (no GQA) and ``D`` as q.
         v: ``(T_k, H, D)`` values; same shape, dtype and device as k.
         seq_offsets_q: ``(B+1,)`` int32 cumulative row offsets of each sequence's queries
@@ -413,10 +414,14 @@ def hstu_attn_varlen_func(
             ``H_rab == 1`` it is summed over heads).
         is_delta_q: bool; each sequence's ``Lq`` queries are the last ``Lq`` of its ``Lk`` key
             positions (masks and rab rows are evaluated at ``i + Lk - Lq``).
-        descale_q, descale_k, descale_v, descale_do: planned FP8 descale factors; must be None
-            today (otherwise ``NotImplementedError``).
-        quant_mode: keyword-only int in -1..5; planned internal FP8 quantization. Anything but
-            -1 raises ``NotImplementedError`` today.
+        descale_q, descale_k, descale_v: ``(1,)`` fp32 descale factors of pre-quantized
+            float8_e4m3fn q, k, v (None: 1.0); only with such inputs. descale_do: accepted for
+            FBGEMM's signature; anything but None raises ``NotImplementedError`` (that entry is
+            forward-only).
+        quant_mode: keyword-only int in -1..5: -1 no FP8; 0..5 quantize 16-bit q, k, v (and dO
+            in the backward) to e4m3 on the device and run the Hopper FP8 kernels (sm90 only;
+            0 cast, 1 two-direction, 2 per block, 3 per head, 4 per sequence, 5 per tensor:
+            docs/operator.md, FP8). Trains (forward and backward) at head dims 64 and 128.
         scaling_seqlen: keyword-only int; the divisor ``S``. -1 (default) means
             ``max_seqlen_q``; otherwise ``>= 1``. Pin it to the training value when serving.
         seqused_q: keyword-only ``(B,)`` int32 valid query prefix per sequence, or None. Rows
@@ -447,11 +452,11 @@ def hstu_attn_varlen_func(
             message names the argument, the expected and the actual value. With
             ``HSTU_CUTE_CHECK=1`` the offsets, lengths and ``seqused`` / context / target
             values are also checked on the device data (costs a GPU sync).
-        NotImplementedError: FP8 inputs or arguments, more than 65535 sequences, or an
-            unsupported GPU.
+        NotImplementedError: FP8 where no FP8 kernel runs (not sm90; training pre-quantized
+            inputs; FP8 training at D256), more than 65535 sequences, or an unsupported GPU.
 
     Under ``torch.compile`` / ``torch.export`` the call is traced as the custom ops
-    ``hstu_cute::fwd`` / ``hstu_cute::bwd``.
+    ``hstu_cute::fwd`` / ``hstu_cute::bwd`` (FP8: ``hstu_cute::fwd_fp8`` / ``hstu_cute::bwd_fp8``).
     """
     if not isinstance(deterministic, bool):
         fail(TypeError, "deterministic", "a bool", type(deterministic).__name__)

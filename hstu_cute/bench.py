@@ -411,7 +411,7 @@ def run_workload_bwd(w: Workload, sets: int = 3, tiles_dq: dict | None = None, t
 
 def run_workload_bwd_fp8(w: Workload, mode: int, entry: str = "kernel", sets: int = 3, tiles: dict | None = None,
                          kernels=("dkdv", "dq")) -> dict:
-    """The FP8 backward (quant ``mode`` 0 or 2-5) on ``w``; FLOPs = 2.5 x forward, as for 16-bit.
+    """The FP8 backward (quant ``mode`` 0-5) on ``w``; FLOPs = 2.5 x forward, as for 16-bit.
     ``entry``: "kernel" (quantized operands and copies made beforehand: the two kernels alone),
     "quant" (the quantizers and copies alone: the row adds ``gbps``, 16-bit q, k, v, dO read and
     e4m3 data plus three copies written once) or "end2end" (both, per call)."""
@@ -446,6 +446,8 @@ def run_workload_bwd_fp8(w: Workload, mode: int, entry: str = "kernel", sets: in
     if entry == "quant":
         moved = sum(x.numel() * (x.element_size() + 1) for x in (kw["q"], kw["k"], kw["v"], dout))
         moved += sum(x.numel() for x in (kw["q"], kw["k"], dout))  # the three e4m3 copies
+        if mode == 1:  # and mode 1 reads q, k and dO once more for them
+            moved += sum(x.numel() * x.element_size() for x in (kw["q"], kw["k"], dout))
         row.update(tflops=0.0, gbps=moved / ms / 1e6)
     return row
 

@@ -336,16 +336,29 @@ SPECS["hopper_bwd_dkdv"] = SPECS["hopper_bwd_fused"] = (
 
 # The FP8 backward pair (hstu_cute.hopper.bwd_fp8): e4m3 q, k, v, dO, token-contiguous copies (Q^T and
 # dO^T for the dK/dV kernel, K^T for the dQ kernel), gradients in the key's output type and (B,
-# blocks, H) descale tables of q, k, v and dO.
-_FP8_BWD_DESCALES = tuple(Arg(name, _table) for name in ("mDescaleQ", "mDescaleK", "mDescaleV", "mDescaleDO"))
+# blocks, H) descale tables of q, k, v and dO; with two_direction (quant mode 1) (T, H) tables, and
+# the copies' (B, blocks, H, 2, D) tables.
+def _bwd_descale(s: FakeShapes):
+    return _token_table(s) if s.key.two_direction else _table(s)
+
+
+_FP8_BWD_DESCALES = tuple(Arg(name, _bwd_descale) for name in ("mDescaleQ", "mDescaleK", "mDescaleV", "mDescaleDO"))
+
+
+def _column_descale(name: str) -> Arg:
+    return Arg(name, _dim_table, lambda key: key.two_direction)
+
+
 SPECS["hopper_bwd_fp8_dkdv"] = (
     _Q, _K, _V, _DO, Arg("mQt", _tokens_transposed), Arg("mdOt", _tokens_transposed),
     Arg("mdK", _tokens("tokens_k", "out")), Arg("mdV", _tokens("tokens_k", "out")), *_SEQUENCES, _TMA_RAB,
     *_SCALARS, Arg("num_n_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER, *_FP8_BWD_DESCALES,
+    _column_descale("mDescaleQt"), _column_descale("mDescaleDOt"),
 )
 SPECS["hopper_bwd_fp8_dq"] = (
     _Q, _K, _V, _DO, Arg("mKt", _tokens_transposed), Arg("mdQ", _tokens("tokens_q", "out")), *_SEQUENCES, _TMA_RAB,
     *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER, *_FP8_BWD_DESCALES,
+    _column_descale("mDescaleKt"),
     # drab: (B, H_rab, L_q, L_k) in the gradients' type, or the fp32 (B, L_q, L_k) sum over heads.
     Arg("mdRab", _wide_drab, lambda key: key.has_drab),
 )

@@ -555,9 +555,9 @@ def forward_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_
                 descale_v=None, tiles: dict | None = None, out: torch.Tensor | None = None,
                 keep_quantized: bool = False):
     """The FP8 forward of a validated call (``p.fp8``): :func:`prepare_fp8`, then the Hopper FP8
-    kernel. With ``keep_quantized`` (a quant mode 0 or 2-5 training call) returns ``(out,
-    quantized)``, ``quantized`` being e4m3 q and k with their (B, blocks, H) descale tables by the
-    backward's argument names: the backward quantizes q and k exactly so
+    kernel. With ``keep_quantized`` (a quant-mode training call) returns ``(out, quantized)``,
+    ``quantized`` being e4m3 q and k with their descale tables ((B, blocks, H); mode 1 (T, H)) by
+    the backward's argument names: the backward quantizes q and k exactly so
     (:func:`quantized_with_table`), so it can take them instead (:func:`fp8_backward_operands`)."""
     q8, k8, fp8 = prepare_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, p, descale_q,
                               descale_k, descale_v)
@@ -821,8 +821,8 @@ def _backward_pair(values, common, device, path, rab, drab, sum_heads, has_drab,
 # ---------------------------------------------------------------------------------------------
 def quantized_with_table(x: torch.Tensor, seq_offsets: torch.Tensor, max_seqlen: int, mode: int
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 (T, H, D), (B, blocks, H) descale table) of a 16-bit tensor with quant mode 0 or
-    2-5: mode 0 is a plain cast with a table of ones (a zero-strided view of a cached one)."""
+    """(e4m3 (T, H, D), descale table) of a 16-bit tensor: (B, blocks, H), or (T, H) for mode 1
+    (per token); mode 0 is a plain cast with a table of ones (a zero-strided view of a cached one)."""
     if mode == QuantMode.CAST:
         batch = seq_offsets.shape[0] - 1
         return cast_e4m3(x), unit_descale(x.device).view(1, 1, 1).expand(batch, 1, x.shape[1])
@@ -831,15 +831,11 @@ def quantized_with_table(x: torch.Tensor, seq_offsets: torch.Tensor, max_seqlen:
 
 def check_fp8_backward(p: Problem) -> None:
     """NotImplementedError, naming the argument, for an FP8 training call no backward kernel
-    serves: raised before the forward runs, so that a training step fails before any work
-    (``has_drab`` with FP8 is refused by validation)."""
+    serves: raised before the forward runs, so that a training step fails before any work."""
     if p.quant_mode == -1:
         raise NotImplementedError(
             "q/k/v.requires_grad: pre-quantized float8_e4m3fn inputs are forward-only (FBGEMM's FP8 entry); "
             "train with 16-bit inputs and quant_mode >= 0")
-    if p.quant_mode == QuantMode.TWO_DIRECTION:
-        raise NotImplementedError("quant_mode=1 with inputs that require grad: the FP8 backward serves quant "
-                                  "modes 0 and 2-5 so far (mode 1 is forward-only)")
     if p.head_dim not in FP8_BWD_HEAD_DIMS:
         raise NotImplementedError(f"q.shape[2] (head dim) with quant_mode={p.quant_mode} and inputs that require "
                                   f"grad: the FP8 backward supports {FP8_BWD_HEAD_DIMS}, got {p.head_dim}")
@@ -847,10 +843,11 @@ def check_fp8_backward(p: Problem) -> None:
 
 def fp8_backward_operands(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, mode: int,
                           quantized: dict | None = None) -> dict:
-    """What the FP8 backward kernels read, by argument name: q, k, v and dO quantized with quant
-    mode 0 or 2-5 on the device (dO with q's groups; q and k taken from ``quantized``, the
-    forward's, when given: :func:`forward_fp8`), the token-contiguous copies Q^T, dO^T, K^T, and
-    the four descale tables (benchmarks time it apart from the kernels)."""
+    """What the FP8 backward kernels read, by argument name: q, k, v and dO quantized with
+    ``mode`` on the device (dO with q's groups; q and k taken from ``quantized``, the forward's,
+    when given: :func:`forward_fp8`), the token-contiguous copies Q^T, dO^T, K^T, and the descale
+    tables (benchmarks time it apart from the kernels). Modes 0, 2-5 transpose the e4m3 tensors;
+    mode 1 quantizes the copies along tokens, with their own (B, blocks, H, 2, D) tables."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     if quantized is None:
@@ -860,6 +857,14 @@ def fp8_backward_operands(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqle
         q8, k8, table_q, table_k = (quantized[n] for n in ("mQ", "mK", "mDescaleQ", "mDescaleK"))
     do8, table_do = quantized_with_table(dout, seq_offsets_q, max_seqlen_q, mode)
     v8, table_v = quantized_with_table(v, seq_offsets_k, max_seqlen_k, mode)
+    if mode == QuantMode.TWO_DIRECTION:
+        (qt, table_qt), (dot, table_dot), (kt, table_kt) = (
+            quantize_blocks(x, offsets, max_seqlen, mode, True)
+            for x, offsets, max_seqlen in ((q, seq_offsets_q, max_seqlen_q), (dout, seq_offsets_q, max_seqlen_q),
+                                           (k, seq_offsets_k, max_seqlen_k)))
+        return dict(mQ=q8, mK=k8, mV=v8, mdO=do8, mQt=qt, mdOt=dot, mKt=kt, mDescaleQ=table_q, mDescaleK=table_k,
+                    mDescaleV=table_v, mDescaleDO=table_do, mDescaleQt=table_qt, mDescaleDOt=table_dot,
+                    mDescaleKt=table_kt)
     return dict(mQ=q8, mK=k8, mV=v8, mdO=do8, mQt=transposed_for_pv(q8, seq_offsets_q),
                 mdOt=transposed_for_pv(do8, seq_offsets_q), mKt=transposed_for_pv(k8, seq_offsets_k),
                 mDescaleQ=table_q, mDescaleK=table_k, mDescaleV=table_v, mDescaleDO=table_do)
@@ -869,7 +874,7 @@ def backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
                  num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p: Problem,
                  operands: dict | None = None, tiles: dict | None = None, kernels=("dkdv", "dq"),
                  has_drab: bool = False, deterministic: bool = False, quantized: dict | None = None):
-    """The FP8 backward of a validated quant-mode call (modes 0, 2-5; :func:`check_fp8_backward`):
+    """The FP8 backward of a validated quant-mode call (:func:`check_fp8_backward`):
     :func:`fp8_backward_operands` (or the given ``operands``), then the FP8 dK/dV kernel and the dQ
     kernel beside it (:mod:`hstu_cute.hopper.bwd_fp8`). Returns ``(dq, dk, dv, drab)`` in the
     input dtype (``drab`` shaped like rab with ``has_drab``, else None; the dQ kernel writes it
@@ -898,8 +903,10 @@ def backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
                   **_scalar_args(p, alpha, target_group_size))
     common = (device_arch(device), DTYPE_NAMES[p.dtype], p.head_dim, p.mask.kind, context_target, rab is not None)
     tiles = tiles or {}
-    key_kv = _made(make_hopper_fp8_bwd_key, "dkdv", *common, tiles.get("dkdv"))
-    key_q = _made(make_hopper_fp8_bwd_key, "dq", *common, tiles.get("dq"), has_drab, atomic_sum)
+    two_direction = p.quant_mode == QuantMode.TWO_DIRECTION
+    key_kv = _made(make_hopper_fp8_bwd_key, "dkdv", *common, tiles.get("dkdv"), two_direction=two_direction)
+    key_q = _made(make_hopper_fp8_bwd_key, "dq", *common, tiles.get("dq"), has_drab, atomic_sum,
+                  two_direction=two_direction)
     with _on_device(device):
         if "dkdv" in kernels:
             _launch(key_kv, _compiled(key_kv), dict(values, num_n_blocks=-(-max_seqlen_k // key_kv.tile_n),

@@ -505,14 +505,17 @@ def make_hopper_bwd_key(role, arch, dtype, head_dim, kind, context_target, has_r
 class HopperFp8BwdKey(HopperBwdKey):
     """Compile key of the FP8 backward pair (:mod:`hstu_cute.hopper.bwd_fp8`): role "dkdv" or
     "dq"; ``dtype`` is e4m3 (q, k, v, dO and their token-contiguous copies), ``out_dtype`` the
-    gradients' (and rab's) 16-bit type. Descales are (B, blocks, H) tables (quant modes 0, 2-5)."""
+    gradients' (and rab's) 16-bit type. Descales are (B, blocks, H) tables (quant modes 0, 2-5);
+    ``two_direction`` (quant mode 1): (T, H) per-token tables, and (B, blocks, H, 2, D) tables of
+    the token-contiguous copies."""
 
     kernel_family: ClassVar[str] = "hopper_bwd_fp8"
 
     out_dtype: str = "bfloat16"
+    two_direction: bool = False
 
     def describe(self) -> str:
-        return super().describe() + f" ->{self.out_dtype}"
+        return super().describe() + f" ->{self.out_dtype}" + (" two-direction" if self.two_direction else "")
 
 
 #: Head dims of the FP8 backward: its dK and dV accumulators (2 x 64 x D fp32 per warpgroup) fit
@@ -527,13 +530,15 @@ _FP8_BWD_TILES = {"dkdv": dict(tile_m=64, tile_n=128, persistent=True, dynamic_t
 
 
 def make_hopper_fp8_bwd_key(role, arch, out_dtype, head_dim, kind, context_target, has_rab,
-                            tiles=None, has_drab: bool = False, rab_sum_heads: bool = False) -> HopperFp8BwdKey:
+                            tiles=None, has_drab: bool = False, rab_sum_heads: bool = False,
+                            two_direction: bool = False) -> HopperFp8BwdKey:
     """``has_drab`` / ``rab_sum_heads`` (drab of one rab head summed over the heads with fp32
     atomics) concern role "dq" only: the dQ kernel writes drab."""
     fields = _variant_fields(arch, FP8_DTYPE, head_dim, kind, context_target, has_rab)
     fields["fast_silu"] = True
     drab = dict(has_drab=has_drab, rab_sum_heads=has_drab and rab_sum_heads) if role == "dq" else {}
-    return HopperFp8BwdKey(role=role, **fields, out_dtype=out_dtype, **(tiles or _FP8_BWD_TILES[role]), **drab)
+    return HopperFp8BwdKey(role=role, **fields, out_dtype=out_dtype, two_direction=two_direction,
+                           **(tiles or _FP8_BWD_TILES[role]), **drab)
 
 
 def _hopper_role_serves(role: str, head_dim: int) -> bool:
@@ -621,12 +626,15 @@ def shipped_hopper_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_
 
 def shipped_hopper_fp8_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
     """FP8 backward pairs (``dtypes``: the gradients' and rab's types), then the dQ kernels that
-    write drab (per rab head, or summed over heads with atomics)."""
+    write drab (per rab head, or summed over heads with atomics); quant modes 0, 2-5, then mode 1
+    (``two_direction``)."""
     variants = _shipped_variants(dtypes, [d for d in head_dims if d in FP8_BWD_HEAD_DIMS])
-    return ([make_hopper_fp8_bwd_key(role, arch, *variant, has_rab) for role in ("dkdv", "dq")
-             for variant in variants for has_rab in (False, True)]
-            + [make_hopper_fp8_bwd_key("dq", arch, *variant, True, has_drab=True, rab_sum_heads=sum_heads)
-               for variant in variants for sum_heads in (False, True)])
+    return [key for two_direction in (False, True) for key in (
+        [make_hopper_fp8_bwd_key(role, arch, *variant, has_rab, two_direction=two_direction)
+         for role in ("dkdv", "dq") for variant in variants for has_rab in (False, True)]
+        + [make_hopper_fp8_bwd_key("dq", arch, *variant, True, has_drab=True, rab_sum_heads=sum_heads,
+                                   two_direction=two_direction)
+           for variant in variants for sum_heads in (False, True)])]
 
 
 def shipped_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:

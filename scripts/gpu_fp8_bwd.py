@@ -40,10 +40,10 @@ def bench(out) -> None:
     for d in (128, 64):
         w = B.Workload(f"full B8 N4096 D{d}", 8, 4096, head_dim=d)
         steps = [lambda: B.run_workload_bwd(w), lambda: B.run_workload_bwd(w, deterministic=True)]
-        steps += [lambda m=m: B.run_workload_bwd_fp8(w, m, "kernel") for m in (2, 5, 0)]
-        steps += [lambda: B.run_workload_bwd_fp8(w, 2, "quant"), lambda: B.run_workload_bwd_fp8(w, 2, "end2end")]
+        steps += [lambda m=m: B.run_workload_bwd_fp8(w, m, "kernel") for m in (2, 5, 0, 1)]
+        steps += [lambda m=m, e=e: B.run_workload_bwd_fp8(w, m, e) for m in (2, 1) for e in ("quant", "end2end")]
         steps += [lambda: B.run_training_step(w), lambda: B.run_training_step(w, quant_mode=2),
-                  lambda: B.run_training_step(w, quant_mode=5)]
+                  lambda: B.run_training_step(w, quant_mode=5), lambda: B.run_training_step(w, quant_mode=1)]
         for step in steps:
             try:
                 row = step()

@@ -1,6 +1,7 @@
 """A small jagged batch through every mask family (and rab, delta_q, seqused) on the Hopper FP8
-backward (quant modes 0, 2 and 4: the cast, the one-pass and the two-pass quantizers; drab with mode
-2 where the case has rab), gradients by autograd, for compute-sanitizer. Lengths are random, so sequences start at tokens that are not
+backward (quant modes 0, 1, 2 and 4: the cast, the two-direction, the one-pass and the two-pass
+quantizers; drab with modes 1 and 2 where the case has rab), gradients by autograd, for
+compute-sanitizer. Lengths are random, so sequences start at tokens that are not
 multiples of 16 (the token-contiguous copies' padding). Skips (exit 0) without a compute
 capability 9.x GPU."""
 import sys
@@ -27,7 +28,7 @@ for name, kw in CASES.items():
         b = testing.random_jagged_batch(7, 2, head_dim, 99 if kw.get("is_delta_q") else 131, device="cuda", seed=7,
                                         **kw)
         rest = {k: v for k, v in b.items() if k not in ("q", "k", "v")}
-        for mode in (0, 2, 4):
+        for mode in (0, 1, 2, 4):
             q, k, v = (b[n].detach().clone().requires_grad_() for n in "qkv")
             out = hstu_attn_varlen_func(q, k, v, **rest, quant_mode=mode)
             grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out) * 1e-2)
@@ -35,9 +36,11 @@ for name, kw in CASES.items():
             assert all(torch.isfinite(g).all() for g in grads), (name, head_dim, mode)
         if rest.get("rab") is not None:
             # has_drab: the dQ kernel's drab stores (per head) or fp32 atomics (one rab head).
-            rab = rest["rab"].detach().clone().requires_grad_()
-            out = hstu_attn_varlen_func(b["q"], b["k"], b["v"], **dict(rest, rab=rab), has_drab=True, quant_mode=2)
-            drab = torch.autograd.grad(out, rab, torch.randn_like(out) * 1e-2)[0]
-            torch.cuda.synchronize()
-            assert torch.isfinite(drab).all(), (name, head_dim, "drab")
+            for mode in (1, 2):
+                rab = rest["rab"].detach().clone().requires_grad_()
+                out = hstu_attn_varlen_func(b["q"], b["k"], b["v"], **dict(rest, rab=rab), has_drab=True,
+                                            quant_mode=mode)
+                drab = torch.autograd.grad(out, rab, torch.randn_like(out) * 1e-2)[0]
+                torch.cuda.synchronize()
+                assert torch.isfinite(drab).all(), (name, head_dim, "drab", mode)
         print(f"fp8 backward {name} D{head_dim}: ok", flush=True)

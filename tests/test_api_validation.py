@@ -331,12 +331,12 @@ def test_descale_needs_fp8_inputs(name, no_launch):
 
 
 @needs_fp8
-@pytest.mark.parametrize("entry", ["prequantized", "mode0", "mode2"])
+@pytest.mark.parametrize("entry", ["prequantized", "mode0", "mode1", "mode2"])
 def test_fp8_on_meta_is_shapes_only(entry, no_launch):
     """Meta tensors trace the FP8 op's fake implementation (bf16 out for e4m3 inputs, the inputs'
     dtype for quant_mode). With inputs that require grad, quant modes trace the registered FP8
     backward (hstu_cute::bwd_fp8's fake: gradients shaped and typed like q, k, v); pre-quantized
-    inputs and mode 1 raise before any work (forward-only)."""
+    inputs raise before any work (forward-only), and so does FP8 training at D256."""
     args = fp8_args() if entry == "prequantized" else base_args(quant_mode=0, q=_t(16, H, D, dtype=FP16),
                                                                   k=_t(16, H, D, dtype=FP16),
                                                                   v=_t(16, H, D, dtype=FP16))
@@ -356,8 +356,9 @@ def test_fp8_on_meta_is_shapes_only(entry, no_launch):
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     assert all(g.device.type == "meta" and g.shape == x.shape and g.dtype == x.dtype
                for g, x in ((dq, q), (dk, k), (dv, v)))
-    with pytest.raises(NotImplementedError, match="quant_mode=1.*forward-only"):
-        hstu_cute.hstu_attn_varlen_func(**dict(args, quant_mode=1))
+    wide = {n: _t(16, H, 256, dtype=FP16).to("meta").requires_grad_() for n in "qkv"}
+    with pytest.raises(NotImplementedError, match=r"q\.shape\[2\] \(head dim\).*FP8 backward supports"):
+        hstu_cute.hstu_attn_varlen_func(**dict(args, **wide))
     # has_drab: the rab gradient comes back shaped and typed like rab (one rab head over H heads too).
     for rab_heads in (H, 1):
         rab = _t(2, rab_heads, L, L, dtype=FP16).to("meta").requires_grad_()

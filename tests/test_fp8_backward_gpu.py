@@ -1,4 +1,4 @@
-"""The Hopper FP8 backward (quant modes 0, 2-5) against the FP8 gradient emulation
+"""The Hopper FP8 backward (quant modes 0-5) against the FP8 gradient emulation
 (:func:`hstu_cute.reference.hstu_attn_fp8_grad_emulation`): each gradient's error against the fp32
 backward on the unquantized inputs must stay within 5x of the emulation's error (spec, ratio rule
 for gradients). Gradients come from autograd through the public call (torch.ops.hstu_cute::fwd_fp8
@@ -72,6 +72,12 @@ GRID = [
     (0, "none", 128, torch.float16, None, (257, 257), "full"),
     (5, "causal", 128, torch.float16, 1, (999, 999), "random"),
     (3, "ctx+tgt", 64, torch.float16, None, (400, 400), "random"),
+    # Mode 1: per-token descales, and the copies' per-(block, dim) descales moving with the walk.
+    (1, "causal", 128, torch.bfloat16, None, (1024, 1024), "random"),
+    (1, "none", 64, torch.float16, 1, (300, 300), "random"),
+    (1, "local", 128, torch.float16, 2, (700, 700), "full"),
+    (1, "ctx+tgt", 128, torch.bfloat16, None, (1111, 1111), "random"),
+    (1, "causal", 64, torch.bfloat16, 2, (200, 900), "random"),  # delta_q
 ]
 
 
@@ -90,6 +96,8 @@ DRAB_GRID = [
     (0, "ctx+tgt", 64, 1, (600, 600), False),  # one rab head over 2 heads: fp32 atomics
     (5, "local", 128, 1, (500, 500), True),  # one rab head, deterministic: per-head drab summed after
     (2, "causal", 64, 2, (200, 900), False),  # delta_q: drab rows in whole-sequence coordinates
+    (1, "causal", 128, 2, (700, 700), False),
+    (1, "ctx+tgt", 64, 1, (600, 600), True),
 ]
 
 
@@ -123,7 +131,7 @@ def test_fp8_backward_drab(case):
         assert torch.equal(again, kernel["drab"])
 
 
-@pytest.mark.parametrize("mode", [0, 2, 5])
+@pytest.mark.parametrize("mode", [0, 1, 2, 5])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_fp8_backward_edge_lengths(mode, head_dim):
     """Lengths 0, 1, 17, 1111 (token counts that are not multiples of 16: the copies' padding),
@@ -134,11 +142,12 @@ def test_fp8_backward_edge_lengths(mode, head_dim):
     check(b, mode, 0)
 
 
-def test_fp8_backward_is_deterministic():
+@pytest.mark.parametrize("mode", [1, 2])
+def test_fp8_backward_is_deterministic(mode):
     b = random_jagged_batch(4, 2, 128, 1024, device="cuda", seed=3, window_size=(-1, 0))
     dout = torch.randn_like(b["q"]) * 1e-2
-    first = fp8_grads(b, 2, dout)[0]
-    second = fp8_grads(b, 2, dout)[0]
+    first = fp8_grads(b, mode, dout)[0]
+    second = fp8_grads(b, mode, dout)[0]
     for name in first:
         assert torch.equal(first[name], second[name]), name
 
@@ -152,7 +161,8 @@ def test_fp8_backward_small_dout_mode2_beats_mode0():
     assert g2["dv"].abs().sum() > 0 and g0["dv"].float().abs().sum() < g2["dv"].float().abs().sum()
 
 
-def test_fp8_compiled_training_step():
+@pytest.mark.parametrize("mode", [1, 2])
+def test_fp8_compiled_training_step(mode):
     """torch.compile(fullgraph=True) of a step through the FP8 op and its registered backward: the
     gradients equal the eager ones bitwise (the same kernels, summed in a fixed order)."""
     b = random_jagged_batch(4, 2, 128, 512, device="cuda", seed=8, window_size=(-1, 0), num_targets=50)
@@ -160,7 +170,7 @@ def test_fp8_compiled_training_step():
     dout = torch.randn_like(b["q"]) * 1e-2
 
     def step(q, k, v):
-        return (hstu_attn_varlen_func(q, k, v, **rest, quant_mode=2).float() * dout.float()).sum()
+        return (hstu_attn_varlen_func(q, k, v, **rest, quant_mode=mode).float() * dout.float()).sum()
 
     grads = []
     for fn in (step, torch.compile(step, fullgraph=True)):

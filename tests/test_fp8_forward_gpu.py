@@ -231,13 +231,10 @@ def test_fp8_public_call_and_errors():
     out8 = hstu_attn_varlen_func(pq["q"][0], pq["k"][0], pq["v"][0], **rest, descale_q=pq["q"][1],
                                  descale_k=pq["k"][1], descale_v=pq["v"][1])
     assert out8.dtype == torch.bfloat16
-    # The pre-quantized entry and quant_mode 1 are forward-only; modes 0 and 2-5 train
-    # (tests/test_fp8_backward_gpu.py).
+    # The pre-quantized entry is forward-only; quant modes train (tests/test_fp8_backward_gpu.py).
     with pytest.raises(NotImplementedError, match="forward-only"):
         hstu_attn_varlen_func(pq["q"][0].clone().requires_grad_(), pq["k"][0], pq["v"][0], **rest,
                               descale_q=pq["q"][1], descale_k=pq["k"][1], descale_v=pq["v"][1])
-    with pytest.raises(NotImplementedError, match="mode 1 is forward-only"):
-        hstu_attn_varlen_func(b["q"].clone().requires_grad_(), b["k"], b["v"], **rest, quant_mode=1)
     trained = hstu_attn_varlen_func(b["q"].clone().requires_grad_(), b["k"], b["v"], **rest, quant_mode=0)
     assert trained.grad_fn is not None and torch.equal(trained.detach(), out)
     with pytest.raises(NotImplementedError, match="descale_do"):

@@ -321,3 +321,53 @@ def zero_smem_cols_past(zero_copy, sX: cute.Tensor, tile_shape: cutlass.Constexp
                         tZs[e, m, n] = sX.element_type(0.0)
     cute.arch.fence_view_async_shared()
     cute.arch.barrier(barrier_id=NamedBarrier.ZERO_ROWS_WG0 + wg, number_of_threads=128)
+
+
+# Quant mode 1 (two-direction): per-token descales of the score products and per-(block, dim)
+# descales of the token-contiguous copies, which scale an accumulator's columns.
+@cute.jit
+def token_descales(mTable, first: Int32, last: Int32, head: Int32, tAcc_rc, rows: cutlass.Constexpr[bool]
+                   ) -> cute.Tensor:
+    """The descales of one head in a (T, H) table of the tokens ``first + r`` for the thread's
+    accumulator rows r (``rows``), else its columns (``tAcc_rc``: identity coordinates, rows x
+    columns), clamped to ``last``: rows and columns past a sequence are masked or never stored."""
+    mode = 0 if cutlass.const_expr(rows) else 1
+    n = cute.size(tAcc_rc.shape[mode])
+    out = cute.make_rmem_tensor(cute.make_layout(n), Float32)
+    for i in cutlass.range_constexpr(n):
+        offset = tAcc_rc[i, 0][0] if cutlass.const_expr(rows) else tAcc_rc[0, i][1]
+        out[i] = mTable[cutlass.min(first + offset, last), head]
+    return out
+
+
+@cute.jit
+def scale_by_tokens(acc: cute.Tensor, row_descales: cute.Tensor, col_descales: cute.Tensor):
+    """``acc[r, c] *= row_descales[r] * col_descales[c]`` over the thread's two rows and its
+    columns (in the order of :func:`common.sm90.wgmma_acc_rows_cols`)."""
+    rc = cute.make_tensor(acc.iterator, wgmma_acc_rows_cols(acc.layout))
+    for j in cutlass.range_constexpr(cute.size(rc.shape[1])):
+        for i in cutlass.range_constexpr(cute.size(rc.shape[0])):
+            rc[i, j] = rc[i, j] * (row_descales[i] * col_descales[j])
+
+
+@cute.jit
+def dim_descales(scale_row: cute.Tensor, tAcc_rc, inverse_row=None) -> cute.Tensor:
+    """Per column of the thread's accumulator columns (``tAcc_rc``: identity coordinates, rows x
+    columns) its entry of ``scale_row`` (one (D,) row of a (B, blocks, H, 2, D) table: a block's
+    scales) or, with ``inverse_row`` (another block's reciprocals), their product: the factor that
+    moves columns accumulated in the first block's units to the second's. A thread's columns come
+    in pairs (2q, 2q + 1 of each n8 group): one 8-byte load per pair and table row."""
+    ratios = cute.make_rmem_tensor(cute.make_layout(cute.size(tAcc_rc.shape[1])), Float32)
+    pair_old = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+    pair_new = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+    for p in cutlass.range_constexpr(cute.size(ratios) // 2):
+        pair = tAcc_rc[0, 2 * p][1] // 2
+        cute.autovec_copy(cute.local_tile(scale_row, (2,), (pair,)), pair_old)
+        if cutlass.const_expr(inverse_row is None):
+            for c in cutlass.range_constexpr(2):
+                ratios[2 * p + c] = pair_old[c]
+        else:
+            cute.autovec_copy(cute.local_tile(inverse_row, (2,), (pair,)), pair_new)
+            for c in cutlass.range_constexpr(2):
+                ratios[2 * p + c] = pair_old[c] * pair_new[c]
+    return ratios

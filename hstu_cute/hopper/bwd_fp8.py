@@ -16,6 +16,14 @@ Descales: (B, blocks, H) fp32 tables of q, k, v and dO (quant modes 2-5; blocks 
 ``fp8_format.BLOCK_TOKENS`` tokens from each sequence start; mode 0 passes tables of ones). A
 dK/dV tile (128 keys) is one key block; its m-blocks (64 queries) lie inside one query block,
 and so do the dQ kernel's n-blocks (64 keys) inside one key block.
+
+``two_direction`` (quant mode 1): q, k, v and dO carry (T, H) per-token descales, which scale the
+score products' rows and columns before the SiLU; the token-contiguous copies carry their own
+(B, blocks, H, 2, D) per-(block, dim) descales (:func:`hstu_cute.launch.quantize_blocks`), which
+scale the columns of the accumulator their GEMM feeds. That accumulator is kept in units of the
+current block's descales: when the walk enters another block its columns take old / new
+(:func:`hstu_cute.common.fp8.dim_descales`), and the epilogue multiplies by the last block's.
+P^T, G^T and G are re-quantized with no descale folded in (the scores already hold them).
 """
 
 from __future__ import annotations
@@ -27,7 +35,17 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .. import masks
-from ..common.fp8 import rescale_rows_if_needed, scale_rows, scaled_fp8_words, words_to_operand_a, zero_smem_cols_past
+from ..common.fp8 import (
+    dim_descales,
+    rescale_rows_if_needed,
+    scale_by_tokens,
+    scale_columns,
+    scale_rows,
+    scaled_fp8_words,
+    token_descales,
+    words_to_operand_a,
+    zero_smem_cols_past,
+)
 from ..common.mask_apply import KERNEL_OPS, apply_mask_key_major, apply_mask_rows_cols
 from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import silu_and_grad_unscaled
@@ -67,6 +85,28 @@ def block_descale(mTable, batch: Int32, token: Int32, head: Int32) -> Float32:
 
 
 @cute.jit
+def move_column_units(acc, mColumnTable, batch: Int32, head: Int32, block_prev: Int32, block: Int32, tAcc_rc):
+    """two_direction: an accumulator kept in units of ``block_prev``'s column descales moves to
+    ``block``'s (nothing before the first block, or while the block stays)."""
+    if (block_prev >= 0) & (block_prev != block):
+        scale_columns(acc, dim_descales(mColumnTable[batch, block_prev, head, 0, None], tAcc_rc,
+                                        mColumnTable[batch, block, head, 1, None]))
+
+
+@cute.jit
+def epilogue_columns(acc, mColumnTable, batch: Int32, head: Int32, block_last: Int32, tAcc_rc):
+    """two_direction: the accumulator's columns times the column descales of the last block it
+    accumulated (a tile that visited none holds zeros)."""
+    scale_columns(acc, dim_descales(mColumnTable[batch, cutlass.max(block_last, 0), head, 0, None], tAcc_rc))
+
+
+def column_block(mColumnTable, first_token: Int32) -> Int32:
+    """The block of a (B, blocks, H, 2, D) column table holding ``first_token`` (from the
+    sequence start), clamped into the table."""
+    return cutlass.min(first_token // BLOCK_TOKENS, mColumnTable.shape[1] - 1)
+
+
+@cute.jit
 def epilogue_rows(acc, row_scale, factor: Float32):
     """Multiply the thread's two accumulator rows by their final running scale times ``factor``."""
     factors = cute.make_rmem_tensor(cute.make_layout(2), Float32)
@@ -90,17 +130,19 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
     transposed_q_tiles = True
 
     def __init__(self, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
-                 num_stages: int, grad_dtype, persistent: bool = False, dynamic_tiles: bool = False):
+                 num_stages: int, grad_dtype, persistent: bool = False, dynamic_tiles: bool = False,
+                 two_direction: bool = False):
         super().__init__(cutlass.Float8E4M3FN, head_dim, mask, has_rab, tile_m, tile_n, num_stages, True,
                          fuse_dq=False, persistent=persistent, dynamic_tiles=dynamic_tiles)
         self.grad_dtype = self.rab_dtype = grad_dtype
+        self.two_direction = two_direction
         assert tile_n == BLOCK_TOKENS and BLOCK_TOKENS % tile_m == 0 and tile_m % 32 == 0
 
     @cute.jit
     def __call__(self, mQ, mK, mV, mdO, mQt, mdOt, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK,
                  mNumContexts, mNumTargets, mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
                  num_n_blocks, num_sms, bh_per_section, mTileCounter, mDescaleQ, mDescaleK, mDescaleV, mDescaleDO,
-                 stream):
+                 mDescaleQt, mDescaleDOt, stream):
         D = self.head_dim
         self.sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, None)
         self.sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, self.num_stages)
@@ -130,12 +172,17 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         self.launch(*loads, tma_atom_qt, tma_qt, tma_atom_dot, tma_dot, mQ, mK, mdK, mdV,
                     SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
                     ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_n_blocks,
-                    bh_per_section, mTileCounter, (mDescaleQ, mDescaleK, mDescaleV, mDescaleDO),
+                    bh_per_section, mTileCounter, self.descale_tables(mDescaleQ, mDescaleK, mDescaleV, mDescaleDO,
+                                                                      mDescaleQt, mDescaleDOt),
                     statics=dict(sK_layout=self.sK_layout, sQ_layout=self.sQ_layout, sQt_layout=self.sQt_layout,
                                  sRab_layout=self.sRab_layout, tiled_mma_s=self.tiled_mma_s,
                                  tiled_mma_d=self.tiled_mma_d, zero_rows=rows_zero_copy(self.dtype, D),
                                  zero_cols=rows_zero_copy(self.dtype, self.tile_m)),
                     grid=[num_ctas, 1, 1], stream=stream)
+
+    def descale_tables(self, *tables):
+        # Plain Python: the column tables exist with two_direction only (None is no kernel argument).
+        return tables if self.two_direction else tables[:4]
 
     @cute.kernel
     def kernel(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
@@ -182,6 +229,9 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         tDrQt = wg_mma_d.make_fragment_B(wg_mma_d.partition_B(sQt))
         tDrdOt = wg_mma_d.make_fragment_B(wg_mma_d.partition_B(sdOt))
         tScS = thr_mma_s.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
+        tScS_rc = cute.make_tensor(tScS.iterator, wgmma_acc_rows_cols(tScS.layout))
+        tDcD = tiled_mma_d.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_n, self.head_dim)))
+        tDcD_rc = cute.make_tensor(tDcD.iterator, wgmma_acc_rows_cols(tDcD.layout))
         tSsRabT = None
         if const_expr(self.has_rab):
             sRabT = cute.composition(sRab, cute.make_ordered_layout((self.tile_n, self.tile_m, self.num_stages),
@@ -190,14 +240,14 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         tile_args = (tidx, mdK, mdV, sQ, sdO, sQt, sdOt, pipe_kv, pipe_q, alpha, inv_scale, tSrK, tSrV, tSrQ, tSrdO,
-                     tDrQt, tDrdOt, tScS, tSsRabT)
+                     tDrQt, tDrdOt, tScS, tScS_rc, tDcD_rc, tSsRabT)
         self.for_each_tile(walk, seqinfo, self.consume_key_block, tile_args, (q_state, kv_state), claims=claims)
 
     @cute.jit
     def consume_key_block(self, tidx: Int32, mdK, mdV, sQ, sdO, sQt, sdOt, pipe_kv, pipe_q, alpha: Float32,
-                          inv_scale: Float32, tSrK, tSrV, tSrQ, tSrdO, tDrQt, tDrdOt, tScS, tSsRabT, n_block: Int32,
-                          head: Int32, batch: Int32, q_start: Int32, k_start: Int32, seq, m_lo: Int32, m_hi: Int32,
-                          q_state, kv_state):
+                          inv_scale: Float32, tSrK, tSrV, tSrQ, tSrdO, tDrQt, tDrdOt, tScS, tScS_rc, tDcD_rc, tSsRabT,
+                          n_block: Int32, head: Int32, batch: Int32, q_start: Int32, k_start: Int32, seq,
+                          m_lo: Int32, m_hi: Int32, q_state, kv_state):
         """One n-block: dK and dV of its keys. Returns the advanced pipeline states."""
         D = self.head_dim
         tiled_mma_s, tiled_mma_d = self.tiled_mma_s, self.tiled_mma_d
@@ -209,9 +259,16 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         shape_S = tiled_mma_s.get_slice(wg * 128).partition_shape_C((self.tile_n, self.tile_m))
         col0 = n_block * self.tile_n
         k_rows = seq.seqlen_k - col0
-        mDescaleQ, mDescaleK, mDescaleV, mDescaleDO = self.descales
-        dk = block_descale(mDescaleK, batch, col0, head)
-        dv = block_descale(mDescaleV, batch, col0, head)
+        mDescaleQ, mDescaleK, mDescaleV, mDescaleDO = self.descales[:4]
+        dk = dv = dk_rows = dv_rows = None
+        if const_expr(self.two_direction):
+            q_last = q_start + seq.seqlen_q - 1
+            q_block_prev = Int32(-1)
+            dk_rows = token_descales(mDescaleK, k_start + col0, k_start + seq.seqlen_k - 1, head, tScS_rc, True)
+            dv_rows = token_descales(mDescaleV, k_start + col0, k_start + seq.seqlen_k - 1, head, tScS_rc, True)
+        else:
+            dk = block_descale(mDescaleK, batch, col0, head)
+            dv = block_descale(mDescaleV, batch, col0, head)
         acc_dK = cute.make_rmem_tensor(wg_mma_d.partition_shape_C((self.tile_n, D)), Float32)
         acc_dV = cute.make_rmem_tensor(wg_mma_d.partition_shape_C((self.tile_n, D)), Float32)
         acc_dK.fill(0.0)
@@ -238,30 +295,54 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
                                         q_rows)
                     zero_smem_cols_past(self.zero_cols, sdOt[None, None, stage], (D, self.tile_m), tid_in_wg, wg,
                                         q_rows)
-                dq = block_descale(mDescaleQ, batch, m_block * self.tile_m, head)
-                ddo = block_descale(mDescaleDO, batch, m_block * self.tile_m, head)
+                if const_expr(not self.two_direction):
+                    dq = block_descale(mDescaleQ, batch, m_block * self.tile_m, head)
+                    ddo = block_descale(mDescaleDO, batch, m_block * self.tile_m, head)
                 acc_S = cute.make_rmem_tensor(shape_S, Float32)
                 acc_dP = cute.make_rmem_tensor(shape_S, Float32)
                 wgmma(tiled_mma_s, acc_S, tSrK, tSrQ[None, None, None, stage], True, -1)
                 wgmma(tiled_mma_s, acc_dP, tSrV, tSrdO[None, None, None, stage], True, 1)
-                half_alpha = alpha * (dq * dk) * Float32(0.5)
-                if const_expr(self.has_rab):
-                    rRab = cute.make_rmem_tensor(shape_S, self.rab_dtype)
-                    cute.autovec_copy(tSsRabT[None, None, None, stage], rRab)
-                    acc_S.store(acc_S.load() * (dq * dk) + rRab.load().to(Float32))
-                    half_alpha = alpha * Float32(0.5)
-                warpgroup.wait_group(0)
-                silu_and_grad_unscaled(acc_S, acc_dP, half_alpha)
+                if const_expr(self.two_direction):
+                    # Descales per token: the scores' columns are this m-block's queries.
+                    q0 = q_start + m_block * self.tile_m
+                    dq_cols = token_descales(mDescaleQ, q0, q_last, head, tScS_rc, False)
+                    ddo_cols = token_descales(mDescaleDO, q0, q_last, head, tScS_rc, False)
+                    warpgroup.wait_group(0)
+                    scale_by_tokens(acc_S, dk_rows, dq_cols)
+                    scale_by_tokens(acc_dP, dv_rows, ddo_cols)
+                    if const_expr(self.has_rab):
+                        rRab = cute.make_rmem_tensor(shape_S, self.rab_dtype)
+                        cute.autovec_copy(tSsRabT[None, None, None, stage], rRab)
+                        acc_S.store(acc_S.load() + rRab.load().to(Float32))
+                    silu_and_grad_unscaled(acc_S, acc_dP, alpha * Float32(0.5))
+                else:
+                    half_alpha = alpha * (dq * dk) * Float32(0.5)
+                    if const_expr(self.has_rab):
+                        rRab = cute.make_rmem_tensor(shape_S, self.rab_dtype)
+                        cute.autovec_copy(tSsRabT[None, None, None, stage], rRab)
+                        acc_S.store(acc_S.load() * (dq * dk) + rRab.load().to(Float32))
+                        half_alpha = alpha * Float32(0.5)
+                    warpgroup.wait_group(0)
+                    silu_and_grad_unscaled(acc_S, acc_dP, half_alpha)
                 row_first = seq.row_offset + m_block * self.tile_m
                 is_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n,
                                              KERNEL_OPS) & (q_rows >= self.tile_m)
                 if not is_full:
                     apply_mask_key_major(acc_S, acc_dP, tScS, spec, seq, row_first, col0, q_rows)
-                p_words = scaled_fp8_words(acc_S, ddo, Float32(P_AMAX_FLOOR), p_scale, p_rescale)
-                g_words = scaled_fp8_words(acc_dP, ddo * dv * dq, Float32(G_AMAX_FLOOR), g_scale, g_rescale)
+                if const_expr(self.two_direction):
+                    p_words = scaled_fp8_words(acc_S, Float32(1.0), Float32(P_AMAX_FLOOR), p_scale, p_rescale)
+                    g_words = scaled_fp8_words(acc_dP, Float32(1.0), Float32(G_AMAX_FLOOR), g_scale, g_rescale)
+                else:
+                    p_words = scaled_fp8_words(acc_S, ddo, Float32(P_AMAX_FLOOR), p_scale, p_rescale)
+                    g_words = scaled_fp8_words(acc_dP, ddo * dv * dq, Float32(G_AMAX_FLOOR), g_scale, g_rescale)
                 # The previous m-block's dV and dK GEMMs retired (wait_group(0) below).
                 rescale_rows_if_needed(acc_dV, p_rescale)
                 rescale_rows_if_needed(acc_dK, g_rescale)
+                if const_expr(self.two_direction):
+                    q_block = column_block(self.descales[5], m_block * self.tile_m)
+                    move_column_units(acc_dV, self.descales[5], batch, head, q_block_prev, q_block, tDcD_rc)
+                    move_column_units(acc_dK, self.descales[4], batch, head, q_block_prev, q_block, tDcD_rc)
+                    q_block_prev = q_block
                 words_to_operand_a(p_words, rP)
                 words_to_operand_a(g_words, rG)
                 wgmma(tiled_mma_d, acc_dV, rP, tDrdOt[None, None, None, stage], False, -1)
@@ -273,6 +354,9 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         pipe_kv.consumer_release(kv_state)
         epilogue_rows(acc_dV, p_scale, inv_scale)
         epilogue_rows(acc_dK, g_scale, alpha * inv_scale * Float32(0.5))
+        if const_expr(self.two_direction):
+            epilogue_columns(acc_dV, self.descales[5], batch, head, q_block_prev, tDcD_rc)
+            epilogue_columns(acc_dK, self.descales[4], batch, head, q_block_prev, tDcD_rc)
         store_dk_dv(thr_mma_d, acc_dK, acc_dV, mdK, mdV, self.grad_dtype, self.tile_n, D, k_start, head, n_block,
                     k_rows)
         return q_state, advanced(kv_state)
@@ -292,18 +376,20 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
 
     def __init__(self, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
                  num_stages: int, grad_dtype, persistent: bool = False, dynamic_tiles: bool = False,
-                 has_drab: bool = False, rab_sum_heads: bool = False):
+                 has_drab: bool = False, rab_sum_heads: bool = False, two_direction: bool = False):
         super().__init__(cutlass.Float8E4M3FN, head_dim, mask, has_rab, tile_m, tile_n, num_stages, True,
                          persistent=persistent, dynamic_tiles=dynamic_tiles)
         self.grad_dtype = self.rab_dtype = grad_dtype
         self.has_drab, self.rab_sum_heads = has_drab, rab_sum_heads
+        self.two_direction = two_direction
         assert has_rab or not has_drab
         assert tile_m == BLOCK_TOKENS and BLOCK_TOKENS % tile_n == 0 and tile_n % 32 == 0
 
     @cute.jit
     def __call__(self, mQ, mK, mV, mdO, mKt, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
                  mNumTargets, mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks,
-                 num_sms, bh_per_section, mTileCounter, mDescaleQ, mDescaleK, mDescaleV, mDescaleDO, mdRab, stream):
+                 num_sms, bh_per_section, mTileCounter, mDescaleQ, mDescaleK, mDescaleV, mDescaleDO, mDescaleKt, mdRab,
+                 stream):
         D = self.head_dim
         self.sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, None)
         self.sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, self.num_stages)
@@ -333,11 +419,14 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
         self.launch(*q_do, *k_v, *rab, tma_atom_kt, tma_kt, mQ, mK, mdQ,
                     SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
                     ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_m_blocks,
-                    bh_per_section, mTileCounter, (mDescaleQ, mDescaleK, mDescaleV, mDescaleDO), mdRab,
+                    bh_per_section, mTileCounter, self.descale_tables(mDescaleQ, mDescaleK, mDescaleV, mDescaleDO,
+                                                                      mDescaleKt), mdRab,
                     statics=dict(sQ_layout=self.sQ_layout, sK_layout=self.sK_layout, sKt_layout=self.sKt_layout,
                                  sRab_layout=self.sRab_layout, tiled_mma_s=self.tiled_mma_s,
                                  tiled_mma_dq=self.tiled_mma_dq, zero_cols=rows_zero_copy(self.dtype, self.tile_n)),
                     grid=[num_ctas, 1, 1], stream=stream)
+
+    descale_tables = HstuBackwardDkDvFp8Sm90.descale_tables
 
     @cute.kernel
     def kernel(self, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab,
@@ -406,9 +495,19 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
         if const_expr(self.has_rab):
             tSsRab = thr_mma_s.partition_C(sRab)
         row_first = seq.row_offset + m_block * self.tile_m
-        mDescaleQ, mDescaleK, mDescaleV, mDescaleDO = self.descales
-        dq = block_descale(mDescaleQ, batch, m_block * self.tile_m, head)
-        ddo = block_descale(mDescaleDO, batch, m_block * self.tile_m, head)
+        mDescaleQ, mDescaleK, mDescaleV, mDescaleDO = self.descales[:4]
+        dq = ddo = None
+        if const_expr(self.two_direction):
+            tDcD = thr_mma_dq.partition_C(cute.make_identity_tensor((self.tile_m, D)))
+            tDcD_rc = cute.make_tensor(tDcD.iterator, wgmma_acc_rows_cols(tDcD.layout))
+            q_last = q_start + seq.seqlen_q - 1
+            dq_rows = token_descales(mDescaleQ, q_start + m_block * self.tile_m, q_last, head, tScS_rc, True)
+            ddo_rows = token_descales(mDescaleDO, q_start + m_block * self.tile_m, q_last, head, tScS_rc, True)
+            k_last = k_start + seq.seqlen_k - 1
+            k_block_prev = Int32(-1)
+        else:
+            dq = block_descale(mDescaleQ, batch, m_block * self.tile_m, head)
+            ddo = block_descale(mDescaleDO, batch, m_block * self.tile_m, head)
         tSgdRab = None
         drab_rows = drab_cols = Int32(0)
         if const_expr(self.has_drab):
@@ -432,30 +531,54 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
                 if k_rows < self.tile_n:
                     zero_smem_cols_past(self.zero_cols, sKt[None, None, stage], (D, self.tile_n), tidx % 128, wg,
                                         k_rows)
-                dk = block_descale(mDescaleK, batch, n_block * self.tile_n, head)
-                dv = block_descale(mDescaleV, batch, n_block * self.tile_n, head)
+                if const_expr(not self.two_direction):
+                    dk = block_descale(mDescaleK, batch, n_block * self.tile_n, head)
+                    dv = block_descale(mDescaleV, batch, n_block * self.tile_n, head)
                 acc_S = cute.make_rmem_tensor(shape_S, Float32)
                 acc_dP = cute.make_rmem_tensor(shape_S, Float32)
                 wgmma(tiled_mma_s, acc_S, tSrQ, tSrK[None, None, None, stage], True, -1)
                 wgmma(tiled_mma_s, acc_dP, tSrdO, tSrV[None, None, None, stage], True, 1)
-                half_alpha = alpha * (dq * dk) * Float32(0.5)
-                if const_expr(self.has_rab):
-                    rRab = cute.make_rmem_tensor(shape_S, self.rab_dtype)
-                    cute.autovec_copy(tSsRab[None, None, None, stage], rRab)
-                    acc_S.store(acc_S.load() * (dq * dk) + rRab.load().to(Float32))
-                    half_alpha = alpha * Float32(0.5)
-                warpgroup.wait_group(0)
-                silu_and_grad_unscaled(acc_S, acc_dP, half_alpha)
+                if const_expr(self.two_direction):
+                    # Descales per token: the scores' columns are this n-block's keys.
+                    k0 = k_start + n_block * self.tile_n
+                    # Loaded after the wait (held across it, 64 descales spill at D128).
+                    warpgroup.wait_group(0)
+                    scale_by_tokens(acc_S, dq_rows, token_descales(mDescaleK, k0, k_last, head, tScS_rc, False))
+                    scale_by_tokens(acc_dP, ddo_rows, token_descales(mDescaleV, k0, k_last, head, tScS_rc, False))
+                    if const_expr(self.has_rab):
+                        rRab = cute.make_rmem_tensor(shape_S, self.rab_dtype)
+                        cute.autovec_copy(tSsRab[None, None, None, stage], rRab)
+                        acc_S.store(acc_S.load() + rRab.load().to(Float32))
+                    silu_and_grad_unscaled(acc_S, acc_dP, alpha * Float32(0.5))
+                else:
+                    half_alpha = alpha * (dq * dk) * Float32(0.5)
+                    if const_expr(self.has_rab):
+                        rRab = cute.make_rmem_tensor(shape_S, self.rab_dtype)
+                        cute.autovec_copy(tSsRab[None, None, None, stage], rRab)
+                        acc_S.store(acc_S.load() * (dq * dk) + rRab.load().to(Float32))
+                        half_alpha = alpha * Float32(0.5)
+                    warpgroup.wait_group(0)
+                    silu_and_grad_unscaled(acc_S, acc_dP, half_alpha)
                 if not masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
                     acc_rc = cute.make_tensor(acc_dP.iterator, wgmma_acc_rows_cols(acc_dP.layout))
                     apply_mask_rows_cols(acc_rc, tScS_rc, spec, seq, row_first, n_block * self.tile_n)
-                if const_expr(self.has_drab):
+                if const_expr(self.has_drab and self.two_direction):
+                    self.write_drab(acc_dP, tSgdRab[None, None, None, n_block], tScS, drab_rows,
+                                    drab_cols - n_block * self.tile_n, alpha * inv_scale * Float32(0.5), False)
+                elif const_expr(self.has_drab):
                     self.write_drab(acc_dP, tSgdRab[None, None, None, n_block], tScS, drab_rows,
                                     drab_cols - n_block * self.tile_n, ddo * dv * alpha * inv_scale * Float32(0.5),
                                     False)
-                words = scaled_fp8_words(acc_dP, ddo * dv * dk, Float32(G_AMAX_FLOOR), g_scale, g_rescale)
+                if const_expr(self.two_direction):
+                    words = scaled_fp8_words(acc_dP, Float32(1.0), Float32(G_AMAX_FLOOR), g_scale, g_rescale)
+                else:
+                    words = scaled_fp8_words(acc_dP, ddo * dv * dk, Float32(G_AMAX_FLOOR), g_scale, g_rescale)
                 # The previous n-block's dQ GEMM retired (wait_group(0) below).
                 rescale_rows_if_needed(acc_dQ, g_rescale)
+                if const_expr(self.two_direction):
+                    k_block = column_block(self.descales[4], n_block * self.tile_n)
+                    move_column_units(acc_dQ, self.descales[4], batch, head, k_block_prev, k_block, tDcD_rc)
+                    k_block_prev = k_block
                 words_to_operand_a(words, rG)
                 wgmma(tiled_mma_dq, acc_dQ, rG, tDrKt[None, None, None, stage], False, 0)
                 pipe_kv.consumer_release(kv_state)
@@ -466,5 +589,7 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
                 q_state = advanced(q_state)
 
         epilogue_rows(acc_dQ, g_scale, alpha * inv_scale * Float32(0.5))
+        if const_expr(self.two_direction):
+            epilogue_columns(acc_dQ, self.descales[4], batch, head, k_block_prev, tDcD_rc)
         store_dq(thr_mma_dq, acc_dQ, mdQ, self.grad_dtype, self.tile_m, D, q_start, head, m_block, seq)
         return q_state, kv_state

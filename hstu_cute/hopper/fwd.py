@@ -13,6 +13,7 @@ from ..common.mask_apply import KERNEL_OPS, apply_mask_rows_cols
 from ..common.barriers import NamedBarrier
 from ..common.fp8 import (
     rescale_rows_if_needed,
+    dim_descales,
     scale_columns,
     scale_rows,
     silu_to_fp8_words,
@@ -933,22 +934,11 @@ class HstuForwardSm90(HstuSm90Base):
         """two_direction: the output accumulates in units of the current key block's V descales
         (per dim); moving from ``n_prev``'s block to ``n_block``'s, each of the thread's columns
         takes dv_prev * (1 / dv_new), (D / 4,) fp32 (loaded and computed before they are needed,
-        see :meth:`rescale_v_columns`). The thread's columns come in pairs (2q, 2q + 1 of each n8
-        group): one 8-byte load per pair and table row."""
+        see :meth:`rescale_v_columns`)."""
         batch, head = scales[0], scales[1]
         mDescaleV = self.descales[2]
-        scale_old = mDescaleV[batch, self.v_descale_block(n_prev), head, 0, None]
-        inverse_new = mDescaleV[batch, self.v_descale_block(n_block), head, 1, None]
-        ratios = cute.make_rmem_tensor(cute.make_layout(cute.size(tOcO_rc.shape[1])), Float32)
-        pair_old = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-        pair_new = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-        for p in cutlass.range_constexpr(cute.size(ratios) // 2):
-            pair = tOcO_rc[0, 2 * p][1] // 2
-            cute.autovec_copy(cute.local_tile(scale_old, (2,), (pair,)), pair_old)
-            cute.autovec_copy(cute.local_tile(inverse_new, (2,), (pair,)), pair_new)
-            for c in cutlass.range_constexpr(2):
-                ratios[2 * p + c] = pair_old[c] * pair_new[c]
-        return ratios
+        return dim_descales(mDescaleV[batch, self.v_descale_block(n_prev), head, 0, None], tOcO_rc,
+                            mDescaleV[batch, self.v_descale_block(n_block), head, 1, None])
 
     def ratios_or_load(self, ratios, tOcO_rc, scales, n_prev, n_block):
         # Plain Python (traced inline): the DSL's preprocessing would turn the choice into a

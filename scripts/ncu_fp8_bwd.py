@@ -1,22 +1,25 @@
 """Drive the FP8 backward kernels for Nsight Compute (issue 18): B8 N4096 H4 D128 causal, quant
-mode 2, the dK/dV and dQ kernels three times on operands made beforehand.
+mode 2 (or the mode given), the dK/dV and dQ kernels three times on operands made beforehand.
 
     ncu --clock-control none --launch-skip 2 --launch-count 1 -k regex:DkDvFp8 \\
-        --section WarpStateStats --section SourceCounters python scripts/ncu_fp8_bwd.py
+        --section WarpStateStats --section SourceCounters python scripts/ncu_fp8_bwd.py [MODE]
 """
+
+import sys
 
 import torch
 
 from hstu_cute import bench, launch, validation
 
+MODE = int(sys.argv[1]) if len(sys.argv) > 1 else 2
 w = bench.Workload("full B8 N4096 D128", 8, 4096, head_dim=128)
 kw = {k: v for k, v in bench.make_inputs(w).items() if not k.startswith("_")}
 p = validation.validate(kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
                         kw["max_seqlen_k"], None, None, 1, kw["window_size"], 1.0, None, False, False, None, None, None,
-                        None, 2, -1, None, None)
+                        None, MODE, -1, None, None)
 dout = (torch.rand_like(kw["q"]) - 0.5) * 0.02
 offsets = (kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"], kw["max_seqlen_k"])
-operands = launch.fp8_backward_operands(dout, kw["q"], kw["k"], kw["v"], *offsets, 2)
+operands = launch.fp8_backward_operands(dout, kw["q"], kw["k"], kw["v"], *offsets, MODE)
 for _ in range(3):
     launch.backward_fp8(dout, kw["q"], kw["k"], kw["v"], *offsets, None, None, 1, 1.0, None, None, None, p,
                         operands=operands)

@@ -326,28 +326,37 @@ def zero_smem_cols_past(zero_copy, sX: cute.Tensor, tile_shape: cutlass.Constexp
 # Quant mode 1 (two-direction): per-token descales of the score products and per-(block, dim)
 # descales of the token-contiguous copies, which scale an accumulator's columns.
 @cute.jit
-def token_descales(mTable, first: Int32, last: Int32, head: Int32, tAcc_rc, rows: cutlass.Constexpr[bool]
-                   ) -> cute.Tensor:
-    """The descales of one head in a (T, H) table of the tokens ``first + r`` for the thread's
-    accumulator rows r (``rows``), else its columns (``tAcc_rc``: identity coordinates, rows x
-    columns), clamped to ``last``: rows and columns past a sequence are masked or never stored."""
-    mode = 0 if cutlass.const_expr(rows) else 1
-    n = cute.size(tAcc_rc.shape[mode])
-    out = cute.make_rmem_tensor(cute.make_layout(n), Float32)
-    for i in cutlass.range_constexpr(n):
-        offset = tAcc_rc[i, 0][0] if cutlass.const_expr(rows) else tAcc_rc[0, i][1]
-        out[i] = mTable[cutlass.min(first + offset, last), head]
+def row_token_descales(mTable, first: Int32, last: Int32, head: Int32, tAcc_rc) -> cute.Tensor:
+    """The (T, H) table's descales of one head for the tokens ``first + r`` of the thread's two
+    accumulator rows r (``tAcc_rc``: identity coordinates, rows x columns), clamped to ``last``
+    (rows past a sequence are masked or never stored), (2,) fp32."""
+    out = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+    for i in cutlass.range_constexpr(2):
+        out[i] = mTable[cutlass.min(first + tAcc_rc[i, 0][0], last), head]
     return out
 
 
 @cute.jit
-def scale_by_tokens(acc: cute.Tensor, row_descales: cute.Tensor, col_descales: cute.Tensor):
-    """``acc[r, c] *= row_descales[r] * col_descales[c]`` over the thread's two rows and its
-    columns (in the order of :func:`common.sm90.wgmma_acc_rows_cols`)."""
-    rc = cute.make_tensor(acc.iterator, wgmma_acc_rows_cols(acc.layout))
-    for j in cutlass.range_constexpr(cute.size(rc.shape[1])):
-        for i in cutlass.range_constexpr(cute.size(rc.shape[0])):
-            rc[i, j] = rc[i, j] * (row_descales[i] * col_descales[j])
+def tile_token_descales(mTable, first: Int32, last: Int32, head: Int32, columns: cutlass.Constexpr[int]
+                        ) -> cute.Tensor:
+    """What a lane holds of the (T, H) table's descales of one head for the tokens ``first + c``
+    of an accumulator tile's columns (``columns`` per thread, 4x that per tile): every 32nd token,
+    clamped to ``last``. :func:`column_descale` shuffles a thread's columns out of them; one load
+    per thread and column instead cost ~3x more (H100, quant mode 1 backward)."""
+    lane = cute.arch.lane_idx()
+    held = cute.make_rmem_tensor(cute.make_layout(4 * columns // 32), Float32)
+    for r in cutlass.range_constexpr(cute.size(held)):
+        held[r] = mTable[cutlass.min(first + lane + 32 * r, last), head]
+    return held
+
+
+def column_descale(held: cute.Tensor, j: int) -> Float32:
+    """The descale of the thread's accumulator column ``j`` (in the order of
+    :func:`common.sm90.wgmma_acc_rows_cols`: tile column 8 (j // 2) + 2 (lane % 4) + j % 2) from
+    :func:`tile_token_descales`: lane (column % 32) holds it, in register column // 32. Plain
+    Python (traced inline), so that the shuffle sits beside its use."""
+    source = 8 * ((j // 2) % 4) + 2 * (cute.arch.lane_idx() % 4) + j % 2
+    return cute.arch.shuffle_sync(held[j // 8], source)
 
 
 @cute.jit

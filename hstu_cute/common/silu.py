@@ -9,6 +9,8 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 from cutlass._mlir.dialects import llvm
 
+from .sm90 import wgmma_acc_rows_cols
+
 
 def _mufu_f32(instruction: str, x: Float32) -> Float32:
     """One single-operand f32 PTX instruction (a MUFU op) on ``x``."""
@@ -82,6 +84,40 @@ def silu_and_grad_unscaled(acc_s: cute.Tensor, acc_dp: cute.Tensor, half_alpha: 
         acc_s[i] = h + h * t
         w = acc_dp[i] * ((h + Float32(1.0)) - h * t)
         acc_dp[i] = w + w * t
+
+
+def silu_and_grad_token_scaled(acc_s: cute.Tensor, acc_dp: cute.Tensor, half_alpha: Float32, s_rows, s_cols,
+                               dp_rows: cute.Tensor, dp_cols):
+    """:func:`silu_and_grad_unscaled` of scores ``acc_s[r, c] * s_rows[r] * s_cols(c)`` and of
+    ``acc_dp[r, c] * dp_rows[r] * dp_cols(c)``: per-token descales of both GEMMs' operands
+    (quant mode 1), two or three FP32 ops per element more; ``s_rows`` None: the scores are
+    scaled already (:func:`scale_scores_by_tokens`). Rows and columns as in
+    :func:`common.sm90.wgmma_acc_rows_cols`; ``s_cols`` / ``dp_cols`` give a column's descale
+    (called once per column, beside its use). Plain Python, traced inline."""
+    rc_s = cute.make_tensor(acc_s.iterator, wgmma_acc_rows_cols(acc_s.layout))
+    rc_dp = cute.make_tensor(acc_dp.iterator, wgmma_acc_rows_cols(acc_dp.layout))
+    row_factors = None if s_rows is None else [s_rows[i] * half_alpha for i in range(2)]
+    for j in range(cute.size(rc_s.shape[1])):
+        s_col = None if s_rows is None else s_cols(j)
+        dp_col = dp_cols(j)
+        for i in range(2):
+            h = rc_s[i, j] * (half_alpha if s_rows is None else row_factors[i] * s_col)
+            t = tanh_approx(h)
+            rc_s[i, j] = h + h * t
+            w = rc_dp[i, j] * (dp_rows[i] * dp_col) * ((h + Float32(1.0)) - h * t)
+            rc_dp[i, j] = w + w * t
+
+
+def scale_scores_by_tokens(acc_s: cute.Tensor, s_rows: cute.Tensor, s_cols, rab: cute.Tensor):
+    """``acc_s[r, c] <- acc_s[r, c] * s_rows[r] * s_cols(c) + rab[r, c]`` (``rab``: 16-bit, in the
+    accumulator's layout): with rab, the scores are final before the SiLU, and rab's registers
+    are free before dP is waited for. Plain Python, traced inline."""
+    rc_s = cute.make_tensor(acc_s.iterator, wgmma_acc_rows_cols(acc_s.layout))
+    rc_rab = cute.make_tensor(rab.iterator, wgmma_acc_rows_cols(rab.layout))
+    for j in range(cute.size(rc_s.shape[1])):
+        s_col = s_cols(j)
+        for i in range(2):
+            rc_s[i, j] = rc_s[i, j] * (s_rows[i] * s_col) + rc_rab[i, j].to(Float32)
 
 
 @cute.jit

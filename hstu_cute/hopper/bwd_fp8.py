@@ -35,20 +35,22 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .. import masks
+from ..common.barriers import NamedBarrier
 from ..common.fp8 import (
+    column_descale,
     dim_descales,
     rescale_rows_if_needed,
-    scale_by_tokens,
+    row_token_descales,
     scale_columns,
     scale_rows,
     scaled_fp8_words,
-    token_descales,
+    tile_token_descales,
     words_to_operand_a,
     zero_smem_cols_past,
 )
 from ..common.mask_apply import KERNEL_OPS, apply_mask_key_major, apply_mask_rows_cols
 from ..common.seqinfo import ScoreScalars, SequenceArgs
-from ..common.silu import silu_and_grad_unscaled
+from ..common.silu import scale_scores_by_tokens, silu_and_grad_token_scaled, silu_and_grad_unscaled
 from ..common.sm90 import (
     advanced,
     rows_zero_copy,
@@ -84,13 +86,40 @@ def block_descale(mTable, batch: Int32, token: Int32, head: Int32) -> Float32:
     return mTable[batch, cutlass.min(token // BLOCK_TOKENS, mTable.shape[1] - 1), head]
 
 
+def column_rows_layout(head_dim: int, tables: int):
+    """two_direction: per warpgroup two buffers (walk steps alternate) of 2 ``tables`` (D,) fp32
+    rows: per column table, a block's scales then the next block's reciprocals."""
+    return cute.make_layout((head_dim, 2 * tables, 2, 2))
+
+
 @cute.jit
-def move_column_units(acc, mColumnTable, batch: Int32, head: Int32, block_prev: Int32, block: Int32, tAcc_rc):
-    """two_direction: an accumulator kept in units of ``block_prev``'s column descales moves to
-    ``block``'s (nothing before the first block, or while the block stays)."""
-    if (block_prev >= 0) & (block_prev != block):
-        scale_columns(acc, dim_descales(mColumnTable[batch, block_prev, head, 0, None], tAcc_rc,
-                                        mColumnTable[batch, block, head, 1, None]))
+def prefetch_column_rows(sRows, tables, batch: Int32, head: Int32, block_prev: Int32, block: Int32, tid_in_wg: Int32):
+    """cp.async into ``sRows`` (D, 2 len(tables)), one 16-byte chunk per thread of the warpgroup,
+    the rows that move accumulators from ``block_prev``'s column units to ``block``'s: issued
+    before the step's GEMMs, so their latency hides behind them (loaded when needed, after the
+    GEMMs, they took half the dK/dV kernel's stall samples: H100 ncu, quant mode 1)."""
+    chunks = sRows.shape[0] // 4
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
+    row, chunk = tid_in_wg // chunks, tid_in_wg % chunks
+    blocks = (block_prev, block)
+    for t in cutlass.range_constexpr(len(tables)):
+        for slot in cutlass.range_constexpr(2):
+            if row == 2 * t + slot:
+                src = tables[t][batch, blocks[slot], head, slot, None]
+                cute.copy(atom, cute.local_tile(src, (4,), (chunk,)),
+                          cute.local_tile(sRows[None, 2 * t + slot], (4,), (chunk,)))
+    cute.arch.cp_async_commit_group()
+
+
+@cute.jit
+def move_column_units(accs, sRows, wg: Int32):
+    """Each accumulator of ``accs`` (their column tables' order in :func:`prefetch_column_rows`)
+    times its column ratios, once the warpgroup's rows have landed."""
+    cute.arch.cp_async_wait_group(0)
+    cute.arch.barrier(barrier_id=NamedBarrier.ZERO_ROWS_WG0 + wg, number_of_threads=128)
+    for t in cutlass.range_constexpr(len(accs)):
+        acc, tAcc_rc = accs[t]
+        scale_columns(acc, dim_descales(sRows[None, 2 * t], tAcc_rc, sRows[None, 2 * t + 1]))
 
 
 @cute.jit
@@ -164,7 +193,7 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         self.shared_storage = shared_storage(
             dict(mbar_kv=2, mbar_q=2 * self.num_stages, **ring_barriers),
             dict(sK=tile, sV=tile, sQ=ring, sdO=ring, sQt=ring_t, sdOt=ring_t,
-                 sRab=(self.rab_dtype, self.smem_elems(self.sRab_layout))),
+                 sRab=(self.rab_dtype, self.smem_elems(self.sRab_layout)), **self.column_rows_storage(2)),
             words=ring_words)
         num_ctas = num_n_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
         if const_expr(self.persistent):
@@ -184,6 +213,16 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         # Plain Python: the column tables exist with two_direction only (None is no kernel argument).
         return tables if self.two_direction else tables[:4]
 
+    def column_rows_storage(self, tables: int) -> dict:
+        if not self.two_direction:
+            return {}
+        return dict(sColumnRows=(Float32, cute.cosize(column_rows_layout(self.head_dim, tables))))
+
+    def column_rows(self, storage, tables: int):
+        if not self.two_direction:
+            return None
+        return storage.sColumnRows.get_tensor(column_rows_layout(self.head_dim, tables))
+
     @cute.kernel
     def kernel(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
                tma_rab, tma_atom_qt, tma_qt, tma_atom_dot, tma_dot, mQ, mK, mdK, mdV, seqs, mRab, scalars,
@@ -200,6 +239,7 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         seqinfo = self.sequence_info(seqs, scalars, mQ, mK)
         claims = self.tile_claims(storage, walk, mTileCounter)
         self.descales = descales
+        self.sColumnRows = self.column_rows(storage, 2)
         self.transposed_q_loads = (tma_atom_qt, tma_qt, tma_atom_dot, tma_dot, s["sQt"], s["sdOt"])
 
         if warp_idx < 4:
@@ -264,8 +304,9 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         if const_expr(self.two_direction):
             q_last = q_start + seq.seqlen_q - 1
             q_block_prev = Int32(-1)
-            dk_rows = token_descales(mDescaleK, k_start + col0, k_start + seq.seqlen_k - 1, head, tScS_rc, True)
-            dv_rows = token_descales(mDescaleV, k_start + col0, k_start + seq.seqlen_k - 1, head, tScS_rc, True)
+            moves = Int32(0)
+            dk_rows = row_token_descales(mDescaleK, k_start + col0, k_start + seq.seqlen_k - 1, head, tScS_rc)
+            dv_rows = row_token_descales(mDescaleV, k_start + col0, k_start + seq.seqlen_k - 1, head, tScS_rc)
         else:
             dk = block_descale(mDescaleK, batch, col0, head)
             dv = block_descale(mDescaleV, batch, col0, head)
@@ -295,7 +336,14 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
                                         q_rows)
                     zero_smem_cols_past(self.zero_cols, sdOt[None, None, stage], (D, self.tile_m), tid_in_wg, wg,
                                         q_rows)
-                if const_expr(not self.two_direction):
+                if const_expr(self.two_direction):
+                    q_block = column_block(self.descales[5], m_block * self.tile_m)
+                    moving = (q_block_prev >= 0) & (q_block != q_block_prev)
+                    if moving:
+                        prefetch_column_rows(self.sColumnRows[None, None, moves % 2, wg],
+                                             (self.descales[5], self.descales[4]), batch, head, q_block_prev, q_block,
+                                             tid_in_wg)
+                else:
                     dq = block_descale(mDescaleQ, batch, m_block * self.tile_m, head)
                     ddo = block_descale(mDescaleDO, batch, m_block * self.tile_m, head)
                 acc_S = cute.make_rmem_tensor(shape_S, Float32)
@@ -305,16 +353,19 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
                 if const_expr(self.two_direction):
                     # Descales per token: the scores' columns are this m-block's queries.
                     q0 = q_start + m_block * self.tile_m
-                    dq_cols = token_descales(mDescaleQ, q0, q_last, head, tScS_rc, False)
-                    ddo_cols = token_descales(mDescaleDO, q0, q_last, head, tScS_rc, False)
-                    warpgroup.wait_group(0)
-                    scale_by_tokens(acc_S, dk_rows, dq_cols)
-                    scale_by_tokens(acc_dP, dv_rows, ddo_cols)
+                    columns = cute.size(tScS_rc.shape[1])
+                    dq_held = tile_token_descales(mDescaleQ, q0, q_last, head, columns)
+                    ddo_held = tile_token_descales(mDescaleDO, q0, q_last, head, columns)
+                    s_rows = dk_rows
                     if const_expr(self.has_rab):
                         rRab = cute.make_rmem_tensor(shape_S, self.rab_dtype)
                         cute.autovec_copy(tSsRabT[None, None, None, stage], rRab)
-                        acc_S.store(acc_S.load() + rRab.load().to(Float32))
-                    silu_and_grad_unscaled(acc_S, acc_dP, alpha * Float32(0.5))
+                        scale_scores_by_tokens(acc_S, dk_rows, lambda j: column_descale(dq_held, j), rRab)
+                        s_rows = None
+                    warpgroup.wait_group(0)
+                    silu_and_grad_token_scaled(acc_S, acc_dP, alpha * Float32(0.5), s_rows,
+                                               lambda j: column_descale(dq_held, j), dv_rows,
+                                               lambda j: column_descale(ddo_held, j))
                 else:
                     half_alpha = alpha * (dq * dk) * Float32(0.5)
                     if const_expr(self.has_rab):
@@ -339,9 +390,10 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
                 rescale_rows_if_needed(acc_dV, p_rescale)
                 rescale_rows_if_needed(acc_dK, g_rescale)
                 if const_expr(self.two_direction):
-                    q_block = column_block(self.descales[5], m_block * self.tile_m)
-                    move_column_units(acc_dV, self.descales[5], batch, head, q_block_prev, q_block, tDcD_rc)
-                    move_column_units(acc_dK, self.descales[4], batch, head, q_block_prev, q_block, tDcD_rc)
+                    if moving:
+                        move_column_units(((acc_dV, tDcD_rc), (acc_dK, tDcD_rc)),
+                                          self.sColumnRows[None, None, moves % 2, wg], wg)
+                        moves += 1
                     q_block_prev = q_block
                 words_to_operand_a(p_words, rP)
                 words_to_operand_a(g_words, rG)
@@ -410,7 +462,7 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
         self.shared_storage = shared_storage(
             dict(mbar_q=2, mbar_kv=2 * self.num_stages, **ring_barriers),
             dict(sQ=tile, sdO=tile, sK=ring, sV=ring, sKt=(self.dtype, cute.cosize(self.sKt_layout)),
-                 sRab=(self.rab_dtype, self.smem_elems(self.sRab_layout))),
+                 sRab=(self.rab_dtype, self.smem_elems(self.sRab_layout)), **self.column_rows_storage(1)),
             words=ring_words)
         num_ctas = num_m_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
         if const_expr(self.persistent):
@@ -427,6 +479,8 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
                     grid=[num_ctas, 1, 1], stream=stream)
 
     descale_tables = HstuBackwardDkDvFp8Sm90.descale_tables
+    column_rows_storage = HstuBackwardDkDvFp8Sm90.column_rows_storage
+    column_rows = HstuBackwardDkDvFp8Sm90.column_rows
 
     @cute.kernel
     def kernel(self, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab,
@@ -443,6 +497,7 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
         seqinfo = self.sequence_info(seqs, scalars, mQ, mK)
         claims = self.tile_claims(storage, walk, mTileCounter)
         self.descales = descales
+        self.sColumnRows = self.column_rows(storage, 1)
         self.mdRab = mdRab
         self.transposed_k_loads = (tma_atom_kt, tma_kt, s["sKt"])
 
@@ -501,10 +556,11 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
             tDcD = thr_mma_dq.partition_C(cute.make_identity_tensor((self.tile_m, D)))
             tDcD_rc = cute.make_tensor(tDcD.iterator, wgmma_acc_rows_cols(tDcD.layout))
             q_last = q_start + seq.seqlen_q - 1
-            dq_rows = token_descales(mDescaleQ, q_start + m_block * self.tile_m, q_last, head, tScS_rc, True)
-            ddo_rows = token_descales(mDescaleDO, q_start + m_block * self.tile_m, q_last, head, tScS_rc, True)
+            dq_rows = row_token_descales(mDescaleQ, q_start + m_block * self.tile_m, q_last, head, tScS_rc)
+            ddo_rows = row_token_descales(mDescaleDO, q_start + m_block * self.tile_m, q_last, head, tScS_rc)
             k_last = k_start + seq.seqlen_k - 1
             k_block_prev = Int32(-1)
+            moves = Int32(0)
         else:
             dq = block_descale(mDescaleQ, batch, m_block * self.tile_m, head)
             ddo = block_descale(mDescaleDO, batch, m_block * self.tile_m, head)
@@ -531,7 +587,13 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
                 if k_rows < self.tile_n:
                     zero_smem_cols_past(self.zero_cols, sKt[None, None, stage], (D, self.tile_n), tidx % 128, wg,
                                         k_rows)
-                if const_expr(not self.two_direction):
+                if const_expr(self.two_direction):
+                    k_block = column_block(self.descales[4], n_block * self.tile_n)
+                    moving = (k_block_prev >= 0) & (k_block != k_block_prev)
+                    if moving:
+                        prefetch_column_rows(self.sColumnRows[None, None, moves % 2, wg], (self.descales[4],), batch,
+                                             head, k_block_prev, k_block, tidx % 128)
+                else:
                     dk = block_descale(mDescaleK, batch, n_block * self.tile_n, head)
                     dv = block_descale(mDescaleV, batch, n_block * self.tile_n, head)
                 acc_S = cute.make_rmem_tensor(shape_S, Float32)
@@ -541,15 +603,19 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
                 if const_expr(self.two_direction):
                     # Descales per token: the scores' columns are this n-block's keys.
                     k0 = k_start + n_block * self.tile_n
-                    # Loaded after the wait (held across it, 64 descales spill at D128).
-                    warpgroup.wait_group(0)
-                    scale_by_tokens(acc_S, dq_rows, token_descales(mDescaleK, k0, k_last, head, tScS_rc, False))
-                    scale_by_tokens(acc_dP, ddo_rows, token_descales(mDescaleV, k0, k_last, head, tScS_rc, False))
+                    columns = cute.size(tScS_rc.shape[1])
+                    dk_held = tile_token_descales(mDescaleK, k0, k_last, head, columns)
+                    dv_held = tile_token_descales(mDescaleV, k0, k_last, head, columns)
+                    s_rows = dq_rows
                     if const_expr(self.has_rab):
                         rRab = cute.make_rmem_tensor(shape_S, self.rab_dtype)
                         cute.autovec_copy(tSsRab[None, None, None, stage], rRab)
-                        acc_S.store(acc_S.load() + rRab.load().to(Float32))
-                    silu_and_grad_unscaled(acc_S, acc_dP, alpha * Float32(0.5))
+                        scale_scores_by_tokens(acc_S, dq_rows, lambda j: column_descale(dk_held, j), rRab)
+                        s_rows = None
+                    warpgroup.wait_group(0)
+                    silu_and_grad_token_scaled(acc_S, acc_dP, alpha * Float32(0.5), s_rows,
+                                               lambda j: column_descale(dk_held, j), ddo_rows,
+                                               lambda j: column_descale(dv_held, j))
                 else:
                     half_alpha = alpha * (dq * dk) * Float32(0.5)
                     if const_expr(self.has_rab):
@@ -576,8 +642,9 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
                 # The previous n-block's dQ GEMM retired (wait_group(0) below).
                 rescale_rows_if_needed(acc_dQ, g_rescale)
                 if const_expr(self.two_direction):
-                    k_block = column_block(self.descales[4], n_block * self.tile_n)
-                    move_column_units(acc_dQ, self.descales[4], batch, head, k_block_prev, k_block, tDcD_rc)
+                    if moving:
+                        move_column_units(((acc_dQ, tDcD_rc),), self.sColumnRows[None, None, moves % 2, wg], wg)
+                        moves += 1
                     k_block_prev = k_block
                 words_to_operand_a(words, rG)
                 wgmma(tiled_mma_dq, acc_dQ, rG, tDrKt[None, None, None, stage], False, 0)

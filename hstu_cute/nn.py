@@ -239,7 +239,8 @@ class HSTUAttention(nn.Module):
     The settings of the operator are attributes: ``alpha`` (scales ``q.k + rab``), ``window``
     (``(left, right)``, default causal ``(-1, 0)``), ``scaling_seqlen`` (the divisor ``S``; -1 means
     the call's ``max_seqlen``), ``target_group_size``, ``deterministic`` (bitwise reproducible
-    backward), ``quant_mode`` (FP8, Hopper; training with modes 0 and 2-5) and ``backend`` (see the module doc).
+    backward), ``quant_mode`` (FP8, Hopper; training with modes 0-5 at head dims 64 and 128) and
+    ``backend`` (see the module doc).
     The module holds no parameters.
 
     ``forward(q, k, v, seq_offsets, max_seqlen, num_contexts=None, num_targets=None, rab=None,

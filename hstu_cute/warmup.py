@@ -58,6 +58,9 @@ def default_arch() -> str:
     return "sm_80"
 
 
+_FP8_LABELS = ("scaled-P", "two-direction")
+
+
 def describe_variant(key: Any, rab_heads: int | None = None) -> str:
     """``key.describe()`` (``repr(key)`` for other keys) with the rab details in words.
 
@@ -70,12 +73,13 @@ def describe_variant(key: Any, rab_heads: int | None = None) -> str:
     text = describe() if callable(describe) else repr(key)
     if not getattr(key, "has_rab", False):
         return text
-    base, sep, tail = text.rpartition(" ")
-    suffix = ""
-    if tail.startswith("->"):  # FP8 keys end with their output type
-        suffix, (base, sep, tail) = " " + tail, base.rpartition(" ")
-    if not sep:
+    words = text.split(" ")
+    # FP8 keys end with their output type and P / descale labels, after the mask.
+    mask_at = max((i for i, w in enumerate(words) if not (w.startswith("->") or w in _FP8_LABELS)), default=0)
+    if mask_at == 0:
         return text
+    base, tail = " ".join(words[:mask_at]), words[mask_at]
+    suffix = "".join(" " + w for w in words[mask_at + 1:])
     kept = [t for t in tail.split(",") if not (t.startswith("rab") or t in ("drab", "sum_heads"))]
     notes = []
     if rab_heads:

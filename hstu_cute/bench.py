@@ -409,6 +409,13 @@ def run_workload_bwd(w: Workload, sets: int = 3, tiles_dq: dict | None = None, t
     return row
 
 
+#: The FP8 backward's rows of ``bench --fp8`` (quant mode, entry of :func:`run_workload_bwd_fp8`):
+#: the two kernels alone and end to end (quantizers and copies included), mode 2 and mode 1.
+FP8_BWD_ENTRIES = ((2, "kernel"), (2, "end2end"), (1, "kernel"), (1, "end2end"))
+#: The quant modes of the FP8 training-step rows of ``bench --fp8``.
+FP8_STEP_MODES = (2,)
+
+
 def run_workload_bwd_fp8(w: Workload, mode: int, entry: str = "kernel", sets: int = 3, tiles: dict | None = None,
                          kernels=("dkdv", "dq")) -> dict:
     """The FP8 backward (quant ``mode`` 0-5) on ``w``; FLOPs = 2.5 x forward, as for 16-bit.

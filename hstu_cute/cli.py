@@ -629,7 +629,7 @@ def _bench_gpu(args, console, dev, name: str) -> int:
     if args.grid == "recsys" and args.direction == "both":
         directions += ("step",)
     rows: dict[str, list[dict]] = {"fwd": [], "bwd": [], "step": [], "fp8": []}
-    fp8 = args.fp8 and path == "hopper" and "fwd" in directions
+    fp8 = args.fp8 and path == "hopper"
     with torch.cuda.device(dev):
         gemm = bench.gemm_tflops()
         with Progress(console=console, transient=True) as bar:
@@ -650,8 +650,8 @@ def _bench_gpu(args, console, dev, name: str) -> int:
                     row["spec"] = dataclasses.asdict(w)
                     row["direction"] = direction
                     rows[direction].append(row)
-                    if fp8 and direction == "fwd":
-                        rows["fp8"] += _bench_fp8_rows(bench, w, row)
+                    if fp8:
+                        rows["fp8"] += _bench_fp8_rows(bench, w, row, direction)
                     bar.advance(task)
         try:
             overhead = bench.host_overhead_us()
@@ -664,10 +664,13 @@ def _bench_gpu(args, console, dev, name: str) -> int:
         console.print(_bench_table(f"hstu_cute {title} on {name} ({arch}, {path} kernels)", rows[direction], gemm,
                                    both))
     if fp8:
-        console.print(_bench_fp8_table(f"hstu_cute FP8 forward on {name} ({arch})", rows["fp8"]))
+        for direction in directions:
+            title = {"fwd": "forward", "bwd": "backward", "step": "training step"}[direction]
+            console.print(_bench_fp8_table(f"hstu_cute FP8 {title} on {name} ({arch})",
+                                           [r for r in rows["fp8"] if r["direction"] == f"fp8 {direction}"]))
     elif args.fp8:
-        console.print(f"[yellow]--fp8[/]: skipped (the FP8 forward needs the Hopper kernels and a forward "
-                      f"direction; this run: {path} kernels, --direction {args.direction})")
+        console.print(f"[yellow]--fp8[/]: skipped (the FP8 kernels need the Hopper kernel path; this run: {path} "
+                      "kernels)")
     if "api_us" in overhead:
         parts = ", ".join(f"{k[:-3]} {v:.1f} us" for k, v in overhead.items() if k != "api_us" and k.endswith("_us"))
         console.print(f"Host overhead of one hstu_attn_varlen_func call (tiny problem): {overhead['api_us']:.1f} us"
@@ -721,19 +724,35 @@ def _bench_serving(args, console, dev, name: str) -> int:
     return 0
 
 
-def _bench_fp8_rows(bench, w, bf16_row: dict) -> list[dict]:
-    """The FP8 forward's rows of one workload (bench.FP8_ENTRIES), with the ratio to its bf16 row."""
+def _bench_fp8_rows(bench, w, bf16_row: dict, direction: str) -> list[dict]:
+    """The FP8 rows of one workload and direction, with the ratio to its bf16 row: the forward's
+    entries (bench.FP8_ENTRIES), the backward's (bench.FP8_BWD_ENTRIES; head dims with an FP8
+    backward only) or FP8 training steps (bench.FP8_STEP_MODES)."""
     import torch
 
+    from .variants import FP8_BWD_HEAD_DIMS
+
+    w = dataclasses.replace(w, sdpa=False)
+    if direction == "fwd":
+        runs = [(f"fp8 {entry}", lambda e=entry: bench.run_workload_fp8(w, e)) for entry in bench.FP8_ENTRIES]
+    elif w.head_dim not in FP8_BWD_HEAD_DIMS:
+        runs = []
+    elif direction == "bwd":
+        runs = [(f"fp8 bwd mode{m} {e}", lambda m=m, e=e: bench.run_workload_bwd_fp8(w, m, e))
+                for m, e in bench.FP8_BWD_ENTRIES]
+    else:
+        runs = [(f"step fp8 mode{m}", lambda m=m: bench.run_training_step(w, quant_mode=m))
+                for m in bench.FP8_STEP_MODES]
     out = []
-    for entry in bench.FP8_ENTRIES:
+    for entry, run in runs:
         try:
-            row = bench.run_workload_fp8(dataclasses.replace(w, sdpa=False), entry)
-            row["x_bf16"] = row["tflops"] / bf16_row["tflops"] if bf16_row.get("tflops") else None
+            row = run()
+            row.setdefault("entry", entry)
+            row["x_bf16"] = row["tflops"] / bf16_row["tflops"] if row["tflops"] and bf16_row.get("tflops") else None
         except Exception as exc:  # e.g. a head dim without an FP8 kernel: the row says why
-            row = dict(workload=w.name, entry=f"fp8 {entry}", error=f"{type(exc).__name__}: {exc}")
+            row = dict(workload=w.name, entry=entry, error=f"{type(exc).__name__}: {exc}")
             torch.cuda.empty_cache()
-        row["direction"] = "fp8"
+        row["direction"] = f"fp8 {direction}"
         out.append(row)
     return out
 
@@ -896,9 +915,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, metavar="FILE",
                    help="append one JSON line per workload to this file (default: none)")
     p.add_argument("--fp8", action="store_true",
-                   help="also time the Hopper FP8 forward on each forward workload: the kernels alone, the "
-                        "pre-quantized entry, quant_mode 0, 2 and 5 end to end and their quantizers, beside the "
-                        "bf16 row")
+                   help="also time the Hopper FP8 kernels beside each bf16 row: forward (the kernels alone, the "
+                        "pre-quantized entry, quant_mode 0, 1, 2 and 5 end to end and their quantizers), backward "
+                        "(modes 2 and 1, the kernels alone and end to end; head dims 64 and 128) and, on the recsys "
+                        "grid, the training step (mode 2)")
     p.add_argument("--limit", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bench)
     return parser

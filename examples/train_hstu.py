@@ -26,7 +26,7 @@ others wait: it fills the module cache (``HSTU_CUTE_CACHE_DIR``, shared by all r
 machine), and the other ranks then load the variants from disk instead of compiling them too.
 
 ``--quant-mode`` is passed to the attention. FP8 trains on Hopper GPUs with quant modes 0-5 at
-head dims 64 and 128; anywhere else (CPU tensors, sm80, other head dims) the first
+head dims 64, 128 and 256; anywhere else (CPU tensors, sm80, other head dims) the first
 training step raises the library's ``NotImplementedError``, reported plainly, and the script exits
 with status 2.
 """

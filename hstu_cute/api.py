@@ -388,7 +388,7 @@ def hstu_attn_varlen_func(
     Args:
         q: ``(T_q, H, D)`` bf16/fp16 CUDA tensor (or float8_e4m3fn, pre-quantized, on sm90:
             forward only); queries of all sequences packed along dim 0. ``D`` in {32, 64, 128,
-            256} (FP8: 64, 128, 256; FP8 training: 64, 128); last dim stride 1.
+            256} (FP8: 64, 128, 256); last dim stride 1.
         k: ``(T_k, H, D)`` keys; same dtype, device, ``H`` (no GQA) and ``D`` as q.
         v: ``(T_k, H, D)`` values; same shape, dtype and device as k.
         seq_offsets_q: ``(B+1,)`` int32 cumulative row offsets of each sequence's queries
@@ -421,7 +421,7 @@ def hstu_attn_varlen_func(
         quant_mode: keyword-only int in -1..5: -1 no FP8; 0..5 quantize 16-bit q, k, v (and dO
             in the backward) to e4m3 on the device and run the Hopper FP8 kernels (sm90 only;
             0 cast, 1 two-direction, 2 per block, 3 per head, 4 per sequence, 5 per tensor:
-            docs/operator.md, FP8). Trains (forward and backward) at head dims 64 and 128.
+            docs/operator.md, FP8). Trains (forward and backward) at head dims 64, 128, 256.
         scaling_seqlen: keyword-only int; the divisor ``S``. -1 (default) means
             ``max_seqlen_q``; otherwise ``>= 1``. Pin it to the training value when serving.
         seqused_q: keyword-only ``(B,)`` int32 valid query prefix per sequence, or None. Rows
@@ -453,7 +453,7 @@ def hstu_attn_varlen_func(
             ``HSTU_CUTE_CHECK=1`` the offsets, lengths and ``seqused`` / context / target
             values are also checked on the device data (costs a GPU sync).
         NotImplementedError: FP8 where no FP8 kernel runs (not sm90; training pre-quantized
-            inputs; FP8 training at D256), more than 65535 sequences, or an unsupported GPU.
+            inputs), more than 65535 sequences, or an unsupported GPU.
 
     Under ``torch.compile`` / ``torch.export`` the call is traced as the custom ops
     ``hstu_cute::fwd`` / ``hstu_cute::bwd`` (FP8: ``hstu_cute::fwd_fp8`` / ``hstu_cute::bwd_fp8``).

@@ -917,7 +917,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8", action="store_true",
                    help="also time the Hopper FP8 kernels beside each bf16 row: forward (the kernels alone, the "
                         "pre-quantized entry, quant_mode 0, 1, 2 and 5 end to end and their quantizers), backward "
-                        "(modes 2 and 1, the kernels alone and end to end; head dims 64 and 128) and, on the recsys "
+                        "(modes 2 and 1, the kernels alone and end to end) and, on the recsys "
                         "grid, the training step (mode 2)")
     p.add_argument("--limit", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bench)

@@ -239,7 +239,7 @@ class HSTUAttention(nn.Module):
     The settings of the operator are attributes: ``alpha`` (scales ``q.k + rab``), ``window``
     (``(left, right)``, default causal ``(-1, 0)``), ``scaling_seqlen`` (the divisor ``S``; -1 means
     the call's ``max_seqlen``), ``target_group_size``, ``deterministic`` (bitwise reproducible
-    backward), ``quant_mode`` (FP8, Hopper; training with modes 0-5 at head dims 64 and 128) and
+    backward), ``quant_mode`` (FP8, Hopper; training with modes 0-5 at head dims 64, 128, 256) and
     ``backend`` (see the module doc).
     The module holds no parameters.
 

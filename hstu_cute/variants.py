@@ -518,15 +518,28 @@ class HopperFp8BwdKey(HopperBwdKey):
         return super().describe() + f" ->{self.out_dtype}" + (" two-direction" if self.two_direction else "")
 
 
-#: Head dims of the FP8 backward: its dK and dV accumulators (2 x 64 x D fp32 per warpgroup) fit
-#: the registers up to D128 (D256 needs the wide kernel's split of D: docs/design/fp8-backward.md).
-FP8_BWD_HEAD_DIMS = (64, 128)
+#: Head dims of the FP8 backward. Its dK and dV accumulators (2 x 64 x D fp32 per warpgroup) fit the
+#: registers up to D128; at D256 two CTAs per key block take half of D each (hopper.bwd_fp8).
+FP8_BWD_HEAD_DIMS = (64, 128, 256)
 # A dK/dV tile is one quantizer block of keys (128), its m-blocks and the dQ kernel's n-blocks lie
 # inside one block: the descales are scalars per GEMM. H100 B8 N4096 D128 causal mode 2, each
 # kernel alone (session 16, scripts/gpu_fp8_bwd.py sweep): dQ with 128-key blocks 0.261 ms against
 # 0.298 with 64; dK/dV with 3 stages 0.411 against 0.416 with 2 (noise: kept 2).
 _FP8_BWD_TILES = {"dkdv": dict(tile_m=64, tile_n=128, persistent=True, dynamic_tiles=True),
                   "dq": dict(tile_m=128, tile_n=128, persistent=True, dynamic_tiles=True)}
+# D256 dQ: 64-key blocks (a 128 x 256 fp32 dQ accumulator takes 128 registers per thread). D256 dK/dV
+# without rab: 3 stages (208 KB; with rab's stages 256 KB, over the limit). H100 B8 N4096 H4 causal
+# mode 2, dK/dV alone: 0.898 ms with 3 stages against 0.937 with 2; dQ with 3 stages 0.425 against
+# 0.423 (kept 2).
+_FP8_BWD_TILES_D256 = dict(_FP8_BWD_TILES, dq=dict(tile_m=128, tile_n=64, persistent=True, dynamic_tiles=True))
+
+
+def fp8_bwd_tiles(role: str, head_dim: int, has_rab: bool) -> dict:
+    if head_dim <= 128:
+        return _FP8_BWD_TILES[role]
+    if role == "dkdv" and not has_rab:
+        return dict(_FP8_BWD_TILES_D256[role], num_stages=3)
+    return _FP8_BWD_TILES_D256[role]
 
 
 def make_hopper_fp8_bwd_key(role, arch, out_dtype, head_dim, kind, context_target, has_rab,
@@ -538,7 +551,7 @@ def make_hopper_fp8_bwd_key(role, arch, out_dtype, head_dim, kind, context_targe
     fields["fast_silu"] = True
     drab = dict(has_drab=has_drab, rab_sum_heads=has_drab and rab_sum_heads) if role == "dq" else {}
     return HopperFp8BwdKey(role=role, **fields, out_dtype=out_dtype, two_direction=two_direction,
-                           **(tiles or _FP8_BWD_TILES[role]), **drab)
+                           **(tiles or fp8_bwd_tiles(role, head_dim, has_rab)), **drab)
 
 
 def _hopper_role_serves(role: str, head_dim: int) -> bool:

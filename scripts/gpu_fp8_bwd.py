@@ -37,7 +37,7 @@ def bench(out) -> None:
     from hstu_cute import bench as B
 
     rows = []
-    for d in (128, 64):
+    for d in (128, 64, 256):
         w = B.Workload(f"full B8 N4096 D{d}", 8, 4096, head_dim=d)
         steps = [lambda: B.run_workload_bwd(w), lambda: B.run_workload_bwd(w, deterministic=True)]
         steps += [lambda m=m: B.run_workload_bwd_fp8(w, m, "kernel") for m in (2, 5, 0, 1)]

@@ -1,7 +1,7 @@
 """A small jagged batch through every mask family (and rab, delta_q, seqused) on the Hopper FP8
-backward (quant modes 0, 1, 2 and 4: the cast, the two-direction, the one-pass and the two-pass
-quantizers; drab with modes 1 and 2 where the case has rab), gradients by autograd, for
-compute-sanitizer. Lengths are random, so sequences start at tokens that are not
+backward at D64, D128 and D256 (quant modes 0, 1, 2 and 4: the cast, the two-direction, the
+one-pass and the two-pass quantizers; drab with modes 1 and 2 where the case has rab), gradients
+by autograd, for compute-sanitizer. Lengths are random, so sequences start at tokens that are not
 multiples of 16 (the token-contiguous copies' padding). Skips (exit 0) without a compute
 capability 9.x GPU."""
 import sys
@@ -24,7 +24,7 @@ CASES = {
     "rab H_rab=H, seqused": dict(window_size=(-1, 0), rab_heads=2, seqused=True),
 }
 for name, kw in CASES.items():
-    for head_dim in (64, 128):
+    for head_dim in (64, 128, 256):
         b = testing.random_jagged_batch(7, 2, head_dim, 99 if kw.get("is_delta_q") else 131, device="cuda", seed=7,
                                         **kw)
         rest = {k: v for k, v in b.items() if k not in ("q", "k", "v")}

@@ -78,6 +78,12 @@ GRID = [
     (1, "local", 128, torch.float16, 2, (700, 700), "full"),
     (1, "ctx+tgt", 128, torch.bfloat16, None, (1111, 1111), "random"),
     (1, "causal", 64, torch.bfloat16, 2, (200, 900), "random"),  # delta_q
+    # D256: two CTAs per key block, each with half of D (dK, dV; Q^T / dO^T tiles and column descales).
+    (2, "causal", 256, torch.bfloat16, None, (1024, 1024), "random"),
+    (0, "ctx+tgt", 256, torch.float16, 1, (600, 600), "random"),
+    (1, "local", 256, torch.bfloat16, 2, (700, 700), "full"),
+    (5, "none", 256, torch.bfloat16, None, (300, 300), "random"),
+    (1, "causal", 256, torch.float16, None, (200, 900), "random"),  # delta_q
 ]
 
 
@@ -98,6 +104,8 @@ DRAB_GRID = [
     (2, "causal", 64, 2, (200, 900), False),  # delta_q: drab rows in whole-sequence coordinates
     (1, "causal", 128, 2, (700, 700), False),
     (1, "ctx+tgt", 64, 1, (600, 600), True),
+    (2, "causal", 256, 2, (500, 500), False),
+    (1, "causal", 256, 1, (500, 500), False),
 ]
 
 
@@ -132,7 +140,7 @@ def test_fp8_backward_drab(case):
 
 
 @pytest.mark.parametrize("mode", [0, 1, 2, 5])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_fp8_backward_edge_lengths(mode, head_dim):
     """Lengths 0, 1, 17, 1111 (token counts that are not multiples of 16: the copies' padding),
     all-target sequences and an empty one."""

@@ -25,16 +25,18 @@ from .base import HstuSm90Base
 
 @cute.jit
 def store_dk_dv(thr_mma, acc_dK, acc_dV, mdK, mdV, dtype: cutlass.Constexpr, tile_n: cutlass.Constexpr,
-                head_dim: cutlass.Constexpr, k_start: Int32, head: Int32, n_block: Int32, k_rows: Int32):
+                head_dim: cutlass.Constexpr, k_start: Int32, head: Int32, n_block: Int32, k_rows: Int32,
+                dim_block=0):
     """dK and dV of one n-block from WGMMA accumulators (this thread's slice of ``thr_mma``) to
-    (T_k, H, D) global memory, key rows at and past ``k_rows`` skipped."""
+    (T_k, H, D) global memory, key rows at and past ``k_rows`` skipped; ``head_dim`` columns,
+    block ``dim_block`` of them (the FP8 D256 kernel's part of D)."""
     tKcK = thr_mma.partition_C(cute.make_identity_tensor((tile_n, head_dim)))
     tKcK_rc = cute.make_tensor(tKcK.iterator, wgmma_acc_rows_cols(tKcK.layout))
     for acc, mOut in ((acc_dK, mdK), (acc_dV, mdV)):
         rOut = cute.make_rmem_tensor(acc.layout, dtype)
         rOut.store(acc.load().to(dtype))
         gOut = cute.local_tile(cute.domain_offset((k_start, 0), mOut[None, head, None]), (tile_n, head_dim),
-                               (n_block, 0))
+                               (n_block, dim_block))
         store_acc_rows(rOut, thr_mma.partition_C(gOut), tKcK_rc, k_rows)
 
 
@@ -105,11 +107,13 @@ class HstuBackwardSm90Base(HstuSm90Base):
 
 @cute.jit
 def transposed_tiles(tma_atom, tma_xt, sXt, head: Int32, column0: Int32, rows: cutlass.Constexpr,
-                     tile: cutlass.Constexpr):
+                     tile: cutlass.Constexpr, row_block=0):
     """(smem, global) TMA partitions of the (``rows``, ``tile``) tiles of an FP8 token-contiguous
     copy (H, D, W) (:func:`hstu_cute.launch.transposed_for_pv`) of one head, the sequence's
-    columns starting at ``column0`` (16-byte aligned: :func:`hstu_cute.fp8_format.vt_column_start`)."""
-    gXt = cute.local_tile(cute.domain_offset((0, column0), tma_xt[None, None, head]), (rows, tile), (0, None))
+    columns starting at ``column0`` (16-byte aligned: :func:`hstu_cute.fp8_format.vt_column_start`);
+    ``row_block``: which ``rows`` dims (a part of D)."""
+    gXt = cute.local_tile(cute.domain_offset((0, column0), tma_xt[None, None, head]), (rows, tile),
+                          (row_block, None))
     return cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sXt, 0, 2),
                                  cute.group_modes(gXt, 0, 2))
 
@@ -121,25 +125,29 @@ class KeyBlockProducer:
 
     transposed_q_loads = None
     transposed_q_tiles = False
+    # The FP8 kernel at D256: each CTA takes dK and dV of one part of D.
+    dim_parts = 1
 
     def key_block_bytes(self):
         """Transaction bytes of the two pipelines: ``kv_bytes`` (K+V), ``q_bytes`` (Q+dO+rab)."""
         D = self.head_dim
         elem = self.dtype.width // 8
-        q_tiles = 4 if const_expr(self.transposed_q_tiles) else 2  # FP8: Q^T and dO^T with Q and dO
+        # FP8: Q^T and dO^T (the CTA's part of D) with Q and dO
+        q_dims = 2 * D + (2 * D // self.dim_parts if const_expr(self.transposed_q_tiles) else 0)
         self.kv_bytes = 2 * self.tile_n * D * elem
-        self.q_bytes = q_tiles * self.tile_m * D * elem + (
+        self.q_bytes = q_dims * self.tile_m * elem + (
             self.tile_m * self.tile_n * (self.rab_dtype.width // 8) if const_expr(self.has_rab) else 0)
 
     @cute.jit
     def produce_key_block(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do,
                           tma_atom_rab, tma_rab, sK, sV, sQ, sdO, sRab, pipe_kv, pipe_q, mRab, n_block: Int32,
                           head: Int32, batch: Int32, q_start: Int32, k_start: Int32, seq, m_lo: Int32, m_hi: Int32,
-                          kv_state=None, q_state=None):
+                          kv_state=None, q_state=None, dim_part=0):
         """TMA loads of one n-block. Returns the advanced pipeline states. Without states (a CTA
         with one n-block) K and V go first; a persistent CTA passes its states and loads K and V
         after the first Q/dO: the previous n-block's consumers read sK/sV until their last
-        m-block, and a Q/dO stage frees up earlier."""
+        m-block, and a Q/dO stage frees up earlier. ``dim_part``: which ``D / dim_parts`` dims of
+        the transposed copies the CTA's dK and dV take."""
         D = self.head_dim
         one = cute.make_layout(1)
         kv_after_q = kv_state is not None
@@ -166,8 +174,9 @@ class KeyBlockProducer:
         if const_expr(transposed is not None):
             atom_qt, tma_qt, atom_dot, tma_dot, sQt, sdOt = transposed
             column0 = vt_column_start(q_start, batch)
-            tQtsQt, tQtgQt = transposed_tiles(atom_qt, tma_qt, sQt, head, column0, D, self.tile_m)
-            tOtsOt, tOtgOt = transposed_tiles(atom_dot, tma_dot, sdOt, head, column0, D, self.tile_m)
+            dims = D // self.dim_parts
+            tQtsQt, tQtgQt = transposed_tiles(atom_qt, tma_qt, sQt, head, column0, dims, self.tile_m, dim_part)
+            tOtsOt, tOtgOt = transposed_tiles(atom_dot, tma_dot, sdOt, head, column0, dims, self.tile_m, dim_part)
         kv_pending = Int32(1)
         if const_expr(not kv_after_q):
             self.load_kv(tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state)

@@ -86,14 +86,16 @@ def block_descale(mTable, batch: Int32, token: Int32, head: Int32) -> Float32:
     return mTable[batch, cutlass.min(token // BLOCK_TOKENS, mTable.shape[1] - 1), head]
 
 
-def column_rows_layout(head_dim: int, tables: int):
-    """two_direction: per warpgroup two buffers (walk steps alternate) of 2 ``tables`` (D,) fp32
-    rows: per column table, a block's scales then the next block's reciprocals."""
-    return cute.make_layout((head_dim, 2 * tables, 2, 2))
+def column_rows_layout(dims: int, tables: int):
+    """two_direction: per warpgroup two buffers (walk steps alternate) of 2 ``tables`` (``dims``,)
+    fp32 rows (the CTA's part of D): per column table, a block's scales then the next block's
+    reciprocals."""
+    return cute.make_layout((dims, 2 * tables, 2, 2))
 
 
 @cute.jit
-def prefetch_column_rows(sRows, tables, batch: Int32, head: Int32, block_prev: Int32, block: Int32, tid_in_wg: Int32):
+def prefetch_column_rows(sRows, tables, batch: Int32, head: Int32, block_prev: Int32, block: Int32, tid_in_wg: Int32,
+                         dim_part=0):
     """cp.async into ``sRows`` (D, 2 len(tables)), one 16-byte chunk per thread of the warpgroup,
     the rows that move accumulators from ``block_prev``'s column units to ``block``'s: issued
     before the step's GEMMs, so their latency hides behind them (loaded when needed, after the
@@ -105,7 +107,8 @@ def prefetch_column_rows(sRows, tables, batch: Int32, head: Int32, block_prev: I
     for t in cutlass.range_constexpr(len(tables)):
         for slot in cutlass.range_constexpr(2):
             if row == 2 * t + slot:
-                src = tables[t][batch, blocks[slot], head, slot, None]
+                src = cute.local_tile(tables[t][batch, blocks[slot], head, slot, None], (sRows.shape[0],),
+                                      (dim_part,))
                 cute.copy(atom, cute.local_tile(src, (4,), (chunk,)),
                           cute.local_tile(sRows[None, 2 * t + slot], (4,), (chunk,)))
     cute.arch.cp_async_commit_group()
@@ -123,10 +126,12 @@ def move_column_units(accs, sRows, wg: Int32):
 
 
 @cute.jit
-def epilogue_columns(acc, mColumnTable, batch: Int32, head: Int32, block_last: Int32, tAcc_rc):
-    """two_direction: the accumulator's columns times the column descales of the last block it
-    accumulated (a tile that visited none holds zeros)."""
-    scale_columns(acc, dim_descales(mColumnTable[batch, cutlass.max(block_last, 0), head, 0, None], tAcc_rc))
+def epilogue_columns(acc, mColumnTable, batch: Int32, head: Int32, block_last: Int32, tAcc_rc, dims: cutlass.Constexpr,
+                     dim_part=0):
+    """two_direction: the accumulator's columns (``dims`` of them, part ``dim_part`` of D) times
+    the column descales of the last block it accumulated (a tile that visited none holds zeros)."""
+    row = mColumnTable[batch, cutlass.max(block_last, 0), head, 0, None]
+    scale_columns(acc, dim_descales(cute.local_tile(row, (dims,), (dim_part,)), tAcc_rc))
 
 
 def column_block(mColumnTable, first_token: Int32) -> Int32:
@@ -165,6 +170,10 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
                          fuse_dq=False, persistent=persistent, dynamic_tiles=dynamic_tiles)
         self.grad_dtype = self.rab_dtype = grad_dtype
         self.two_direction = two_direction
+        # D256: dK and dV of 128 keys over all of D would need 256 accumulator registers per thread.
+        # Two CTAs per key block take half of D each (the score GEMMs and the SiLU run in both).
+        self.dim_parts = 2 if head_dim > 128 else 1
+        self.dims = head_dim // self.dim_parts
         assert tile_n == BLOCK_TOKENS and BLOCK_TOKENS % tile_m == 0 and tile_m % 32 == 0
 
     @cute.jit
@@ -176,16 +185,16 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         self.sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, None)
         self.sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, self.num_stages)
         # Q^T / dO^T stages (D, queries), queries contiguous: the K-major B operands of the dV and dK GEMMs.
-        self.sQt_layout = sm90_smem_layout(self.dtype, D, self.tile_m, self.num_stages)
+        self.sQt_layout = sm90_smem_layout(self.dtype, self.dims, self.tile_m, self.num_stages)
         self.sRab_layout = self.rab_ring_layout()
         self.tiled_mma_s = trivial_mma(self.dtype, self.tile_m, False, self.num_mma_wg)
-        self.tiled_mma_d = trivial_mma(self.dtype, D, False, self.num_mma_wg, a_in_registers=True)
+        self.tiled_mma_d = trivial_mma(self.dtype, self.dims, False, self.num_mma_wg, a_in_registers=True)
         self.key_block_bytes()
         loads = self.token_load_atoms(mQ, mK, mV, mdO, mRab, cute.slice_(self.sQ_layout, (None, None, 0)),
                                       self.sK_layout, self.sRab_layout)
         sQt_stage = cute.slice_(self.sQt_layout, (None, None, 0))
-        tma_atom_qt, tma_qt = transposed_atom(mQt, sQt_stage, D, self.tile_m)
-        tma_atom_dot, tma_dot = transposed_atom(mdOt, sQt_stage, D, self.tile_m)
+        tma_atom_qt, tma_qt = transposed_atom(mQt, sQt_stage, self.dims, self.tile_m)
+        tma_atom_dot, tma_dot = transposed_atom(mdOt, sQt_stage, self.dims, self.tile_m)
         tile = (self.dtype, cute.cosize(self.sK_layout))
         ring = (self.dtype, cute.cosize(self.sQ_layout))
         ring_t = (self.dtype, cute.cosize(self.sQt_layout))
@@ -216,12 +225,35 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
     def column_rows_storage(self, tables: int) -> dict:
         if not self.two_direction:
             return {}
-        return dict(sColumnRows=(Float32, cute.cosize(column_rows_layout(self.head_dim, tables))))
+        return dict(sColumnRows=(Float32, cute.cosize(column_rows_layout(self.dims, tables))))
 
     def column_rows(self, storage, tables: int):
         if not self.two_direction:
             return None
-        return storage.sColumnRows.get_tensor(column_rows_layout(self.head_dim, tables))
+        return storage.sColumnRows.get_tensor(column_rows_layout(self.dims, tables))
+
+    def tile_problem(self, tiles, seqinfo, tile):
+        # Plain Python: a tile's part of D (its walk counts dim_parts n-blocks per key block).
+        if self.dim_parts == 1:
+            live, coords = HstuBackwardDkDvSm90.tile_problem(self, tiles, seqinfo, tile)
+            return live, (*coords, 0)
+        return self.split_tile_problem(tiles, seqinfo, tile)
+
+    @cute.jit
+    def split_tile_problem(self, tiles, seqinfo, tile: Int32):
+        n_part, head, batch = tiles.coords(tile)
+        n_block = n_part // self.dim_parts
+        q_start, k_start, seq = seqinfo.at(batch)
+        m_lo, m_hi = masks.m_block_range(self.mask, seq, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
+        live = n_block * self.tile_n < seq.seqlen_k
+        return live, (n_block, head, batch, q_start, k_start, seq, m_lo, m_hi, n_part % self.dim_parts)
+
+    def produce_tile(self, *args):
+        # Plain Python: the tile's part of D (its last coordinate, before the states) goes to the
+        # transposed loads.
+        n_states = 2 if self.persistent else 0
+        tile_args, states = args[:len(args) - n_states], args[len(args) - n_states:]
+        return self.produce_key_block(*tile_args[:-1], *states, dim_part=tile_args[-1])
 
     @cute.kernel
     def kernel(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
@@ -270,7 +302,7 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         tDrdOt = wg_mma_d.make_fragment_B(wg_mma_d.partition_B(sdOt))
         tScS = thr_mma_s.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
         tScS_rc = cute.make_tensor(tScS.iterator, wgmma_acc_rows_cols(tScS.layout))
-        tDcD = tiled_mma_d.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_n, self.head_dim)))
+        tDcD = tiled_mma_d.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_n, self.dims)))
         tDcD_rc = cute.make_tensor(tDcD.iterator, wgmma_acc_rows_cols(tDcD.layout))
         tSsRabT = None
         if const_expr(self.has_rab):
@@ -287,8 +319,9 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
     def consume_key_block(self, tidx: Int32, mdK, mdV, sQ, sdO, sQt, sdOt, pipe_kv, pipe_q, alpha: Float32,
                           inv_scale: Float32, tSrK, tSrV, tSrQ, tSrdO, tDrQt, tDrdOt, tScS, tScS_rc, tDcD_rc, tSsRabT,
                           n_block: Int32, head: Int32, batch: Int32, q_start: Int32, k_start: Int32, seq,
-                          m_lo: Int32, m_hi: Int32, q_state, kv_state):
-        """One n-block: dK and dV of its keys. Returns the advanced pipeline states."""
+                          m_lo: Int32, m_hi: Int32, dim_part, q_state, kv_state):
+        """One n-block: dK and dV of its keys (of part ``dim_part`` of D). Returns the advanced
+        pipeline states."""
         D = self.head_dim
         tiled_mma_s, tiled_mma_d = self.tiled_mma_s, self.tiled_mma_d
         spec = self.mask
@@ -310,8 +343,8 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         else:
             dk = block_descale(mDescaleK, batch, col0, head)
             dv = block_descale(mDescaleV, batch, col0, head)
-        acc_dK = cute.make_rmem_tensor(wg_mma_d.partition_shape_C((self.tile_n, D)), Float32)
-        acc_dV = cute.make_rmem_tensor(wg_mma_d.partition_shape_C((self.tile_n, D)), Float32)
+        acc_dK = cute.make_rmem_tensor(wg_mma_d.partition_shape_C((self.tile_n, self.dims)), Float32)
+        acc_dV = cute.make_rmem_tensor(wg_mma_d.partition_shape_C((self.tile_n, self.dims)), Float32)
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
         # The register operands, written only after the WGMMAs reading them retired (words_to_operand_a).
@@ -332,17 +365,17 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
                 if q_rows < self.tile_m:
                     zero_smem_rows_past(self.zero_rows, (sQ[None, None, stage], sdO[None, None, stage]),
                                         (self.tile_m, D), tid_in_wg, wg, q_rows)
-                    zero_smem_cols_past(self.zero_cols, sQt[None, None, stage], (D, self.tile_m), tid_in_wg, wg,
-                                        q_rows)
-                    zero_smem_cols_past(self.zero_cols, sdOt[None, None, stage], (D, self.tile_m), tid_in_wg, wg,
-                                        q_rows)
+                    zero_smem_cols_past(self.zero_cols, sQt[None, None, stage], (self.dims, self.tile_m), tid_in_wg,
+                                        wg, q_rows)
+                    zero_smem_cols_past(self.zero_cols, sdOt[None, None, stage], (self.dims, self.tile_m), tid_in_wg,
+                                        wg, q_rows)
                 if const_expr(self.two_direction):
                     q_block = column_block(self.descales[5], m_block * self.tile_m)
                     moving = (q_block_prev >= 0) & (q_block != q_block_prev)
                     if moving:
                         prefetch_column_rows(self.sColumnRows[None, None, moves % 2, wg],
                                              (self.descales[5], self.descales[4]), batch, head, q_block_prev, q_block,
-                                             tid_in_wg)
+                                             tid_in_wg, dim_part)
                 else:
                     dq = block_descale(mDescaleQ, batch, m_block * self.tile_m, head)
                     ddo = block_descale(mDescaleDO, batch, m_block * self.tile_m, head)
@@ -407,10 +440,10 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         epilogue_rows(acc_dV, p_scale, inv_scale)
         epilogue_rows(acc_dK, g_scale, alpha * inv_scale * Float32(0.5))
         if const_expr(self.two_direction):
-            epilogue_columns(acc_dV, self.descales[5], batch, head, q_block_prev, tDcD_rc)
-            epilogue_columns(acc_dK, self.descales[4], batch, head, q_block_prev, tDcD_rc)
-        store_dk_dv(thr_mma_d, acc_dK, acc_dV, mdK, mdV, self.grad_dtype, self.tile_n, D, k_start, head, n_block,
-                    k_rows)
+            epilogue_columns(acc_dV, self.descales[5], batch, head, q_block_prev, tDcD_rc, self.dims, dim_part)
+            epilogue_columns(acc_dK, self.descales[4], batch, head, q_block_prev, tDcD_rc, self.dims, dim_part)
+        store_dk_dv(thr_mma_d, acc_dK, acc_dV, mdK, mdV, self.grad_dtype, self.tile_n, self.dims, k_start, head,
+                    n_block, k_rows, dim_part)
         return q_state, advanced(kv_state)
 
 
@@ -434,6 +467,7 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
         self.grad_dtype = self.rab_dtype = grad_dtype
         self.has_drab, self.rab_sum_heads = has_drab, rab_sum_heads
         self.two_direction = two_direction
+        self.dims = head_dim  # dQ's columns: all of D
         assert has_rab or not has_drab
         assert tile_m == BLOCK_TOKENS and BLOCK_TOKENS % tile_n == 0 and tile_n % 32 == 0
 
@@ -657,6 +691,6 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
 
         epilogue_rows(acc_dQ, g_scale, alpha * inv_scale * Float32(0.5))
         if const_expr(self.two_direction):
-            epilogue_columns(acc_dQ, self.descales[4], batch, head, k_block_prev, tDcD_rc)
+            epilogue_columns(acc_dQ, self.descales[4], batch, head, k_block_prev, tDcD_rc, D)
         store_dq(thr_mma_dq, acc_dQ, mdQ, self.grad_dtype, self.tile_m, D, q_start, head, m_block, seq)
         return q_state, kv_state

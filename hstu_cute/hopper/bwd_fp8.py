@@ -140,11 +140,11 @@ def column_block(mColumnTable, first_token: Int32) -> Int32:
     return cutlass.min(first_token // BLOCK_TOKENS, mColumnTable.shape[1] - 1)
 
 
-def p_and_g(kernel, acc_S, acc_dP, sRab, shape_S, alpha: Float32, qk_descale=None, tokens=None):
+def p_and_g(kernel, acc_S, acc_dP, sRab, shape_S, alpha: Float32, qk_descales=None, tokens=None):
     """P and G (the unscaled SiLU and its gradient, :mod:`hstu_cute.common.silu`) in place, once
     the S and dP GEMMs are issued (S retired: the dP GEMM waited for one group); waits for dP.
-    Quant modes 0, 2-5: ``qk_descale`` (dq dk, a scalar) scales the scores before rab, or enters
-    the SiLU's factor. ``two_direction``: ``tokens`` = (score row descales, held score column
+    Quant modes 0, 2-5: ``qk_descales`` (dq, dk: scalars) scale the scores before rab, or enter
+    the SiLU's factor (their product formed at each use, as the kernels were measured). ``two_direction``: ``tokens`` = (score row descales, held score column
     descales, dP row descales, held dP column descales) (:func:`common.fp8.tile_token_descales`).
     ``sRab``: the stage's rab tile in the accumulator's partition, or None. Plain Python (traced
     inline): the dK/dV kernel (key-major) and the dQ kernel share it."""
@@ -159,11 +159,12 @@ def p_and_g(kernel, acc_S, acc_dP, sRab, shape_S, alpha: Float32, qk_descale=Non
         silu_and_grad_token_scaled(acc_S, acc_dP, alpha * Float32(0.5), s_rows, lambda j: column_descale(s_held, j),
                                    dp_rows, lambda j: column_descale(dp_held, j))
     else:
-        half_alpha = alpha * qk_descale * Float32(0.5)
+        dq, dk = qk_descales
+        half_alpha = alpha * (dq * dk) * Float32(0.5)
         if const_expr(kernel.has_rab):
             rRab = cute.make_rmem_tensor(shape_S, kernel.rab_dtype)
             cute.autovec_copy(sRab, rRab)
-            acc_S.store(acc_S.load() * qk_descale + rRab.load().to(Float32))
+            acc_S.store(acc_S.load() * (dq * dk) + rRab.load().to(Float32))
             half_alpha = alpha * Float32(0.5)
         warpgroup.wait_group(0)
         silu_and_grad_unscaled(acc_S, acc_dP, half_alpha)
@@ -425,7 +426,7 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
                               tile_token_descales(mDescaleDO, q0, q_last, head, columns))
                     p_and_g(self, acc_S, acc_dP, stage_of(tSsRabT, stage), shape_S, alpha, tokens=tokens)
                 else:
-                    p_and_g(self, acc_S, acc_dP, stage_of(tSsRabT, stage), shape_S, alpha, qk_descale=dq * dk)
+                    p_and_g(self, acc_S, acc_dP, stage_of(tSsRabT, stage), shape_S, alpha, qk_descales=(dq, dk))
                 row_first = seq.row_offset + m_block * self.tile_m
                 is_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n,
                                              KERNEL_OPS) & (q_rows >= self.tile_m)
@@ -660,7 +661,7 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
                               tile_token_descales(mDescaleV, k0, k_last, head, columns))
                     p_and_g(self, acc_S, acc_dP, stage_of(tSsRab, stage), shape_S, alpha, tokens=tokens)
                 else:
-                    p_and_g(self, acc_S, acc_dP, stage_of(tSsRab, stage), shape_S, alpha, qk_descale=dq * dk)
+                    p_and_g(self, acc_S, acc_dP, stage_of(tSsRab, stage), shape_S, alpha, qk_descales=(dq, dk))
                 if not masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
                     acc_rc = cute.make_tensor(acc_dP.iterator, wgmma_acc_rows_cols(acc_dP.layout))
                     apply_mask_rows_cols(acc_rc, tScS_rc, spec, seq, row_first, n_block * self.tile_n)

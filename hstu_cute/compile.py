@@ -87,10 +87,11 @@ def _hopper_bwd_fp8(key):
     from .hopper.bwd_fp8 import HstuBackwardDkDvFp8Sm90, HstuBackwardDqFp8Sm90
 
     cls = HstuBackwardDqFp8Sm90 if key.role == "dq" else HstuBackwardDkDvFp8Sm90
-    drab = dict(has_drab=key.has_drab, rab_sum_heads=key.rab_sum_heads) if key.role == "dq" else {}
+    extra = (dict(has_drab=key.has_drab, rab_sum_heads=key.rab_sum_heads) if key.role == "dq"
+             else dict(dim_parts=key.dim_parts))
     return cls(key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n, key.num_stages,
                dsl_dtype(key.out_dtype), persistent=key.persistent, dynamic_tiles=key.dynamic_tiles,
-               two_direction=key.two_direction, **drab)
+               two_direction=key.two_direction, **extra)
 
 
 KERNELS = {"ampere_fwd": _ampere_fwd, "ampere_fwd_paged": _ampere_fwd, "ampere_bwd_dq": _ampere_bwd, "ampere_bwd_dkdv": _ampere_bwd,

@@ -909,9 +909,9 @@ def backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
                   two_direction=two_direction)
     with _on_device(device):
         if "dkdv" in kernels:
-            # D256: two CTAs per key block, each with half of D (hopper.bwd_fp8).
-            parts = 2 if p.head_dim > 128 else 1
-            _launch(key_kv, _compiled(key_kv), dict(values, num_n_blocks=parts * -(-max_seqlen_k // key_kv.tile_n),
+            # The walk counts dim_parts n-blocks per key block (D256: two CTAs, each with half of D).
+            n_blocks = key_kv.dim_parts * -(-max_seqlen_k // key_kv.tile_n)
+            _launch(key_kv, _compiled(key_kv), dict(values, num_n_blocks=n_blocks,
                                                     **_walk_args(key_kv, p, q.shape[0], max_seqlen_q, device)))
         if "dq" in kernels:
             with _beside(device):

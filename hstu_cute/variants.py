@@ -517,6 +517,13 @@ class HopperFp8BwdKey(HopperBwdKey):
     def describe(self) -> str:
         return super().describe() + f" ->{self.out_dtype}" + (" two-direction" if self.two_direction else "")
 
+    @property
+    def dim_parts(self) -> int:
+        """CTAs per key block of the dK/dV kernel, each with dK and dV of ``D / dim_parts`` dims:
+        2 at D256, where 128 keys' dK and dV over all of D would take 256 accumulator registers
+        per thread (hopper.bwd_fp8); 1 otherwise (and for the dQ kernel)."""
+        return 2 if self.role == "dkdv" and self.head_dim > 128 else 1
+
 
 #: Head dims of the FP8 backward. Its dK and dV accumulators (2 x 64 x D fp32 per warpgroup) fit the
 #: registers up to D128; at D256 two CTAs per key block take half of D each (hopper.bwd_fp8).

@@ -10,7 +10,8 @@ class NamedBarrier(enum.IntEnum):
     SYNC_THREADS = 0
     # Forward (sm90): the two consumer warpgroups take turns issuing their GEMMs (2 + warpgroup).
     SCHED_WG0 = 2
-    # sm90: a consumer warpgroup's own barrier after it zeroes smem rows (4 + warpgroup).
+    # sm90: a consumer warpgroup's own barrier (4 + warpgroup): after it zeroes smem rows, and in
+    # the FP8 backward (quant mode 1) after its cp.async rows of column descales have landed.
     ZERO_ROWS_WG0 = 4
     # Fused dK/dV/dQ backward (sm90): alternating dQ owner, 6 + (m-block parity) = sdS buffer
     # written by both warpgroups; split dQ columns, 6 = sdS free and 7 = sdS written.

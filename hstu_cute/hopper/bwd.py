@@ -160,12 +160,20 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
     @cute.jit
     def tile_problem(self, tiles, seqinfo, tile: Int32):
         """(live, (n_block, head, batch, q_start, k_start, seq, m_lo, m_hi)) of a linear tile;
-        ``live``: the n-block starts inside its sequence (else the tile is skipped)."""
+        ``live``: the n-block starts inside its sequence (else the tile is skipped). With
+        ``dim_parts`` > 1 (the FP8 kernel at D256) the walk counts that many tiles per key block
+        and the coordinates end with the tile's part of D."""
         n_block, head, batch = tiles.coords(tile)
+        n_part = n_block
+        if const_expr(self.dim_parts > 1):
+            n_block = n_part // self.dim_parts
         q_start, k_start, seq = seqinfo.at(batch)
         m_lo, m_hi = masks.m_block_range(self.mask, seq, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
         live = n_block * self.tile_n < seq.seqlen_k
-        return live, (n_block, head, batch, q_start, k_start, seq, m_lo, m_hi)
+        coords = (n_block, head, batch, q_start, k_start, seq, m_lo, m_hi)
+        if const_expr(self.dim_parts > 1):
+            coords = (*coords, n_part % self.dim_parts)
+        return live, coords
 
     @cute.jit
     def produce(self, loads, walk, seqinfo, claims):

@@ -144,8 +144,9 @@ def p_and_g(kernel, acc_S, acc_dP, sRab, shape_S, alpha: Float32, qk_descales=No
     """P and G (the unscaled SiLU and its gradient, :mod:`hstu_cute.common.silu`) in place, once
     the S and dP GEMMs are issued (S retired: the dP GEMM waited for one group); waits for dP.
     Quant modes 0, 2-5: ``qk_descales`` (dq, dk: scalars) scale the scores before rab, or enter
-    the SiLU's factor (their product formed at each use, as the kernels were measured). ``two_direction``: ``tokens`` = (score row descales, held score column
-    descales, dP row descales, held dP column descales) (:func:`common.fp8.tile_token_descales`).
+    the SiLU's factor (their product formed at each use, as the kernels were measured).
+    ``two_direction``: ``tokens`` = (score row descales, held score column descales, dP row
+    descales, held dP column descales) (:func:`common.fp8.tile_token_descales`).
     ``sRab``: the stage's rab tile in the accumulator's partition, or None. Plain Python (traced
     inline): the dK/dV kernel (key-major) and the dQ kernel share it."""
     if const_expr(kernel.two_direction):
@@ -200,15 +201,15 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
 
     def __init__(self, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
                  num_stages: int, grad_dtype, persistent: bool = False, dynamic_tiles: bool = False,
-                 two_direction: bool = False):
+                 two_direction: bool = False, dim_parts: int = 1):
         super().__init__(cutlass.Float8E4M3FN, head_dim, mask, has_rab, tile_m, tile_n, num_stages, True,
                          fuse_dq=False, persistent=persistent, dynamic_tiles=dynamic_tiles)
         self.grad_dtype = self.rab_dtype = grad_dtype
         self.two_direction = two_direction
-        # D256: dK and dV of 128 keys over all of D would need 256 accumulator registers per thread.
-        # Two CTAs per key block take half of D each (the score GEMMs and the SiLU run in both).
-        self.dim_parts = 2 if head_dim > 128 else 1
-        self.dims = head_dim // self.dim_parts
+        # dim_parts CTAs per key block (variants.HopperFp8BwdKey.dim_parts), each with dK and dV of
+        # dims columns of D; the score GEMMs and the SiLU run in each.
+        self.dim_parts = dim_parts
+        self.dims = head_dim // dim_parts
         assert tile_n == BLOCK_TOKENS and BLOCK_TOKENS % tile_m == 0 and tile_m % 32 == 0
 
     @cute.jit
@@ -268,20 +269,9 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         return storage.sColumnRows.get_tensor(column_rows_layout(self.dims, tables))
 
     def tile_problem(self, tiles, seqinfo, tile):
-        # Plain Python: a tile's part of D (its walk counts dim_parts n-blocks per key block).
-        if self.dim_parts == 1:
-            live, coords = HstuBackwardDkDvSm90.tile_problem(self, tiles, seqinfo, tile)
-            return live, (*coords, 0)
-        return self.split_tile_problem(tiles, seqinfo, tile)
-
-    @cute.jit
-    def split_tile_problem(self, tiles, seqinfo, tile: Int32):
-        n_part, head, batch = tiles.coords(tile)
-        n_block = n_part // self.dim_parts
-        q_start, k_start, seq = seqinfo.at(batch)
-        m_lo, m_hi = masks.m_block_range(self.mask, seq, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
-        live = n_block * self.tile_n < seq.seqlen_k
-        return live, (n_block, head, batch, q_start, k_start, seq, m_lo, m_hi, n_part % self.dim_parts)
+        # Plain Python: every tile's coordinates end with its part of D (0 with one part).
+        live, coords = HstuBackwardDkDvSm90.tile_problem(self, tiles, seqinfo, tile)
+        return live, coords if self.dim_parts > 1 else (*coords, 0)
 
     def produce_tile(self, *args):
         # Plain Python: the tile's part of D (its last coordinate, before the states) goes to the

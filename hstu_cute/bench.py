@@ -417,11 +417,12 @@ FP8_STEP_MODES = (2,)
 
 
 def run_workload_bwd_fp8(w: Workload, mode: int, entry: str = "kernel", sets: int = 3, tiles: dict | None = None,
-                         kernels=("dkdv", "dq")) -> dict:
+                         kernels=("dkdv", "dq"), fused: bool | None = None) -> dict:
     """The FP8 backward (quant ``mode`` 0-5) on ``w``; FLOPs = 2.5 x forward, as for 16-bit.
-    ``entry``: "kernel" (quantized operands and copies made beforehand: the two kernels alone),
+    ``entry``: "kernel" (quantized operands and copies made beforehand: the kernels alone),
     "quant" (the quantizers and copies alone: the row adds ``gbps``, 16-bit q, k, v, dO read and
-    e4m3 data plus three copies written once) or "end2end" (both, per call)."""
+    e4m3 data plus three copies written once) or "end2end" (both, per call). ``fused``: force
+    the fused kernel (True) or the pair (False); None: the default choice."""
     from . import launch, validation
 
     calls = []
@@ -439,15 +440,19 @@ def run_workload_bwd_fp8(w: Workload, mode: int, entry: str = "kernel", sets: in
         args = (dout, kw["q"], kw["k"], kw["v"], *offsets, kw.get("num_contexts"), kw.get("num_targets"),
                 kw.get("target_group_size", 1), 1.0, kw.get("rab"), None, None, p)
         if entry == "kernel":
-            calls.append(lambda a=args, o=operands: launch.backward_fp8(*a, operands=o, tiles=tiles, kernels=kernels))
+            calls.append(lambda a=args, o=operands: launch.backward_fp8(*a, operands=o, tiles=tiles, kernels=kernels,
+                                                                       fused=fused))
         elif entry == "quant":
             calls.append(lambda a=args: launch.fp8_backward_operands(*a[:8], mode))
         else:
-            calls.append(lambda a=args: launch.backward_fp8(*a))
+            calls.append(lambda a=args: launch.backward_fp8(*a, fused=fused))
     calls[0]()
     ms, iqr = time_cuda(calls)
     f, convention = flops(w, full["_lens_q"], full["_lens_k"])
-    row = dict(workload=w.name + " bwd", entry=f"fp8 bwd mode{mode} {entry}", ms=ms, iqr_ms=iqr,
+    if fused is None:
+        fused = launch.fp8_backward_fused(w.head_dim, mode, kw["max_seqlen_k"], kw.get("rab") is not None, False, False)
+    path = "fused" if fused else "pair"
+    row = dict(workload=w.name + " bwd", entry=f"fp8 bwd mode{mode} {entry} ({path})", ms=ms, iqr_ms=iqr,
                tflops=2.5 * f / ms / 1e9, flops=convention + " x2.5", tiles=f"{tiles or 'default'} {'+'.join(kernels)}",
                path="hopper")
     if entry == "quant":

@@ -88,7 +88,7 @@ def _hopper_bwd_fp8(key):
 
     cls = HstuBackwardDqFp8Sm90 if key.role == "dq" else HstuBackwardDkDvFp8Sm90
     extra = (dict(has_drab=key.has_drab, rab_sum_heads=key.rab_sum_heads) if key.role == "dq"
-             else dict(dim_parts=key.dim_parts))
+             else dict(dim_parts=key.dim_parts, fuse_dq=key.role == "fused"))
     return cls(key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n, key.num_stages,
                dsl_dtype(key.out_dtype), persistent=key.persistent, dynamic_tiles=key.dynamic_tiles,
                two_direction=key.two_direction, **extra)
@@ -98,7 +98,7 @@ KERNELS = {"ampere_fwd": _ampere_fwd, "ampere_fwd_paged": _ampere_fwd, "ampere_b
            "hopper_fwd": _hopper_fwd, "hopper_fwd_paged": _hopper_fwd, "hopper_fwd_fp8": _hopper_fwd_fp8, "hopper_fwd_vt": _hopper_vt,
            "hopper_fwd_cast": _hopper_cast, "hopper_fwd_quant": _hopper_quant, "hopper_bwd_dkdv": _hopper_bwd, "hopper_bwd_fused": _hopper_bwd,
            "hopper_bwd_dq": _hopper_bwd, "hopper_bwd_wide": _hopper_bwd, "hopper_bwd_fp8_dkdv": _hopper_bwd_fp8,
-           "hopper_bwd_fp8_dq": _hopper_bwd_fp8}
+           "hopper_bwd_fp8_dq": _hopper_bwd_fp8, "hopper_bwd_fp8_fused": _hopper_bwd_fp8}
 
 
 def kernel_for(key):

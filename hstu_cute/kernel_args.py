@@ -349,9 +349,16 @@ def _column_descale(name: str) -> Arg:
     return Arg(name, _dim_table, lambda key: key.two_direction)
 
 
-SPECS["hopper_bwd_fp8_dkdv"] = (
+def _fused(key) -> bool:
+    return key.role == "fused"
+
+
+# The fused FP8 backward (role "fused") also reads K^T and reduce-adds dQ into an fp32 accumulator.
+SPECS["hopper_bwd_fp8_dkdv"] = SPECS["hopper_bwd_fp8_fused"] = (
     _Q, _K, _V, _DO, Arg("mQt", _tokens_transposed), Arg("mdOt", _tokens_transposed),
-    Arg("mdK", _tokens("tokens_k", "out")), Arg("mdV", _tokens("tokens_k", "out")), *_SEQUENCES, _TMA_RAB,
+    Arg("mKt", _tokens_transposed, _fused), Arg("mdK", _tokens("tokens_k", "out")),
+    Arg("mdV", _tokens("tokens_k", "out")), Arg("mdQaccum", _tokens("tokens_q", "Float32", 4), _fused),
+    *_SEQUENCES, _TMA_RAB,
     *_SCALARS, Arg("num_n_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER, *_FP8_BWD_DESCALES,
     _column_descale("mDescaleQt"), _column_descale("mDescaleDOt"),
 )

@@ -29,6 +29,7 @@ from .variants import (
     make_fwd_key,
     FP8_BWD_HEAD_DIMS,
     FP8_DTYPE,
+    FP8_FUSED_HEAD_DIMS,
     make_hopper_bwd_key,
     make_hopper_fp8_bwd_key,
     make_hopper_cast_key,
@@ -870,19 +871,45 @@ def fp8_backward_operands(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqle
                 mDescaleQ=table_q, mDescaleK=table_k, mDescaleV=table_v, mDescaleDO=table_do)
 
 
+# The fused FP8 backward (dK, dV and dQ's reduce-adds in one kernel) runs only when asked for
+# (``backward_fp8(fused=True)``, or this flag): slower than the pair where it exists. H100, B8
+# N4096 H4 D128 causal, quant mode 2, kernels alone, same runs (docs/perf-log.md, session 19):
+# 0.753-0.763 ms against the pair's 0.664-0.666 (bf16 backward 0.705-0.718).
+FP8_FUSED_BY_DEFAULT = False
+
+
+def fp8_fused_serves(head_dim: int, quant_mode: int, has_rab: bool, has_drab: bool, deterministic: bool) -> bool:
+    """Whether the fused FP8 kernel can serve a backward: quant modes 0, 2-5 at the head dims of
+    ``FP8_FUSED_HEAD_DIMS``, without rab, not ``deterministic`` (its dQ sum order varies)."""
+    return (head_dim in FP8_FUSED_HEAD_DIMS and quant_mode != QuantMode.TWO_DIRECTION and not has_rab
+            and not has_drab and not deterministic)
+
+
+def fp8_backward_fused(head_dim: int, quant_mode: int, max_seqlen_k: int, has_rab: bool, has_drab: bool,
+                       deterministic: bool) -> bool:
+    """Whether :func:`backward_fp8` runs the fused FP8 kernel by default: with
+    ``FP8_FUSED_BY_DEFAULT``, where it serves (:func:`fp8_fused_serves`), for keys of at least
+    ``FUSED_MIN_SEQLEN_K`` tokens (as the 16-bit fused kernel)."""
+    return (FP8_FUSED_BY_DEFAULT and max_seqlen_k >= FUSED_MIN_SEQLEN_K
+            and fp8_fused_serves(head_dim, quant_mode, has_rab, has_drab, deterministic))
+
+
 def backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
                  num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p: Problem,
                  operands: dict | None = None, tiles: dict | None = None, kernels=("dkdv", "dq"),
-                 has_drab: bool = False, deterministic: bool = False, quantized: dict | None = None):
+                 has_drab: bool = False, deterministic: bool = False, quantized: dict | None = None,
+                 fused: bool | None = None):
     """The FP8 backward of a validated quant-mode call (:func:`check_fp8_backward`):
     :func:`fp8_backward_operands` (or the given ``operands``), then the FP8 dK/dV kernel and the dQ
-    kernel beside it (:mod:`hstu_cute.hopper.bwd_fp8`). Returns ``(dq, dk, dv, drab)`` in the
-    input dtype (``drab`` shaped like rab with ``has_drab``, else None; the dQ kernel writes it
-    from G in fp32). Every gradient is summed in a fixed order (bitwise reproducible), except
-    drab of one rab head over several heads, added with fp32 atomics unless ``deterministic``
-    (then per-head drab summed afterwards). ``quantized``: the forward's e4m3 q and k
-    (:func:`forward_fp8` with ``keep_quantized``). ``tiles`` (role -> the keys' tile fields) and
-    ``kernels`` (the roles to launch) serve benchmark sweeps."""
+    kernel beside it, or where :func:`fp8_backward_fused` (or ``fused``) says so the fused kernel
+    (:mod:`hstu_cute.hopper.bwd_fp8`). Returns ``(dq, dk, dv, drab)`` in the input dtype
+    (``drab`` shaped like rab with ``has_drab``, else None; the dQ kernel writes it from G in
+    fp32). The pair sums every gradient in a fixed order (bitwise reproducible), except drab of
+    one rab head over several heads, added with fp32 atomics unless ``deterministic`` (then
+    per-head drab summed afterwards); the fused kernel reduce-adds dQ in an order that varies.
+    ``quantized``: the forward's e4m3 q and k (:func:`forward_fp8` with ``keep_quantized``).
+    ``tiles`` (role -> the keys' tile fields) and ``kernels`` (the roles to launch) serve
+    benchmark sweeps."""
     check_fp8_backward(p)
     device = q.device
     if kernel_path(device) != "hopper":
@@ -904,6 +931,19 @@ def backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
     common = (device_arch(device), DTYPE_NAMES[p.dtype], p.head_dim, p.mask.kind, context_target, rab is not None)
     tiles = tiles or {}
     two_direction = p.quant_mode == QuantMode.TWO_DIRECTION
+    if fused is None:
+        fused = fp8_backward_fused(p.head_dim, p.quant_mode, max_seqlen_k, rab is not None, has_drab, deterministic)
+    elif fused and not fp8_fused_serves(p.head_dim, p.quant_mode, rab is not None, has_drab, deterministic):
+        raise ValueError(f"fused=True: the fused FP8 backward serves head dims {FP8_FUSED_HEAD_DIMS}, quant modes "
+                         f"0, 2-5, no rab or drab, not deterministic; got head dim {p.head_dim}, quant_mode="
+                         f"{p.quant_mode}, rab={rab is not None}, has_drab={has_drab}, deterministic={deterministic}")
+    if fused:
+        key = _made(make_hopper_fp8_bwd_key, "fused", *common, tiles.get("fused"))
+        dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=device)
+        with _on_device(device):
+            _launch(key, _compiled(key), dict(values, mdQaccum=dq_accum, num_n_blocks=-(-max_seqlen_k // key.tile_n),
+                                              **_walk_args(key, p, q.shape[0], max_seqlen_q, device)))
+        return dq_accum.to(q.dtype), dk, dv, None
     key_kv = _made(make_hopper_fp8_bwd_key, "dkdv", *common, tiles.get("dkdv"), two_direction=two_direction)
     key_q = _made(make_hopper_fp8_bwd_key, "dq", *common, tiles.get("dq"), has_drab, atomic_sum,
                   two_direction=two_direction)

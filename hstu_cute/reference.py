@@ -406,6 +406,22 @@ def running_scale_e4m3(x: torch.Tensor, block: int, ascending: bool, visited: to
     return out
 
 
+def tile_scale_e4m3(x: torch.Tensor, rows: int, cols: int, floor: float) -> torch.Tensor:
+    """``x`` (H, R, C) through e4m3 with one power-of-two scale per (head, ``rows`` x ``cols``
+    tile from (0, 0)), dequantized: ``s = pow2_ceil(max(max |x|, floor) / 448)``, ``e4m3(x / s) s``.
+    What the fused FP8 backward does to G before dQ = G K (a warpgroup's tile per m-block)."""
+    from .fp8_format import E4M3_MAX
+
+    heads, R, C = x.shape
+    padded = torch.zeros(heads, -(-R // rows) * rows, -(-C // cols) * cols, dtype=torch.float32, device=x.device)
+    padded[:, :R, :C] = x
+    tiles = padded.view(heads, padded.shape[1] // rows, rows, padded.shape[2] // cols, cols)
+    amax = tiles.abs().amax(dim=(2, 4), keepdim=True).clamp(min=floor)
+    s = _pow2_ceil(amax * (1.0 / E4M3_MAX))
+    out = (tiles / s).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32) * s
+    return out.view(padded.shape)[:, :R, :C]
+
+
 def _blocks_visited(mask: torch.Tensor, row_block: int, col_block: int) -> torch.Tensor:
     """(row blocks, col blocks) bool: which tiles of a (rows, cols) mask hold an allowed entry."""
     rows, cols = mask.shape
@@ -419,7 +435,7 @@ def hstu_attn_fp8_grad_emulation(q, k, v, dout, seq_offsets_q, seq_offsets_k, ma
                                  num_contexts=None, num_targets=None, target_group_size=1, window_size=(-1, -1),
                                  alpha=1.0, rab=None, is_delta_q=False, *, quant_mode: int, scaling_seqlen=-1,
                                  quantize_inputs: bool = True, round_products: bool = True, tile_m: int = 64,
-                                 tile_n: int = 128) -> dict:
+                                 tile_n: int = 128, fused_dq: bool = False) -> dict:
     """The FP8 backward's oracle (docs/design/fp8-backward.md): ``dict(dq, dk, dv, drab)`` in fp32.
 
     With ``quantize_inputs``, q, k, v and dO (dO with q's groups) are quantized with
@@ -428,7 +444,9 @@ def hstu_attn_fp8_grad_emulation(q, k, v, dout, seq_offsets_q, seq_offsets_k, ma
     With ``round_products`` the register operands are re-quantized per accumulator row with a
     running power-of-two scale (:func:`running_scale_e4m3`): P^T and G^T per key over the query
     blocks of ``tile_m`` in ascending order (the dK/dV kernel's walk), G per query over the key
-    blocks of ``tile_n`` in descending order (the dQ kernel's walk); the rounding is of the
+    blocks of ``tile_n`` in descending order (the dQ kernel's walk), or with ``fused_dq`` (the
+    fused kernel) per tile of ``tile_m`` queries and ``tile_n / 2`` keys (a warpgroup's) with one
+    power-of-two scale (:func:`tile_scale_e4m3`); the rounding is of the
     unscaled values (silu(z), alpha silu'(z) dP), 1/S applied after the products. Without
     either flag this is the fp32 backward of spec section 2 written out (the tests compare it
     with autograd of :func:`hstu_attn_reference`). No seqused."""
@@ -488,10 +506,13 @@ def hstu_attn_fp8_grad_emulation(q, k, v, dout, seq_offsets_q, seq_offsets_k, ma
                 keys = slice(kb * tile_n, (kb + 1) * tile_n)
                 p_t[:, keys] = running_scale_e4m3(p_t[:, keys], tile_m, True, visited[:, kb], P_AMAX_FLOOR)
                 g_t[:, keys] = running_scale_e4m3(g_t[:, keys], tile_m, True, visited[:, kb], g_floor)
-            # The dQ kernel: one CTA per query block walks its key blocks, last first.
-            for qb in range(visited.shape[0]):
-                rows = slice(qb * tile_m, (qb + 1) * tile_m)
-                g_q[:, rows] = running_scale_e4m3(g[:, rows], tile_n, False, visited[qb], g_floor)
+            if fused_dq:
+                g_q = tile_scale_e4m3(g, tile_m, tile_n // 2, g_floor)
+            else:
+                # The dQ kernel: one CTA per query block walks its key blocks, last first.
+                for qb in range(visited.shape[0]):
+                    rows = slice(qb * tile_m, (qb + 1) * tile_m)
+                    g_q[:, rows] = running_scale_e4m3(g[:, rows], tile_n, False, visited[qb], g_floor)
         dv[sk:sk + Lk] += torch.matmul(p_t, heads(dt, sq, Lq)).transpose(0, 1) / S
         dk[sk:sk + Lk] += torch.matmul(g_t, heads(qt, sq, Lq)).transpose(0, 1) / S
         dq[sq:sq + Lq] += torch.matmul(g_q, heads(kt, sk, Lk)).transpose(0, 1) / S

@@ -34,7 +34,7 @@ __all__ = [
     "HEAD_DIMS", "DTYPES", "SHIPPED_MASKS", "AmpereFwdKey", "AmpereBwdKey", "HopperFwdKey", "HopperBwdKey",
     "KEY_CLASSES", "make_fwd_key", "make_bwd_keys", "make_hopper_fwd_key", "make_hopper_bwd_key",
     "HopperFp8FwdKey", "make_hopper_fp8_fwd_key", "FP8_DTYPE", "FP8_HEAD_DIMS", "HopperFp8BwdKey",
-    "make_hopper_fp8_bwd_key", "FP8_BWD_HEAD_DIMS", "HopperVtKey", "HopperQuantKey",
+    "make_hopper_fp8_bwd_key", "FP8_BWD_HEAD_DIMS", "FP8_FUSED_HEAD_DIMS", "HopperVtKey", "HopperQuantKey",
     "make_hopper_quant_key", "QUANT_VARIANTS", "HopperPagedFwdKey", "make_hopper_paged_fwd_key", "PAGED_MASKS",
     "PAGE_SIZES", "SPLIT_KEY_MASKS", "AmperePagedFwdKey", "make_ampere_paged_fwd_key",
     "make_hopper_vt_key", "vt_width", "HopperCastKey", "make_hopper_cast_key",
@@ -503,8 +503,8 @@ def make_hopper_bwd_key(role, arch, dtype, head_dim, kind, context_target, has_r
 
 @dataclass(frozen=True)
 class HopperFp8BwdKey(HopperBwdKey):
-    """Compile key of the FP8 backward pair (:mod:`hstu_cute.hopper.bwd_fp8`): role "dkdv" or
-    "dq"; ``dtype`` is e4m3 (q, k, v, dO and their token-contiguous copies), ``out_dtype`` the
+    """Compile key of the FP8 backward (:mod:`hstu_cute.hopper.bwd_fp8`): role "dkdv" or "dq" (the
+    deterministic pair), or "fused" (dK, dV and dQ's reduce-adds in one kernel); ``dtype`` is e4m3 (q, k, v, dO and their token-contiguous copies), ``out_dtype`` the
     gradients' (and rab's) 16-bit type. Descales are (B, blocks, H) tables (quant modes 0, 2-5);
     ``two_direction`` (quant mode 1): (T, H) per-token tables, and (B, blocks, H, 2, D) tables of
     the token-contiguous copies."""
@@ -533,7 +533,12 @@ FP8_BWD_HEAD_DIMS = (64, 128, 256)
 # kernel alone (session 16, scripts/gpu_fp8_bwd.py sweep): dQ with 128-key blocks 0.261 ms against
 # 0.298 with 64; dK/dV with 3 stages 0.411 against 0.416 with 2 (noise: kept 2).
 _FP8_BWD_TILES = {"dkdv": dict(tile_m=64, tile_n=128, persistent=True, dynamic_tiles=True),
-                  "dq": dict(tile_m=128, tile_n=128, persistent=True, dynamic_tiles=True)}
+                  "dq": dict(tile_m=128, tile_n=128, persistent=True, dynamic_tiles=True),
+                  "fused": dict(tile_m=64, tile_n=128)}
+#: Head dims of the fused FP8 backward (role "fused": quant modes 0, 2-5, no rab, not deterministic;
+#: opt-in, see hstu_cute.launch.FP8_FUSED_BY_DEFAULT). Non-persistent like the 16-bit fused kernel:
+#: its m-block parity alternates the dQ owner within one key block.
+FP8_FUSED_HEAD_DIMS = (128,)
 # D256 dQ: 64-key blocks (a 128 x 256 fp32 dQ accumulator takes 128 registers per thread). D256 dK/dV
 # without rab: 3 stages (208 KB; with rab's stages 256 KB, over the limit). H100 B8 N4096 H4 causal
 # mode 2, dK/dV alone: 0.898 ms with 3 stages against 0.937 with 2; dQ with 3 stages 0.425 against
@@ -647,14 +652,16 @@ def shipped_hopper_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_
 def shipped_hopper_fp8_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
     """FP8 backward pairs (``dtypes``: the gradients' and rab's types), then the dQ kernels that
     write drab (per rab head, or summed over heads with atomics); quant modes 0, 2-5, then mode 1
-    (``two_direction``)."""
+    (``two_direction``); then the fused kernels (quant modes 0, 2-5, no rab)."""
     variants = _shipped_variants(dtypes, [d for d in head_dims if d in FP8_BWD_HEAD_DIMS])
-    return [key for two_direction in (False, True) for key in (
+    pairs = [key for two_direction in (False, True) for key in (
         [make_hopper_fp8_bwd_key(role, arch, *variant, has_rab, two_direction=two_direction)
          for role in ("dkdv", "dq") for variant in variants for has_rab in (False, True)]
         + [make_hopper_fp8_bwd_key("dq", arch, *variant, True, has_drab=True, rab_sum_heads=sum_heads,
                                    two_direction=two_direction)
            for variant in variants for sum_heads in (False, True)])]
+    return pairs + [make_hopper_fp8_bwd_key("fused", arch, *variant, False) for variant in variants
+                    if variant[1] in FP8_FUSED_HEAD_DIMS]
 
 
 def shipped_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:

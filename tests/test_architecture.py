@@ -120,7 +120,8 @@ def _one_key_per_family():
                 + variants.shipped_hopper_paged_fwd_keys("sm_90a", ("bfloat16",), (128,))
                 + variants.shipped_ampere_paged_fwd_keys("sm_80", ("bfloat16",), (64,))
                 + variants.shipped_hopper_fp8_bwd_keys("sm_90a", ("bfloat16",), (128,))):
-        if key.mask_kind == int(MaskKind.CAUSAL) and key.has_context and key.has_rab:
+        # Causal with context and rab, or without rab where a family has none (the fused FP8 backward).
+        if key.mask_kind == int(MaskKind.CAUSAL) and key.has_context and (key.has_rab or getattr(key, "role", "") == "fused"):
             keys.setdefault(key.kernel_name, key)
     keys["hopper_fwd_vt"] = variants.make_hopper_vt_key("sm_90a", "bfloat16", 128)
     keys["hopper_fwd_cast"] = variants.make_hopper_cast_key("sm_90a", "bfloat16", 128)

@@ -160,12 +160,12 @@ def test_warmup_select_keys_filters():
     # and the block quantizers of modes 1-5 (2 x 3 x 7 roles); the paged forward, sm80 and Hopper (32 each);
     # the split-key Hopper forward, contiguous and paged (2 dtypes x 4 head dims x 2 masks x rab or not);
     # the FP8 backward pair and its drab dQ kernels (64 + 32 at D64/128, 48 at D256), for quant modes 0,
-    # 2-5 and for mode 1.
+    # 2-5 and for mode 1, and the fused FP8 backward (2 dtypes x 4 masks at D128).
     assert len(select_keys("sm_90a")) == (96 + 192 + 64 + 96 + 16 + 32 + 16 + 144 + 9 + 6 + 42 + 32 + 32 + 32 + 32
-                                          + 64 + 2 * (64 + 32 + 48))
+                                          + 64 + 2 * (64 + 32 + 48) + 8)
     assert len(select_keys("sm_90a", kernels="fwd")) == 96 + 64 + 144 + 9 + 6 + 42 + 32 + 32 + 32 + 32 + 64
-    # + the FP8 pair and drab dQ kernels, for quant modes 0, 2-5 and for mode 1
-    assert len(select_keys("sm_90a", kernels="bwd")) == 192 + 96 + 16 + 32 + 16 + 2 * (64 + 32 + 48)
+    # + the FP8 pair and drab dQ kernels, for quant modes 0, 2-5 and for mode 1, and the fused FP8 kernel
+    assert len(select_keys("sm_90a", kernels="bwd")) == 192 + 96 + 16 + 32 + 16 + 2 * (64 + 32 + 48) + 8
     keys = select_keys("sm_90a", ["bfloat16"], [128], ["causal"], "none", kernels="fwd")
     assert [k.kernel_name for k in keys] == (["ampere_fwd"] * 2 + ["ampere_fwd_paged"] * 2 + ["hopper_fwd"] * 2
                                              + ["hopper_fwd_fp8"] * 3 + ["hopper_fwd_paged"] * 2)

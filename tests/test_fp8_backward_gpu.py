@@ -11,7 +11,8 @@ import zlib
 import pytest
 import torch
 
-from hstu_cute import hstu_attn_varlen_func, reference
+from hstu_cute import hstu_attn_varlen_func, launch, reference
+from hstu_cute.launch import fp8_backward_fused
 from hstu_cute.testing import random_jagged_batch
 
 pytestmark = [
@@ -43,7 +44,9 @@ def fp8_grads(b, mode, dout):
     torch.cuda.synchronize()
     kernel = dict(dq=q.grad, dk=k.grad, dv=v.grad)
     args = {n: b[n] for n in _EMULATION_ARGS}
-    emul = reference.hstu_attn_fp8_grad_emulation(b["q"], b["k"], b["v"], dout, **args, quant_mode=mode)
+    fused = fp8_backward_fused(q.shape[2], mode, b["max_seqlen_k"], b["rab"] is not None, False, False)
+    emul = reference.hstu_attn_fp8_grad_emulation(b["q"], b["k"], b["v"], dout, **args, quant_mode=mode,
+                                                  fused_dq=fused)
     exact = reference.hstu_attn_fp8_grad_emulation(b["q"], b["k"], b["v"], dout, **args, quant_mode=mode,
                                                    quantize_inputs=False, round_products=False)
     return kernel, emul, exact
@@ -94,6 +97,38 @@ def test_fp8_backward_grid(case):
     b = random_jagged_batch(8, 2, head_dim, mq, mk, device="cuda", dtype=dtype, seed=seed, rab_heads=rab_heads,
                             is_delta_q=mq < mk, lengths=lengths, alpha=0.5, **MASKS[mask])
     check(b, mode, seed)
+
+
+# The fused kernel (opt-in: D128, modes 0 and 2-5, no rab, keys of at least FUSED_MIN_SEQLEN_K
+# tokens), through the public call: (mode, mask, dtype, max lengths q/k, lengths)
+FUSED_GRID = [
+    (2, "causal", torch.bfloat16, (2304, 2304), "random"),
+    (0, "none", torch.float16, (2100, 2100), "random"),
+    (3, "local", torch.bfloat16, (2200, 2200), "full"),
+    (4, "ctx+tgt", torch.bfloat16, (2500, 2500), "random"),
+    (5, "causal", torch.float16, (2049, 2049), "full"),
+    (2, "causal", torch.bfloat16, (900, 2300), "random"),  # delta_q
+]
+
+
+@pytest.mark.parametrize("case", FUSED_GRID, ids=lambda c: f"mode{c[0]}-{c[1]}-{str(c[2])[6:]}-{c[3]}-{c[4]}")
+def test_fp8_backward_fused(case, monkeypatch):
+    mode, mask, dtype, (mq, mk), lengths = case
+    monkeypatch.setattr(launch, "FP8_FUSED_BY_DEFAULT", True)
+    assert fp8_backward_fused(128, mode, mk, False, False, False)
+    seed = _seed("fused", case)
+    b = random_jagged_batch(4, 2, 128, mq, mk, device="cuda", dtype=dtype, seed=seed, is_delta_q=mq < mk,
+                            lengths=lengths, alpha=0.5, **MASKS[mask])
+    check(b, mode, seed)
+
+
+def test_fp8_backward_fused_edge_lengths(monkeypatch):
+    """The fused kernel with lengths 0, 1, 17, 2100 (key blocks cut short: K^T's padding and the
+    next sequence behind them), all-target sequences and an empty one."""
+    monkeypatch.setattr(launch, "FP8_FUSED_BY_DEFAULT", True)
+    b = random_jagged_batch(5, 2, 128, 2100, device="cuda", seed=_seed("fused-edge"), lengths=[0, 1, 17, 2100, 40],
+                            window_size=(-1, 0), num_targets=[0, 1, 17, 20, 40], target_group_size=2)
+    check(b, 2, 0)
 
 
 # (mode, mask, head dim, rab heads, max lengths q/k, deterministic)

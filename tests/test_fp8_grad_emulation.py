@@ -90,3 +90,20 @@ def test_running_scale_against_per_row_rule():
         scale = torch.maximum(scale, need)
         expect = (tile / scale[:, :, None]).to(torch.float8_e4m3fn).float() * scale[:, :, None]
         assert torch.equal(out[:, :, j:j + 16], expect)
+
+
+def test_tile_scale_against_per_tile_rule():
+    """The fused kernel's G for dQ: one power-of-two scale per (head, rows x cols tile), ragged
+    edge tiles included; an all-zero tile keeps zeros."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 70, 90, generator=gen) * torch.logspace(-4, 3, 90)[None, None, :]
+    x[:, 64:, :32] = 0.0
+    out = reference.tile_scale_e4m3(x, 32, 32, 1e-30)
+    assert out.shape == x.shape and torch.all(out[:, 64:, :32] == 0)
+    for r in range(0, 70, 32):
+        for c in range(0, 90, 32):
+            tile = x[:, r:r + 32, c:c + 32]
+            s = 2.0 ** torch.ceil(torch.log2(tile.abs().amax(dim=(1, 2)).clamp(min=1e-30) / 448))[:, None, None]
+            assert torch.equal(out[:, r:r + 32, c:c + 32], (tile / s).to(torch.float8_e4m3fn).float() * s)
+    # One tile's largest value is what the scale is cut for: it comes back within e4m3's half ulp.
+    assert torch.allclose(out.abs().amax(), x.abs().amax(), rtol=2 ** -4)

@@ -380,3 +380,56 @@ def dim_descales(scale_row: cute.Tensor, tAcc_rc, inverse_row=None) -> cute.Tens
             for c in cutlass.range_constexpr(2):
                 ratios[2 * p + c] = pair_old[c] * pair_new[c]
     return ratios
+
+
+# The fused FP8 backward (hopper.bwd_fp8, ``fuse_dq``): G from a warpgroup's key-major G^T accumulator
+# into the K-major A operand of dQ = G K^T8 in shared memory.
+#: Layout of the per-warpgroup G scale exchange: (4 warps' maxima + the scale, warpgroup, sG buffer).
+G_SCALE_SLOTS = (5, 2, 2)
+
+
+@cute.jit
+def g_to_smem_keys_contiguous(acc_G: cute.Tensor, base: Float32, sG: cute.Tensor, sScales: cute.Tensor, buf: Int32,
+                              wg: Int32, tid_in_wg: Int32):
+    """Store ``acc_G * base`` (a warpgroup's (64 keys, 64 queries) fp32 WGMMA accumulator, G^T) as
+    e4m3 G[query, key] into rows 0-63, key columns ``64 wg``.. of ``sG`` ((64, 128) 8-bit, the
+    128-byte swizzle of :func:`common.sm90.sm90_smem_layout`, 1024-byte aligned), the keys of
+    every 16-key group in ``KEY_AT_COLUMN`` order, as K^T holds them. One power-of-two scale for
+    the warpgroup's tile (``pow2_ceil(max(max |G| base, 2^-100 448) / 448)``: its four warps'
+    maxima meet in ``sScales[warp, wg, buf]``, one warpgroup barrier) goes to
+    ``sScales[4, wg, buf]``; the values are ``e4m3(G base / scale)``.
+
+    A 32-bit word of a G row takes keys (2m, 2m + 1, 2m + 8, 2m + 9) of a 16-key group: rows g
+    and g + 8 of the lanes with g = 2m and 2m + 1 (lanes l and l ^ 4). Each lane packs its two
+    rows at its two query columns, swaps the word with its partner (one shuffle) and keeps one
+    query's four keys (one byte permute): the even lane the first column, the odd lane the
+    second. The stores are one 16-byte chunk per lane pair and row, conflict-free."""
+    n = cute.size(acc_G)
+    flat = cute.make_tensor(acc_G.iterator, cute.make_layout(n))
+    amax = _tree([cute.arch.fmax(flat[k], -flat[k]) for k in range(n)], cute.arch.fmax)
+    for offset in (1, 2, 4, 8, 16):
+        amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset))
+    warp, lane = tid_in_wg // 32, tid_in_wg % 32
+    if lane == 0:
+        sScales[warp, wg, buf] = amax
+    cute.arch.barrier(barrier_id=NamedBarrier.ZERO_ROWS_WG0 + wg, number_of_threads=128)
+    amax = cute.arch.fmax(cute.arch.fmax(sScales[0, wg, buf], sScales[1, wg, buf]),
+                          cute.arch.fmax(sScales[2, wg, buf], sScales[3, wg, buf]))
+    scale = pow2_ceil(cute.arch.fmax(amax * base * Float32(1.0 / E4M3_MAX), Float32(MIN_ROW_SCALE)))
+    if tid_in_wg == 0:
+        sScales[4, wg, buf] = scale
+    multiplier = base * pow2_reciprocal(scale)
+    g = lane // 4
+    odd = g % 2
+    # (b:a) byte picks: even lane a0 b0 a1 b1 (its column), odd lane b2 a2 b3 a3 (the next one).
+    selector = cutlass.select_(odd == 1, Uint32(0x3726), Uint32(0x5140))
+    row = 2 * (lane % 4) + odd
+    chunk = (wg * 4 + warp) ^ row
+    address = sG.iterator.toint() + row * 128 + chunk * 16 + (g // 2) * 4
+    for j in cutlass.range_constexpr(n // 4):
+        # flat[4j + 2i + c]: row g + 8i, column 8j + 2 (lane % 4) + c.
+        own = e4m3x4(flat[4 * j] * multiplier, flat[4 * j + 2] * multiplier, flat[4 * j + 1] * multiplier,
+                     flat[4 * j + 3] * multiplier)
+        word = prmt(own, cute.arch.shuffle_sync_bfly(own, 4), selector)
+        ptr = cute.make_ptr(Uint32, address + j * 1024, cute.AddressSpace.smem, assumed_align=4)
+        cute.make_tensor(ptr, cute.make_layout(1))[0] = word

@@ -35,15 +35,19 @@ def wgmma_acc_as_operand_a(layout: cute.Layout) -> cute.Layout:
     )
 
 @cute.jit
-def wgmma(tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr[bool], wg_wait: cutlass.Constexpr[int]):
-    """acc (+)= A @ B over all k slices as one WGMMA group; waits until at most ``wg_wait`` groups
-    are in flight (-1: do not wait)."""
+def wgmma(tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr[bool], wg_wait: cutlass.Constexpr[int],
+          k_slices: cutlass.Constexpr = None):
+    """acc (+)= A @ B over all k slices (or slices ``k_slices`` = (first, stop)) as one WGMMA
+    group; waits until at most ``wg_wait`` groups are in flight (-1: do not wait)."""
     from cutlass.cute.nvgpu import warpgroup
 
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
     atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+    first, stop = 0, cute.size(tCrA.shape[2])
+    if const_expr(k_slices is not None):
+        first, stop = k_slices
+    for k in cutlass.range_constexpr(first, stop):
         cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()

@@ -358,10 +358,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
                 # accumulator do not fit together (ptxas serialized every WGMMA, C7512).
                 warpgroup.wait_group(0)
                 cute.arch.barrier(barrier_id=NamedBarrier.DS + buf, number_of_threads=self.num_mma_threads)
-            acc_dQ = cute.make_rmem_tensor(tdQsdQ.shape, Float32)
-            wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, True, 0)
-            if const_expr(self.unscaled_grad):
-                acc_dQ.store(acc_dQ.load() * dq_scale)
+            acc_dQ = self.dq_partial(tiled_mma_dq, tdQrdS, tdQrKt, tdQsdQ.shape, buf, dq_scale)
             # The TMA copy elects its issuing lane (elect.sync): a whole warp must reach it. Its
             # previous reduce from this buffer must have finished reading smem.
             if tid_in_wg < 32:
@@ -376,6 +373,15 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
                 # 437.4-441.4 without the hint (evict_first 442.6).
                 cute.copy(tma_atom_dq, tdQsdQ_tma, tdQgdQ[None, m_block], cache_policy=cutlass.Int64(L2_EVICT_LAST))
                 cute.arch.cp_async_bulk_commit_group()
+
+    def dq_partial(self, tiled_mma_dq, tdQrdS, tdQrKt, shape, buf: Int32, dq_scale: Float32):
+        # Plain Python (traced inline): dQ_i = dS K_j from sdS buffer ``buf``, retired (the FP8
+        # kernel's takes its two warpgroups' halves of the keys, each with its own scale).
+        acc_dQ = cute.make_rmem_tensor(shape, Float32)
+        wgmma(tiled_mma_dq, acc_dQ, tdQrdS[None, None, None, buf], tdQrKt, True, 0)
+        if const_expr(self.unscaled_grad):
+            acc_dQ.store(acc_dQ.load() * dq_scale)
+        return acc_dQ
 
 
 class HstuBackwardDqSm90(HstuBackwardSm90Base):

@@ -121,9 +121,12 @@ def transposed_tiles(tma_atom, tma_xt, sXt, head: Int32, column0: Int32, rows: c
 class KeyBlockProducer:
     """The producer of the dK/dV kernels: K and V of one n-block (1-stage pipeline ``pipe_kv``),
     then Q, dO (and rab) of every m-block that sees it into the ring ``pipe_q``; the FP8 kernel
-    sets ``transposed_q_loads`` (Q^T and dO^T atoms, tensors and smem rings) and they go with them."""
+    sets ``transposed_q_loads`` (Q^T and dO^T atoms, tensors and smem rings) and they go with them;
+    its fused form sets ``transposed_k_load`` (the K^T atom, tensor and smem tile), loaded with K
+    and V."""
 
     transposed_q_loads = None
+    transposed_k_load = None
     transposed_q_tiles = False
     # The FP8 kernel at D256: each CTA takes dK and dV of one part of D.
     dim_parts = 1
@@ -177,9 +180,15 @@ class KeyBlockProducer:
             dims = D // self.dim_parts
             tQtsQt, tQtgQt = transposed_tiles(atom_qt, tma_qt, sQt, head, column0, dims, self.tile_m, dim_part)
             tOtsOt, tOtgOt = transposed_tiles(atom_dot, tma_dot, sdOt, head, column0, dims, self.tile_m, dim_part)
+        kt = None
+        if const_expr(self.transposed_k_load is not None):
+            atom_kt, tma_kt, sKt = self.transposed_k_load
+            tKtsKt, tKtgKt = transposed_tiles(atom_kt, tma_kt, sKt, head, vt_column_start(k_start, batch), D,
+                                              self.tile_n)
+            kt = (atom_kt, tKtgKt[None, n_block], tKtsKt)
         kv_pending = Int32(1)
         if const_expr(not kv_after_q):
-            self.load_kv(tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state)
+            self.load_kv(tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state, kt)
         for m_block in cutlass.range(m_lo, m_hi, unroll=1):
             if masks.tile_nonempty(self.mask, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
                 pipe_q.producer_acquire(q_state)
@@ -194,15 +203,18 @@ class KeyBlockProducer:
                 q_state = advanced(q_state)
                 if const_expr(kv_after_q):
                     if kv_pending != 0:
-                        self.load_kv(tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state)
+                        self.load_kv(tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state, kt)
                         kv_pending = Int32(0)
         if const_expr(kv_after_q):
             if kv_pending != 0:  # no m-block sees this n-block: its consumers still wait for K/V
-                self.load_kv(tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state)
+                self.load_kv(tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state, kt)
         return advanced(kv_state), q_state
 
     @cute.jit
-    def load_kv(self, tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state):
+    def load_kv(self, tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state, kt=None):
+        # ``kt``: (atom, global tile, smem tile) of K^T, or None.
         pipe_kv.producer_acquire(kv_state)
         cute.copy(tma_atom_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
         cute.copy(tma_atom_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        if const_expr(kt is not None):
+            cute.copy(kt[0], kt[1], kt[2], tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))

@@ -37,8 +37,11 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from .. import masks
 from ..common.barriers import NamedBarrier
 from ..common.fp8 import (
+    G_SCALE_SLOTS,
     column_descale,
     dim_descales,
+    g_to_smem_keys_contiguous,
+    pow2_reciprocal,
     rescale_rows_if_needed,
     row_token_descales,
     scale_columns,
@@ -58,6 +61,7 @@ from ..common.sm90 import (
     sm90_bwd_pipelines,
     sm90_smem_layout,
     smem_tensors,
+    sm90_tma_atom_tokens,
     trivial_mma,
     wgmma,
     wgmma_acc_rows_cols,
@@ -201,11 +205,14 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
 
     def __init__(self, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
                  num_stages: int, grad_dtype, persistent: bool = False, dynamic_tiles: bool = False,
-                 two_direction: bool = False, dim_parts: int = 1):
+                 two_direction: bool = False, dim_parts: int = 1, fuse_dq: bool = False):
         super().__init__(cutlass.Float8E4M3FN, head_dim, mask, has_rab, tile_m, tile_n, num_stages, True,
-                         fuse_dq=False, persistent=persistent, dynamic_tiles=dynamic_tiles)
+                         fuse_dq=fuse_dq, persistent=persistent, dynamic_tiles=dynamic_tiles)
         self.grad_dtype = self.rab_dtype = grad_dtype
         self.two_direction = two_direction
+        # Fused: the dK GEMM does not wait; the dQ step after it waits for every WGMMA in flight.
+        self.dk_gemm_wait = -1 if fuse_dq else 0
+        assert not fuse_dq or not (has_rab or two_direction or dim_parts > 1 or persistent)
         # dim_parts CTAs per key block (variants.HopperFp8BwdKey.dim_parts), each with dK and dV of
         # dims columns of D; the score GEMMs and the SiLU run in each.
         self.dim_parts = dim_parts
@@ -213,10 +220,10 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         assert tile_n == BLOCK_TOKENS and BLOCK_TOKENS % tile_m == 0 and tile_m % 32 == 0
 
     @cute.jit
-    def __call__(self, mQ, mK, mV, mdO, mQt, mdOt, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK,
-                 mNumContexts, mNumTargets, mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
-                 num_n_blocks, num_sms, bh_per_section, mTileCounter, mDescaleQ, mDescaleK, mDescaleV, mDescaleDO,
-                 mDescaleQt, mDescaleDOt, stream):
+    def __call__(self, mQ, mK, mV, mdO, mQt, mdOt, mKt, mdK, mdV, mdQaccum, mOffsetsQ, mOffsetsK, mSeqUsedQ,
+                 mSeqUsedK, mNumContexts, mNumTargets, mRab, alpha, inv_scale, window_left, window_right, group_size,
+                 is_delta_q, num_n_blocks, num_sms, bh_per_section, mTileCounter, mDescaleQ, mDescaleK, mDescaleV,
+                 mDescaleDO, mDescaleQt, mDescaleDOt, stream):
         D = self.head_dim
         self.sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, None)
         self.sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, self.num_stages)
@@ -231,6 +238,25 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         sQt_stage = cute.slice_(self.sQt_layout, (None, None, 0))
         tma_atom_qt, tma_qt = transposed_atom(mQt, sQt_stage, self.dims, self.tile_m)
         tma_atom_dot, tma_dot = transposed_atom(mdOt, sQt_stage, self.dims, self.tile_m)
+        self.sKt_layout = self.sG_layout = self.sdQ_layout = self.tiled_mma_dq = None
+        tma_atom_kt = tma_kt = tma_atom_dq = tma_dq = zero_keys = None
+        fused_storage = {}
+        if const_expr(self.fuse_dq):
+            zero_keys = rows_zero_copy(self.dtype, self.tile_n)
+            # K^T (D, keys), keys contiguous: the K-major B operand of dQ_i = G K_j, loaded with K and V.
+            self.sKt_layout = sm90_smem_layout(self.dtype, D, self.tile_n)
+            tma_atom_kt, tma_kt = transposed_atom(mKt, self.sKt_layout, D, self.tile_n)
+            self.kv_bytes += D * self.tile_n
+            # G as (queries, keys), keys contiguous in K^T's order: the K-major A operand; two buffers.
+            self.sG_layout = sm90_smem_layout(self.dtype, self.tile_m, self.tile_n, 2)
+            self.sdQ_layout = sm90_smem_layout(Float32, self.tile_m, D, 2)  # one buffer per warpgroup
+            self.tiled_mma_dq = trivial_mma(self.dtype, D, False, 1, atom_layout=(1, 1, 1))
+            tma_atom_dq, tma_dq = sm90_tma_atom_tokens(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum,
+                                                       cute.slice_(self.sdQ_layout, (None, None, 0)), self.tile_m, D)
+            fused_storage = dict(sKt=(self.dtype, cute.cosize(self.sKt_layout)),
+                                 sG=(self.dtype, cute.cosize(self.sG_layout)),
+                                 sdQ=(Float32, cute.cosize(self.sdQ_layout)),
+                                 sGScales=(Float32, cute.size(G_SCALE_SLOTS)))
         tile = (self.dtype, cute.cosize(self.sK_layout))
         ring = (self.dtype, cute.cosize(self.sQ_layout))
         ring_t = (self.dtype, cute.cosize(self.sQt_layout))
@@ -238,20 +264,23 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         self.shared_storage = shared_storage(
             dict(mbar_kv=2, mbar_q=2 * self.num_stages, **ring_barriers),
             dict(sK=tile, sV=tile, sQ=ring, sdO=ring, sQt=ring_t, sdOt=ring_t,
-                 sRab=(self.rab_dtype, self.smem_elems(self.sRab_layout)), **self.column_rows_storage(2)),
+                 sRab=(self.rab_dtype, self.smem_elems(self.sRab_layout)), **self.column_rows_storage(2),
+                 **fused_storage),
             words=ring_words)
         num_ctas = num_n_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
         if const_expr(self.persistent):
             num_ctas = cutlass.min(num_ctas, num_sms)
-        self.launch(*loads, tma_atom_qt, tma_qt, tma_atom_dot, tma_dot, mQ, mK, mdK, mdV,
-                    SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
-                    ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_n_blocks,
-                    bh_per_section, mTileCounter, self.descale_tables(mDescaleQ, mDescaleK, mDescaleV, mDescaleDO,
-                                                                      mDescaleQt, mDescaleDOt),
+        self.launch(*loads, tma_atom_qt, tma_qt, tma_atom_dot, tma_dot, tma_atom_kt, tma_kt, tma_atom_dq, tma_dq, mQ,
+                    mK, mdK, mdV, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets),
+                    mRab, ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q),
+                    num_n_blocks, bh_per_section, mTileCounter,
+                    self.descale_tables(mDescaleQ, mDescaleK, mDescaleV, mDescaleDO, mDescaleQt, mDescaleDOt),
                     statics=dict(sK_layout=self.sK_layout, sQ_layout=self.sQ_layout, sQt_layout=self.sQt_layout,
                                  sRab_layout=self.sRab_layout, tiled_mma_s=self.tiled_mma_s,
                                  tiled_mma_d=self.tiled_mma_d, zero_rows=rows_zero_copy(self.dtype, D),
-                                 zero_cols=rows_zero_copy(self.dtype, self.tile_m)),
+                                 zero_cols=rows_zero_copy(self.dtype, self.tile_m), sKt_layout=self.sKt_layout,
+                                 sG_layout=self.sG_layout, sdQ_layout=self.sdQ_layout, tiled_mma_dq=self.tiled_mma_dq,
+                                 zero_keys=zero_keys),
                     grid=[num_ctas, 1, 1], stream=stream)
 
     def descale_tables(self, *tables):
@@ -282,16 +311,23 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
 
     @cute.kernel
     def kernel(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
-               tma_rab, tma_atom_qt, tma_qt, tma_atom_dot, tma_dot, mQ, mK, mdK, mdV, seqs, mRab, scalars,
-               num_n_blocks: Int32, bh_per_section: Int32, mTileCounter, descales, statics):
+               tma_rab, tma_atom_qt, tma_qt, tma_atom_dot, tma_dot, tma_atom_kt, tma_kt, tma_atom_dq, tma_dq, mQ, mK,
+               mdK, mdV, seqs, mRab, scalars, num_n_blocks: Int32, bh_per_section: Int32, mTileCounter, descales,
+               statics):
         self.bind(statics)
         tidx, warp_idx = self.prologue(tma_atom_k, tma_atom_v, tma_atom_q, tma_atom_do, tma_atom_rab, tma_atom_qt,
-                                       tma_atom_dot)
+                                       tma_atom_dot, tma_atom_kt, tma_atom_dq)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         pipe_kv, pipe_q = sm90_bwd_pipelines(storage.mbar_kv, storage.mbar_q, self.kv_bytes,
                                               self.q_bytes, self.num_stages, self.num_mma_threads)
         s = smem_tensors(storage, dict(sK=self.sK_layout, sV=self.sK_layout, sQ=self.sQ_layout, sdO=self.sQ_layout,
-                                       sQt=self.sQt_layout, sdOt=self.sQt_layout, sRab=self.sRab_layout))
+                                       sQt=self.sQt_layout, sdOt=self.sQt_layout, sRab=self.sRab_layout,
+                                       sKt=self.sKt_layout, sG=self.sG_layout, sdQ=self.sdQ_layout))
+        fused = None
+        if const_expr(self.fuse_dq):
+            self.transposed_k_load = (tma_atom_kt, tma_kt, s["sKt"])
+            fused = (s["sKt"], s["sG"], s["sdQ"], storage.sGScales.get_tensor(cute.make_layout(G_SCALE_SLOTS)),
+                     tma_atom_dq, tma_dq)
         walk = SectionWalk(num_n_blocks, mQ.shape[1], seqs.mOffsetsQ.shape[0] - 1, bh_per_section, reverse=False)
         seqinfo = self.sequence_info(seqs, scalars, mQ, mK)
         claims = self.tile_claims(storage, walk, mTileCounter)
@@ -308,11 +344,11 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume_fp8(tidx - 128, mdK, mdV, s["sK"], s["sV"], s["sQ"], s["sdO"], s["sQt"], s["sdOt"],
-                             s["sRab"], pipe_kv, pipe_q, scalars.alpha, scalars.inv_scale, walk, seqinfo, claims)
+                             s["sRab"], pipe_kv, pipe_q, scalars.alpha, scalars.inv_scale, walk, seqinfo, claims, fused)
 
     @cute.jit
     def consume_fp8(self, tidx: Int32, mdK, mdV, sK, sV, sQ, sdO, sQt, sdOt, sRab, pipe_kv, pipe_q, alpha: Float32,
-                    inv_scale: Float32, walk, seqinfo, claims):
+                    inv_scale: Float32, walk, seqinfo, claims, fused=None):
         tiled_mma_s, tiled_mma_d = self.tiled_mma_s, self.tiled_mma_d
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_mma_s = tiled_mma_s.get_slice(tidx)
@@ -336,17 +372,30 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
             tSsRabT = thr_mma_s.partition_C(sRabT)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        dq_parts = None
+        if const_expr(self.fuse_dq):
+            sKt, sG, sdQ, sGScales, tma_atom_dq, tma_dq = fused
+            thr_mma_dq = self.tiled_mma_dq.get_slice(tidx % 128)
+            sdQ_wg = sdQ[None, None, wg]
+            dq_parts = (sKt, sG, sGScales, thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sG)),
+                        thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(sKt)), thr_mma_dq.partition_C(sdQ_wg), sdQ_wg,
+                        tma_atom_dq, tma_dq)
         tile_args = (tidx, mdK, mdV, sQ, sdO, sQt, sdOt, pipe_kv, pipe_q, alpha, inv_scale, tSrK, tSrV, tSrQ, tSrdO,
-                     tDrQt, tDrdOt, tScS, tScS_rc, tDcD_rc, tSsRabT)
+                     tDrQt, tDrdOt, tScS, tScS_rc, tDcD_rc, tSsRabT, dq_parts)
         self.for_each_tile(walk, seqinfo, self.consume_key_block, tile_args, (q_state, kv_state), claims=claims)
+        if const_expr(self.fuse_dq):
+            # The last reduce-adds must have read sdQ before the CTA's smem goes away.
+            if tidx % 128 < 32:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def consume_key_block(self, tidx: Int32, mdK, mdV, sQ, sdO, sQt, sdOt, pipe_kv, pipe_q, alpha: Float32,
                           inv_scale: Float32, tSrK, tSrV, tSrQ, tSrdO, tDrQt, tDrdOt, tScS, tScS_rc, tDcD_rc, tSsRabT,
-                          n_block: Int32, head: Int32, batch: Int32, q_start: Int32, k_start: Int32, seq,
+                          dq_parts, n_block: Int32, head: Int32, batch: Int32, q_start: Int32, k_start: Int32, seq,
                           m_lo: Int32, m_hi: Int32, dim_part, q_state, kv_state):
-        """One n-block: dK and dV of its keys (of part ``dim_part`` of D). Returns the advanced
-        pipeline states."""
+        """One n-block: dK and dV of its keys (of part ``dim_part`` of D), and with ``fuse_dq`` the
+        reduce-adds of dQ (``dq_parts``: K^T, sG, the G scales, their fragments, sdQ, the TMA
+        reduce). Returns the advanced pipeline states."""
         D = self.head_dim
         tiled_mma_s, tiled_mma_d = self.tiled_mma_s, self.tiled_mma_d
         spec = self.mask
@@ -381,7 +430,19 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         g_scale.fill(0.0)
         p_rescale = cute.make_rmem_tensor(cute.make_layout(2), Float32)
         g_rescale = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        tdQsdQ_tma = tdQgdQ = None
+        if const_expr(self.fuse_dq):
+            sKt, sG, sGScales, tdQrG, tdQrKt, tdQsdQ, sdQ_wg, tma_atom_dq, tma_dq = dq_parts
+            gdQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_dq[None, None, head]), (self.tile_m, D),
+                                  (None, 0))
+            tdQsdQ_tma, tdQgdQ = cpasync.tma_partition(tma_atom_dq, 0, cute.make_layout(1),
+                                                       cute.group_modes(sdQ_wg, 0, 2), cute.group_modes(gdQ, 0, 2))
+        # m-blocks done (fused: their parity picks the sG buffer and the dQ owner).
+        blocks_done = Int32(0)
         pipe_kv.consumer_wait(kv_state)
+        if const_expr(self.fuse_dq):
+            if k_rows < self.tile_n:
+                zero_smem_cols_past(self.zero_keys, sKt, (D, self.tile_n), tid_in_wg, wg, k_rows)
         for m_block in cutlass.range(m_lo, m_hi, unroll=1):
             if masks.tile_nonempty(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
                 pipe_q.consumer_wait(q_state)
@@ -428,6 +489,9 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
                 else:
                     p_words = scaled_fp8_words(acc_S, ddo, Float32(P_AMAX_FLOOR), p_scale, p_rescale)
                     g_words = scaled_fp8_words(acc_dP, ddo * dv * dq, Float32(G_AMAX_FLOOR), g_scale, g_rescale)
+                if const_expr(self.fuse_dq):
+                    g_to_smem_keys_contiguous(acc_dP, ddo * dv * dk, sG[None, None, blocks_done % 2], sGScales,
+                                              blocks_done % 2, wg, tid_in_wg)
                 # The previous m-block's dV and dK GEMMs retired (wait_group(0) below).
                 rescale_rows_if_needed(acc_dV, p_rescale)
                 rescale_rows_if_needed(acc_dK, g_rescale)
@@ -440,7 +504,12 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
                 words_to_operand_a(p_words, rP)
                 words_to_operand_a(g_words, rG)
                 wgmma(tiled_mma_d, acc_dV, rP, tDrdOt[None, None, None, stage], False, -1)
-                wgmma(tiled_mma_d, acc_dK, rG, tDrQt[None, None, None, stage], False, 0)
+                wgmma(tiled_mma_d, acc_dK, rG, tDrQt[None, None, None, stage], False, self.dk_gemm_wait)
+                if const_expr(self.fuse_dq):
+                    cute.arch.fence_view_async_shared()
+                    self.reduce_dq(self.tiled_mma_dq, (tdQrG, sGScales), tdQrKt, tdQsdQ, sdQ_wg, tdQsdQ_tma, tdQgdQ,
+                                   tma_atom_dq, tid_in_wg, wg, m_block, blocks_done, alpha * inv_scale * Float32(0.5))
+                    blocks_done += 1
                 pipe_q.consumer_release(q_state)
                 q_state = advanced(q_state)
 
@@ -454,6 +523,32 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         store_dk_dv(thr_mma_d, acc_dK, acc_dV, mdK, mdV, self.grad_dtype, self.tile_n, self.dims, k_start, head,
                     n_block, k_rows, dim_part)
         return q_state, advanced(kv_state)
+
+
+    def dq_partial(self, tiled_mma_dq, tdQrG_scales, tdQrKt, shape, buf: Int32, dq_scale: Float32):
+        # Plain Python (traced inline): dQ_i = G K_j from sG buffer ``buf``, whose two key halves
+        # (one per warpgroup) carry their own power-of-two scales (common.fp8.g_to_smem_keys_contiguous):
+        # the half with the smaller scale first, its sum times small / large (at most 1: no
+        # overflow when a half is all zeros and keeps the least scale), then the other half.
+        tdQrG, sGScales = tdQrG_scales
+        half = cute.size(tdQrKt.shape[2]) // 2
+        s0, s1 = sGScales[4, 0, buf], sGScales[4, 1, buf]
+        first = cutlass.select_(s0 <= s1, Int32(0), Int32(half))
+        acc_dQ = cute.make_rmem_tensor(shape, Float32)
+        for part in range(2):
+            start = first if part == 0 else half - first
+            warpgroup.fence()
+            atom = cute.make_mma_atom(tiled_mma_dq.op)
+            atom.set(warpgroup.Field.ACCUMULATE, part > 0)
+            for k in range(half):
+                cute.gemm(atom, acc_dQ, tdQrG[None, None, start + k, buf], tdQrKt[None, None, start + k], acc_dQ)
+                atom.set(warpgroup.Field.ACCUMULATE, True)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            if part == 0:
+                acc_dQ.store(acc_dQ.load() * (cute.arch.fmin(s0, s1) * pow2_reciprocal(cute.arch.fmax(s0, s1))))
+        acc_dQ.store(acc_dQ.load() * (cute.arch.fmax(s0, s1) * dq_scale))
+        return acc_dQ
 
 
 class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):

@@ -70,7 +70,7 @@ from ..common.sm90 import (
 from ..common.tile_scheduler import SectionWalk
 from ..fp8_format import BLOCK_TOKENS, P_AMAX_FLOOR
 from .bwd import HstuBackwardDkDvSm90, HstuBackwardDqSm90
-from .bwd_base import store_dk_dv, store_dq
+from .bwd_base import StagedEpilogue, store_dk_dv, store_dq, store_rows_staged
 
 # G has no natural floor (dO can be any size): a row of zeros keeps common.fp8.MIN_ROW_SCALE.
 G_AMAX_FLOOR = 0.0
@@ -189,7 +189,7 @@ def epilogue_rows(acc, row_scale, factor: Float32):
     scale_rows(acc, factors)
 
 
-class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
+class HstuBackwardDkDvFp8Sm90(StagedEpilogue, HstuBackwardDkDvSm90):
     """dK, dV kernel of the FP8 backward: the 16-bit dK/dV kernel's tiles, walk and warp roles, with
     e4m3 K, V (the CTA's, 1-stage pipeline) and Q, dO, Q^T, dO^T (+ 16-bit rab) per m-block in the
     ring. Per m-block: S^T = K Q^T and dP^T = V dO^T (SS, descaled by dq dk and ddO dv), P^T and G^T
@@ -261,12 +261,12 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         ring = (self.dtype, cute.cosize(self.sQ_layout))
         ring_t = (self.dtype, cute.cosize(self.sQt_layout))
         ring_barriers, ring_words = self.tile_ring_storage()
-        self.shared_storage = shared_storage(
-            dict(mbar_kv=2, mbar_q=2 * self.num_stages, **ring_barriers),
-            dict(sK=tile, sV=tile, sQ=ring, sdO=ring, sQt=ring_t, sdOt=ring_t,
-                 sRab=(self.rab_dtype, self.smem_elems(self.sRab_layout)), **self.column_rows_storage(2),
-                 **fused_storage),
-            words=ring_words)
+        barriers = dict(mbar_kv=2, mbar_q=2 * self.num_stages, **ring_barriers)
+        buffers = dict(sK=tile, sV=tile, sQ=ring, sdO=ring, sQt=ring_t, sdOt=ring_t,
+                       sRab=(self.rab_dtype, self.smem_elems(self.sRab_layout)), **self.column_rows_storage(2),
+                       **fused_storage)
+        self.shared_storage, self.sEpi_layout, epi_atoms = self.staged_epilogue(
+            lambda extra: shared_storage(barriers, dict(buffers, **extra), words=ring_words), (mdK, mdV), self.dims)
         num_ctas = num_n_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
         if const_expr(self.persistent):
             num_ctas = cutlass.min(num_ctas, num_sms)
@@ -275,7 +275,7 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
                     mRab, ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q),
                     num_n_blocks, bh_per_section, mTileCounter,
                     self.descale_tables(mDescaleQ, mDescaleK, mDescaleV, mDescaleDO, mDescaleQt, mDescaleDOt),
-                    statics=dict(sK_layout=self.sK_layout, sQ_layout=self.sQ_layout, sQt_layout=self.sQt_layout,
+                    epi_atoms, statics=dict(sEpi_layout=self.sEpi_layout, sK_layout=self.sK_layout, sQ_layout=self.sQ_layout, sQt_layout=self.sQt_layout,
                                  sRab_layout=self.sRab_layout, tiled_mma_s=self.tiled_mma_s,
                                  tiled_mma_d=self.tiled_mma_d, zero_rows=rows_zero_copy(self.dtype, D),
                                  zero_cols=rows_zero_copy(self.dtype, self.tile_m), sKt_layout=self.sKt_layout,
@@ -313,7 +313,7 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
     def kernel(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
                tma_rab, tma_atom_qt, tma_qt, tma_atom_dot, tma_dot, tma_atom_kt, tma_kt, tma_atom_dq, tma_dq, mQ, mK,
                mdK, mdV, seqs, mRab, scalars, num_n_blocks: Int32, bh_per_section: Int32, mTileCounter, descales,
-               statics):
+               epi_atoms, statics):
         self.bind(statics)
         tidx, warp_idx = self.prologue(tma_atom_k, tma_atom_v, tma_atom_q, tma_atom_do, tma_atom_rab, tma_atom_qt,
                                        tma_atom_dot, tma_atom_kt, tma_atom_dq)
@@ -322,7 +322,11 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
                                               self.q_bytes, self.num_stages, self.num_mma_threads)
         s = smem_tensors(storage, dict(sK=self.sK_layout, sV=self.sK_layout, sQ=self.sQ_layout, sdO=self.sQ_layout,
                                        sQt=self.sQt_layout, sdOt=self.sQt_layout, sRab=self.sRab_layout,
-                                       sKt=self.sKt_layout, sG=self.sG_layout, sdQ=self.sdQ_layout))
+                                       sKt=self.sKt_layout, sG=self.sG_layout, sdQ=self.sdQ_layout,
+                                       sEpi=self.sEpi_layout))
+        epilogue = None
+        if const_expr(self.sEpi_layout is not None):
+            epilogue = (s["sEpi"], epi_atoms)
         fused = None
         if const_expr(self.fuse_dq):
             self.transposed_k_load = (tma_atom_kt, tma_kt, s["sKt"])
@@ -344,11 +348,12 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume_fp8(tidx - 128, mdK, mdV, s["sK"], s["sV"], s["sQ"], s["sdO"], s["sQt"], s["sdOt"],
-                             s["sRab"], pipe_kv, pipe_q, scalars.alpha, scalars.inv_scale, walk, seqinfo, claims, fused)
+                             s["sRab"], pipe_kv, pipe_q, scalars.alpha, scalars.inv_scale, walk, seqinfo, claims, fused,
+                             epilogue)
 
     @cute.jit
     def consume_fp8(self, tidx: Int32, mdK, mdV, sK, sV, sQ, sdO, sQt, sdOt, sRab, pipe_kv, pipe_q, alpha: Float32,
-                    inv_scale: Float32, walk, seqinfo, claims, fused=None):
+                    inv_scale: Float32, walk, seqinfo, claims, fused=None, epilogue=None):
         tiled_mma_s, tiled_mma_d = self.tiled_mma_s, self.tiled_mma_d
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_mma_s = tiled_mma_s.get_slice(tidx)
@@ -381,8 +386,12 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
                         thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(sKt)), thr_mma_dq.partition_C(sdQ_wg), sdQ_wg,
                         tma_atom_dq, tma_dq)
         tile_args = (tidx, mdK, mdV, sQ, sdO, sQt, sdOt, pipe_kv, pipe_q, alpha, inv_scale, tSrK, tSrV, tSrQ, tSrdO,
-                     tDrQt, tDrdOt, tScS, tScS_rc, tDcD_rc, tSsRabT, dq_parts)
+                     tDrQt, tDrdOt, tScS, tScS_rc, tDcD_rc, tSsRabT, dq_parts, epilogue)
         self.for_each_tile(walk, seqinfo, self.consume_key_block, tile_args, (q_state, kv_state), claims=claims)
+        if const_expr(epilogue is not None):
+            # The last TMA stores must have read their tiles before the CTA's smem goes away.
+            if tidx % 128 < 32:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         if const_expr(self.fuse_dq):
             # The last reduce-adds must have read sdQ before the CTA's smem goes away.
             if tidx % 128 < 32:
@@ -391,7 +400,7 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
     @cute.jit
     def consume_key_block(self, tidx: Int32, mdK, mdV, sQ, sdO, sQt, sdOt, pipe_kv, pipe_q, alpha: Float32,
                           inv_scale: Float32, tSrK, tSrV, tSrQ, tSrdO, tDrQt, tDrdOt, tScS, tScS_rc, tDcD_rc, tSsRabT,
-                          dq_parts, n_block: Int32, head: Int32, batch: Int32, q_start: Int32, k_start: Int32, seq,
+                          dq_parts, epilogue, n_block: Int32, head: Int32, batch: Int32, q_start: Int32, k_start: Int32, seq,
                           m_lo: Int32, m_hi: Int32, dim_part, q_state, kv_state):
         """One n-block: dK and dV of its keys (of part ``dim_part`` of D), and with ``fuse_dq`` the
         reduce-adds of dQ (``dq_parts``: K^T, sG, the G scales, their fragments, sdQ, the TMA
@@ -520,8 +529,16 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         if const_expr(self.two_direction):
             epilogue_columns(acc_dV, self.descales[5], batch, head, q_block_prev, tDcD_rc, self.dims, dim_part)
             epilogue_columns(acc_dK, self.descales[4], batch, head, q_block_prev, tDcD_rc, self.dims, dim_part)
-        store_dk_dv(thr_mma_d, acc_dK, acc_dV, mdK, mdV, self.grad_dtype, self.tile_n, self.dims, k_start, head,
-                    n_block, k_rows, dim_part)
+        if const_expr(epilogue is not None):
+            if k_rows - wg * 64 >= 64:
+                store_rows_staged((acc_dK, acc_dV), *epilogue, self.grad_dtype, tid_in_wg, wg, k_start + col0 + wg * 64,
+                                  head, dim_part)
+            else:
+                store_dk_dv(thr_mma_d, acc_dK, acc_dV, mdK, mdV, self.grad_dtype, self.tile_n, self.dims, k_start,
+                            head, n_block, k_rows, dim_part)
+        else:
+            store_dk_dv(thr_mma_d, acc_dK, acc_dV, mdK, mdV, self.grad_dtype, self.tile_n, self.dims, k_start, head,
+                        n_block, k_rows, dim_part)
         return q_state, advanced(kv_state)
 
 
@@ -551,7 +568,7 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         return acc_dQ
 
 
-class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
+class HstuBackwardDqFp8Sm90(StagedEpilogue, HstuBackwardDqSm90):
     """dQ kernel of the FP8 backward: the 16-bit dQ kernel's tiles, walk and warp roles, with e4m3
     Q, dO (the CTA's) and K, V, K^T (+ 16-bit rab) per n-block in the ring. Per n-block: S = Q K^T
     and dP = dO V^T (SS, descaled by dq dk and ddO dv), G (tanh SiLU, unscaled), dQ += G8 K^T8 (RS,
@@ -597,11 +614,11 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
         tile = (self.dtype, cute.cosize(self.sQ_layout))
         ring = (self.dtype, cute.cosize(self.sK_layout))
         ring_barriers, ring_words = self.tile_ring_storage()
-        self.shared_storage = shared_storage(
-            dict(mbar_q=2, mbar_kv=2 * self.num_stages, **ring_barriers),
-            dict(sQ=tile, sdO=tile, sK=ring, sV=ring, sKt=(self.dtype, cute.cosize(self.sKt_layout)),
-                 sRab=(self.rab_dtype, self.smem_elems(self.sRab_layout)), **self.column_rows_storage(1)),
-            words=ring_words)
+        barriers = dict(mbar_q=2, mbar_kv=2 * self.num_stages, **ring_barriers)
+        buffers = dict(sQ=tile, sdO=tile, sK=ring, sV=ring, sKt=(self.dtype, cute.cosize(self.sKt_layout)),
+                       sRab=(self.rab_dtype, self.smem_elems(self.sRab_layout)), **self.column_rows_storage(1))
+        self.shared_storage, self.sEpi_layout, epi_atoms = self.staged_epilogue(
+            lambda extra: shared_storage(barriers, dict(buffers, **extra), words=ring_words), (mdQ,), D)
         num_ctas = num_m_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
         if const_expr(self.persistent):
             num_ctas = cutlass.min(num_ctas, num_sms)
@@ -610,8 +627,8 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
                     SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
                     ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_m_blocks,
                     bh_per_section, mTileCounter, self.descale_tables(mDescaleQ, mDescaleK, mDescaleV, mDescaleDO,
-                                                                      mDescaleKt), mdRab,
-                    statics=dict(sQ_layout=self.sQ_layout, sK_layout=self.sK_layout, sKt_layout=self.sKt_layout,
+                                                                      mDescaleKt), mdRab, epi_atoms,
+                    statics=dict(sEpi_layout=self.sEpi_layout, sQ_layout=self.sQ_layout, sK_layout=self.sK_layout, sKt_layout=self.sKt_layout,
                                  sRab_layout=self.sRab_layout, tiled_mma_s=self.tiled_mma_s,
                                  tiled_mma_dq=self.tiled_mma_dq, zero_cols=rows_zero_copy(self.dtype, self.tile_n)),
                     grid=[num_ctas, 1, 1], stream=stream)
@@ -623,14 +640,17 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
     @cute.kernel
     def kernel(self, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab,
                tma_rab, tma_atom_kt, tma_kt, mQ, mK, mdQ, seqs, mRab, scalars, num_m_blocks: Int32,
-               bh_per_section: Int32, mTileCounter, descales, mdRab, statics):
+               bh_per_section: Int32, mTileCounter, descales, mdRab, epi_atoms, statics):
         self.bind(statics)
         tidx, warp_idx = self.prologue(tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_rab, tma_atom_kt)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         pipe_q, pipe_kv = sm90_bwd_pipelines(storage.mbar_q, storage.mbar_kv, self.q_bytes,
                                               self.kv_bytes, self.num_stages, self.num_mma_threads)
         s = smem_tensors(storage, dict(sQ=self.sQ_layout, sdO=self.sQ_layout, sK=self.sK_layout, sV=self.sK_layout,
-                                       sKt=self.sKt_layout, sRab=self.sRab_layout))
+                                       sKt=self.sKt_layout, sRab=self.sRab_layout, sEpi=self.sEpi_layout))
+        epilogue = None
+        if const_expr(self.sEpi_layout is not None):
+            epilogue = (s["sEpi"], epi_atoms)
         walk = SectionWalk(num_m_blocks, mQ.shape[1], seqs.mOffsetsQ.shape[0] - 1, bh_per_section, reverse=True)
         seqinfo = self.sequence_info(seqs, scalars, mQ, mK)
         claims = self.tile_claims(storage, walk, mTileCounter)
@@ -648,16 +668,20 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             block_args = (tidx - 128, mdQ, s["sQ"], s["sdO"], s["sK"], s["sV"], s["sKt"], s["sRab"], pipe_q, pipe_kv,
-                          scalars.alpha, scalars.inv_scale)
+                          scalars.alpha, scalars.inv_scale, epilogue)
             states = ()
             if const_expr(self.persistent):
                 states = (pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
                           pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages))
             self.for_each_tile(walk, seqinfo, self.consume_query_block_fp8, block_args, states, claims=claims)
+            if const_expr(epilogue is not None):
+                # The last TMA stores must have read their tiles before the CTA's smem goes away.
+                if (tidx - 128) % 128 < 32:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def consume_query_block_fp8(self, tidx: Int32, mdQ, sQ, sdO, sK, sV, sKt, sRab, pipe_q, pipe_kv, alpha: Float32,
-                                inv_scale: Float32, m_block: Int32, head: Int32, batch: Int32, q_start: Int32,
+                                inv_scale: Float32, epilogue, m_block: Int32, head: Int32, batch: Int32, q_start: Int32,
                                 k_start: Int32, seq, sched, q_state=None, kv_state=None):
         """dQ of one m-block; returns the advanced pipeline states (persistent CTAs pass theirs)."""
         persistent = q_state is not None
@@ -780,5 +804,12 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
         epilogue_rows(acc_dQ, g_scale, alpha * inv_scale * Float32(0.5))
         if const_expr(self.two_direction):
             epilogue_columns(acc_dQ, self.descales[4], batch, head, k_block_prev, tDcD_rc, D)
-        store_dq(thr_mma_dq, acc_dQ, mdQ, self.grad_dtype, self.tile_m, D, q_start, head, m_block, seq)
+        if const_expr(epilogue is not None):
+            row0 = m_block * self.tile_m + wg * 64
+            if seq.seqlen_q - row0 >= 64:
+                store_rows_staged((acc_dQ,), *epilogue, self.grad_dtype, tidx % 128, wg, q_start + row0, head)
+            else:
+                store_dq(thr_mma_dq, acc_dQ, mdQ, self.grad_dtype, self.tile_m, D, q_start, head, m_block, seq)
+        else:
+            store_dq(thr_mma_dq, acc_dQ, mdQ, self.grad_dtype, self.tile_m, D, q_start, head, m_block, seq)
         return q_state, kv_state

@@ -2,8 +2,8 @@
 backward at D64, D128 and D256 (quant modes 0, 1, 2 and 4: the cast, the two-direction, the
 one-pass and the two-pass quantizers; drab with modes 1 and 2 where the case has rab), gradients
 by autograd, for compute-sanitizer. Lengths are random, so sequences start at tokens that are not
-multiples of 16 (the token-contiguous copies' padding). Skips (exit 0) without a compute
-capability 9.x GPU."""
+multiples of 16 (the token-contiguous copies' padding). Then the opt-in fused kernel at D128 on
+a batch with a 2100-token sequence. Skips (exit 0) without a compute capability 9.x GPU."""
 import sys
 
 import torch
@@ -44,3 +44,24 @@ for name, kw in CASES.items():
                 torch.cuda.synchronize()
                 assert torch.isfinite(drab).all(), (name, head_dim, "drab", mode)
         print(f"fp8 backward {name} D{head_dim}: ok", flush=True)
+
+# The fused FP8 kernel (opt-in; D128, modes 0 and 2-5, no rab, keys of at least FUSED_MIN_SEQLEN_K
+# tokens): lengths from 1 to 2100, so key blocks end inside K^T's padding and the next sequence.
+from hstu_cute import launch  # noqa: E402
+
+launch.FP8_FUSED_BY_DEFAULT = True
+for name, kw in CASES.items():
+    if "rab" in name:
+        continue
+    b = testing.random_jagged_batch(3, 2, 128, 2100, device="cuda", seed=8, lengths=[2100, 1, 1500],
+                                    **{k: v for k, v in kw.items() if k != "max_seqlen_k"})
+    rest = {k: v for k, v in b.items() if k not in ("q", "k", "v")}
+    if not launch.fp8_backward_fused(128, 2, rest["max_seqlen_k"], False, False, False):
+        continue
+    for mode in (0, 2, 4):
+        q, k, v = (b[n].detach().clone().requires_grad_() for n in "qkv")
+        out = hstu_attn_varlen_func(q, k, v, **rest, quant_mode=mode)
+        grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out) * 1e-2)
+        torch.cuda.synchronize()
+        assert all(torch.isfinite(g).all() for g in grads), (name, "fused", mode)
+    print(f"fp8 backward (fused) {name} D128: ok", flush=True)

@@ -539,18 +539,18 @@ _FP8_BWD_TILES = {"dkdv": dict(tile_m=64, tile_n=128, persistent=True, dynamic_t
 #: opt-in, see hstu_cute.launch.FP8_FUSED_BY_DEFAULT). Non-persistent like the 16-bit fused kernel:
 #: its m-block parity alternates the dQ owner within one key block.
 FP8_FUSED_HEAD_DIMS = (128,)
-# D256 dQ: 64-key blocks (a 128 x 256 fp32 dQ accumulator takes 128 registers per thread). D256 dK/dV
-# without rab: 3 stages (208 KB; with rab's stages 256 KB, over the limit). H100 B8 N4096 H4 causal
-# mode 2, dK/dV alone: 0.898 ms with 3 stages against 0.937 with 2; dQ with 3 stages 0.425 against
-# 0.423 (kept 2).
+# D256 dQ: 64-key blocks (a 128 x 256 fp32 dQ accumulator takes 128 registers per thread); dQ with 3
+# stages 0.425 ms against 0.423 with 2 (kept 2). D256 dK/dV: 2 stages, which leave room for the staged
+# epilogue without rab (hopper.bwd_base.StagedEpilogue; 3 stages without it took 208 KB). H100 B8
+# N4096 H4 causal mode 2, dK/dV alone, same runs (session 19): 0.850 / 0.919 ms with 2 stages and the
+# staged epilogue against 0.900 / 0.957 with 3 stages and register stores (session 18: 3 stages 0.898
+# against 2 stages 0.937, both with register stores).
 _FP8_BWD_TILES_D256 = dict(_FP8_BWD_TILES, dq=dict(tile_m=128, tile_n=64, persistent=True, dynamic_tiles=True))
 
 
 def fp8_bwd_tiles(role: str, head_dim: int, has_rab: bool) -> dict:
     if head_dim <= 128:
         return _FP8_BWD_TILES[role]
-    if role == "dkdv" and not has_rab:
-        return dict(_FP8_BWD_TILES_D256[role], num_stages=3)
     return _FP8_BWD_TILES_D256[role]
 
 

@@ -3,7 +3,8 @@ variants the tests and benchmark use, run tests/test_fp8_backward_gpu.py, then t
 16-bit backward (default and deterministic pair) beside the FP8 backward (kernels alone, quantizers
 alone, end to end) and the training step bf16 vs FP8, same run. JSON lines to ``--out``.
 
-Usage on the GPU machine: python scripts/gpu_fp8_bwd.py [--stages warmup tests bench] [--out F]"""
+Usage on the GPU machine: python scripts/gpu_fp8_bwd.py [--stages warmup tests bench] [--out F]
+(stage "fused": the opt-in fused kernel beside the pair)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import subprocess
 import sys
 import time
 
-STAGES = ("warmup", "tests", "sanitize", "sweep", "bench", "drab")
+STAGES = ("warmup", "tests", "sanitize", "sweep", "bench", "drab", "fused")
 
 
 def warmup() -> None:
@@ -31,6 +32,25 @@ def warmup() -> None:
         print("  FAILED", r["variant"], r["error"], flush=True)
 
 
+def run_steps(steps, name: str, out, rows=None, tag: str = "") -> None:
+    """Run each benchmark step (a row-returning call; a failure becomes an error row and the rest
+    still runs), print its row as JSON (after ``tag``), append it to ``out`` and to ``rows``."""
+    import torch
+
+    for step in steps:
+        try:
+            row = step()
+        except Exception as e:  # keep the rest of the run
+            row = dict(workload=name, error=f"{type(e).__name__}: {e}")
+        row["gpu"] = torch.cuda.get_device_name()
+        if rows is not None:
+            rows.append(row)
+        print(tag + json.dumps(row), flush=True)
+        if out:
+            with open(out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
 def bench(out) -> None:
     import torch
 
@@ -44,17 +64,7 @@ def bench(out) -> None:
         steps += [lambda m=m, e=e: B.run_workload_bwd_fp8(w, m, e) for m in (2, 1) for e in ("quant", "end2end")]
         steps += [lambda: B.run_training_step(w), lambda: B.run_training_step(w, quant_mode=2),
                   lambda: B.run_training_step(w, quant_mode=5), lambda: B.run_training_step(w, quant_mode=1)]
-        for step in steps:
-            try:
-                row = step()
-            except Exception as e:  # keep the rest of the run
-                row = dict(workload=w.name, error=f"{type(e).__name__}: {e}")
-            row["gpu"] = torch.cuda.get_device_name()
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            if out:
-                with open(out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+        run_steps(steps, w.name, out, rows)
     # Host time of a training step on a tiny batch (the GPU work is negligible): bf16 and FP8 mode 2.
     from hstu_cute import hstu_attn_varlen_func
 
@@ -86,8 +96,6 @@ def bench(out) -> None:
 def sweep(out) -> None:
     """Each FP8 kernel alone and a few tile choices (B8 N4096 D128 causal, mode 2), beside the
     16-bit backward of the same run."""
-    import torch
-
     from hstu_cute import bench as B
 
     w = B.Workload("full B8 N4096 D128", 8, 4096, head_dim=128)
@@ -100,16 +108,18 @@ def sweep(out) -> None:
              lambda: B.run_workload_bwd_fp8(w, 2, tiles=dict(dkdv=kv3), kernels=("dkdv",)),
              lambda: B.run_workload_bwd_fp8(w, 2, tiles=dict(dq=dq64)),
              lambda: B.run_workload_bwd_fp8(w, 2, tiles=dict(dq=dq64, dkdv=kv3))]
-    for step in steps:
-        try:
-            row = step()
-        except Exception as e:
-            row = dict(workload=w.name, error=f"{type(e).__name__}: {e}")
-        row["gpu"] = torch.cuda.get_device_name()
-        print("SWEEP", json.dumps(row), flush=True)
-        if out:
-            with open(out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+    run_steps(steps, w.name, out, tag="SWEEP ")
+
+
+def fused(out) -> None:
+    """The opt-in fused FP8 kernel beside the pair (kernels alone, modes 2 and 5) and the 16-bit
+    backward, B8 N4096 D128 causal, same run."""
+    from hstu_cute import bench as B
+
+    w = B.Workload("full B8 N4096 D128", 8, 4096, head_dim=128)
+    steps = [lambda: B.run_workload_bwd(w)]
+    steps += [lambda m=m, f=f: B.run_workload_bwd_fp8(w, m, fused=f) for m in (2, 5) for f in (False, True)]
+    run_steps(steps, w.name, out, tag="FUSED ")
 
 
 def drab(out) -> None:
@@ -155,6 +165,8 @@ def main() -> int:
         bench(args.out)
     if "drab" in args.stages:
         drab(args.out)
+    if "fused" in args.stages:
+        fused(args.out)
     return rc
 
 

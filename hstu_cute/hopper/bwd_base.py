@@ -70,14 +70,13 @@ class StagedEpilogue:
 
     def staged_epilogue(self, storage_of, outputs: tuple, cols: int):
         """Plain Python, in ``__call__``: ``storage_of(extra)`` builds the shared storage with the
-        ``extra`` buffers. Where ``cols`` is a multiple of 64 and one 64 x ``cols`` tile per
-        warpgroup and output fits beside the rest: (storage, smem layout (64, cols, 2 len(outputs)), ((atom, tma tensor) per output));
+        ``extra`` buffers. Where one 64 x ``cols`` tile per warpgroup and output fits beside the
+        rest: (storage, smem layout (64, cols, 2 len(outputs)), ((atom, tma tensor) per output));
         else (storage, None, None)."""
         storage = storage_of({})
         elem = self.grad_dtype.width // 8
         tiles = 2 * len(outputs)
-        # The tile is written in 128-byte swizzled blocks of 64 16-bit columns (D32 has none).
-        if cols % 64 != 0 or storage.size_in_bytes() + tiles * 64 * cols * elem > SMEM_BYTES:
+        if storage.size_in_bytes() + tiles * 64 * cols * elem > SMEM_BYTES:
             return storage, None, None
         layout = sm90_smem_layout(self.grad_dtype, 64, cols, tiles)
         stage = cute.slice_(layout, (None, None, 0))

@@ -35,14 +35,7 @@ from ..common.sm90 import (
 )
 from ..common.tile_scheduler import SectionWalk
 from ..fp8_format import vt_column_start
-from .bwd_base import (
-    HstuBackwardSm90Base,
-    KeyBlockProducer,
-    finish_staged_stores,
-    store_dk_dv_tile,
-    store_dq_tile,
-    transposed_tiles,
-)
+from .bwd_base import HstuBackwardSm90Base, KeyBlockProducer, store_dk_dv, store_dq, transposed_tiles
 
 
 class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
@@ -119,21 +112,20 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
         tile = (self.dtype, cute.cosize(self.sK_layout))
         ring = (self.dtype, cute.cosize(self.sQ_layout))
         ring_barriers, ring_words = self.tile_ring_storage()
-        barriers = dict(mbar_kv=2, mbar_q=2 * self.num_stages, **ring_barriers)
-        buffers = dict(sK=tile, sV=tile, sQ=ring, sdO=ring, sRab=(self.dtype, self.smem_elems(self.sRab_layout)),
-                       sdS=(self.dtype, self.smem_elems(self.sdS_layout)),
-                       sdQ=(Float32, self.smem_elems(self.sdQ_layout)))
-        self.shared_storage, self.sEpi_layout, epi_atoms = self.staged_epilogue(
-            lambda extra: shared_storage(barriers, dict(buffers, **extra), words=ring_words), (mdK, mdV), D)
+        self.shared_storage = shared_storage(
+            dict(mbar_kv=2, mbar_q=2 * self.num_stages, **ring_barriers),
+            dict(sK=tile, sV=tile, sQ=ring, sdO=ring, sRab=(self.dtype, self.smem_elems(self.sRab_layout)),
+                 sdS=(self.dtype, self.smem_elems(self.sdS_layout)), sdQ=(Float32, self.smem_elems(self.sdQ_layout))),
+            words=ring_words)
         num_ctas = num_n_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
         if const_expr(self.persistent):
             num_ctas = cutlass.min(num_ctas, num_sms)
         self.launch(*loads, tma_atom_dq, tma_dq, mQ, mK, mdK, mdV,
                     SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
                     ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_n_blocks,
-                    bh_per_section, mTileCounter, epi_atoms,
-                    statics=dict(sEpi_layout=self.sEpi_layout, sK_layout=self.sK_layout, sQ_layout=self.sQ_layout,
-                                 sRab_layout=self.sRab_layout, sdS_layout=self.sdS_layout, sdQ_layout=self.sdQ_layout, tiled_mma_s=self.tiled_mma_s,
+                    bh_per_section, mTileCounter,
+                    statics=dict(sK_layout=self.sK_layout, sQ_layout=self.sQ_layout, sRab_layout=self.sRab_layout,
+                                 sdS_layout=self.sdS_layout, sdQ_layout=self.sdQ_layout, tiled_mma_s=self.tiled_mma_s,
                                  tiled_mma_d=self.tiled_mma_d, tiled_mma_dq=self.tiled_mma_dq,
                                  zero_copy=self.zero_copy),
                     grid=[num_ctas, 1, 1], stream=stream)
@@ -141,18 +133,14 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
     @cute.kernel
     def kernel(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
                tma_rab, tma_atom_dq, tma_dq, mQ, mK, mdK, mdV, seqs, mRab, scalars, num_n_blocks: Int32,
-               bh_per_section: Int32, mTileCounter, epi_atoms, statics):
+               bh_per_section: Int32, mTileCounter, statics):
         self.bind(statics)
         tidx, warp_idx = self.prologue(tma_atom_k, tma_atom_v, tma_atom_q, tma_atom_do, tma_atom_rab, tma_atom_dq)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         pipe_kv, pipe_q = sm90_bwd_pipelines(storage.mbar_kv, storage.mbar_q, self.kv_bytes,
                                               self.q_bytes, self.num_stages, self.num_mma_threads)
         s = smem_tensors(storage, dict(sK=self.sK_layout, sV=self.sK_layout, sQ=self.sQ_layout, sdO=self.sQ_layout,
-                                       sRab=self.sRab_layout, sdS=self.sdS_layout, sdQ=self.sdQ_layout,
-                                       sEpi=self.sEpi_layout))
-        epilogue = None
-        if const_expr(self.sEpi_layout is not None):
-            epilogue = (s["sEpi"], epi_atoms)
+                                       sRab=self.sRab_layout, sdS=self.sdS_layout, sdQ=self.sdQ_layout))
         walk = SectionWalk(num_n_blocks, mQ.shape[1], seqs.mOffsetsQ.shape[0] - 1, bh_per_section, reverse=False)
         seqinfo = self.sequence_info(seqs, scalars, mQ, mK)
         claims = self.tile_claims(storage, walk, mTileCounter)
@@ -167,7 +155,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(tidx - 128, mdK, mdV, s["sK"], s["sV"], s["sQ"], s["sdO"], s["sRab"], s["sdS"], s["sdQ"],
                          tma_atom_dq, tma_dq, pipe_kv, pipe_q, scalars.alpha, scalars.inv_scale, walk, seqinfo,
-                         claims, epilogue)
+                         claims)
 
     @cute.jit
     def tile_problem(self, tiles, seqinfo, tile: Int32):
@@ -201,7 +189,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
 
     @cute.jit
     def consume(self, tidx: Int32, mdK, mdV, sK, sV, sQ, sdO, sRab, sdS, sdQ, tma_atom_dq, tma_dq, pipe_kv,
-                pipe_q, alpha: Float32, inv_scale: Float32, walk, seqinfo, claims, epilogue=None):
+                pipe_q, alpha: Float32, inv_scale: Float32, walk, seqinfo, claims):
         D = self.head_dim
         tiled_mma_s, tiled_mma_d, tiled_mma_dq = self.tiled_mma_s, self.tiled_mma_d, self.tiled_mma_dq
         spec = self.mask
@@ -249,11 +237,9 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
         # dQ owner, and the alternating barrier ids must keep alternating across tiles.
         blocks_done = Int32(0)
         tile_args = (tidx, mdK, mdV, sK, sQ, sdO, tma_atom_dq, tma_dq, pipe_kv, pipe_q, alpha, inv_scale, tSrK,
-                     tSrV, tSrQ, tSrdO, tDrQt, tDrdOt, tScS, tSsRabT, sdS, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, dq_col_block,
-                     epilogue)
+                     tSrV, tSrQ, tSrdO, tDrQt, tDrdOt, tScS, tSsRabT, sdS, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, dq_col_block)
         self.for_each_tile(walk, seqinfo, self.consume_tile, tile_args, (q_state, kv_state, blocks_done),
                            claims=claims)
-        finish_staged_stores(epilogue, tid_in_wg)
         if const_expr(self.fuse_dq):
             # The last reduce-adds must have read sdQ before the CTA's smem goes away (their
             # writes land before the grid completes).
@@ -263,7 +249,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
     @cute.jit
     def consume_tile(self, tidx: Int32, mdK, mdV, sK, sQ, sdO, tma_atom_dq, tma_dq, pipe_kv, pipe_q,
                      alpha: Float32, inv_scale: Float32, tSrK, tSrV, tSrQ, tSrdO, tDrQt, tDrdOt, tScS, tSsRabT, sdS,
-                     tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, dq_col_block, epilogue, n_block: Int32, head: Int32, batch: Int32,
+                     tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, dq_col_block, n_block: Int32, head: Int32, batch: Int32,
                      q_start: Int32, k_start: Int32, seq, m_lo: Int32, m_hi: Int32, q_state, kv_state,
                      blocks_done: Int32):
         """One n-block: dK and dV (and dQ's reduce-adds) of its keys. Returns the advanced
@@ -346,8 +332,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
         if const_expr(self.unscaled_grad):
             acc_dV.store(acc_dV.load() * inv_scale)
             acc_dK.store(acc_dK.load() * (alpha * inv_scale * Float32(0.5)))
-        store_dk_dv_tile(thr_mma_d, acc_dK, acc_dV, mdK, mdV, self.dtype, self.tile_n, D, k_start, head, n_block, k_rows,
-                         epilogue, tidx % 128, wg)
+        store_dk_dv(thr_mma_d, acc_dK, acc_dV, mdK, mdV, self.dtype, self.tile_n, D, k_start, head, n_block, k_rows)
         return q_state, advanced(kv_state), blocks_done
 
     def ds_buffer(self, blocks_done: Int32):
@@ -443,10 +428,10 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         tile = (self.dtype, cute.cosize(self.sQ_layout))
         ring = (self.dtype, cute.cosize(self.sK_layout))
         ring_barriers, ring_words = self.tile_ring_storage()
-        barriers = dict(mbar_q=2, mbar_kv=2 * self.num_stages, **ring_barriers)
-        buffers = dict(sQ=tile, sdO=tile, sK=ring, sV=ring, sRab=(self.dtype, self.smem_elems(self.sRab_layout)))
-        self.shared_storage, self.sEpi_layout, epi_atoms = self.staged_epilogue(
-            lambda extra: shared_storage(barriers, dict(buffers, **extra), words=ring_words), (mdQ,), D)
+        self.shared_storage = shared_storage(
+            dict(mbar_q=2, mbar_kv=2 * self.num_stages, **ring_barriers),
+            dict(sQ=tile, sdO=tile, sK=ring, sV=ring, sRab=(self.dtype, self.smem_elems(self.sRab_layout))),
+            words=ring_words)
         num_ctas = num_m_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
         if const_expr(self.persistent):
             num_ctas = cutlass.min(num_ctas, num_sms)
@@ -455,29 +440,26 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         self.launch(*q_do, *k_v, *rab, mQ, mK, mdQ,
                     SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
                     ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_m_blocks,
-                    bh_per_section, mTileCounter, epi_atoms,
-                    statics=dict(sEpi_layout=self.sEpi_layout, sQ_layout=self.sQ_layout, sK_layout=self.sK_layout,
-                                 sRab_layout=self.sRab_layout, tiled_mma_s=self.tiled_mma_s,
-                                 tiled_mma_dq=self.tiled_mma_dq, zero_copy=self.zero_copy),
+                    bh_per_section, mTileCounter,
+                    statics=dict(sQ_layout=self.sQ_layout, sK_layout=self.sK_layout, sRab_layout=self.sRab_layout,
+                                 tiled_mma_s=self.tiled_mma_s, tiled_mma_dq=self.tiled_mma_dq,
+                                 zero_copy=self.zero_copy),
                     grid=[num_ctas, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab,
                tma_rab, mQ, mK, mdQ, seqs, mRab, scalars, num_m_blocks: Int32,
-               bh_per_section: Int32, mTileCounter, epi_atoms, statics):
+               bh_per_section: Int32, mTileCounter, statics):
         self.bind(statics)
         tidx, warp_idx = self.prologue(tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_rab)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         pipe_q, pipe_kv = sm90_bwd_pipelines(storage.mbar_q, storage.mbar_kv, self.q_bytes,
                                               self.kv_bytes, self.num_stages, self.num_mma_threads)
         s = smem_tensors(storage, dict(sQ=self.sQ_layout, sdO=self.sQ_layout, sK=self.sK_layout, sV=self.sK_layout,
-                                       sRab=self.sRab_layout, sEpi=self.sEpi_layout))
+                                       sRab=self.sRab_layout))
         walk = SectionWalk(num_m_blocks, mQ.shape[1], seqs.mOffsetsQ.shape[0] - 1, bh_per_section, reverse=True)
         seqinfo = self.sequence_info(seqs, scalars, mQ, mK)
         claims = self.tile_claims(storage, walk, mTileCounter)
-        epilogue = None
-        if const_expr(self.sEpi_layout is not None):
-            epilogue = (s["sEpi"], epi_atoms)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -488,7 +470,7 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(tidx - 128, mdQ, s["sQ"], s["sdO"], s["sK"], s["sV"], s["sRab"], pipe_q, pipe_kv,
-                         scalars.alpha, scalars.inv_scale, walk, seqinfo, claims, epilogue)
+                         scalars.alpha, scalars.inv_scale, walk, seqinfo, claims)
 
     @cute.jit
     def tile_problem(self, tiles, seqinfo, tile: Int32):
@@ -583,18 +565,17 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
 
     @cute.jit
     def consume(self, tidx: Int32, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, alpha: Float32, inv_scale: Float32,
-                walk, seqinfo, claims, epilogue=None):
-        block_args = (tidx, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, alpha, inv_scale, epilogue)
+                walk, seqinfo, claims):
+        block_args = (tidx, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, alpha, inv_scale)
         states = ()
         if const_expr(self.persistent):
             states = (pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
                       pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages))
         self.for_each_tile(walk, seqinfo, self.consume_query_block, block_args, states, claims=claims)
-        finish_staged_stores(epilogue, tidx % 128)
 
     @cute.jit
     def consume_query_block(self, tidx: Int32, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, alpha: Float32,
-                            inv_scale: Float32, epilogue, m_block: Int32, head: Int32, batch: Int32, q_start: Int32,
+                            inv_scale: Float32, m_block: Int32, head: Int32, batch: Int32, q_start: Int32,
                             k_start: Int32, seq, sched, q_state=None, kv_state=None):
         """dQ of one m-block; returns the advanced pipeline states (persistent CTAs pass theirs)."""
         persistent = q_state is not None
@@ -662,6 +643,5 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
 
         if const_expr(self.unscaled_grad):
             acc_dQ.store(acc_dQ.load() * (alpha * inv_scale * Float32(0.5)))
-        store_dq_tile(thr_mma_dq, acc_dQ, mdQ, self.dtype, self.tile_m, D, q_start, head, m_block, seq, epilogue,
-                      tidx % 128, wg)
+        store_dq(thr_mma_dq, acc_dQ, mdQ, self.dtype, self.tile_m, D, q_start, head, m_block, seq)
         return q_state, kv_state

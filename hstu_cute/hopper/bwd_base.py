@@ -116,58 +116,13 @@ def store_rows_staged(accs, sEpi, epi_atoms, dtype: cutlass.Constexpr, tid_in_wg
         cute.arch.cp_async_bulk_commit_group()
 
 
-@cute.jit
-def store_dk_dv_tile(thr_mma, acc_dK, acc_dV, mdK, mdV, dtype: cutlass.Constexpr, tile_n: cutlass.Constexpr,
-                     dims: cutlass.Constexpr, k_start: Int32, head: Int32, n_block: Int32, k_rows: Int32, epilogue,
-                     tid_in_wg: Int32, wg: Int32, dim_part=0):
-    """dK and dV of one n-block (``dims`` columns, part ``dim_part`` of D): a warpgroup whose 64
-    key rows lie inside the sequence stores through ``epilogue`` ((sEpi, atoms) of
-    :class:`StagedEpilogue`, or None), the others from registers (:func:`store_dk_dv`)."""
-    if const_expr(epilogue is not None):
-        if k_rows - wg * 64 >= 64:
-            store_rows_staged((acc_dK, acc_dV), *epilogue, dtype, tid_in_wg, wg, k_start + n_block * tile_n + wg * 64,
-                              head, dim_part)
-        else:
-            store_dk_dv(thr_mma, acc_dK, acc_dV, mdK, mdV, dtype, tile_n, dims, k_start, head, n_block, k_rows,
-                        dim_part)
-    else:
-        store_dk_dv(thr_mma, acc_dK, acc_dV, mdK, mdV, dtype, tile_n, dims, k_start, head, n_block, k_rows, dim_part)
-
-
-@cute.jit
-def store_dq_tile(thr_mma, acc_dQ, mdQ, dtype: cutlass.Constexpr, tile_m: cutlass.Constexpr,
-                  head_dim: cutlass.Constexpr, q_start: Int32, head: Int32, m_block: Int32, seq, epilogue,
-                  tid_in_wg: Int32, wg: Int32):
-    """dQ of one m-block, as :func:`store_dk_dv_tile`: staged where the warpgroup's 64 query rows
-    lie inside the sequence, else from registers (:func:`store_dq`)."""
-    if const_expr(epilogue is not None):
-        row0 = m_block * tile_m + wg * 64
-        if seq.seqlen_q - row0 >= 64:
-            store_rows_staged((acc_dQ,), *epilogue, dtype, tid_in_wg, wg, q_start + row0, head)
-        else:
-            store_dq(thr_mma, acc_dQ, mdQ, dtype, tile_m, head_dim, q_start, head, m_block, seq)
-    else:
-        store_dq(thr_mma, acc_dQ, mdQ, dtype, tile_m, head_dim, q_start, head, m_block, seq)
-
-
-@cute.jit
-def finish_staged_stores(epilogue, tid_in_wg: Int32):
-    """The last TMA stores of :class:`StagedEpilogue` must have read their tiles before the CTA's
-    smem goes away (nothing to do without ``epilogue``)."""
-    if const_expr(epilogue is not None):
-        if tid_in_wg < 32:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-
-
-class HstuBackwardSm90Base(StagedEpilogue, HstuSm90Base):
+class HstuBackwardSm90Base(HstuSm90Base):
     """The sm90 backward kernels: two TMA pipelines, a 1-stage one for the tiles the CTA owns
     (K+V in the dK/dV kernels, Q+dO in the dQ kernel) and a ``num_stages`` ring for the tiles it
-    walks; P and G unscaled in the block loop on the tanh SiLU path; gradient tiles stored
-    through smem where they fit (:class:`StagedEpilogue`)."""
+    walks; P and G unscaled in the block loop on the tanh SiLU path."""
 
     def __init__(self, *config, **kw):
         super().__init__(*config, **kw)
-        self.grad_dtype = self.dtype  # the FP8 kernels' gradients are 16-bit: they set their own
         # bf16 (tanh SiLU): P and G unscaled in the block loop, the scales applied per tile
         # (common.silu.silu_and_grad).
         self.unscaled_grad = self.fast_silu

@@ -70,7 +70,7 @@ from ..common.sm90 import (
 from ..common.tile_scheduler import SectionWalk
 from ..fp8_format import BLOCK_TOKENS, P_AMAX_FLOOR
 from .bwd import HstuBackwardDkDvSm90, HstuBackwardDqSm90
-from .bwd_base import finish_staged_stores, store_dk_dv_tile, store_dq_tile
+from .bwd_base import StagedEpilogue, store_dk_dv, store_dq, store_rows_staged
 
 # G has no natural floor (dO can be any size): a row of zeros keeps common.fp8.MIN_ROW_SCALE.
 G_AMAX_FLOOR = 0.0
@@ -189,7 +189,7 @@ def epilogue_rows(acc, row_scale, factor: Float32):
     scale_rows(acc, factors)
 
 
-class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
+class HstuBackwardDkDvFp8Sm90(StagedEpilogue, HstuBackwardDkDvSm90):
     """dK, dV kernel of the FP8 backward: the 16-bit dK/dV kernel's tiles, walk and warp roles, with
     e4m3 K, V (the CTA's, 1-stage pipeline) and Q, dO, Q^T, dO^T (+ 16-bit rab) per m-block in the
     ring. Per m-block: S^T = K Q^T and dP^T = V dO^T (SS, descaled by dq dk and ddO dv), P^T and G^T
@@ -388,7 +388,10 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         tile_args = (tidx, mdK, mdV, sQ, sdO, sQt, sdOt, pipe_kv, pipe_q, alpha, inv_scale, tSrK, tSrV, tSrQ, tSrdO,
                      tDrQt, tDrdOt, tScS, tScS_rc, tDcD_rc, tSsRabT, dq_parts, epilogue)
         self.for_each_tile(walk, seqinfo, self.consume_key_block, tile_args, (q_state, kv_state), claims=claims)
-        finish_staged_stores(epilogue, tidx % 128)
+        if const_expr(epilogue is not None):
+            # The last TMA stores must have read their tiles before the CTA's smem goes away.
+            if tidx % 128 < 32:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         if const_expr(self.fuse_dq):
             # The last reduce-adds must have read sdQ before the CTA's smem goes away.
             if tidx % 128 < 32:
@@ -526,8 +529,16 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         if const_expr(self.two_direction):
             epilogue_columns(acc_dV, self.descales[5], batch, head, q_block_prev, tDcD_rc, self.dims, dim_part)
             epilogue_columns(acc_dK, self.descales[4], batch, head, q_block_prev, tDcD_rc, self.dims, dim_part)
-        store_dk_dv_tile(thr_mma_d, acc_dK, acc_dV, mdK, mdV, self.grad_dtype, self.tile_n, self.dims, k_start, head,
-                         n_block, k_rows, epilogue, tid_in_wg, wg, dim_part)
+        if const_expr(epilogue is not None):
+            if k_rows - wg * 64 >= 64:
+                store_rows_staged((acc_dK, acc_dV), *epilogue, self.grad_dtype, tid_in_wg, wg, k_start + col0 + wg * 64,
+                                  head, dim_part)
+            else:
+                store_dk_dv(thr_mma_d, acc_dK, acc_dV, mdK, mdV, self.grad_dtype, self.tile_n, self.dims, k_start,
+                            head, n_block, k_rows, dim_part)
+        else:
+            store_dk_dv(thr_mma_d, acc_dK, acc_dV, mdK, mdV, self.grad_dtype, self.tile_n, self.dims, k_start, head,
+                        n_block, k_rows, dim_part)
         return q_state, advanced(kv_state)
 
 
@@ -557,7 +568,7 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         return acc_dQ
 
 
-class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
+class HstuBackwardDqFp8Sm90(StagedEpilogue, HstuBackwardDqSm90):
     """dQ kernel of the FP8 backward: the 16-bit dQ kernel's tiles, walk and warp roles, with e4m3
     Q, dO (the CTA's) and K, V, K^T (+ 16-bit rab) per n-block in the ring. Per n-block: S = Q K^T
     and dP = dO V^T (SS, descaled by dq dk and ddO dv), G (tanh SiLU, unscaled), dQ += G8 K^T8 (RS,
@@ -663,7 +674,10 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
                 states = (pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
                           pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages))
             self.for_each_tile(walk, seqinfo, self.consume_query_block_fp8, block_args, states, claims=claims)
-            finish_staged_stores(epilogue, (tidx - 128) % 128)
+            if const_expr(epilogue is not None):
+                # The last TMA stores must have read their tiles before the CTA's smem goes away.
+                if (tidx - 128) % 128 < 32:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def consume_query_block_fp8(self, tidx: Int32, mdQ, sQ, sdO, sK, sV, sKt, sRab, pipe_q, pipe_kv, alpha: Float32,
@@ -790,6 +804,12 @@ class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
         epilogue_rows(acc_dQ, g_scale, alpha * inv_scale * Float32(0.5))
         if const_expr(self.two_direction):
             epilogue_columns(acc_dQ, self.descales[4], batch, head, k_block_prev, tDcD_rc, D)
-        store_dq_tile(thr_mma_dq, acc_dQ, mdQ, self.grad_dtype, self.tile_m, D, q_start, head, m_block, seq, epilogue,
-                      tidx % 128, wg)
+        if const_expr(epilogue is not None):
+            row0 = m_block * self.tile_m + wg * 64
+            if seq.seqlen_q - row0 >= 64:
+                store_rows_staged((acc_dQ,), *epilogue, self.grad_dtype, tidx % 128, wg, q_start + row0, head)
+            else:
+                store_dq(thr_mma_dq, acc_dQ, mdQ, self.grad_dtype, self.tile_m, D, q_start, head, m_block, seq)
+        else:
+            store_dq(thr_mma_dq, acc_dQ, mdQ, self.grad_dtype, self.tile_m, D, q_start, head, m_block, seq)
         return q_state, kv_state

@@ -198,8 +198,17 @@ class HstuBackwardDkDvFp8Sm90(StagedEpilogue, HstuBackwardDkDvSm90):
 
     Warp roles, pipelines and barriers as :class:`~hstu_cute.hopper.bwd.HstuBackwardDkDvSm90` (not
     fused). Named barriers 4/5: a warpgroup zeroes the Q/dO rows and Q^T/dO^T columns past
-    seqlen_q (TMA reads the next sequence, or the copies' padding, there). Epilogue: dK and dV times
-    each row's final scale, in ``grad_dtype``."""
+    seqlen_q (TMA reads the next sequence, or the copies' padding, there), and (staged epilogue)
+    its tiles are free, then written and fenced. Epilogue: dK and dV times each row's final scale,
+    in ``grad_dtype``; a warpgroup whose 64 keys lie inside the sequence stores them through smem
+    and a TMA store where the tiles fit (:class:`~hstu_cute.hopper.bwd_base.StagedEpilogue`).
+
+    ``fuse_dq`` (option B, opt-in; D128, quant modes 0 and 2-5, no rab, one CTA per key block): K^T
+    (D, keys) loads with K and V. Each warpgroup stores its G as e4m3 G[query, key] into sG (keys
+    contiguous in K^T's order, :func:`~hstu_cute.common.fp8.g_to_smem_keys_contiguous`; its four
+    warps' maxima meet behind barrier 4/5 for one power-of-two scale per warpgroup tile), and the
+    16-bit fused kernel's dQ owner (barriers 6 + parity, 8/9) forms dQ_i = G K_j from the two key
+    halves, smaller scale first (:meth:`dq_partial`), and reduce-adds it through TMA."""
 
     transposed_q_tiles = True
 
@@ -575,8 +584,10 @@ class HstuBackwardDqFp8Sm90(StagedEpilogue, HstuBackwardDqSm90):
     G re-quantized per query row with ddO dv dk folded in).
 
     Warp roles, pipelines and barriers as :class:`~hstu_cute.hopper.bwd.HstuBackwardDqSm90`; named
-    barriers 4/5 after a warpgroup zeroes the K^T columns past seqlen_k. Epilogue: dQ times each
-    row's final scale, in ``grad_dtype``, query rows past seqlen_q skipped. ``has_drab``: drab = G
+    barriers 4/5 after a warpgroup zeroes the K^T columns past seqlen_k (and around the staged
+    epilogue's tile). Epilogue: dQ times each row's final scale, in ``grad_dtype``, query rows past
+    seqlen_q skipped; through smem and a TMA store where a warpgroup's 64 rows lie inside the
+    sequence and the tiles fit (:class:`~hstu_cute.hopper.bwd_base.StagedEpilogue`). ``has_drab``: drab = G
     in fp32 before its re-quantization, stored per head (each element has one writer) or, with
     ``rab_sum_heads``, added over the heads into an fp32 (B, L_q, L_k) sum (red.global.add)."""
 

@@ -504,7 +504,8 @@ def make_hopper_bwd_key(role, arch, dtype, head_dim, kind, context_target, has_r
 @dataclass(frozen=True)
 class HopperFp8BwdKey(HopperBwdKey):
     """Compile key of the FP8 backward (:mod:`hstu_cute.hopper.bwd_fp8`): role "dkdv" or "dq" (the
-    deterministic pair), or "fused" (dK, dV and dQ's reduce-adds in one kernel); ``dtype`` is e4m3 (q, k, v, dO and their token-contiguous copies), ``out_dtype`` the
+    deterministic pair), or "fused" (dK, dV and dQ's reduce-adds in one kernel); ``dtype`` is e4m3
+    (q, k, v, dO and their token-contiguous copies), ``out_dtype`` the
     gradients' (and rab's) 16-bit type. Descales are (B, blocks, H) tables (quant modes 0, 2-5);
     ``two_direction`` (quant mode 1): (T, H) per-token tables, and (B, blocks, H, 2, D) tables of
     the token-contiguous copies."""
@@ -548,10 +549,8 @@ FP8_FUSED_HEAD_DIMS = (128,)
 _FP8_BWD_TILES_D256 = dict(_FP8_BWD_TILES, dq=dict(tile_m=128, tile_n=64, persistent=True, dynamic_tiles=True))
 
 
-def fp8_bwd_tiles(role: str, head_dim: int, has_rab: bool) -> dict:
-    if head_dim <= 128:
-        return _FP8_BWD_TILES[role]
-    return _FP8_BWD_TILES_D256[role]
+def fp8_bwd_tiles(role: str, head_dim: int) -> dict:
+    return (_FP8_BWD_TILES if head_dim <= 128 else _FP8_BWD_TILES_D256)[role]
 
 
 def make_hopper_fp8_bwd_key(role, arch, out_dtype, head_dim, kind, context_target, has_rab,
@@ -563,7 +562,7 @@ def make_hopper_fp8_bwd_key(role, arch, out_dtype, head_dim, kind, context_targe
     fields["fast_silu"] = True
     drab = dict(has_drab=has_drab, rab_sum_heads=has_drab and rab_sum_heads) if role == "dq" else {}
     return HopperFp8BwdKey(role=role, **fields, out_dtype=out_dtype, two_direction=two_direction,
-                           **(tiles or fp8_bwd_tiles(role, head_dim, has_rab)), **drab)
+                           **(tiles or fp8_bwd_tiles(role, head_dim)), **drab)
 
 
 def _hopper_role_serves(role: str, head_dim: int) -> bool:

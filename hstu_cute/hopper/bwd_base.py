@@ -56,8 +56,8 @@ def store_dq(thr_mma, acc_dQ, mdQ, dtype: cutlass.Constexpr, tile_m: cutlass.Con
     store_acc_rows(rOut, thr_mma.partition_C(gOut), tQc_rc, seq.seqlen_q - m_block * tile_m)
 
 
-#: Shared memory a CTA may use on sm90 (227 KB), less room for the barriers and words.
-SMEM_BYTES = 227 * 1024 - 1024
+#: Shared memory a CTA may use on sm90.
+SMEM_LIMIT = 227 * 1024
 
 
 class StagedEpilogue:
@@ -73,10 +73,13 @@ class StagedEpilogue:
         ``extra`` buffers. Where one 64 x ``cols`` tile per warpgroup and output fits beside the
         rest: (storage, smem layout (64, cols, 2 len(outputs)), ((atom, tma tensor) per output));
         else (storage, None, None)."""
+        # The tile is written in 128-byte swizzled blocks of 64 16-bit columns.
+        assert cols % 64 == 0, cols
         storage = storage_of({})
         elem = self.grad_dtype.width // 8
         tiles = 2 * len(outputs)
-        if storage.size_in_bytes() + tiles * 64 * cols * elem > SMEM_BYTES:
+        # 1024: room for the new buffer's alignment.
+        if storage.size_in_bytes() + tiles * 64 * cols * elem > SMEM_LIMIT - 1024:
             return storage, None, None
         layout = sm90_smem_layout(self.grad_dtype, 64, cols, tiles)
         stage = cute.slice_(layout, (None, None, 0))
@@ -110,7 +113,8 @@ def store_rows_staged(accs, sEpi, epi_atoms, dtype: cutlass.Constexpr, tid_in_wg
         for t in cutlass.range_constexpr(len(accs)):
             atom, tma_out = epi_atoms[t]
             gOut = cute.local_tile(cute.domain_offset((row0, 0), tma_out[None, None, head]), (64, cols), (0, col_block))
-            tSs, tGg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sEpi[None, None, 2 * t + wg], 0, 2),
+            tSs, tGg = cpasync.tma_partition(atom, 0, cute.make_layout(1),
+                                             cute.group_modes(sEpi[None, None, 2 * t + wg], 0, 2),
                                              cute.group_modes(gOut, 0, 2))
             cute.copy(atom, tSs, tGg)
         cute.arch.cp_async_bulk_commit_group()

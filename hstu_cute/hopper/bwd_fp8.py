@@ -284,9 +284,10 @@ class HstuBackwardDkDvFp8Sm90(StagedEpilogue, HstuBackwardDkDvSm90):
                     mRab, ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q),
                     num_n_blocks, bh_per_section, mTileCounter,
                     self.descale_tables(mDescaleQ, mDescaleK, mDescaleV, mDescaleDO, mDescaleQt, mDescaleDOt),
-                    epi_atoms, statics=dict(sEpi_layout=self.sEpi_layout, sK_layout=self.sK_layout, sQ_layout=self.sQ_layout, sQt_layout=self.sQt_layout,
-                                 sRab_layout=self.sRab_layout, tiled_mma_s=self.tiled_mma_s,
-                                 tiled_mma_d=self.tiled_mma_d, zero_rows=rows_zero_copy(self.dtype, D),
+                    epi_atoms, statics=dict(sEpi_layout=self.sEpi_layout, sK_layout=self.sK_layout,
+                                 sQ_layout=self.sQ_layout, sQt_layout=self.sQt_layout, sRab_layout=self.sRab_layout,
+                                 tiled_mma_s=self.tiled_mma_s, tiled_mma_d=self.tiled_mma_d,
+                                 zero_rows=rows_zero_copy(self.dtype, D),
                                  zero_cols=rows_zero_copy(self.dtype, self.tile_m), sKt_layout=self.sKt_layout,
                                  sG_layout=self.sG_layout, sdQ_layout=self.sdQ_layout, tiled_mma_dq=self.tiled_mma_dq,
                                  zero_keys=zero_keys),
@@ -397,20 +398,16 @@ class HstuBackwardDkDvFp8Sm90(StagedEpilogue, HstuBackwardDkDvSm90):
         tile_args = (tidx, mdK, mdV, sQ, sdO, sQt, sdOt, pipe_kv, pipe_q, alpha, inv_scale, tSrK, tSrV, tSrQ, tSrdO,
                      tDrQt, tDrdOt, tScS, tScS_rc, tDcD_rc, tSsRabT, dq_parts, epilogue)
         self.for_each_tile(walk, seqinfo, self.consume_key_block, tile_args, (q_state, kv_state), claims=claims)
-        if const_expr(epilogue is not None):
-            # The last TMA stores must have read their tiles before the CTA's smem goes away.
-            if tidx % 128 < 32:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-        if const_expr(self.fuse_dq):
-            # The last reduce-adds must have read sdQ before the CTA's smem goes away.
+        if const_expr(epilogue is not None or self.fuse_dq):
+            # The last TMA stores (or dQ reduce-adds) must have read smem before the CTA's smem goes away.
             if tidx % 128 < 32:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def consume_key_block(self, tidx: Int32, mdK, mdV, sQ, sdO, sQt, sdOt, pipe_kv, pipe_q, alpha: Float32,
                           inv_scale: Float32, tSrK, tSrV, tSrQ, tSrdO, tDrQt, tDrdOt, tScS, tScS_rc, tDcD_rc, tSsRabT,
-                          dq_parts, epilogue, n_block: Int32, head: Int32, batch: Int32, q_start: Int32, k_start: Int32, seq,
-                          m_lo: Int32, m_hi: Int32, dim_part, q_state, kv_state):
+                          dq_parts, epilogue, n_block: Int32, head: Int32, batch: Int32, q_start: Int32,
+                          k_start: Int32, seq, m_lo: Int32, m_hi: Int32, dim_part, q_state, kv_state):
         """One n-block: dK and dV of its keys (of part ``dim_part`` of D), and with ``fuse_dq`` the
         reduce-adds of dQ (``dq_parts``: K^T, sG, the G scales, their fragments, sdQ, the TMA
         reduce). Returns the advanced pipeline states."""
@@ -639,8 +636,8 @@ class HstuBackwardDqFp8Sm90(StagedEpilogue, HstuBackwardDqSm90):
                     ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_m_blocks,
                     bh_per_section, mTileCounter, self.descale_tables(mDescaleQ, mDescaleK, mDescaleV, mDescaleDO,
                                                                       mDescaleKt), mdRab, epi_atoms,
-                    statics=dict(sEpi_layout=self.sEpi_layout, sQ_layout=self.sQ_layout, sK_layout=self.sK_layout, sKt_layout=self.sKt_layout,
-                                 sRab_layout=self.sRab_layout, tiled_mma_s=self.tiled_mma_s,
+                    statics=dict(sEpi_layout=self.sEpi_layout, sQ_layout=self.sQ_layout, sK_layout=self.sK_layout,
+                                 sKt_layout=self.sKt_layout, sRab_layout=self.sRab_layout, tiled_mma_s=self.tiled_mma_s,
                                  tiled_mma_dq=self.tiled_mma_dq, zero_cols=rows_zero_copy(self.dtype, self.tile_n)),
                     grid=[num_ctas, 1, 1], stream=stream)
 

@@ -313,10 +313,6 @@ class _HstuAttnEager(torch.autograd.Function):
         return None, dq, dk, dv, (drab if has_drab else None)
 
 
-# What an eager FP8 training call keeps of its forward's quantization for the backward.
-_KEPT_QUANTIZED = ("mQ", "mK", "mDescaleQ", "mDescaleK")
-
-
 class _HstuAttnFp8Eager(torch.autograd.Function):
     """Autograd of eager FP8 training calls (quant modes 0-5): the launchers called directly, as
     :class:`_HstuAttnEager` does for 16-bit. Through the dispatcher (fwd_fp8's registered
@@ -333,9 +329,10 @@ class _HstuAttnFp8Eager(torch.autograd.Function):
         out, quantized = forward_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
                                      num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p,
                                      keep_quantized=True)
-        # The forward's e4m3 q and k (half the bytes of q and k) spare the backward two quantizer
-        # passes: it would make exactly these.
-        ctx.save_for_backward(q, k, v, rab, *(quantized[n] for n in _KEPT_QUANTIZED))
+        # What the backward reads of q, k and v (e4m3 copies, half the bytes of the 16-bit
+        # tensors), written by the forward's quantizer passes: the backward quantizes only dO.
+        ctx.kept_names = tuple(quantized)
+        ctx.save_for_backward(q, k, v, rab, *quantized.values())
         return out
 
     @staticmethod
@@ -350,7 +347,7 @@ class _HstuAttnFp8Eager(torch.autograd.Function):
             dq, dk, dv, drab = backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
                                             num_contexts, num_targets, target_group_size, alpha, rab, seqused_q,
                                             seqused_k, p, has_drab=has_drab, deterministic=deterministic,
-                                            quantized=dict(zip(_KEPT_QUANTIZED, kept)))
+                                            quantized=dict(zip(ctx.kept_names, kept)))
         else:  # a dispatch mode or tensor subclass is watching the backward: it must see the op
             dq, dk, dv, drab = _bwd_fp8_through_op(dout, q, k, v, rab, sequences, (
                 max_seqlen_q, max_seqlen_k, target_group_size, p.window_left, p.window_right, alpha,

@@ -27,6 +27,12 @@ def _hopper_quant(key):
     return BlockQuantizeSm90(dsl_dtype(key.dtype), key.head_dim, key.role, key.transposed)
 
 
+def _hopper_quant_slots(key):
+    from .hopper.quantize_slots import QuantizeSlotsSm90
+
+    return QuantizeSlotsSm90(dsl_dtype(key.dtype), key.head_dim, key.slots)
+
+
 def _hopper_vt(key):
     from .hopper.vt import VTransposeSm90
 
@@ -96,7 +102,9 @@ def _hopper_bwd_fp8(key):
 
 KERNELS = {"ampere_fwd": _ampere_fwd, "ampere_fwd_paged": _ampere_fwd, "ampere_bwd_dq": _ampere_bwd, "ampere_bwd_dkdv": _ampere_bwd,
            "hopper_fwd": _hopper_fwd, "hopper_fwd_paged": _hopper_fwd, "hopper_fwd_fp8": _hopper_fwd_fp8, "hopper_fwd_vt": _hopper_vt,
-           "hopper_fwd_cast": _hopper_cast, "hopper_fwd_quant": _hopper_quant, "hopper_bwd_dkdv": _hopper_bwd, "hopper_bwd_fused": _hopper_bwd,
+           "hopper_fwd_cast": _hopper_cast, "hopper_fwd_quant": _hopper_quant,
+           "hopper_fwd_quant_slots": _hopper_quant_slots, "hopper_bwd_dkdv": _hopper_bwd,
+           "hopper_bwd_fused": _hopper_bwd,
            "hopper_bwd_dq": _hopper_bwd, "hopper_bwd_wide": _hopper_bwd, "hopper_bwd_fp8_dkdv": _hopper_bwd_fp8,
            "hopper_bwd_fp8_dq": _hopper_bwd_fp8, "hopper_bwd_fp8_fused": _hopper_bwd_fp8}
 

@@ -33,6 +33,8 @@ SCALE_FLOOR = 1e-6
 # Tokens per block of quant modes 1 and 2, counted from each sequence's start: the Hopper
 # forward's query tile (its key tiles divide it).
 BLOCK_TOKENS = 128
+# Tensors (slots) one quantizer launch takes at most (hstu_cute.hopper.quantize).
+QUANT_MAX_SLOTS = 4
 # The floor of a row's P maximum in the scaled-P rule above.
 P_AMAX_FLOOR = 0.5
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .fp8_format import QUANT_MAX_SLOTS
+
 
 def dsl_dtype(name: str):
     """The cutlass type of a compile key's dtype name."""
@@ -40,6 +42,9 @@ class FakeShapes:
         self.batch, self.batch1 = cute.sym_int(), cute.sym_int()
         self.pages = cute.sym_int()
         self.arrivals = cute.sym_int()
+        # The slot quantizer (hstu_cute.hopper.quantize_slots): each input its own token count.
+        for i in range(QUANT_MAX_SLOTS):
+            setattr(self, f"tokens_slot{i}", cute.sym_int())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,6 +156,28 @@ def _descale_v(s: FakeShapes):
 
 def _quant_scale(s: FakeShapes):
     return {"token": _token_table, "column": _dim_table}.get(s.key.role, _table)(s)
+
+
+def _quant_slot_args(i: int) -> tuple:
+    """Slot ``i`` of a slot-quantizer launch: input, offsets, scale table (by role: (T, H) for
+    "token", (B, blocks, H, 2, D) for "column", else (B, blocks, H), zero-strided for the groups
+    of modes 3-5), the (T, H, D) e4m3 copy, V^T, the slot's block count (0: skip the slot)."""
+
+    def slot(key):
+        return key.slots[i] if i < len(key.slots) else None
+
+    def used(key):
+        return slot(key) is not None
+
+    def scale(s: FakeShapes):
+        return {"token": _token_table, "column": _dim_table}.get(slot(s.key)[0], _table)(s)
+
+    tokens = f"tokens_slot{i}"
+    return (Arg(f"mX{i}", _tokens(tokens), used), Arg(f"mOffsets{i}", _int_vec("batch1"), used),
+            Arg(f"mScale{i}", scale, used),
+            Arg(f"mO{i}", _tokens(tokens, "Float8E4M3FN", 16), lambda key: used(key) and slot(key)[1]),
+            Arg(f"mVt{i}", _tokens_transposed, lambda key: used(key) and slot(key)[2]),
+            Arg(f"num_blocks{i}", _i32, used))
 
 
 def _f32(s: FakeShapes):
@@ -319,6 +346,8 @@ SPECS: dict[str, tuple[Arg, ...]] = {
                          Arg("mO", _tokens("tokens_q", "Float8E4M3FN", 16),
                              lambda key: key.role != "amax" and not key.transposed),
                          Arg("mVt", _tokens_transposed, lambda key: key.transposed), Arg("num_blocks", _i32)),
+    # Several tensors per launch (hstu_cute.hopper.quantize_slots): up to QUANT_MAX_SLOTS slots.
+    "hopper_fwd_quant_slots": tuple(arg for i in range(QUANT_MAX_SLOTS) for arg in _quant_slot_args(i)),
     "hopper_bwd_dq": (_Q, _K, _V, _DO, _DQ, *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS,
                       _BH_PER_SECTION, _TILE_COUNTER),
     "hopper_bwd_wide": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _TMA_RAB,

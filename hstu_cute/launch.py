@@ -10,8 +10,9 @@ ordered by the family's spec (:mod:`hstu_cute.kernel_args`).
 from __future__ import annotations
 
 import contextlib
-import math
 import dataclasses
+import math
+import os
 
 import torch
 
@@ -38,7 +39,9 @@ from .variants import (
     make_hopper_fwd_key,
     make_hopper_paged_fwd_key,
     make_hopper_quant_key,
+    make_hopper_quant_slots_key,
     make_hopper_vt_key,
+    quant_launches,
     SPLIT_KEY_MASKS,
     vt_width,
 )
@@ -290,15 +293,16 @@ class Fp8Operands:
     """What the FP8 forward reads besides e4m3 q and k: V^T (H, D, W) e4m3
     (:func:`transposed_for_pv`), the (q, k, v) descales as (1,) fp32 device tensors (or, with
     ``scaled_p``, (B, blocks, H) tables: quant modes 2-5; with ``two_direction`` too, mode 1's
-    (T, H), (T, H) and (B, blocks, H, 2, D) tables: :func:`quantize_blocks`), and the output's
-    dtype."""
+    (T, H), (T, H) and (B, blocks, H, 2, D) tables: :func:`quantize_blocks`, :func:`quantize_for`),
+    and the output's dtype. ``kept``: for a training call, what the backward reads of q, k and v by its argument
+    names (:func:`kept_for_backward`), else None."""
 
-    __slots__ = ("vt", "descales", "out_dtype", "scaled_p", "two_direction")
+    __slots__ = ("vt", "descales", "out_dtype", "scaled_p", "two_direction", "kept")
 
     def __init__(self, vt: torch.Tensor, descales: tuple, out_dtype: torch.dtype, scaled_p: bool = False,
-                 two_direction: bool = False):
+                 two_direction: bool = False, kept: dict | None = None):
         self.vt, self.descales, self.out_dtype = vt, descales, out_dtype
-        self.scaled_p, self.two_direction = scaled_p, two_direction
+        self.scaled_p, self.two_direction, self.kept = scaled_p, two_direction, kept
 
 
 _FP8_NAMES = {**DTYPE_NAMES, torch.float8_e4m3fn: FP8_DTYPE}
@@ -381,6 +385,81 @@ def quantize_blocks(x: torch.Tensor, seq_offsets: torch.Tensor, max_seqlen: int,
         _launch(key, _compiled(key), dict(mX=x, mOffsets=seq_offsets, mAmax=amax,
                                           mScale=table.expand(batch, blocks, heads), num_blocks=blocks, **out))
     return data, table
+
+
+# The slot quantizer (several tensors per launch, and a training forward that also writes the
+# backward's copies: quantize_for) replaces quantize_blocks where set. Opt-in until its first GPU
+# run: written and compiled in session 20, whose device time was spent before it could run
+# (docs/perf-log.md). HSTU_CUTE_FP8_QUANT_SLOTS=1 turns it on.
+FP8_QUANT_SLOTS = os.environ.get("HSTU_CUTE_FP8_QUANT_SLOTS", "0") == "1"
+
+
+def quantize_for(mode: int, purpose: str, xs: tuple, offsets: tuple, max_seqlens: tuple) -> list[dict]:
+    """Quantize the 16-bit (T, H, D) tensors ``xs`` (q, k, v; or dO) with ``mode`` (1-5) for
+    ``purpose`` (:func:`hstu_cute.variants.quant_launches`: one launch of the slot quantizer,
+    :mod:`hstu_cute.hopper.quantize_slots`, modes 3-5 two) and return, per tensor, its copies by name:
+    ``"plain"`` (T, H, D) e4m3 and/or ``"transposed"`` V^T (H, D, W)
+    (:func:`transposed_for_pv`'s layout), each as ``(data, descale table)``. The table is (B,
+    blocks, H) for mode 2, a zero-strided (B, 1, H) view of the group's scale for modes 3-5;
+    mode 1's plain tables are (T, H) (per token), its transposed ones (B, blocks, H, 2, D): per
+    block and dim the scale, then its reciprocal. Every shape depends only on shapes (no sync)."""
+    x0 = xs[0]
+    device = x0.device
+    batch = offsets[0].shape[0] - 1
+    heads, head_dim = x0.shape[1], x0.shape[2]
+    blocks = [num_blocks(m) for m in max_seqlens]
+    empty = [batch == 0 or x.shape[0] == 0 for x in xs]
+    copies: list[dict] = [{} for _ in xs]
+    groups = None
+    if mode >= QuantMode.PER_HEAD:
+        group = {QuantMode.PER_HEAD: (batch, 1, heads), QuantMode.PER_SEQUENCE: (batch, 1, 1)}.get(mode, (1, 1, 1))
+        # The first pass maxes each group's scale in here (one memset for every tensor).
+        groups = torch.zeros((len(xs), *group), dtype=torch.float32, device=device)
+        for i in range(len(xs)):
+            if empty[i]:
+                groups[i].fill_(SCALE_FLOOR)
+    block_tables: dict = {}
+    launches = quant_launches(mode, purpose)
+    arch = device_arch(device)
+    dtype = DTYPE_NAMES[x0.dtype]
+    aligned = [aligned_16(x) for x in xs]
+    for launch_slots in launches:
+        values: dict = {}
+        for j, (i, role, plain, transposed) in enumerate(launch_slots):
+            x = aligned[i]
+            if role == "token":
+                table = torch.empty((x.shape[0], heads), dtype=torch.float32, device=device)
+                if empty[i]:
+                    table.fill_(SCALE_FLOOR)
+            elif role == "column":
+                table = torch.empty((batch, blocks[i], heads, 2, head_dim), dtype=torch.float32, device=device)
+                if empty[i]:
+                    table[:, :, :, 0] = SCALE_FLOOR
+                    table[:, :, :, 1] = 1.0 / SCALE_FLOOR
+            elif role == "fused":
+                table = block_tables.get(i)
+                if table is None:
+                    table = block_tables[i] = torch.empty((batch, blocks[i], heads), dtype=torch.float32,
+                                                          device=device)
+                    if empty[i]:
+                        table.fill_(SCALE_FLOOR)
+            else:  # the group's scale, seen by every block of the group
+                table = groups[i].expand(batch, blocks[i], heads)
+            out = vt = None
+            if plain:
+                out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=device)
+                copies[i]["plain"] = (out, table if groups is None else groups[i].expand(batch, 1, heads))
+            if transposed:
+                vt = torch.empty((heads, head_dim, vt_width(x.shape[0], batch)), dtype=torch.float8_e4m3fn,
+                                 device=device)
+                copies[i]["transposed"] = (vt, table if groups is None else groups[i].expand(batch, 1, heads))
+            values.update({f"mX{j}": x, f"mOffsets{j}": offsets[i], f"mScale{j}": table, f"mO{j}": out,
+                           f"mVt{j}": vt, f"num_blocks{j}": 0 if empty[i] else blocks[i]})
+        if not all(empty[i] for i, *_ in launch_slots):
+            key = _made(make_hopper_quant_slots_key, arch, dtype, head_dim, tuple(slot[1:] for slot in launch_slots))
+            with _on_device(device):
+                _launch(key, _compiled(key), values)
+    return copies
 
 
 _ONES: dict = {}
@@ -520,11 +599,14 @@ def _rab_gather_geometry(rab: torch.Tensor, width: int) -> tuple[torch.Tensor, t
 
 
 def prepare_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, p: Problem, descale_q=None,
-                descale_k=None, descale_v=None) -> tuple[torch.Tensor, torch.Tensor, Fp8Operands]:
+                descale_k=None, descale_v=None, training: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, Fp8Operands]:
     """(q8, k8, operands) of a validated FP8 call (``p.fp8``): pre-quantized e4m3 q, k, v with
     their descales (None: 1), or 16-bit inputs quantized with ``p.quant_mode``; plus V^T. What
-    :func:`forward_fp8` does before the kernel (benchmarks time it alone). Raises
-    NotImplementedError where no FP8 kernel runs (not sm90, or the sm80 path forced)."""
+    :func:`forward_fp8` does before the kernel (benchmarks time it alone). ``training`` (quant
+    modes): ``operands.kept`` holds what the backward may take of q, k and v (e4m3 q, k and their
+    tables; with :data:`FP8_QUANT_SLOTS` also e4m3 V, Q^T and K^T, written by the same passes).
+    Raises NotImplementedError where no FP8 kernel runs (not sm90, or the sm80 path forced)."""
     device = q.device
     path = kernel_path(device)
     if path != "hopper":
@@ -535,20 +617,47 @@ def prepare_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_
             "(no silent 16-bit fallback: pass 16-bit inputs with quant_mode=-1)")
     if p.quant_mode == -1:
         descales = tuple(d if d is not None else unit_descale(device) for d in (descale_q, descale_k, descale_v))
+        return q, k, Fp8Operands(transposed_for_pv(v, seq_offsets_k), descales, p.out_dtype, False)
+    two_direction = p.quant_mode == QuantMode.TWO_DIRECTION
+    if p.quant_mode == 0:
+        # One launch per tensor: q and k by the cast kernel, V by the V^T kernel (both saturate
+        # as the quantizer does).
+        q8, k8, vt = cast_e4m3(q), cast_e4m3(k), transposed_for_pv(v, seq_offsets_k)
+        descales = (unit_descale(device),) * 3
+        # the backward's zero-strided tables of ones
+        tables = tuple(unit_descale(device).view(1, 1, 1).expand(p.batch, 1, x.shape[1]) for x in (q, k))
+        fp8 = Fp8Operands(vt, descales, p.out_dtype, False)
+    elif FP8_QUANT_SLOTS:
+        copies = quantize_for(p.quant_mode, "training" if training else "forward", (q, k, v),
+                              (seq_offsets_q, seq_offsets_k, seq_offsets_k), (max_seqlen_q, max_seqlen_k, max_seqlen_k))
+        (q8, dq), (k8, dk), (vt, dv) = copies[0]["plain"], copies[1]["plain"], copies[2]["transposed"]
+        kept = kept_for_backward(copies, two_direction) if training else None
+        return q8, k8, Fp8Operands(vt, (dq, dk, dv), p.out_dtype, True, two_direction, kept)
     else:
-        if p.quant_mode == 0:
-            # One launch per tensor: q and k by the cast kernel, V by the V^T kernel (both saturate
-            # as the quantizer does).
-            q, k = cast_e4m3(q), cast_e4m3(k)
-            descales = (unit_descale(device),) * 3
-        else:
-            (q, dq), (k, dk), (vt, dv) = (
-                quantize_blocks(x, offsets, max_seqlen, p.quant_mode, transposed)
-                for x, offsets, max_seqlen, transposed in ((q, seq_offsets_q, max_seqlen_q, False),
-                                                           (k, seq_offsets_k, max_seqlen_k, False),
-                                                           (v, seq_offsets_k, max_seqlen_k, True)))
-            return q, k, Fp8Operands(vt, (dq, dk, dv), p.out_dtype, True, p.quant_mode == QuantMode.TWO_DIRECTION)
-    return q, k, Fp8Operands(transposed_for_pv(v, seq_offsets_k), descales, p.out_dtype, False)
+        (q8, dq), (k8, dk), (vt, dv) = (
+            quantize_blocks(x, offsets, max_seqlen, p.quant_mode, transposed)
+            for x, offsets, max_seqlen, transposed in ((q, seq_offsets_q, max_seqlen_q, False),
+                                                       (k, seq_offsets_k, max_seqlen_k, False),
+                                                       (v, seq_offsets_k, max_seqlen_k, True)))
+        tables = (dq, dk)
+        fp8 = Fp8Operands(vt, (dq, dk, dv), p.out_dtype, True, two_direction)
+    if training:
+        # The backward quantizes q and k exactly so (quantized_with_table).
+        fp8.kept = dict(mQ=q8, mK=k8, mDescaleQ=tables[0], mDescaleK=tables[1])
+    return q8, k8, fp8
+
+
+def kept_for_backward(copies: list[dict], two_direction: bool) -> dict:
+    """The backward kernels' arguments made of q, k and v (:func:`quantize_for`'s "training"
+    copies): e4m3 q, k, v, the token-contiguous Q^T and K^T, their descale tables (mode 1: the
+    copies' own per-(block, dim) tables)."""
+    (q8, dq), (qt, dqt) = copies[0]["plain"], copies[0]["transposed"]
+    (k8, dk), (kt, dkt) = copies[1]["plain"], copies[1]["transposed"]
+    v8, dv = copies[2]["plain"]
+    kept = dict(mQ=q8, mK=k8, mV=v8, mQt=qt, mKt=kt, mDescaleQ=dq, mDescaleK=dk, mDescaleV=dv)
+    if two_direction:
+        kept.update(mDescaleQt=dqt, mDescaleKt=dkt)
+    return kept
 
 
 def forward_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
@@ -556,21 +665,15 @@ def forward_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_
                 descale_v=None, tiles: dict | None = None, out: torch.Tensor | None = None,
                 keep_quantized: bool = False):
     """The FP8 forward of a validated call (``p.fp8``): :func:`prepare_fp8`, then the Hopper FP8
-    kernel. With ``keep_quantized`` (a quant-mode training call) returns ``(out, quantized)``,
-    ``quantized`` being e4m3 q and k with their descale tables ((B, blocks, H); mode 1 (T, H)) by
-    the backward's argument names: the backward quantizes q and k exactly so
-    (:func:`quantized_with_table`), so it can take them instead (:func:`fp8_backward_operands`)."""
+    kernel. With ``keep_quantized`` (a quant-mode training call) returns ``(out, kept)``, ``kept``
+    being what the backward may take of the forward's quantization, by the backward's argument
+    names (``operands.kept`` of :func:`prepare_fp8`; :func:`fp8_backward_operands` takes it as
+    ``quantized``)."""
     q8, k8, fp8 = prepare_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, p, descale_q,
-                              descale_k, descale_v)
+                              descale_k, descale_v, training=keep_quantized)
     out = forward(q8, k8, None, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
                   target_group_size, alpha, rab, seqused_q, seqused_k, p, tiles=tiles, out=out, fp8=fp8)
-    if not keep_quantized:
-        return out
-    if fp8.scaled_p:
-        tables = fp8.descales[:2]
-    else:  # mode 0: the backward's zero-strided tables of ones
-        tables = tuple(unit_descale(x.device).view(1, 1, 1).expand(p.batch, 1, x.shape[1]) for x in (q, k))
-    return out, dict(mQ=q8, mK=k8, mDescaleQ=tables[0], mDescaleK=tables[1])
+    return (out, fp8.kept) if keep_quantized else out
 
 
 # The part of the H100's 50 MB L2 that one section of a kernel's tile walk may fill with the
@@ -851,6 +954,9 @@ def fp8_backward_operands(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqle
     mode 1 quantizes the copies along tokens, with their own (B, blocks, H, 2, D) tables."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
+    if FP8_QUANT_SLOTS and mode != QuantMode.CAST:
+        return _fp8_backward_operands_slots(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
+                                            mode, quantized)
     if quantized is None:
         (q8, table_q), (k8, table_k) = (quantized_with_table(x, offsets, max_seqlen, mode) for x, offsets, max_seqlen
                                         in ((q, seq_offsets_q, max_seqlen_q), (k, seq_offsets_k, max_seqlen_k)))
@@ -869,6 +975,25 @@ def fp8_backward_operands(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqle
     return dict(mQ=q8, mK=k8, mV=v8, mdO=do8, mQt=transposed_for_pv(q8, seq_offsets_q),
                 mdOt=transposed_for_pv(do8, seq_offsets_q), mKt=transposed_for_pv(k8, seq_offsets_k),
                 mDescaleQ=table_q, mDescaleK=table_k, mDescaleV=table_v, mDescaleDO=table_do)
+
+
+def _fp8_backward_operands_slots(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
+                                 mode: int, quantized: dict | None) -> dict:
+    """:func:`fp8_backward_operands` by the slot quantizer (:data:`FP8_QUANT_SLOTS`, modes 1-5):
+    dO (and dO^T) in one launch (modes 3-5: two); q, k and v from the forward's training passes
+    (``quantized``), or, without them, quantized here as a training forward does (it also writes
+    a V^T the backward does not read)."""
+    two_direction = mode == QuantMode.TWO_DIRECTION
+    if quantized is None or "mV" not in quantized:
+        quantized = kept_for_backward(
+            quantize_for(mode, "training", (q, k, v), (seq_offsets_q, seq_offsets_k, seq_offsets_k),
+                         (max_seqlen_q, max_seqlen_k, max_seqlen_k)), two_direction)
+    (copies,) = quantize_for(mode, "gradient", (dout,), (seq_offsets_q,), (max_seqlen_q,))
+    (do8, table_do), (dot, table_dot) = copies["plain"], copies["transposed"]
+    operands = dict(quantized, mdO=do8, mdOt=dot, mDescaleDO=table_do)
+    if two_direction:
+        operands["mDescaleDOt"] = table_dot
+    return operands
 
 
 # The fused FP8 backward (dK, dV and dQ's reduce-adds in one kernel) runs only when asked for

@@ -35,7 +35,9 @@ __all__ = [
     "KEY_CLASSES", "make_fwd_key", "make_bwd_keys", "make_hopper_fwd_key", "make_hopper_bwd_key",
     "HopperFp8FwdKey", "make_hopper_fp8_fwd_key", "FP8_DTYPE", "FP8_HEAD_DIMS", "HopperFp8BwdKey",
     "make_hopper_fp8_bwd_key", "FP8_BWD_HEAD_DIMS", "FP8_FUSED_HEAD_DIMS", "HopperVtKey", "HopperQuantKey",
-    "make_hopper_quant_key", "QUANT_VARIANTS", "HopperPagedFwdKey", "make_hopper_paged_fwd_key", "PAGED_MASKS",
+    "make_hopper_quant_key", "QUANT_VARIANTS", "HopperQuantSlotsKey", "make_hopper_quant_slots_key",
+    "quant_launches", "QUANT_PURPOSES", "shipped_quant_slots", "HopperPagedFwdKey", "make_hopper_paged_fwd_key",
+    "PAGED_MASKS",
     "PAGE_SIZES", "SPLIT_KEY_MASKS", "AmperePagedFwdKey", "make_ampere_paged_fwd_key",
     "make_hopper_vt_key", "vt_width", "HopperCastKey", "make_hopper_cast_key",
     "shipped_keys", "has_hopper_kernels",
@@ -388,6 +390,74 @@ class HopperQuantKey(_Fp8InputKey):
         return super().describe() + f" {self.role}" + (" ->V^T" if self.transposed else "")
 
 
+@dataclass(frozen=True)
+class HopperQuantSlotsKey(_Fp8InputKey):
+    """Compile key of :class:`~hstu_cute.hopper.quantize_slots.QuantizeSlotsSm90` (quant modes
+    1-5, several tensors per launch): the ``slots`` of one launch, each ``(role, plain,
+    transposed)``: role "fused" (mode 2), "amax" or "cast" (modes 3-5's two passes; "amax" maxes
+    the groups' scales, not their amax), "token" or "column" (mode 1); ``plain`` writes the (T,
+    H, D) e4m3 copy, ``transposed`` V^T (:func:`quant_launches` lists what the launcher asks)."""
+
+    kernel_name: ClassVar[str] = "hopper_fwd_quant_slots"
+
+    slots: tuple = (("fused", True, False),)
+
+    def describe(self) -> str:
+        def slot(role, plain, transposed):
+            return role + "+P" * plain + "+T" * transposed
+
+        return super().describe() + " " + ",".join(slot(*s) for s in self.slots)
+
+
+def make_hopper_quant_slots_key(arch, dtype, head_dim, slots) -> HopperQuantSlotsKey:
+    return HopperQuantSlotsKey(arch=arch, dtype=dtype, head_dim=head_dim, slots=tuple(tuple(s) for s in slots))
+
+
+#: What the slot quantizer makes in one call, by purpose: "forward" (q, k, v -> e4m3 q, k and
+#: V^T), "training" (q, k, v -> also the backward's Q^T, K^T and e4m3 V, from the same passes),
+#: "gradient" (dO -> e4m3 dO and dO^T).
+QUANT_PURPOSES = ("forward", "training", "gradient")
+
+
+def quant_launches(mode: int, purpose: str) -> tuple:
+    """The slot quantizer's launches of quant mode ``mode`` (1-5) for ``purpose``: each a tuple
+    of slots ``(input, role, plain, transposed)``, ``input`` indexing the purpose's tensors (q,
+    k, v; or dO). Modes 3-5 take two launches (the groups' scales, then the cast), the second
+    listing the tensors last-read first (they may still be in L2). Mode 1 scales its
+    token-contiguous copies along tokens, unlike its (T, H, D) ones, so its training call adds a
+    launch for Q^T, K^T and e4m3 V, and its gradient call reads dO twice."""
+    assert purpose in QUANT_PURPOSES and 1 <= mode <= 5
+    inputs = (0,) if purpose == "gradient" else (0, 1, 2)
+    both = purpose != "forward"
+
+    def copies(i):  # (plain, transposed): the forward reads V only as V^T
+        return (True, both) if i < 2 or purpose == "gradient" else (both, True)
+
+    if mode == 1:
+        first = tuple((i, "token", True, False) if i < 2 or purpose == "gradient" else (i, "column", False, True)
+                      for i in inputs)
+        if purpose == "forward":
+            return (first,)
+        if purpose == "gradient":
+            return (first + ((0, "column", False, True),),)
+        return (first, ((0, "column", False, True), (1, "column", False, True), (2, "token", True, False)))
+    if mode == 2:
+        return (tuple((i, "fused", *copies(i)) for i in inputs),)
+    return (tuple((i, "amax", False, False) for i in inputs),
+            tuple((i, "cast", *copies(i)) for i in reversed(inputs)))
+
+
+def shipped_quant_slots() -> tuple:
+    """Every distinct slot tuple of :func:`quant_launches` (one compile key each, per dtype and
+    head dim), in a fixed order."""
+    seen = {}
+    for mode in (2, 3, 1):  # modes 4 and 5 launch what mode 3 does (their groups are tables)
+        for purpose in QUANT_PURPOSES:
+            for launch in quant_launches(mode, purpose):
+                seen.setdefault(tuple(slot[1:] for slot in launch), None)
+    return tuple(seen)
+
+
 #: (scaled_p, two_direction) of the shipped FP8 forward variants: P cast (the pre-quantized entry
 #: and mode 0), scaled P (modes 2-5), scaled P with per-token and per-dim descales (mode 1).
 FP8_P_SCALINGS = ((False, False), (True, False), (True, True))
@@ -573,7 +643,7 @@ def _hopper_role_serves(role: str, head_dim: int) -> bool:
 
 KEY_CLASSES = {cls.__name__: cls for cls in (AmpereFwdKey, AmpereBwdKey, HopperFwdKey, HopperBwdKey,
                                               HopperFp8FwdKey, HopperFp8BwdKey, HopperVtKey, HopperCastKey, HopperQuantKey,
-                                              HopperPagedFwdKey, AmperePagedFwdKey)}
+                                              HopperQuantSlotsKey, HopperPagedFwdKey, AmperePagedFwdKey)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -636,7 +706,9 @@ def shipped_hopper_fp8_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=H
             + [make_hopper_vt_key(arch, dtype, d) for dtype in (*dtypes, FP8_DTYPE) for d in fp8_dims]
             + [make_hopper_cast_key(arch, dtype, d) for dtype in dtypes for d in fp8_dims]
             + [make_hopper_quant_key(arch, dtype, d, *variant) for dtype in dtypes for d in fp8_dims
-               for variant in QUANT_VARIANTS])
+               for variant in QUANT_VARIANTS]
+            + [make_hopper_quant_slots_key(arch, dtype, d, slots) for dtype in dtypes for d in fp8_dims
+               for slots in shipped_quant_slots()])
 
 
 def shipped_hopper_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[HopperBwdKey]:

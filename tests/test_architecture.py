@@ -126,6 +126,8 @@ def _one_key_per_family():
     keys["hopper_fwd_vt"] = variants.make_hopper_vt_key("sm_90a", "bfloat16", 128)
     keys["hopper_fwd_cast"] = variants.make_hopper_cast_key("sm_90a", "bfloat16", 128)
     keys["hopper_fwd_quant"] = variants.make_hopper_quant_key("sm_90a", "bfloat16", 128, "cast", True)
+    keys["hopper_fwd_quant_slots"] = variants.make_hopper_quant_slots_key("sm_90a", "bfloat16", 128,
+                                                                          variants.shipped_quant_slots()[-1])
     return keys
 
 

@@ -10,6 +10,7 @@ import zlib
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hstu_cute import hstu_attn_varlen_func, launch, reference
 from hstu_cute.launch import fp8_backward_fused
@@ -222,3 +223,41 @@ def test_fp8_compiled_training_step(mode):
         grads.append((q.grad, k.grad, v.grad))
     for eager, compiled in zip(*grads):
         assert torch.equal(eager, compiled)
+
+
+class _Watching(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_slot_quantizer_training_equals_the_default(mode, head_dim, monkeypatch):
+    """The slot quantizer (launch.FP8_QUANT_SLOTS: q, k, v in one launch, the backward's copies
+    from the forward's pass, dO and dO^T in one) quantizes exactly as the per-tensor quantizers
+    do, so the training step's output and gradients are bitwise the default path's: eager
+    (copies kept from the forward) and through the op (the backward quantizes q, k, v itself);
+    jagged, with an empty sequence, q and k of different lengths (delta_q)."""
+    b = random_jagged_batch(5, 2, head_dim, 300, 700, device="cuda", seed=_seed("slots", mode, head_dim),
+                            lengths=[700, 0, 1, 129, 257], is_delta_q=True, window_size=(-1, 0), alpha=0.5)
+    rest = {n: x for n, x in b.items() if n not in ("q", "k", "v")}
+    dout = torch.randn_like(b["q"]) * 1e-2
+
+    def step(fn):
+        q, k, v = (b[n].detach().clone().requires_grad_() for n in "qkv")
+        out = fn(q, k, v)
+        out.backward(dout)
+        return out.detach(), q.grad, k.grad, v.grad
+
+    def eager(q, k, v):
+        return hstu_attn_varlen_func(q, k, v, **rest, quant_mode=mode)
+
+    def through_op(q, k, v):
+        with _Watching():  # a dispatch mode watching: the call goes through the ops
+            return hstu_attn_varlen_func(q, k, v, **rest, quant_mode=mode)
+
+    default = step(eager)
+    monkeypatch.setattr(launch, "FP8_QUANT_SLOTS", True)
+    for fn in (eager, through_op):
+        for want, got in zip(default, step(fn)):
+            assert torch.equal(want, got), fn.__name__

@@ -193,6 +193,71 @@ def test_block_quantizers_match_torch(mode, head_dim):
                            .view(torch.uint8)), seq
 
 
+def _check_copies(copies: dict, x, offsets, max_seqlen: int, mode: int, lengths: list) -> None:
+    """One tensor's copies from launch.quantize_for against hstu_cute.quantize, bit for bit: the
+    e4m3 data of every sequence token and its table; V^T's columns of each sequence (mode 1: the
+    (T, H) table of the sequences' tokens, and V^T against the token-contiguous copy with its
+    (B, blocks, H, D) table and reciprocals)."""
+    from hstu_cute import quantize
+
+    want = quantize.quantize(x, mode, offsets, max_seqlen)
+    two_direction = mode == QuantMode.TWO_DIRECTION
+    batch, heads = len(lengths), x.shape[1]
+    start, end = int(offsets[0]), int(offsets[-1])
+    assert copies, "no copy written"
+    if "plain" in copies:
+        data, table = copies["plain"]
+        assert torch.equal(data[start:end].view(torch.uint8), want.data[start:end].view(torch.uint8))
+        if two_direction:
+            assert torch.equal(table[start:end], want.scale[start:end])
+        else:
+            assert torch.equal(table, quantize.descale_table(want.scale, mode, batch, heads))
+    if "transposed" in copies:
+        vt, table = copies["transposed"]
+        if two_direction:  # the scales, then their reciprocals
+            assert torch.equal(table[:, :, :, 1], 1.0 / want.scale_t)
+            table, want_table, by_token = table[:, :, :, 0], want.scale_t, want.data_t.permute(2, 0, 1)[: x.shape[0]]
+        else:
+            want_table, by_token = quantize.descale_table(want.scale, mode, batch, heads), want.data
+        assert torch.equal(table, want_table)
+        for seq, (first, length) in enumerate(zip(offsets.tolist(), lengths)):
+            column = -(-first // 16) * 16 + 16 * seq
+            got = vt[:, :, _key_columns(column, length)]
+            assert torch.equal(got.view(torch.uint8), by_token[first:first + length].permute(1, 2, 0)
+                               .view(torch.uint8)), seq
+
+
+@pytest.mark.parametrize("mode", SCALED_MODES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_quantizer_launches_match_torch(mode, head_dim):
+    """Every purpose's slot-quantizer launches (launch.quantize_for: q, k and v in one launch,
+    modes 3-5 in two) against hstu_cute.quantize: q on one set of offsets (300 tokens at most), k and v
+    on another (200 at most: fewer blocks than q's in the same launch), magnitudes that differ by
+    up to 256x between tokens and heads, empty and one-token sequences."""
+    lengths_q, lengths_k = [300, 0, 1, 17, 129, 256], [200, 5, 0, 128, 129, 1]
+    b = random_jagged_batch(6, 3, head_dim, 300, device="cuda", seed=_seed("quant", mode, head_dim), lengths=lengths_q)
+    bk = random_jagged_batch(6, 3, head_dim, 200, device="cuda", seed=_seed("quant-k", mode, head_dim),
+                             lengths=lengths_k)
+    g = torch.Generator(device="cuda").manual_seed(mode)
+
+    def skewed(x):
+        gain = torch.exp2(torch.randint(-4, 5, (x.shape[0], 3, 1), generator=g, device="cuda").float())
+        return (x.float() * gain).to(x.dtype)
+
+    q, k, v, dout = skewed(b["q"]), skewed(bk["k"]), skewed(bk["v"]), skewed(b["v"])
+    offsets = (b["seq_offsets_q"], bk["seq_offsets_k"], bk["seq_offsets_k"])
+    for purpose in ("forward", "training"):
+        copies = launch.quantize_for(mode, purpose, (q, k, v), offsets, (300, 200, 200))
+        for x, offs, max_seqlen, lengths, got in zip((q, k, v), offsets, (300, 200, 200),
+                                                     (lengths_q, lengths_k, lengths_k), copies):
+            assert set(got) == ({"plain", "transposed"} if purpose == "training"
+                                else {"transposed"} if x is v else {"plain"})
+            _check_copies(got, x, offs, max_seqlen, mode, lengths)
+    (got,) = launch.quantize_for(mode, "gradient", (dout,), offsets[:1], (300,))
+    assert set(got) == {"plain", "transposed"}
+    _check_copies(got, dout, offsets[0], 300, mode, lengths_q)
+
+
 def test_fp8_all_target_and_many_sequences():
     lens = [64, 300, 1, 129]
     b = random_jagged_batch(4, 2, 128, 300, device="cuda", seed=3, lengths=lens, window_size=(-1, 0),

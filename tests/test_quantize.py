@@ -242,3 +242,31 @@ def test_vt_key_order_matches_the_operand_packing():
     assert [column_of_key(k) for k in range(16)] == list(COLUMN_OF_KEY)
     assert [key_at_column(p) for p in range(16)] == list(KEY_AT_COLUMN)
     assert sorted(vt_key_column(k) for k in range(48)) == list(range(48))
+
+
+@pytest.mark.parametrize("mode", [1, 2, 3, 4, 5])
+def test_quantizer_launches_are_shipped_and_complete(mode):
+    """Every slot set the launcher can ask for (variants.quant_launches) is a shipped compile key;
+    each purpose writes exactly the copies its readers take (forward: e4m3 q, k and V^T;
+    training: also Q^T, K^T and e4m3 V; gradient: e4m3 dO and dO^T), each copy once; modes 3-5
+    fill every group's scale before casting, and cast last-read first."""
+    from hstu_cute import variants
+    from hstu_cute.fp8_format import QUANT_MAX_SLOTS
+
+    shipped = set(variants.shipped_quant_slots())
+    wanted = {"forward": {(0, "P"), (1, "P"), (2, "T")},
+              "training": {(i, c) for i in range(3) for c in "PT"},
+              "gradient": {(0, "P"), (0, "T")}}
+    for purpose in variants.QUANT_PURPOSES:
+        launches = variants.quant_launches(mode, purpose)
+        written = []
+        for launch in launches:
+            assert 1 <= len(launch) <= QUANT_MAX_SLOTS
+            assert tuple(slot[1:] for slot in launch) in shipped, (mode, purpose, launch)
+            for i, role, plain, transposed in launch:
+                written += [(i, "P")] * plain + [(i, "T")] * transposed
+        assert sorted(written) == sorted(wanted[purpose]), (mode, purpose)
+        if mode >= 3:
+            (first, second) = launches
+            assert all(role == "amax" for _, role, _, _ in first)
+            assert [slot[0] for slot in second] == [slot[0] for slot in reversed(first)]

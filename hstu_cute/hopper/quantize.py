@@ -47,6 +47,10 @@ class BlockQuantizeSm90:
     """256 threads per CTA; each row of the block (a token) is ``D / 16`` chunks of 16 elements,
     ``4096 / D`` rows per pass, ``D / 32`` passes: a thread holds ``D / 2`` input elements."""
 
+    # Modes 3-5 meet in an amax table and the cast writes the scales (the slot quantizer,
+    # hstu_cute.hopper.quantize_slots, maxes the scales themselves into the descale table).
+    scales_in_group_table = False
+
     def __init__(self, dtype, head_dim: int, role: str, transposed: bool):
         assert role in QUANT_ROLES and not (transposed and role in ("amax", "token"))
         assert transposed or role != "column"
@@ -73,6 +77,17 @@ class BlockQuantizeSm90:
     def kernel(self, mX, mOffsets, mAmax, mScale, mO, mVt):
         tidx, _, _ = cute.arch.thread_idx()
         block, batch, head = cute.arch.block_idx()
+        self.quantize_block(self.role, self.role != "amax" and not self.transposed, self.transposed, mX, mOffsets,
+                            mAmax, mScale, mO, mVt, None, None, None, tidx, block, batch, head)
+
+    @cute.jit
+    def quantize_block(self, role: cutlass.Constexpr, plain: cutlass.Constexpr, transposed: cutlass.Constexpr, mX,
+                       mOffsets, mAmax, mScale, mO, mVt, warp_max, dim_max, sT, tidx: Int32, block: Int32,
+                       batch: Int32, head: Int32):
+        """One block: load, scale, cast, store the (T, H, D) copy (``plain``) and/or V^T
+        (``transposed``). ``warp_max``, ``dim_max``, ``sT``: shared memory to use (None:
+        allocated by the helpers). The groups of modes 3-5 meet in ``mAmax`` (their amax, then
+        the cast writes ``mScale``), or with ``scales_in_group_table`` in ``mScale`` itself."""
         seq_start = mOffsets[batch]
         row0 = block * BLOCK_TOKENS
         rows = cutlass.min(mOffsets[batch + 1] - seq_start - row0, BLOCK_TOKENS)
@@ -87,26 +102,35 @@ class BlockQuantizeSm90:
                 cute.autovec_copy(cute.local_tile(mX[seq_start + row0 + r, head, None], (VEC,), (chunk,)),
                                   values[None, i])
 
-        if const_expr(self.role == "amax"):
-            amax = self.block_amax(values, tidx)
+        if const_expr(role == "amax"):
+            amax = self.block_amax(values, tidx, warp_max)
             if tidx == 0:
-                cute.arch.atomic_max_float32(mAmax.iterator + cute.crd2idx((batch, block, head), mAmax.layout), amax)
+                if const_expr(self.scales_in_group_table):
+                    cute.arch.atomic_max_float32(mScale.iterator + cute.crd2idx((batch, block, head), mScale.layout),
+                                                 self.scale_of(amax))
+                else:
+                    cute.arch.atomic_max_float32(mAmax.iterator + cute.crd2idx((batch, block, head), mAmax.layout),
+                                                 amax)
         else:
             # The multiplier of each element: one per group, (passes,) per token or (VEC,) per dim.
-            if const_expr(self.role == "token"):
+            if const_expr(role == "token"):
                 inverse = self.token_inverse_scales(values, mScale, row_in_pass, chunk, seq_start + row0, rows, head)
-            elif const_expr(self.role == "column"):
-                inverse = self.column_inverse_scales(values, mScale, tidx, chunk, row_in_pass, batch, block, head)
+            elif const_expr(role == "column"):
+                inverse = self.column_inverse_scales(values, mScale, tidx, chunk, row_in_pass, batch, block, head,
+                                                     dim_max)
+            elif const_expr(role == "cast" and self.scales_in_group_table):
+                scale = mScale[batch, block, head]
             else:
-                amax = mAmax[batch, block, head] if const_expr(self.role == "cast") else self.block_amax(values, tidx)
+                amax = mAmax[batch, block, head] if const_expr(role == "cast") else self.block_amax(values, tidx,
+                                                                                                     warp_max)
                 scale = self.scale_of(amax)
                 if tidx == 0:
                     mScale[batch, block, head] = scale
             out = cute.make_rmem_tensor(cute.make_layout((VEC, self.passes)), cutlass.Float8E4M3FN)
-            if const_expr(self.role == "token"):
+            if const_expr(role == "token"):
                 for i in cutlass.range_constexpr(self.passes):
                     out[None, i].store((values[None, i].load().to(Float32) * inverse[i]).to(cutlass.Float8E4M3FN))
-            elif const_expr(self.role == "column"):
+            elif const_expr(role == "column"):
                 scaled = cute.make_rmem_tensor(cute.make_layout((VEC, self.passes)), Float32)
                 for i in cutlass.range_constexpr(self.passes):
                     for e in cutlass.range_constexpr(VEC):
@@ -116,14 +140,14 @@ class BlockQuantizeSm90:
                 # x * (1 / scale), as hstu_cute.quantize computes it (a division per element was
                 # the quantizers' main cost).
                 out.store((values.load().to(Float32) * div_rn(Float32(1.0), scale)).to(cutlass.Float8E4M3FN))
-            if const_expr(self.transposed):
-                self.store_transposed(out, mVt, tidx, chunk, row_in_pass, seq_start, batch, head, row0, rows)
-            else:
+            if const_expr(plain):
                 for i in cutlass.range_constexpr(self.passes):
                     r = row_in_pass + i * self.rows_per_pass
                     if r < rows:
                         cute.autovec_copy(out[None, i],
                                           cute.local_tile(mO[seq_start + row0 + r, head, None], (VEC,), (chunk,)))
+            if const_expr(transposed):
+                self.store_transposed(out, mVt, tidx, chunk, row_in_pass, seq_start, batch, head, row0, rows, sT)
 
     @staticmethod
     def scale_of(amax: Float32) -> Float32:
@@ -151,10 +175,11 @@ class BlockQuantizeSm90:
 
     @cute.jit
     def column_inverse_scales(self, values: cute.Tensor, mScale, tidx: Int32, chunk: Int32, row_in_pass: Int32,
-                              batch: Int32, block: Int32, head: Int32) -> cute.Tensor:
+                              batch: Int32, block: Int32, head: Int32, dim_max=None) -> cute.Tensor:
         """Mode 1, V: the scale of each of the thread's 16 dims over the block's tokens (lanes with
         the same chunk in a warp, then the 8 warps through shared memory) and 1 / scale into the
-        (B, blocks, H, 2, D) table; returns 1 / scale per dim."""
+        (B, blocks, H, 2, D) table; returns 1 / scale per dim. ``dim_max``: a (D, warps) fp32
+        smem tensor to use (default: allocated here)."""
         amax = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
         for e in cutlass.range_constexpr(VEC):
             m = Float32(0.0)
@@ -165,13 +190,15 @@ class BlockQuantizeSm90:
                 m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset))
             amax[e] = m
         warps = self.num_threads // 32
+        warp_max = dim_max
+        if const_expr(dim_max is None):
 
-        @cute.struct
-        class Storage:
-            warp_max: cute.struct.MemRange[Float32, warps * self.head_dim]
+            @cute.struct
+            class Storage:
+                warp_max: cute.struct.MemRange[Float32, warps * self.head_dim]
 
-        storage = cutlass.memory.SmemAllocator().allocate(Storage)
-        warp_max = storage.warp_max.get_tensor(cute.make_layout((self.head_dim, warps)))
+            storage = cutlass.memory.SmemAllocator().allocate(Storage)
+            warp_max = storage.warp_max.get_tensor(cute.make_layout((self.head_dim, warps)))
         lane = tidx % 32
         if lane < self.chunks:
             for e in cutlass.range_constexpr(VEC):
@@ -190,21 +217,23 @@ class BlockQuantizeSm90:
         return inverse
 
     @cute.jit
-    def block_amax(self, values: cute.Tensor, tidx: Int32) -> Float32:
-        """max |x| over the CTA's block (rows past the sequence hold zeros)."""
+    def block_amax(self, values: cute.Tensor, tidx: Int32, warp_max=None) -> Float32:
+        """max |x| over the CTA's block (rows past the sequence hold zeros). ``warp_max``: an
+        fp32 smem tensor of one entry per warp to use (default: allocated here)."""
         amax = Float32(0.0)
         for i in cutlass.range_constexpr(cute.size(values)):
             x = Float32(values[i])
             amax = cute.arch.fmax(amax, cute.arch.fmax(x, -x))
         for offset in (16, 8, 4, 2, 1):
             amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset))
+        if const_expr(warp_max is None):
 
-        @cute.struct
-        class Storage:
-            warp_max: cute.struct.MemRange[Float32, 8]
+            @cute.struct
+            class Storage:
+                warp_max: cute.struct.MemRange[Float32, 8]
 
-        storage = cutlass.memory.SmemAllocator().allocate(Storage)
-        warp_max = storage.warp_max.get_tensor(cute.make_layout(self.num_threads // 32))
+            storage = cutlass.memory.SmemAllocator().allocate(Storage)
+            warp_max = storage.warp_max.get_tensor(cute.make_layout(self.num_threads // 32))
         if tidx % 32 == 0:
             warp_max[tidx // 32] = amax
         cute.arch.sync_threads()
@@ -215,18 +244,20 @@ class BlockQuantizeSm90:
 
     @cute.jit
     def store_transposed(self, out: cute.Tensor, mVt, tidx: Int32, chunk: Int32, row_in_pass: Int32,
-                         seq_start: Int32, batch: Int32, head: Int32, row0: Int32, rows: Int32):
-        """The block's e4m3 values (zeros past the sequence) to V^T through a (D, 128) smem tile:
-        16-byte runs of keys, the runs that start inside the sequence."""
+                         seq_start: Int32, batch: Int32, head: Int32, row0: Int32, rows: Int32, sT=None):
+        """The block's e4m3 values (zeros past the sequence) to V^T through a (D, 128) smem tile
+        (``sT``, (D, 128 + pad) e4m3; default: allocated here): 16-byte runs of keys, the runs
+        that start inside the sequence."""
         D = self.head_dim
         stride = BLOCK_TOKENS + _ROW_PAD
+        if const_expr(sT is None):
 
-        @cute.struct
-        class Storage:
-            sT: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN, D * stride], 16]
+            @cute.struct
+            class Storage:
+                sT: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN, D * stride], 16]
 
-        storage = cutlass.memory.SmemAllocator().allocate(Storage)
-        sT = storage.sT.get_tensor(cute.make_layout((D, stride), stride=(stride, 1)))
+            storage = cutlass.memory.SmemAllocator().allocate(Storage)
+            sT = storage.sT.get_tensor(cute.make_layout((D, stride), stride=(stride, 1)))
         for i in cutlass.range_constexpr(self.passes):
             r = row_in_pass + i * self.rows_per_pass
             for e in cutlass.range_constexpr(VEC):

@@ -1,0 +1,114 @@
+"""The slot quantizer of FP8 quant modes 1-5: several tensors in one launch (opt-in while it
+waits for its first GPU run: :data:`hstu_cute.launch.FP8_QUANT_SLOTS`).
+
+A slot is one input tensor, its role and the copies it writes: ``plain`` (T, H, D) e4m3 and/or
+``transposed`` V^T (H, D, W); a slot that writes both reads its input once. One CTA per (block
+of 128 tokens, sequence, slot and head); each block is quantized as
+:class:`~hstu_cute.hopper.quantize.BlockQuantizeSm90` does it (whose helpers this class uses,
+with shared memory allocated once for the largest slot). What a call quantizes, by quant mode and
+purpose, is :func:`hstu_cute.variants.quant_launches`: a training call's forward writes q, k and
+v with both copies (the backward's Q^T, K^T and e4m3 V come from the same pass), the backward
+then quantizes dO alone.
+
+Roles as in :mod:`hstu_cute.hopper.quantize`, except ``"amax"``: it maxes each block's *scale*
+``max(amax / 448, 1e-6)`` into the group's entry of the scale table. The scale is monotonic in
+the amax, so the max of the blocks' scales is the group's scale bit for bit, the ``"cast"`` pass
+reads it from the same table, and that table is the descale table the kernels read: no second
+table, and the cast writes none.
+
+Why: each launch costs the host ~15 us (H100 host, docs/perf-log.md session 18), and a mode-2
+training step made 8 quantizer launches (3 in the forward, 5 in the backward) where slots make 2.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, const_expr
+
+from ..fp8_format import BLOCK_TOKENS, QUANT_MAX_SLOTS
+from .quantize import _ROW_PAD, QUANT_ROLES, BlockQuantizeSm90
+
+
+def check_slot(role: str, plain: bool, transposed: bool) -> None:
+    """What each role may write: amax nothing, token only (T, H, D), column only V^T, the
+    others either or both."""
+    assert role in QUANT_ROLES, role
+    if role == "amax":
+        assert not (plain or transposed)
+    elif role == "token":
+        assert plain and not transposed
+    elif role == "column":
+        assert transposed and not plain
+    else:
+        assert plain or transposed
+
+
+class QuantizeSlotsSm90(BlockQuantizeSm90):
+    """256 threads per CTA, a block as :class:`BlockQuantizeSm90` holds it.
+
+    ``slots``: up to :data:`~hstu_cute.fp8_format.QUANT_MAX_SLOTS` ``(role, plain,
+    transposed)``; the grid's z runs over slot-major (slot, head) pairs, so the hardware starts
+    the slots in order. Per slot ``i`` the arguments are its input ``mX{i}`` (T, H, D), its
+    sequence offsets, its scale table, its (T, H, D) and V^T outputs (None where not written) and
+    its block count (0 skips the slot; the grid covers the largest). All slots share H and the
+    batch size."""
+
+    scales_in_group_table = True
+
+    def __init__(self, dtype, head_dim: int, slots: tuple):
+        assert 1 <= len(slots) <= QUANT_MAX_SLOTS == 4
+        for slot in slots:
+            check_slot(*slot)
+        super().__init__(dtype, head_dim, "fused", False)
+        self.slots = tuple(tuple(s) for s in slots)
+        self.warps = self.num_threads // 32
+        self.any_transposed = any(t for _, _, t in self.slots)
+        self.any_column = any(role == "column" for role, _, _ in self.slots)
+
+    @cute.jit
+    def __call__(self, mX0, mOffsets0, mScale0, mO0, mVt0, num_blocks0,
+                 mX1, mOffsets1, mScale1, mO1, mVt1, num_blocks1,
+                 mX2, mOffsets2, mScale2, mO2, mVt2, num_blocks2,
+                 mX3, mOffsets3, mScale3, mO3, mVt3, num_blocks3, stream):
+        blocks = num_blocks0
+        for count in (num_blocks1, num_blocks2, num_blocks3)[:len(self.slots) - 1]:
+            blocks = cutlass.max(blocks, count)
+        grid = [blocks, mOffsets0.shape[0] - 1, len(self.slots) * mX0.shape[1]]
+        self.kernel(mX0, mOffsets0, mScale0, mO0, mVt0, num_blocks0, mX1, mOffsets1, mScale1, mO1, mVt1, num_blocks1,
+                    mX2, mOffsets2, mScale2, mO2, mVt2, num_blocks2, mX3, mOffsets3, mScale3, mO3, mVt3,
+                    num_blocks3).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX0, mOffsets0, mScale0, mO0, mVt0, num_blocks0,
+               mX1, mOffsets1, mScale1, mO1, mVt1, num_blocks1,
+               mX2, mOffsets2, mScale2, mO2, mVt2, num_blocks2,
+               mX3, mOffsets3, mScale3, mO3, mVt3, num_blocks3):
+        tidx, _, _ = cute.arch.thread_idx()
+        block, batch, slot_head = cute.arch.block_idx()
+        heads = mX0.shape[1]
+        slot = slot_head // heads
+        head = slot_head - slot * heads
+        D = self.head_dim
+        stride = BLOCK_TOKENS + _ROW_PAD
+
+        @cute.struct
+        class Storage:
+            warp_max: cute.struct.MemRange[Float32, self.warps]
+            dim_max: cute.struct.MemRange[Float32, self.warps * D if self.any_column else 1]
+            sT: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN,
+                                                       D * stride if self.any_transposed else 16], 16]
+
+        storage = cutlass.memory.SmemAllocator().allocate(Storage)
+        warp_max = storage.warp_max.get_tensor(cute.make_layout(self.warps))
+        dim_max = storage.dim_max.get_tensor(cute.make_layout((D, self.warps))) if const_expr(self.any_column) else None
+        sT = (storage.sT.get_tensor(cute.make_layout((D, stride), stride=(stride, 1)))
+              if const_expr(self.any_transposed) else None)
+        args = ((mX0, mOffsets0, mScale0, mO0, mVt0, num_blocks0), (mX1, mOffsets1, mScale1, mO1, mVt1, num_blocks1),
+                (mX2, mOffsets2, mScale2, mO2, mVt2, num_blocks2), (mX3, mOffsets3, mScale3, mO3, mVt3, num_blocks3))
+        for i in cutlass.range_constexpr(len(self.slots)):
+            if slot == i:
+                if block < args[i][5]:
+                    mX, mOffsets, mScale, mO, mVt, _ = args[i]
+                    self.quantize_block(*self.slots[i], mX, mOffsets, None, mScale, mO, mVt, warp_max, dim_max, sT,
+                                        tidx, block, batch, head)

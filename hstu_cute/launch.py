@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 
@@ -45,7 +46,7 @@ from .variants import (
     SPLIT_KEY_MASKS,
     vt_width,
 )
-from .fp8_format import SCALE_FLOOR
+from .fp8_format import QUANT_MAX_SLOTS, SCALE_FLOOR
 from .quantize import QuantMode, num_blocks
 
 INT32_MAX = 2**31 - 1
@@ -394,11 +395,22 @@ def quantize_blocks(x: torch.Tensor, seq_offsets: torch.Tensor, max_seqlen: int,
 FP8_QUANT_SLOTS = os.environ.get("HSTU_CUTE_FP8_QUANT_SLOTS", "0") == "1"
 
 
+# The slot quantizer's argument names, per slot (hstu_cute.kernel_args: its spec's order).
+_SLOT_ARGS = tuple(tuple(f"{name}{j}" for name in ("mX", "mOffsets", "mScale", "mO", "mVt", "num_blocks"))
+                   for j in range(QUANT_MAX_SLOTS))
+
+
+@functools.lru_cache(maxsize=None)
+def _quant_plan(mode: int, purpose: str) -> tuple:
+    """:func:`hstu_cute.variants.quant_launches`, each launch with its key's slot tuple."""
+    return tuple((launch, tuple(slot[1:] for slot in launch)) for launch in quant_launches(mode, purpose))
+
+
 def quantize_for(mode: int, purpose: str, xs: tuple, offsets: tuple, max_seqlens: tuple) -> list[dict]:
     """Quantize the 16-bit (T, H, D) tensors ``xs`` (q, k, v; or dO) with ``mode`` (1-5) for
     ``purpose`` (:func:`hstu_cute.variants.quant_launches`: one launch of the slot quantizer,
-    :mod:`hstu_cute.hopper.quantize_slots`, modes 3-5 two) and return, per tensor, its copies by name:
-    ``"plain"`` (T, H, D) e4m3 and/or ``"transposed"`` V^T (H, D, W)
+    :mod:`hstu_cute.hopper.quantize_slots`, modes 3-5 two) and return, per tensor, its copies by
+    name: ``"plain"`` (T, H, D) e4m3 and/or ``"transposed"`` V^T (H, D, W)
     (:func:`transposed_for_pv`'s layout), each as ``(data, descale table)``. The table is (B,
     blocks, H) for mode 2, a zero-strided (B, 1, H) view of the group's scale for modes 3-5;
     mode 1's plain tables are (T, H) (per token), its transposed ones (B, blocks, H, 2, D): per
@@ -410,56 +422,54 @@ def quantize_for(mode: int, purpose: str, xs: tuple, offsets: tuple, max_seqlens
     blocks = [num_blocks(m) for m in max_seqlens]
     empty = [batch == 0 or x.shape[0] == 0 for x in xs]
     copies: list[dict] = [{} for _ in xs]
-    groups = None
+    tables: dict = {}  # (tensor, role family) -> (the kernel's table, the copies' table)
     if mode >= QuantMode.PER_HEAD:
         group = {QuantMode.PER_HEAD: (batch, 1, heads), QuantMode.PER_SEQUENCE: (batch, 1, 1)}.get(mode, (1, 1, 1))
-        # The first pass maxes each group's scale in here (one memset for every tensor).
+        # The first pass maxes each group's scale in here (one memset for every tensor); every
+        # block of a group sees it (zero strides).
         groups = torch.zeros((len(xs), *group), dtype=torch.float32, device=device)
-        for i in range(len(xs)):
+        for i, g in enumerate(groups):
             if empty[i]:
-                groups[i].fill_(SCALE_FLOOR)
-    block_tables: dict = {}
-    launches = quant_launches(mode, purpose)
+                g.fill_(SCALE_FLOOR)
+            tables[i, "group"] = (g.expand(batch, blocks[i], heads), g.expand(batch, 1, heads))
     arch = device_arch(device)
     dtype = DTYPE_NAMES[x0.dtype]
     aligned = [aligned_16(x) for x in xs]
-    for launch_slots in launches:
+    for launch_slots, slot_specs in _quant_plan(mode, purpose):
         values: dict = {}
-        for j, (i, role, plain, transposed) in enumerate(launch_slots):
+        for names, (i, role, plain, transposed) in zip(_SLOT_ARGS, launch_slots):
             x = aligned[i]
-            if role == "token":
-                table = torch.empty((x.shape[0], heads), dtype=torch.float32, device=device)
-                if empty[i]:
-                    table.fill_(SCALE_FLOOR)
-            elif role == "column":
-                table = torch.empty((batch, blocks[i], heads, 2, head_dim), dtype=torch.float32, device=device)
-                if empty[i]:
-                    table[:, :, :, 0] = SCALE_FLOOR
-                    table[:, :, :, 1] = 1.0 / SCALE_FLOOR
-            elif role == "fused":
-                table = block_tables.get(i)
-                if table is None:
-                    table = block_tables[i] = torch.empty((batch, blocks[i], heads), dtype=torch.float32,
-                                                          device=device)
-                    if empty[i]:
-                        table.fill_(SCALE_FLOOR)
-            else:  # the group's scale, seen by every block of the group
-                table = groups[i].expand(batch, blocks[i], heads)
+            family = role if role in ("token", "column") else "group" if mode >= QuantMode.PER_HEAD else "block"
+            table, copies_table = tables.get((i, family)) or tables.setdefault(
+                (i, family), (_new_quant_table(family, x.shape[0], batch, blocks[i], heads, head_dim, empty[i],
+                                               device),) * 2)
             out = vt = None
             if plain:
                 out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=device)
-                copies[i]["plain"] = (out, table if groups is None else groups[i].expand(batch, 1, heads))
+                copies[i]["plain"] = (out, copies_table)
             if transposed:
                 vt = torch.empty((heads, head_dim, vt_width(x.shape[0], batch)), dtype=torch.float8_e4m3fn,
                                  device=device)
-                copies[i]["transposed"] = (vt, table if groups is None else groups[i].expand(batch, 1, heads))
-            values.update({f"mX{j}": x, f"mOffsets{j}": offsets[i], f"mScale{j}": table, f"mO{j}": out,
-                           f"mVt{j}": vt, f"num_blocks{j}": 0 if empty[i] else blocks[i]})
+                copies[i]["transposed"] = (vt, copies_table)
+            values.update(zip(names, (x, offsets[i], table, out, vt, 0 if empty[i] else blocks[i])))
         if not all(empty[i] for i, *_ in launch_slots):
-            key = _made(make_hopper_quant_slots_key, arch, dtype, head_dim, tuple(slot[1:] for slot in launch_slots))
+            key = _made(make_hopper_quant_slots_key, arch, dtype, head_dim, slot_specs)
             with _on_device(device):
                 _launch(key, _compiled(key), values)
     return copies
+
+
+def _new_quant_table(family: str, tokens: int, batch: int, blocks: int, heads: int, head_dim: int, empty: bool,
+                     device) -> torch.Tensor:
+    """A slot quantizer's scale table: (T, H) per token, (B, blocks, H, 2, D) per block and dim
+    (scale, then reciprocal), (B, blocks, H) per block; the floor scale where no block runs."""
+    shape = {"token": (tokens, heads), "column": (batch, blocks, heads, 2, head_dim)}.get(family, (batch, blocks, heads))
+    table = torch.empty(shape, dtype=torch.float32, device=device)
+    if empty:
+        table.fill_(SCALE_FLOOR)
+        if family == "column":
+            table[:, :, :, 1] = 1.0 / SCALE_FLOOR
+    return table
 
 
 _ONES: dict = {}

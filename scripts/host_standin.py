@@ -27,6 +27,7 @@ launch._beside = lambda device: contextlib.nullcontext()
 launch._on_device = lambda device: contextlib.nullcontext()
 _counter = torch.zeros(2, dtype=torch.int32)
 launch.tile_counter = lambda device: _counter
+torch.cuda.is_current_stream_capturing = lambda: False
 # Validation insists on CUDA tensors: it runs once per signature, on meta stand-ins.
 _validate = validation.validate
 validation.validate = lambda *a: _validate(*[x.to("meta") if isinstance(x, torch.Tensor) else x for x in a])
@@ -47,6 +48,16 @@ def step():
     torch.autograd.grad(api.hstu_attn_varlen_func(qg, kg, vg, **kw), (qg, kg, vg), dout)
 
 
+def fp8_step(mode: int, slots: bool):
+    """An FP8 training step (quant_mode ``mode``) with the per-tensor or the slot quantizers."""
+
+    def run():
+        launch.FP8_QUANT_SLOTS = slots
+        torch.autograd.grad(api.hstu_attn_varlen_func(qg, kg, vg, **kw, quant_mode=mode), (qg, kg, vg), dout)
+
+    return run
+
+
 ROWS = {
     "validate (memo hit)": lambda: validation.validate_memoized(*args),
     "launch.forward": lambda: launch.forward(q, k, v, offsets, offsets, N, N, None, None, 1, 1.0, None, None, None, p),
@@ -56,6 +67,8 @@ ROWS = {
     "public forward, FP8 quant_mode 0": lambda: api.hstu_attn_varlen_func(q, k, v, **kw, quant_mode=0),
     "public forward, FP8 pre-quantized e4m3": lambda: api.hstu_attn_varlen_func(q8, k8, v8, **kw),
     "forward + backward step": step,
+    **{f"FP8 step, quant_mode {m}, {'slot' if slots else 'per-tensor'} quantizers": fp8_step(m, slots)
+       for m in (2, 5, 1) for slots in (False, True)},
     "floor: allocating autograd.Function step": lambda: torch.autograd.grad(AllocOnly.apply(qg, kg, vg), (qg, kg, vg),
                                                                             dout),
 }
@@ -81,5 +94,10 @@ if __name__ == "__main__":
         profiler.runcall(lambda: [step() for _ in range(2000)])
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     else:
+        launches = []
+        launch._launch = lambda key, compiled, values: launches.append(launch.ordered(key, values))
         for name, fn in ROWS.items():
-            print(f"{name:<44} {us_per_call(fn):7.1f} us")
+            launches.clear()
+            fn()
+            count = len(launches)
+            print(f"{name:<56} {us_per_call(fn):7.1f} us  {count:2d} launches", flush=True)

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The slot quantizer's first GPU run, in one device call (~6-8 min on a cold H100): precompile the
+# D128 bf16 variants, the quantizer and training-equality GPU tests, compute-sanitizer over the FP8
+# backward cases with the slot quantizer on, then the A/B rows (per-tensor against slot
+# quantizers, same lease) of scripts/ab_quantizers.py. Logs and JSON lines under $OUT.
+# The bundle must carry tvm-ffi (the kernels' calling convention; a bundle without it fails at
+# import): here, ../shared/device/cutedsl-bundle apache-tvm-ffi==0.1.15.post2, carry .cutedsl.
+# Usage on the GPU machine: source .cutedsl/activate.sh && bash scripts/gpu_fp8_slots.sh
+set -uo pipefail
+OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
+export HSTU_CUTE_CACHE_DIR="${HSTU_CUTE_CACHE_DIR:-/tmp/hstu-cute-cache}" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
+t0=$(date +%s)
+python scripts/ab_quantizers.py warm --warmup-only > "$OUT/warmup.log" 2>&1
+echo "warmup rc=$? $(( $(date +%s) - t0 ))s: $(tail -n 1 "$OUT/warmup.log")"
+t0=$(date +%s)
+timeout 300 python -m pytest -q -p no:cacheprovider tests/test_fp8_forward_gpu.py tests/test_fp8_backward_gpu.py \
+  -k "quantizer" > "$OUT/gpu-tests.log" 2>&1
+echo "gpu tests rc=$? $(( $(date +%s) - t0 ))s: $(tail -n 1 "$OUT/gpu-tests.log")"
+grep -E "FAILED|Error" "$OUT/gpu-tests.log" | head -n 10
+t0=$(date +%s)
+HSTU_CUTE_FP8_QUANT_SLOTS=1 timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 \
+  python scripts/sanitize_fp8_bwd.py > "$OUT/sanitizer-slots.log" 2>&1
+echo "compute-sanitizer (slot quantizer) rc=$? $(( $(date +%s) - t0 ))s: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer-slots.log" | tail -n 1)"
+for label in per-tensor slots; do
+  flag=$([[ $label == slots ]] && echo 1 || echo 0)
+  HSTU_CUTE_FP8_QUANT_SLOTS=$flag timeout 150 python scripts/ab_quantizers.py "$label" > "$OUT/ab-$label.log" 2>&1
+  echo "== $label (rc=$?)"; cat "$OUT/ab-$label.log" | grep -v Warning | tail -n 24
+done

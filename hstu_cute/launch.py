@@ -389,7 +389,8 @@ def quantize_blocks(x: torch.Tensor, seq_offsets: torch.Tensor, max_seqlen: int,
 
 
 # The slot quantizer (several tensors per launch, and a training forward that also writes the
-# backward's copies: quantize_for) replaces quantize_blocks where set. Opt-in until its first GPU
+# backward's copies: quantize_for) replaces quantize_blocks where set. A training call then keeps
+# five e4m3 copies (q, k, v, Q^T, K^T) for its backward instead of two (q, k). Opt-in until its first GPU
 # run: written and compiled in session 20, whose device time was spent before it could run
 # (docs/perf-log.md). HSTU_CUTE_FP8_QUANT_SLOTS=1 turns it on.
 FP8_QUANT_SLOTS = os.environ.get("HSTU_CUTE_FP8_QUANT_SLOTS", "0") == "1"

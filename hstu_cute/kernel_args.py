@@ -160,8 +160,9 @@ def _quant_scale(s: FakeShapes):
 
 def _quant_slot_args(i: int) -> tuple:
     """Slot ``i`` of a slot-quantizer launch: input, offsets, scale table (by role: (T, H) for
-    "token", (B, blocks, H, 2, D) for "column", else (B, blocks, H), zero-strided for the groups
-    of modes 3-5), the (T, H, D) e4m3 copy, V^T, the slot's block count (0: skip the slot)."""
+    "token", (B, blocks, H, 2, D) for "column", none for "unit", else (B, blocks, H),
+    zero-strided for the groups of modes 3-5), the (T, H, D) e4m3 copy, V^T, the slot's block
+    count (0: skip the slot)."""
 
     def slot(key):
         return key.slots[i] if i < len(key.slots) else None
@@ -174,7 +175,7 @@ def _quant_slot_args(i: int) -> tuple:
 
     tokens = f"tokens_slot{i}"
     return (Arg(f"mX{i}", _tokens(tokens), used), Arg(f"mOffsets{i}", _int_vec("batch1"), used),
-            Arg(f"mScale{i}", scale, used),
+            Arg(f"mScale{i}", scale, lambda key: used(key) and slot(key)[0] != "unit"),
             Arg(f"mO{i}", _tokens(tokens, "Float8E4M3FN", 16), lambda key: used(key) and slot(key)[1]),
             Arg(f"mVt{i}", _tokens_transposed, lambda key: used(key) and slot(key)[2]),
             Arg(f"num_blocks{i}", _i32, used))

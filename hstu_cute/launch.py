@@ -389,10 +389,11 @@ def quantize_blocks(x: torch.Tensor, seq_offsets: torch.Tensor, max_seqlen: int,
 
 
 # The slot quantizer (several tensors per launch, and a training forward that also writes the
-# backward's copies: quantize_for) replaces quantize_blocks where set. A training call then keeps
-# five e4m3 copies (q, k, v, Q^T, K^T) for its backward instead of two (q, k). Opt-in until its first GPU
-# run: written and compiled in session 20, whose device time was spent before it could run
-# (docs/perf-log.md). HSTU_CUTE_FP8_QUANT_SLOTS=1 turns it on.
+# backward's copies: quantize_for) replaces quantize_blocks, and quant_mode 0's cast and V^T
+# launches, where set. A training call then keeps five e4m3 copies (q, k, v, Q^T, K^T) for its
+# backward instead of two (q, k). Opt-in until its first GPU run: written and compiled in session
+# 20, whose device time was spent before it could run (docs/perf-log.md).
+# HSTU_CUTE_FP8_QUANT_SLOTS=1 turns it on.
 FP8_QUANT_SLOTS = os.environ.get("HSTU_CUTE_FP8_QUANT_SLOTS", "0") == "1"
 
 
@@ -408,14 +409,15 @@ def _quant_plan(mode: int, purpose: str) -> tuple:
 
 
 def quantize_for(mode: int, purpose: str, xs: tuple, offsets: tuple, max_seqlens: tuple) -> list[dict]:
-    """Quantize the 16-bit (T, H, D) tensors ``xs`` (q, k, v; or dO) with ``mode`` (1-5) for
+    """Quantize the 16-bit (T, H, D) tensors ``xs`` (q, k, v; or dO) with ``mode`` (0-5) for
     ``purpose`` (:func:`hstu_cute.variants.quant_launches`: one launch of the slot quantizer,
     :mod:`hstu_cute.hopper.quantize_slots`, modes 3-5 two) and return, per tensor, its copies by
     name: ``"plain"`` (T, H, D) e4m3 and/or ``"transposed"`` V^T (H, D, W)
     (:func:`transposed_for_pv`'s layout), each as ``(data, descale table)``. The table is (B,
     blocks, H) for mode 2, a zero-strided (B, 1, H) view of the group's scale for modes 3-5;
     mode 1's plain tables are (T, H) (per token), its transposed ones (B, blocks, H, 2, D): per
-    block and dim the scale, then its reciprocal. Every shape depends only on shapes (no sync)."""
+    block and dim the scale, then its reciprocal; mode 0's are zero-strided (B, 1, H) views of a
+    cached one. Every shape depends only on shapes (no sync)."""
     x0 = xs[0]
     device = x0.device
     batch = offsets[0].shape[0] - 1
@@ -424,6 +426,10 @@ def quantize_for(mode: int, purpose: str, xs: tuple, offsets: tuple, max_seqlens
     empty = [batch == 0 or x.shape[0] == 0 for x in xs]
     copies: list[dict] = [{} for _ in xs]
     tables: dict = {}  # (tensor, role family) -> (the kernel's table, the copies' table)
+    if mode == QuantMode.CAST:
+        ones = unit_descale(device).view(1, 1, 1).expand(batch, 1, heads)
+        for i in range(len(xs)):
+            tables[i, "unit"] = (None, ones)
     if mode >= QuantMode.PER_HEAD:
         group = {QuantMode.PER_HEAD: (batch, 1, heads), QuantMode.PER_SEQUENCE: (batch, 1, 1)}.get(mode, (1, 1, 1))
         # The first pass maxes each group's scale in here (one memset for every tensor); every
@@ -440,7 +446,7 @@ def quantize_for(mode: int, purpose: str, xs: tuple, offsets: tuple, max_seqlens
         values: dict = {}
         for names, (i, role, plain, transposed) in zip(_SLOT_ARGS, launch_slots):
             x = aligned[i]
-            family = role if role in ("token", "column") else "group" if mode >= QuantMode.PER_HEAD else "block"
+            family = role if role in ("token", "column", "unit") else "group" if mode >= QuantMode.PER_HEAD else "block"
             table, copies_table = tables.get((i, family)) or tables.setdefault(
                 (i, family), (_new_quant_table(family, x.shape[0], batch, blocks[i], heads, head_dim, empty[i],
                                                device),) * 2)
@@ -630,6 +636,14 @@ def prepare_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_
         descales = tuple(d if d is not None else unit_descale(device) for d in (descale_q, descale_k, descale_v))
         return q, k, Fp8Operands(transposed_for_pv(v, seq_offsets_k), descales, p.out_dtype, False)
     two_direction = p.quant_mode == QuantMode.TWO_DIRECTION
+    if FP8_QUANT_SLOTS:
+        copies = quantize_for(p.quant_mode, "training" if training else "forward", (q, k, v),
+                              (seq_offsets_q, seq_offsets_k, seq_offsets_k), (max_seqlen_q, max_seqlen_k, max_seqlen_k))
+        (q8, dq), (k8, dk), (vt, dv) = copies[0]["plain"], copies[1]["plain"], copies[2]["transposed"]
+        kept = kept_for_backward(copies, two_direction) if training else None
+        if p.quant_mode == 0:  # P cast, (1,) descales
+            return q8, k8, Fp8Operands(vt, (unit_descale(device),) * 3, p.out_dtype, False, kept=kept)
+        return q8, k8, Fp8Operands(vt, (dq, dk, dv), p.out_dtype, True, two_direction, kept)
     if p.quant_mode == 0:
         # One launch per tensor: q and k by the cast kernel, V by the V^T kernel (both saturate
         # as the quantizer does).
@@ -638,12 +652,6 @@ def prepare_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_
         # the backward's zero-strided tables of ones
         tables = tuple(unit_descale(device).view(1, 1, 1).expand(p.batch, 1, x.shape[1]) for x in (q, k))
         fp8 = Fp8Operands(vt, descales, p.out_dtype, False)
-    elif FP8_QUANT_SLOTS:
-        copies = quantize_for(p.quant_mode, "training" if training else "forward", (q, k, v),
-                              (seq_offsets_q, seq_offsets_k, seq_offsets_k), (max_seqlen_q, max_seqlen_k, max_seqlen_k))
-        (q8, dq), (k8, dk), (vt, dv) = copies[0]["plain"], copies[1]["plain"], copies[2]["transposed"]
-        kept = kept_for_backward(copies, two_direction) if training else None
-        return q8, k8, Fp8Operands(vt, (dq, dk, dv), p.out_dtype, True, two_direction, kept)
     else:
         (q8, dq), (k8, dk), (vt, dv) = (
             quantize_blocks(x, offsets, max_seqlen, p.quant_mode, transposed)
@@ -965,7 +973,7 @@ def fp8_backward_operands(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqle
     mode 1 quantizes the copies along tokens, with their own (B, blocks, H, 2, D) tables."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    if FP8_QUANT_SLOTS and mode != QuantMode.CAST:
+    if FP8_QUANT_SLOTS:
         return _fp8_backward_operands_slots(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
                                             mode, quantized)
     if quantized is None:
@@ -990,8 +998,8 @@ def fp8_backward_operands(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqle
 
 def _fp8_backward_operands_slots(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
                                  mode: int, quantized: dict | None) -> dict:
-    """:func:`fp8_backward_operands` by the slot quantizer (:data:`FP8_QUANT_SLOTS`, modes 1-5):
-    dO (and dO^T) in one launch (modes 3-5: two); q, k and v from the forward's training passes
+    """:func:`fp8_backward_operands` by the slot quantizer (:data:`FP8_QUANT_SLOTS`): dO (and
+    dO^T) in one launch (modes 3-5: two); q, k and v from the forward's training passes
     (``quantized``), or, without them, quantized here as a training forward does (it also writes
     a V^T the backward does not read)."""
     two_direction = mode == QuantMode.TWO_DIRECTION

@@ -393,9 +393,10 @@ class HopperQuantKey(_Fp8InputKey):
 @dataclass(frozen=True)
 class HopperQuantSlotsKey(_Fp8InputKey):
     """Compile key of :class:`~hstu_cute.hopper.quantize_slots.QuantizeSlotsSm90` (quant modes
-    1-5, several tensors per launch): the ``slots`` of one launch, each ``(role, plain,
-    transposed)``: role "fused" (mode 2), "amax" or "cast" (modes 3-5's two passes; "amax" maxes
-    the groups' scales, not their amax), "token" or "column" (mode 1); ``plain`` writes the (T,
+    0-5, several tensors per launch): the ``slots`` of one launch, each ``(role, plain,
+    transposed)``: role "unit" (mode 0's cast), "fused" (mode 2), "amax" or "cast" (modes 3-5's
+    two passes; "amax" maxes the groups' scales, not their amax), "token" or "column" (mode 1);
+    ``plain`` writes the (T,
     H, D) e4m3 copy, ``transposed`` V^T (:func:`quant_launches` lists what the launcher asks)."""
 
     kernel_name: ClassVar[str] = "hopper_fwd_quant_slots"
@@ -420,13 +421,13 @@ QUANT_PURPOSES = ("forward", "training", "gradient")
 
 
 def quant_launches(mode: int, purpose: str) -> tuple:
-    """The slot quantizer's launches of quant mode ``mode`` (1-5) for ``purpose``: each a tuple
+    """The slot quantizer's launches of quant mode ``mode`` (0-5) for ``purpose``: each a tuple
     of slots ``(input, role, plain, transposed)``, ``input`` indexing the purpose's tensors (q,
     k, v; or dO). Modes 3-5 take two launches (the groups' scales, then the cast), the second
     listing the tensors last-read first (they may still be in L2). Mode 1 scales its
     token-contiguous copies along tokens, unlike its (T, H, D) ones, so its training call adds a
     launch for Q^T, K^T and e4m3 V, and its gradient call reads dO twice."""
-    assert purpose in QUANT_PURPOSES and 1 <= mode <= 5
+    assert purpose in QUANT_PURPOSES and 0 <= mode <= 5
     inputs = (0,) if purpose == "gradient" else (0, 1, 2)
     both = purpose != "forward"
 
@@ -441,8 +442,8 @@ def quant_launches(mode: int, purpose: str) -> tuple:
         if purpose == "gradient":
             return (first + ((0, "column", False, True),),)
         return (first, ((0, "column", False, True), (1, "column", False, True), (2, "token", True, False)))
-    if mode == 2:
-        return (tuple((i, "fused", *copies(i)) for i in inputs),)
+    if mode <= 2:
+        return (tuple((i, "unit" if mode == 0 else "fused", *copies(i)) for i in inputs),)
     return (tuple((i, "amax", False, False) for i in inputs),
             tuple((i, "cast", *copies(i)) for i in reversed(inputs)))
 
@@ -451,7 +452,7 @@ def shipped_quant_slots() -> tuple:
     """Every distinct slot tuple of :func:`quant_launches` (one compile key each, per dtype and
     head dim), in a fixed order."""
     seen = {}
-    for mode in (2, 3, 1):  # modes 4 and 5 launch what mode 3 does (their groups are tables)
+    for mode in (2, 3, 1, 0):  # modes 4 and 5 launch what mode 3 does (their groups are tables)
         for purpose in QUANT_PURPOSES:
             for launch in quant_launches(mode, purpose):
                 seen.setdefault(tuple(slot[1:] for slot in launch), None)

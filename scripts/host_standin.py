@@ -68,7 +68,7 @@ ROWS = {
     "public forward, FP8 pre-quantized e4m3": lambda: api.hstu_attn_varlen_func(q8, k8, v8, **kw),
     "forward + backward step": step,
     **{f"FP8 step, quant_mode {m}, {'slot' if slots else 'per-tensor'} quantizers": fp8_step(m, slots)
-       for m in (2, 5, 1) for slots in (False, True)},
+       for m in (2, 5, 1, 0) for slots in (False, True)},
     "floor: allocating autograd.Function step": lambda: torch.autograd.grad(AllocOnly.apply(qg, kg, vg), (qg, kg, vg),
                                                                             dout),
 }

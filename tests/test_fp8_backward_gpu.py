@@ -230,7 +230,7 @@ class _Watching(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("mode", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("mode", [0, 1, 2, 3, 4, 5])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_slot_quantizer_training_equals_the_default(mode, head_dim, monkeypatch):
     """The slot quantizer (launch.FP8_QUANT_SLOTS: q, k, v in one launch, the backward's copies

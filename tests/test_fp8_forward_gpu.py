@@ -205,18 +205,23 @@ def _check_copies(copies: dict, x, offsets, max_seqlen: int, mode: int, lengths:
     batch, heads = len(lengths), x.shape[1]
     start, end = int(offsets[0]), int(offsets[-1])
     assert copies, "no copy written"
+    if mode == QuantMode.CAST:  # no scale: tables of ones
+        for _, table in copies.values():
+            assert table.shape == (batch, 1, heads) and bool((table == 1).all())
     if "plain" in copies:
         data, table = copies["plain"]
         assert torch.equal(data[start:end].view(torch.uint8), want.data[start:end].view(torch.uint8))
         if two_direction:
             assert torch.equal(table[start:end], want.scale[start:end])
-        else:
+        elif mode != QuantMode.CAST:
             assert torch.equal(table, quantize.descale_table(want.scale, mode, batch, heads))
     if "transposed" in copies:
         vt, table = copies["transposed"]
         if two_direction:  # the scales, then their reciprocals
             assert torch.equal(table[:, :, :, 1], 1.0 / want.scale_t)
             table, want_table, by_token = table[:, :, :, 0], want.scale_t, want.data_t.permute(2, 0, 1)[: x.shape[0]]
+        elif mode == QuantMode.CAST:
+            want_table, by_token = table, want.data
         else:
             want_table, by_token = quantize.descale_table(want.scale, mode, batch, heads), want.data
         assert torch.equal(table, want_table)
@@ -227,7 +232,7 @@ def _check_copies(copies: dict, x, offsets, max_seqlen: int, mode: int, lengths:
                                .view(torch.uint8)), seq
 
 
-@pytest.mark.parametrize("mode", SCALED_MODES)
+@pytest.mark.parametrize("mode", [0] + SCALED_MODES)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_quantizer_launches_match_torch(mode, head_dim):
     """Every purpose's slot-quantizer launches (launch.quantize_for: q, k and v in one launch,

@@ -244,7 +244,7 @@ def test_vt_key_order_matches_the_operand_packing():
     assert sorted(vt_key_column(k) for k in range(48)) == list(range(48))
 
 
-@pytest.mark.parametrize("mode", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("mode", [0, 1, 2, 3, 4, 5])
 def test_quantizer_launches_are_shipped_and_complete(mode):
     """Every slot set the launcher can ask for (variants.quant_launches) is a shipped compile key;
     each purpose writes exactly the copies its readers take (forward: e4m3 q, k and V^T;

@@ -16,7 +16,8 @@ Roles (``hstu_cute.quantize`` is the PyTorch description they match):
   the cast, in one pass (a token's D / 16 chunks are neighbouring lanes of one warp);
 * ``"column"`` (mode 1, V, transposed only): a scale per (block, head, dim) over the block's
   tokens, written with its reciprocal to a (B, blocks, H, 2, D) table (the forward rescales its
-  output's columns by dv_old / dv_new without a division), and the cast to V^T, in one pass.
+  output's columns by dv_old / dv_new without a division), and the cast to V^T, in one pass;
+* ``"unit"`` (mode 0, the slot quantizer only): the saturating cast, no scale.
 
 With ``transposed`` the cast writes V^T (H, D, W) instead of (T, H, D): the forward reads V only
 through V^T (layout, key order included: :mod:`hstu_cute.hopper.vt`; a block starts 16-aligned in
@@ -40,7 +41,7 @@ from ..fp8_format import BLOCK_TOKENS, E4M3_MAX, SCALE_FLOOR, vt_column_start, v
 VEC = 16
 # (D, tokens) staging rows padded to keep 16-byte alignment and spread the banks.
 _ROW_PAD = 16
-QUANT_ROLES = ("fused", "amax", "cast", "token", "column")
+QUANT_ROLES = ("fused", "amax", "cast", "token", "column", "unit")
 
 
 class BlockQuantizeSm90:
@@ -52,7 +53,7 @@ class BlockQuantizeSm90:
     scales_in_group_table = False
 
     def __init__(self, dtype, head_dim: int, role: str, transposed: bool):
-        assert role in QUANT_ROLES and not (transposed and role in ("amax", "token"))
+        assert role in QUANT_ROLES[:5] and not (transposed and role in ("amax", "token"))
         assert transposed or role != "column"
         self.dtype = dtype
         self.head_dim = head_dim
@@ -120,7 +121,7 @@ class BlockQuantizeSm90:
                                                      dim_max)
             elif const_expr(role == "cast" and self.scales_in_group_table):
                 scale = mScale[batch, block, head]
-            else:
+            elif const_expr(role != "unit"):
                 amax = mAmax[batch, block, head] if const_expr(role == "cast") else self.block_amax(values, tidx,
                                                                                                      warp_max)
                 scale = self.scale_of(amax)
@@ -136,6 +137,9 @@ class BlockQuantizeSm90:
                     for e in cutlass.range_constexpr(VEC):
                         scaled[e, i] = Float32(values[e, i]) * inverse[e]
                 out.store(scaled.load().to(cutlass.Float8E4M3FN))
+            elif const_expr(role == "unit"):
+                # quant_mode 0: the saturating cast of hopper.cast and hopper.vt, bit for bit.
+                out.store(values.load().to(cutlass.Float8E4M3FN))
             else:
                 # x * (1 / scale), as hstu_cute.quantize computes it (a division per element was
                 # the quantizers' main cost).

@@ -1,4 +1,4 @@
-"""The slot quantizer of FP8 quant modes 1-5: several tensors in one launch (opt-in while it
+"""The slot quantizer of FP8 quant modes 0-5: several tensors in one launch (opt-in while it
 waits for its first GPU run: :data:`hstu_cute.launch.FP8_QUANT_SLOTS`).
 
 A slot is one input tensor, its role and the copies it writes: ``plain`` (T, H, D) e4m3 and/or
@@ -10,14 +10,16 @@ purpose, is :func:`hstu_cute.variants.quant_launches`: a training call's forward
 v with both copies (the backward's Q^T, K^T and e4m3 V come from the same pass), the backward
 then quantizes dO alone.
 
-Roles as in :mod:`hstu_cute.hopper.quantize`, except ``"amax"``: it maxes each block's *scale*
-``max(amax / 448, 1e-6)`` into the group's entry of the scale table. The scale is monotonic in
-the amax, so the max of the blocks' scales is the group's scale bit for bit, the ``"cast"`` pass
-reads it from the same table, and that table is the descale table the kernels read: no second
-table, and the cast writes none.
+Roles as in :mod:`hstu_cute.hopper.quantize`, plus ``"unit"`` (quant mode 0: the saturating
+cast of :mod:`hstu_cute.hopper.cast` and :mod:`hstu_cute.hopper.vt`, no scale), except
+``"amax"``: it maxes each block's *scale* ``max(amax / 448, 1e-6)`` into the group's entry of
+the scale table. The scale is monotonic in the amax, so the max of the blocks' scales is the
+group's scale bit for bit, the ``"cast"`` pass reads it from the same table, and that table is
+the descale table the kernels read: no second table, and the cast writes none.
 
-Why: each launch costs the host ~15 us (H100 host, docs/perf-log.md session 18), and a mode-2
-training step made 8 quantizer launches (3 in the forward, 5 in the backward) where slots make 2.
+Why: each launch costs the host ~15 us (H100 host, docs/perf-log.md session 18), and a mode-0 or
+mode-2 training step made 8 quantizer launches (3 in the forward, 5 in the backward) where slots
+make 2.
 """
 
 from __future__ import annotations

@@ -35,24 +35,30 @@ def _worker_init(dump_root: str) -> None:
     os.environ["CUTE_DSL_DUMP_DIR"] = dump
 
 
-def _digest_one(key) -> tuple[str, str]:
+def dumped_build(key, suffix: str) -> list[Path]:
+    """Compile ``key`` as the module cache does (export mode, no JIT engine: that path verifies
+    the IR) and return the files the DSL dumped with ``suffix`` ("ptx", "cubin"): those the
+    CUTE_DSL_KEEP / CUTE_DSL_DUMP_DIR of this process (read at its first compile) ask for."""
     from hstu_cute import cache
     from hstu_cute.compile import build
 
     dump = Path(os.environ["CUTE_DSL_DUMP_DIR"])
-    for stale in dump.glob("*.ptx"):
+    for stale in dump.glob(f"*.{suffix}"):
         stale.unlink()
     os.environ["CUTE_DSL_ARCH"] = key.arch
-    # Compile as the module cache does (export mode, no JIT engine): that path verifies the IR.
     token = cache._BUILDING_FOR_EXPORT.set(True)
     try:
         build(key)
     finally:
         cache._BUILDING_FOR_EXPORT.reset(token)
-    ptx_files = sorted(dump.glob("*.ptx"))
-    if not ptx_files:
-        raise RuntimeError(f"{key.describe()}: the DSL wrote no PTX")
-    digest = normalized_digest(b"".join(p.read_bytes() for p in ptx_files))
+    files = sorted(dump.glob(f"*.{suffix}"))
+    if not files:
+        raise RuntimeError(f"{key.describe()}: the DSL wrote no {suffix}")
+    return files
+
+
+def _digest_one(key) -> tuple[str, str]:
+    digest = normalized_digest(b"".join(p.read_bytes() for p in dumped_build(key, "ptx")))
     return digest, key.describe()
 
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import os
 import re
 import shutil
 import subprocess
 import tempfile
+
+from ptx_digests import dumped_build  # scripts/: the same compile, another dumped file
 
 _LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _BRANCH = re.compile(r"\bBRA\b(?:\s+\S+,)?\s+0x([0-9a-f]+)")
@@ -63,25 +64,10 @@ def main_path(ins: list[tuple[int, str]]) -> tuple[list[str], int]:
     return path, end - start + 1
 
 
-def sass_of(key, cuobjdump: str, dump: str) -> str:
-    """``key``'s SASS; ``dump`` is the DSL's dump folder (set once per process: the DSL reads it
-    at its first compile)."""
-    from hstu_cute import cache
-    from hstu_cute.compile import build
-
-    for stale in glob.glob(os.path.join(dump, "*.cubin")):
-        os.unlink(stale)
-    os.environ["CUTE_DSL_ARCH"] = key.arch
-    token = cache._BUILDING_FOR_EXPORT.set(True)
-    try:
-        build(key)
-    finally:
-        cache._BUILDING_FOR_EXPORT.reset(token)
-    cubins = glob.glob(os.path.join(dump, "*.cubin"))
-    if not cubins:
-        raise RuntimeError(f"{key.describe()}: the DSL wrote no cubin")
-    return "".join(subprocess.run([cuobjdump, "-sass", c], check=True, capture_output=True, text=True).stdout
-                   for c in cubins)
+def sass_of(key, cuobjdump: str) -> str:
+    """``key``'s SASS (the process's DSL dump folder keeps its cubin)."""
+    return "".join(subprocess.run([cuobjdump, "-sass", str(c)], check=True, capture_output=True, text=True).stdout
+                   for c in dumped_build(key, "cubin"))
 
 
 def main() -> None:
@@ -99,10 +85,9 @@ def main() -> None:
     keys = [k for k in shipped_keys(args.arch) if any(re.search(p, k.describe()) for p in args.only)]
     if not keys:
         raise SystemExit("no shipped variant matches")
-    dump = tempfile.mkdtemp(prefix="hstu-sass-")
-    os.environ.update(CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=dump)
+    os.environ.update(CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=tempfile.mkdtemp(prefix="hstu-sass-"))
     for key in keys:
-        path, size = main_path(parse(sass_of(key, cuobjdump, dump)))
+        path, size = main_path(parse(sass_of(key, cuobjdump)))
         counts = collections.Counter(path)
         uniform = sum(v for k, v in counts.items() if k.startswith("U"))
         top = ", ".join(f"{k} {v}" for k, v in counts.most_common(args.top))

@@ -23,22 +23,24 @@ from hstu_cute import hstu_attn_varlen_func
 
 
 def keys_needed():
-    """The D128 bf16-output causal variants (no context, no rab) these rows run, every family."""
+    """What these rows and the slot quantizer's GPU tests run: every FP8 input-preparation
+    variant (quantizers, V^T, cast) and the causal FP8 kernels without context or rab at every
+    head dim and dtype, plus the D128 bf16 causal Hopper kernels of the bf16 lines."""
     from hstu_cute import variants
     from hstu_cute.masks import MaskKind
 
     keep = []
-    for k in variants.shipped_keys("sm_90a", ("bfloat16",), (128,)):
-        if not k.kernel_name.startswith("hopper"):
+    for k in variants.shipped_keys("sm_90a"):
+        name = k.kernel_name
+        if not name.startswith("hopper") or "paged" in name or getattr(k, "split_keys", False):
             continue
-        if getattr(k, "mask_kind", int(MaskKind.CAUSAL)) != int(MaskKind.CAUSAL) and not k.kernel_name.startswith(
-                ("hopper_fwd_vt", "hopper_fwd_cast", "hopper_fwd_quant")):
+        if name.startswith(("hopper_fwd_quant", "hopper_fwd_vt", "hopper_fwd_cast")):
+            keep.append(k)
             continue
-        if getattr(k, "has_context", False) or getattr(k, "has_rab", False) or getattr(k, "split_keys", False):
+        if k.mask_kind != int(MaskKind.CAUSAL) or k.has_context or k.has_rab or getattr(k, "has_drab", False):
             continue
-        if "paged" in k.kernel_name or getattr(k, "has_drab", False):
-            continue
-        keep.append(k)
+        if "fp8" in name or (k.head_dim == 128 and k.dtype == "bfloat16"):
+            keep.append(k)
     return keep
 
 

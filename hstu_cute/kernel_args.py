@@ -154,8 +154,14 @@ def _descale_v(s: FakeShapes):
     return _descale(s, _dim_table)
 
 
+def _role_table(role: str):
+    """The fake scale table of a quantizer role: (T, H) per token, (B, blocks, H, 2, D) per block
+    and dim, else (B, blocks, H)."""
+    return {"token": _token_table, "column": _dim_table}.get(role, _table)
+
+
 def _quant_scale(s: FakeShapes):
-    return {"token": _token_table, "column": _dim_table}.get(s.key.role, _table)(s)
+    return _role_table(s.key.role)(s)
 
 
 def _quant_slot_args(i: int) -> tuple:
@@ -171,7 +177,7 @@ def _quant_slot_args(i: int) -> tuple:
         return slot(key) is not None
 
     def scale(s: FakeShapes):
-        return {"token": _token_table, "column": _dim_table}.get(slot(s.key)[0], _table)(s)
+        return _role_table(slot(s.key)[0])(s)
 
     tokens = f"tokens_slot{i}"
     return (Arg(f"mX{i}", _tokens(tokens), used), Arg(f"mOffsets{i}", _int_vec("batch1"), used),

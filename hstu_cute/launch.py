@@ -295,8 +295,8 @@ class Fp8Operands:
     (:func:`transposed_for_pv`), the (q, k, v) descales as (1,) fp32 device tensors (or, with
     ``scaled_p``, (B, blocks, H) tables: quant modes 2-5; with ``two_direction`` too, mode 1's
     (T, H), (T, H) and (B, blocks, H, 2, D) tables: :func:`quantize_blocks`, :func:`quantize_for`),
-    and the output's dtype. ``kept``: for a training call, what the backward reads of q, k and v by its argument
-    names (:func:`kept_for_backward`), else None."""
+    and the output's dtype. ``kept``: for a training call, what the backward reads of q, k and v,
+    by its argument names (:func:`prepare_fp8`), else None."""
 
     __slots__ = ("vt", "descales", "out_dtype", "scaled_p", "two_direction", "kept")
 
@@ -427,7 +427,7 @@ def quantize_for(mode: int, purpose: str, xs: tuple, offsets: tuple, max_seqlens
     copies: list[dict] = [{} for _ in xs]
     tables: dict = {}  # (tensor, role family) -> (the kernel's table, the copies' table)
     if mode == QuantMode.CAST:
-        ones = unit_descale(device).view(1, 1, 1).expand(batch, 1, heads)
+        ones = unit_descale_table(device, batch, heads)
         for i in range(len(xs)):
             tables[i, "unit"] = (None, ones)
     if mode >= QuantMode.PER_HEAD:
@@ -490,6 +490,12 @@ def unit_descale(device) -> torch.Tensor:
             return torch.ones(1, dtype=torch.float32, device=device)
         t = _ONES[device] = _outside_torch_pool((1,), torch.float32, device).fill_(1.0)
     return t
+
+
+def unit_descale_table(device, batch: int, heads: int) -> torch.Tensor:
+    """Quant mode 0's descale table for the backward kernels: a zero-strided (B, 1, H) view of
+    :func:`unit_descale`."""
+    return unit_descale(device).view(1, 1, 1).expand(batch, 1, heads)
 
 
 def fp8_fwd_key(p: Problem, arch: str, rab, out_dtype: torch.dtype, tiles: dict | None = None,
@@ -648,20 +654,18 @@ def prepare_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_
         # One launch per tensor: q and k by the cast kernel, V by the V^T kernel (both saturate
         # as the quantizer does).
         q8, k8, vt = cast_e4m3(q), cast_e4m3(k), transposed_for_pv(v, seq_offsets_k)
-        descales = (unit_descale(device),) * 3
-        # the backward's zero-strided tables of ones
-        tables = tuple(unit_descale(device).view(1, 1, 1).expand(p.batch, 1, x.shape[1]) for x in (q, k))
-        fp8 = Fp8Operands(vt, descales, p.out_dtype, False)
+        fp8 = Fp8Operands(vt, (unit_descale(device),) * 3, p.out_dtype, False)
     else:
         (q8, dq), (k8, dk), (vt, dv) = (
             quantize_blocks(x, offsets, max_seqlen, p.quant_mode, transposed)
             for x, offsets, max_seqlen, transposed in ((q, seq_offsets_q, max_seqlen_q, False),
                                                        (k, seq_offsets_k, max_seqlen_k, False),
                                                        (v, seq_offsets_k, max_seqlen_k, True)))
-        tables = (dq, dk)
         fp8 = Fp8Operands(vt, (dq, dk, dv), p.out_dtype, True, two_direction)
     if training:
         # The backward quantizes q and k exactly so (quantized_with_table).
+        tables = (fp8.descales[:2] if fp8.scaled_p
+                  else tuple(unit_descale_table(device, p.batch, x.shape[1]) for x in (q, k)))
         fp8.kept = dict(mQ=q8, mK=k8, mDescaleQ=tables[0], mDescaleK=tables[1])
     return q8, k8, fp8
 
@@ -948,7 +952,7 @@ def quantized_with_table(x: torch.Tensor, seq_offsets: torch.Tensor, max_seqlen:
     (per token); mode 0 is a plain cast with a table of ones (a zero-strided view of a cached one)."""
     if mode == QuantMode.CAST:
         batch = seq_offsets.shape[0] - 1
-        return cast_e4m3(x), unit_descale(x.device).view(1, 1, 1).expand(batch, 1, x.shape[1])
+        return cast_e4m3(x), unit_descale_table(x.device, batch, x.shape[1])
     return quantize_blocks(x, seq_offsets, max_seqlen, mode, False)
 
 

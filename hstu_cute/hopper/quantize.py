@@ -53,7 +53,7 @@ class BlockQuantizeSm90:
     scales_in_group_table = False
 
     def __init__(self, dtype, head_dim: int, role: str, transposed: bool):
-        assert role in QUANT_ROLES[:5] and not (transposed and role in ("amax", "token"))
+        assert role in QUANT_ROLES and role != "unit" and not (transposed and role in ("amax", "token"))
         assert transposed or role != "column"
         self.dtype = dtype
         self.head_dim = head_dim

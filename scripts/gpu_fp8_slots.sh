@@ -6,7 +6,7 @@
 # the slot quantizer on. A device command may run 10 minutes: SANITIZER=0 for the first call, then
 # STAGE=sanitizer alone in a second one on the warm machine. Logs and JSON lines under $OUT.
 # The bundle must carry tvm-ffi (the kernels' calling convention; a bundle without it fails at
-# import): here, ../shared/device/cutedsl-bundle apache-tvm-ffi==0.1.15.post2, carry .cutedsl.
+# import): pack it with the device tool's bundler given apache-tvm-ffi==0.1.15.post2, carry .cutedsl.
 # Usage on the GPU machine: source .cutedsl/activate.sh && bash scripts/gpu_fp8_slots.sh
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"

@@ -15,18 +15,6 @@ from .kernel_args import dsl_dtype
 _COMPILE_LOCK = threading.Lock()  # cute.compile keeps thread-local MLIR state: one at a time
 
 
-def _hopper_cast(key):
-    from .hopper.cast import CastE4M3Sm90
-
-    return CastE4M3Sm90(dsl_dtype(key.dtype), key.head_dim)
-
-
-def _hopper_quant(key):
-    from .hopper.quantize import BlockQuantizeSm90
-
-    return BlockQuantizeSm90(dsl_dtype(key.dtype), key.head_dim, key.role, key.transposed)
-
-
 def _hopper_quant_slots(key):
     from .hopper.quantize_slots import QuantizeSlotsSm90
 
@@ -102,7 +90,6 @@ def _hopper_bwd_fp8(key):
 
 KERNELS = {"ampere_fwd": _ampere_fwd, "ampere_fwd_paged": _ampere_fwd, "ampere_bwd_dq": _ampere_bwd, "ampere_bwd_dkdv": _ampere_bwd,
            "hopper_fwd": _hopper_fwd, "hopper_fwd_paged": _hopper_fwd, "hopper_fwd_fp8": _hopper_fwd_fp8, "hopper_fwd_vt": _hopper_vt,
-           "hopper_fwd_cast": _hopper_cast, "hopper_fwd_quant": _hopper_quant,
            "hopper_fwd_quant_slots": _hopper_quant_slots, "hopper_bwd_dkdv": _hopper_bwd,
            "hopper_bwd_fused": _hopper_bwd,
            "hopper_bwd_dq": _hopper_bwd, "hopper_bwd_wide": _hopper_bwd, "hopper_bwd_fp8_dkdv": _hopper_bwd_fp8,

@@ -160,10 +160,6 @@ def _role_table(role: str):
     return {"token": _token_table, "column": _dim_table}.get(role, _table)
 
 
-def _quant_scale(s: FakeShapes):
-    return _role_table(s.key.role)(s)
-
-
 def _quant_slot_args(i: int) -> tuple:
     """Slot ``i`` of a slot-quantizer launch: input, offsets, scale table (by role: (T, H) for
     "token", (B, blocks, H, 2, D) for "column", none for "unit", else (B, blocks, H),
@@ -344,15 +340,6 @@ SPECS: dict[str, tuple[Arg, ...]] = {
                        Arg("mDescaleQ", _descale), Arg("mDescaleK", _descale), Arg("mDescaleV", _descale_v)),
     "hopper_fwd_vt": (Arg("mV", _tokens("tokens_k")), Arg("mVt", _tokens_transposed),
                       Arg("mOffsets", _int_vec("batch1"))),
-    "hopper_fwd_cast": (Arg("mX", _tokens("tokens_q")), Arg("mO", _tokens("tokens_q", "Float8E4M3FN", 16))),
-    # Quant modes 1-5 (hstu_cute.hopper.quantize): (B, blocks, H) fp32 amax / scale tables; mode 1
-    # (roles "token" and "column") its (T, H) and (B, blocks, H, 2, D) scale tables.
-    "hopper_fwd_quant": (Arg("mX", _tokens("tokens_q")), Arg("mOffsets", _int_vec("batch1")),
-                         Arg("mAmax", _table, lambda key: key.role in ("amax", "cast")),
-                         Arg("mScale", _quant_scale, lambda key: key.role != "amax"),
-                         Arg("mO", _tokens("tokens_q", "Float8E4M3FN", 16),
-                             lambda key: key.role != "amax" and not key.transposed),
-                         Arg("mVt", _tokens_transposed, lambda key: key.transposed), Arg("num_blocks", _i32)),
     # Several tensors per launch (hstu_cute.hopper.quantize_slots): up to QUANT_MAX_SLOTS slots.
     "hopper_fwd_quant_slots": tuple(arg for i in range(QUANT_MAX_SLOTS) for arg in _quant_slot_args(i)),
     "hopper_bwd_dq": (_Q, _K, _V, _DO, _DQ, *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS,

@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import os
 
 import torch
 
@@ -34,12 +33,10 @@ from .variants import (
     FP8_FUSED_HEAD_DIMS,
     make_hopper_bwd_key,
     make_hopper_fp8_bwd_key,
-    make_hopper_cast_key,
     make_ampere_paged_fwd_key,
     make_hopper_fp8_fwd_key,
     make_hopper_fwd_key,
     make_hopper_paged_fwd_key,
-    make_hopper_quant_key,
     make_hopper_quant_slots_key,
     make_hopper_vt_key,
     quant_launches,
@@ -294,7 +291,7 @@ class Fp8Operands:
     """What the FP8 forward reads besides e4m3 q and k: V^T (H, D, W) e4m3
     (:func:`transposed_for_pv`), the (q, k, v) descales as (1,) fp32 device tensors (or, with
     ``scaled_p``, (B, blocks, H) tables: quant modes 2-5; with ``two_direction`` too, mode 1's
-    (T, H), (T, H) and (B, blocks, H, 2, D) tables: :func:`quantize_blocks`, :func:`quantize_for`),
+    (T, H), (T, H) and (B, blocks, H, 2, D) tables: :func:`quantize_for`),
     and the output's dtype. ``kept``: for a training call, what the backward reads of q, k and v,
     by its argument names (:func:`prepare_fp8`), else None."""
 
@@ -322,79 +319,6 @@ def transposed_for_pv(v: torch.Tensor, seq_offsets: torch.Tensor) -> torch.Tenso
         with _on_device(v.device):
             _launch(key, _compiled(key), dict(mV=v, mVt=vt, mOffsets=seq_offsets))
     return vt
-
-
-def cast_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """A 16-bit (T, H, D) tensor cast to e4m3 (saturating at +-448) in one launch
-    (:class:`hstu_cute.hopper.cast.CastE4M3Sm90`); contiguous (T, H, D) out."""
-    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    if x.numel():
-        x = aligned_16(x)
-        key = _made(make_hopper_cast_key, device_arch(x.device), _FP8_NAMES[x.dtype], x.shape[2])
-        with _on_device(x.device):
-            _launch(key, _compiled(key), dict(mX=x, mO=out))
-    return out
-
-
-def quantize_blocks(x: torch.Tensor, seq_offsets: torch.Tensor, max_seqlen: int, mode: int, transposed: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 data, descale table) of a 16-bit (T, H, D) tensor quantized with ``mode`` (1-5) by
-    the block quantizers (:mod:`hstu_cute.hopper.quantize`; the groups of
-    :mod:`hstu_cute.quantize`): modes 1 and 2 in one pass, modes 3-5 in two (group amax by atomics;
-    cast, which also writes the scales). ``transposed``: the data is V^T (H, D, W) for the
-    forward's P.V (:func:`transposed_for_pv`'s layout), else (T, H, D). The table is (B, blocks,
-    H) for mode 2, (B, 1, H) for modes 3-5; mode 1's is (T, H) (per token), or transposed (B,
-    blocks, H, 2, D): per block and dim the scale, then its reciprocal."""
-    tokens, heads, head_dim = x.shape
-    batch = seq_offsets.shape[0] - 1
-    blocks = num_blocks(max_seqlen)
-    device = x.device
-    if transposed:
-        data = torch.empty((heads, head_dim, vt_width(tokens, batch)), dtype=torch.float8_e4m3fn, device=device)
-    else:
-        data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=device)
-    two_direction = mode == QuantMode.TWO_DIRECTION
-    if two_direction:
-        # Every entry a sequence's token or block owns is written; the rest is never read.
-        table = (torch.empty((batch, blocks, heads, 2, head_dim), dtype=torch.float32, device=device) if transposed
-                 else torch.empty((tokens, heads), dtype=torch.float32, device=device))
-    elif mode == QuantMode.PER_BLOCK:
-        table = torch.empty((batch, blocks, heads), dtype=torch.float32, device=device)
-    else:
-        table = torch.empty((batch, 1, heads), dtype=torch.float32, device=device)
-    if tokens == 0 or batch == 0:
-        table.fill_(SCALE_FLOOR)
-        if two_direction and transposed:
-            table[:, :, :, 1] = 1.0 / SCALE_FLOOR
-        return data, table
-    x = aligned_16(x)
-    dtype = DTYPE_NAMES[x.dtype]
-    arch = device_arch(device)
-    out = dict(mVt=data) if transposed else dict(mO=data)
-    with _on_device(device):
-        if two_direction or mode == QuantMode.PER_BLOCK:
-            role = ("column" if transposed else "token") if two_direction else "fused"
-            key = _made(make_hopper_quant_key, arch, dtype, head_dim, role, transposed)
-            _launch(key, _compiled(key), dict(mX=x, mOffsets=seq_offsets, mScale=table, num_blocks=blocks, **out))
-            return data, table
-        # One amax per group, seen by every block of the group (zero strides).
-        group = {QuantMode.PER_HEAD: (batch, 1, heads), QuantMode.PER_SEQUENCE: (batch, 1, 1)}.get(mode, (1, 1, 1))
-        amax = torch.zeros(group, dtype=torch.float32, device=device).expand(batch, blocks, heads)
-        key = _made(make_hopper_quant_key, arch, dtype, head_dim, "amax", False)
-        _launch(key, _compiled(key), dict(mX=x, mOffsets=seq_offsets, mAmax=amax, num_blocks=blocks))
-        key = _made(make_hopper_quant_key, arch, dtype, head_dim, "cast", transposed)
-        _launch(key, _compiled(key), dict(mX=x, mOffsets=seq_offsets, mAmax=amax,
-                                          mScale=table.expand(batch, blocks, heads), num_blocks=blocks, **out))
-    return data, table
-
-
-# The slot quantizer (several tensors per launch, and a training forward that also writes the
-# backward's copies: quantize_for) replaces quantize_blocks, and quant_mode 0's cast and V^T
-# launches, where set. A training call then keeps five e4m3 copies (q, k, v, Q^T, K^T) for its
-# backward instead of two (q, k). Opt-in until its first GPU run: written and compiled in session
-# 20, whose device time was spent before it could run (docs/perf-log.md).
-# HSTU_CUTE_FP8_QUANT_SLOTS=1 turns it on.
-FP8_QUANT_SLOTS = os.environ.get("HSTU_CUTE_FP8_QUANT_SLOTS", "0") == "1"
 
 
 # The slot quantizer's argument names, per slot (hstu_cute.kernel_args: its spec's order).
@@ -628,7 +552,7 @@ def prepare_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_
     their descales (None: 1), or 16-bit inputs quantized with ``p.quant_mode``; plus V^T. What
     :func:`forward_fp8` does before the kernel (benchmarks time it alone). ``training`` (quant
     modes): ``operands.kept`` holds what the backward may take of q, k and v (e4m3 q, k and their
-    tables; with :data:`FP8_QUANT_SLOTS` also e4m3 V, Q^T and K^T, written by the same passes).
+    tables, e4m3 V, Q^T and K^T: :func:`kept_for_backward`), written by the same passes.
     Raises NotImplementedError where no FP8 kernel runs (not sm90, or the sm80 path forced)."""
     device = q.device
     path = kernel_path(device)
@@ -642,32 +566,13 @@ def prepare_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_
         descales = tuple(d if d is not None else unit_descale(device) for d in (descale_q, descale_k, descale_v))
         return q, k, Fp8Operands(transposed_for_pv(v, seq_offsets_k), descales, p.out_dtype, False)
     two_direction = p.quant_mode == QuantMode.TWO_DIRECTION
-    if FP8_QUANT_SLOTS:
-        copies = quantize_for(p.quant_mode, "training" if training else "forward", (q, k, v),
-                              (seq_offsets_q, seq_offsets_k, seq_offsets_k), (max_seqlen_q, max_seqlen_k, max_seqlen_k))
-        (q8, dq), (k8, dk), (vt, dv) = copies[0]["plain"], copies[1]["plain"], copies[2]["transposed"]
-        kept = kept_for_backward(copies, two_direction) if training else None
-        if p.quant_mode == 0:  # P cast, (1,) descales
-            return q8, k8, Fp8Operands(vt, (unit_descale(device),) * 3, p.out_dtype, False, kept=kept)
-        return q8, k8, Fp8Operands(vt, (dq, dk, dv), p.out_dtype, True, two_direction, kept)
-    if p.quant_mode == 0:
-        # One launch per tensor: q and k by the cast kernel, V by the V^T kernel (both saturate
-        # as the quantizer does).
-        q8, k8, vt = cast_e4m3(q), cast_e4m3(k), transposed_for_pv(v, seq_offsets_k)
-        fp8 = Fp8Operands(vt, (unit_descale(device),) * 3, p.out_dtype, False)
-    else:
-        (q8, dq), (k8, dk), (vt, dv) = (
-            quantize_blocks(x, offsets, max_seqlen, p.quant_mode, transposed)
-            for x, offsets, max_seqlen, transposed in ((q, seq_offsets_q, max_seqlen_q, False),
-                                                       (k, seq_offsets_k, max_seqlen_k, False),
-                                                       (v, seq_offsets_k, max_seqlen_k, True)))
-        fp8 = Fp8Operands(vt, (dq, dk, dv), p.out_dtype, True, two_direction)
-    if training:
-        # The backward quantizes q and k exactly so (quantized_with_table).
-        tables = (fp8.descales[:2] if fp8.scaled_p
-                  else tuple(unit_descale_table(device, p.batch, x.shape[1]) for x in (q, k)))
-        fp8.kept = dict(mQ=q8, mK=k8, mDescaleQ=tables[0], mDescaleK=tables[1])
-    return q8, k8, fp8
+    copies = quantize_for(p.quant_mode, "training" if training else "forward", (q, k, v),
+                          (seq_offsets_q, seq_offsets_k, seq_offsets_k), (max_seqlen_q, max_seqlen_k, max_seqlen_k))
+    (q8, dq), (k8, dk), (vt, dv) = copies[0]["plain"], copies[1]["plain"], copies[2]["transposed"]
+    kept = kept_for_backward(copies, two_direction) if training else None
+    if p.quant_mode == QuantMode.CAST:  # P cast, (1,) descales
+        return q8, k8, Fp8Operands(vt, (unit_descale(device),) * 3, p.out_dtype, False, kept=kept)
+    return q8, k8, Fp8Operands(vt, (dq, dk, dv), p.out_dtype, True, two_direction, kept)
 
 
 def kept_for_backward(copies: list[dict], two_direction: bool) -> dict:
@@ -946,16 +851,6 @@ def _backward_pair(values, common, device, path, rab, drab, sum_heads, has_drab,
 # ---------------------------------------------------------------------------------------------
 # FP8 backward
 # ---------------------------------------------------------------------------------------------
-def quantized_with_table(x: torch.Tensor, seq_offsets: torch.Tensor, max_seqlen: int, mode: int
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 (T, H, D), descale table) of a 16-bit tensor: (B, blocks, H), or (T, H) for mode 1
-    (per token); mode 0 is a plain cast with a table of ones (a zero-strided view of a cached one)."""
-    if mode == QuantMode.CAST:
-        batch = seq_offsets.shape[0] - 1
-        return cast_e4m3(x), unit_descale_table(x.device, batch, x.shape[1])
-    return quantize_blocks(x, seq_offsets, max_seqlen, mode, False)
-
-
 def check_fp8_backward(p: Problem) -> None:
     """NotImplementedError, naming the argument, for an FP8 training call no backward kernel
     serves: raised before the forward runs, so that a training step fails before any work."""
@@ -970,44 +865,18 @@ def check_fp8_backward(p: Problem) -> None:
 
 def fp8_backward_operands(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, mode: int,
                           quantized: dict | None = None) -> dict:
-    """What the FP8 backward kernels read, by argument name: q, k, v and dO quantized with
-    ``mode`` on the device (dO with q's groups; q and k taken from ``quantized``, the forward's,
-    when given: :func:`forward_fp8`), the token-contiguous copies Q^T, dO^T, K^T, and the descale
-    tables (benchmarks time it apart from the kernels). Modes 0, 2-5 transpose the e4m3 tensors;
-    mode 1 quantizes the copies along tokens, with their own (B, blocks, H, 2, D) tables."""
+    """What the FP8 backward kernels read, by argument name: e4m3 q, k, v, dO, the
+    token-contiguous copies Q^T, K^T, dO^T, and their descale tables, quantized with ``mode`` on
+    the device by the slot quantizer (:func:`quantize_for`; dO with q's groups). q, k and v come
+    from ``quantized`` (the forward's training copies, :func:`kept_for_backward`) when given, else
+    are quantized here as a training forward does (which also writes a V^T the backward does not
+    read); dO and dO^T take one launch (modes 3-5: two). Mode 1's token-contiguous copies are
+    scaled along tokens, with their own (B, blocks, H, 2, D) tables. Benchmarks time this apart
+    from the kernels."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    if FP8_QUANT_SLOTS:
-        return _fp8_backward_operands_slots(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
-                                            mode, quantized)
-    if quantized is None:
-        (q8, table_q), (k8, table_k) = (quantized_with_table(x, offsets, max_seqlen, mode) for x, offsets, max_seqlen
-                                        in ((q, seq_offsets_q, max_seqlen_q), (k, seq_offsets_k, max_seqlen_k)))
-    else:
-        q8, k8, table_q, table_k = (quantized[n] for n in ("mQ", "mK", "mDescaleQ", "mDescaleK"))
-    do8, table_do = quantized_with_table(dout, seq_offsets_q, max_seqlen_q, mode)
-    v8, table_v = quantized_with_table(v, seq_offsets_k, max_seqlen_k, mode)
-    if mode == QuantMode.TWO_DIRECTION:
-        (qt, table_qt), (dot, table_dot), (kt, table_kt) = (
-            quantize_blocks(x, offsets, max_seqlen, mode, True)
-            for x, offsets, max_seqlen in ((q, seq_offsets_q, max_seqlen_q), (dout, seq_offsets_q, max_seqlen_q),
-                                           (k, seq_offsets_k, max_seqlen_k)))
-        return dict(mQ=q8, mK=k8, mV=v8, mdO=do8, mQt=qt, mdOt=dot, mKt=kt, mDescaleQ=table_q, mDescaleK=table_k,
-                    mDescaleV=table_v, mDescaleDO=table_do, mDescaleQt=table_qt, mDescaleDOt=table_dot,
-                    mDescaleKt=table_kt)
-    return dict(mQ=q8, mK=k8, mV=v8, mdO=do8, mQt=transposed_for_pv(q8, seq_offsets_q),
-                mdOt=transposed_for_pv(do8, seq_offsets_q), mKt=transposed_for_pv(k8, seq_offsets_k),
-                mDescaleQ=table_q, mDescaleK=table_k, mDescaleV=table_v, mDescaleDO=table_do)
-
-
-def _fp8_backward_operands_slots(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
-                                 mode: int, quantized: dict | None) -> dict:
-    """:func:`fp8_backward_operands` by the slot quantizer (:data:`FP8_QUANT_SLOTS`): dO (and
-    dO^T) in one launch (modes 3-5: two); q, k and v from the forward's training passes
-    (``quantized``), or, without them, quantized here as a training forward does (it also writes
-    a V^T the backward does not read)."""
     two_direction = mode == QuantMode.TWO_DIRECTION
-    if quantized is None or "mV" not in quantized:
+    if quantized is None:
         quantized = kept_for_backward(
             quantize_for(mode, "training", (q, k, v), (seq_offsets_q, seq_offsets_k, seq_offsets_k),
                          (max_seqlen_q, max_seqlen_k, max_seqlen_k)), two_direction)
@@ -1055,7 +924,7 @@ def backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_
     fp32). The pair sums every gradient in a fixed order (bitwise reproducible), except drab of
     one rab head over several heads, added with fp32 atomics unless ``deterministic`` (then
     per-head drab summed afterwards); the fused kernel reduce-adds dQ in an order that varies.
-    ``quantized``: the forward's e4m3 q and k (:func:`forward_fp8` with ``keep_quantized``).
+    ``quantized``: the forward's copies of q, k and v (:func:`forward_fp8` with ``keep_quantized``).
     ``tiles`` (role -> the keys' tile fields) and ``kernels`` (the roles to launch) serve
     benchmark sweeps."""
     check_fp8_backward(p)

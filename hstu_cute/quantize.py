@@ -1,7 +1,6 @@
 """FP8 (e4m3) quantizers of the ``quant_mode`` path (docs/operator.md, FP8 section) in PyTorch: the
 description that the device quantizers (:mod:`hstu_cute.hopper.quantize`, run by
-:func:`hstu_cute.launch.quantize_blocks` and :func:`hstu_cute.launch.quantize_for`) match bit for
-bit, and the FP8 oracle's inputs.
+:func:`hstu_cute.launch.quantize_for`) match bit for bit, and the FP8 oracle's inputs.
 
 Every mode is a handful of tensor ops whose output shapes depend only on the input shapes,
 ``batch`` and ``max_seqlen`` (never on the offsets' values): no host loop over sequences, no

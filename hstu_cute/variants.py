@@ -34,12 +34,12 @@ __all__ = [
     "HEAD_DIMS", "DTYPES", "SHIPPED_MASKS", "AmpereFwdKey", "AmpereBwdKey", "HopperFwdKey", "HopperBwdKey",
     "KEY_CLASSES", "make_fwd_key", "make_bwd_keys", "make_hopper_fwd_key", "make_hopper_bwd_key",
     "HopperFp8FwdKey", "make_hopper_fp8_fwd_key", "FP8_DTYPE", "FP8_HEAD_DIMS", "HopperFp8BwdKey",
-    "make_hopper_fp8_bwd_key", "FP8_BWD_HEAD_DIMS", "FP8_FUSED_HEAD_DIMS", "HopperVtKey", "HopperQuantKey",
-    "make_hopper_quant_key", "QUANT_VARIANTS", "HopperQuantSlotsKey", "make_hopper_quant_slots_key",
+    "make_hopper_fp8_bwd_key", "FP8_BWD_HEAD_DIMS", "FP8_FUSED_HEAD_DIMS", "HopperVtKey",
+    "HopperQuantSlotsKey", "make_hopper_quant_slots_key",
     "quant_launches", "QUANT_PURPOSES", "shipped_quant_slots", "HopperPagedFwdKey", "make_hopper_paged_fwd_key",
     "PAGED_MASKS",
     "PAGE_SIZES", "SPLIT_KEY_MASKS", "AmperePagedFwdKey", "make_ampere_paged_fwd_key",
-    "make_hopper_vt_key", "vt_width", "HopperCastKey", "make_hopper_cast_key",
+    "make_hopper_vt_key", "vt_width",
     "shipped_keys", "has_hopper_kernels",
 ]
 
@@ -367,30 +367,6 @@ def make_hopper_vt_key(arch, dtype, head_dim) -> HopperVtKey:
 
 
 @dataclass(frozen=True)
-class HopperCastKey(_Fp8InputKey):
-    """Compile key of :class:`~hstu_cute.hopper.cast.CastE4M3Sm90` (quant_mode 0's cast of q and
-    k): ``dtype`` is the 16-bit input's."""
-
-    kernel_name: ClassVar[str] = "hopper_fwd_cast"
-
-
-@dataclass(frozen=True)
-class HopperQuantKey(_Fp8InputKey):
-    """Compile key of :class:`~hstu_cute.hopper.quantize.BlockQuantizeSm90` (quant modes 1-5):
-    ``role`` "fused" (mode 2: amax, scale and cast in one pass), "amax" or "cast" (modes 3-5's two
-    passes), "token" or "column" (mode 1: a scale per token and head, or per block, head and dim;
-    one pass); ``transposed``: the cast writes V^T."""
-
-    kernel_name: ClassVar[str] = "hopper_fwd_quant"
-
-    role: str = "fused"
-    transposed: bool = False
-
-    def describe(self) -> str:
-        return super().describe() + f" {self.role}" + (" ->V^T" if self.transposed else "")
-
-
-@dataclass(frozen=True)
 class HopperQuantSlotsKey(_Fp8InputKey):
     """Compile key of :class:`~hstu_cute.hopper.quantize_slots.QuantizeSlotsSm90` (quant modes
     0-5, several tensors per launch): the ``slots`` of one launch, each ``(role, plain,
@@ -462,19 +438,6 @@ def shipped_quant_slots() -> tuple:
 #: (scaled_p, two_direction) of the shipped FP8 forward variants: P cast (the pre-quantized entry
 #: and mode 0), scaled P (modes 2-5), scaled P with per-token and per-dim descales (mode 1).
 FP8_P_SCALINGS = ((False, False), (True, False), (True, True))
-#: (role, transposed) of the shipped quantizer variants.
-QUANT_VARIANTS = (("fused", False), ("fused", True), ("amax", False), ("cast", False), ("cast", True),
-                  ("token", False), ("column", True))
-
-
-def make_hopper_quant_key(arch, dtype, head_dim, role, transposed) -> HopperQuantKey:
-    return HopperQuantKey(arch=arch, dtype=dtype, head_dim=head_dim, role=role, transposed=transposed)
-
-
-def make_hopper_cast_key(arch, dtype, head_dim) -> HopperCastKey:
-    return HopperCastKey(arch=arch, dtype=dtype, head_dim=head_dim)
-
-
 def default_hopper_fp8_fwd_tiles(head_dim: int, has_rab: bool, scaled_p: bool = False,
                                  two_direction: bool = False) -> dict:
     """FP8 tiles: K and V^T tiles are half the bytes of 16-bit ones, so the smem plan of
@@ -643,7 +606,7 @@ def _hopper_role_serves(role: str, head_dim: int) -> bool:
 
 
 KEY_CLASSES = {cls.__name__: cls for cls in (AmpereFwdKey, AmpereBwdKey, HopperFwdKey, HopperBwdKey,
-                                              HopperFp8FwdKey, HopperFp8BwdKey, HopperVtKey, HopperCastKey, HopperQuantKey,
+                                              HopperFp8FwdKey, HopperFp8BwdKey, HopperVtKey,
                                               HopperQuantSlotsKey, HopperPagedFwdKey, AmperePagedFwdKey)}
 
 
@@ -698,16 +661,13 @@ def shipped_hopper_paged_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims
 
 def shipped_hopper_fp8_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
     """FP8 forward variants (``dtypes`` are the output and rab types; P cast, scaled P, then
-    scaled P with mode 1's descales), then the V^T kernels (V in each of ``dtypes``, cast on the
-    way, or already e4m3), quant_mode 0's cast of q and k and the block quantizers of modes 1-5."""
+    scaled P with mode 1's descales), then the V^T kernel of the pre-quantized entry (e4m3 V) and
+    the slot quantizers of quant modes 0-5."""
     fp8_dims = [d for d in head_dims if d in FP8_HEAD_DIMS]
     return ([make_hopper_fp8_fwd_key(arch, *variant, has_rab, scaled_p=scaled_p, two_direction=two_direction)
              for scaled_p, two_direction in FP8_P_SCALINGS for variant in _shipped_variants(dtypes, fp8_dims)
              for has_rab in (False, True)]
-            + [make_hopper_vt_key(arch, dtype, d) for dtype in (*dtypes, FP8_DTYPE) for d in fp8_dims]
-            + [make_hopper_cast_key(arch, dtype, d) for dtype in dtypes for d in fp8_dims]
-            + [make_hopper_quant_key(arch, dtype, d, *variant) for dtype in dtypes for d in fp8_dims
-               for variant in QUANT_VARIANTS]
+            + [make_hopper_vt_key(arch, FP8_DTYPE, d) for d in fp8_dims]
             + [make_hopper_quant_slots_key(arch, dtype, d, slots) for dtype in dtypes for d in fp8_dims
                for slots in shipped_quant_slots()])
 

@@ -48,11 +48,10 @@ def step():
     torch.autograd.grad(api.hstu_attn_varlen_func(qg, kg, vg, **kw), (qg, kg, vg), dout)
 
 
-def fp8_step(mode: int, slots: bool):
-    """An FP8 training step (quant_mode ``mode``) with the per-tensor or the slot quantizers."""
+def fp8_step(mode: int):
+    """An FP8 training step (quant_mode ``mode``)."""
 
     def run():
-        launch.FP8_QUANT_SLOTS = slots
         torch.autograd.grad(api.hstu_attn_varlen_func(qg, kg, vg, **kw, quant_mode=mode), (qg, kg, vg), dout)
 
     return run
@@ -67,8 +66,7 @@ ROWS = {
     "public forward, FP8 quant_mode 0": lambda: api.hstu_attn_varlen_func(q, k, v, **kw, quant_mode=0),
     "public forward, FP8 pre-quantized e4m3": lambda: api.hstu_attn_varlen_func(q8, k8, v8, **kw),
     "forward + backward step": step,
-    **{f"FP8 step, quant_mode {m}, {'slot' if slots else 'per-tensor'} quantizers": fp8_step(m, slots)
-       for m in (2, 5, 1, 0) for slots in (False, True)},
+    **{f"FP8 step, quant_mode {m}": fp8_step(m) for m in (2, 5, 1, 0)},
     "floor: allocating autograd.Function step": lambda: torch.autograd.grad(AllocOnly.apply(qg, kg, vg), (qg, kg, vg),
                                                                             dout),
 }

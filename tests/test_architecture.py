@@ -123,9 +123,7 @@ def _one_key_per_family():
         # Causal with context and rab, or without rab where a family has none (the fused FP8 backward).
         if key.mask_kind == int(MaskKind.CAUSAL) and key.has_context and (key.has_rab or getattr(key, "role", "") == "fused"):
             keys.setdefault(key.kernel_name, key)
-    keys["hopper_fwd_vt"] = variants.make_hopper_vt_key("sm_90a", "bfloat16", 128)
-    keys["hopper_fwd_cast"] = variants.make_hopper_cast_key("sm_90a", "bfloat16", 128)
-    keys["hopper_fwd_quant"] = variants.make_hopper_quant_key("sm_90a", "bfloat16", 128, "cast", True)
+    keys["hopper_fwd_vt"] = variants.make_hopper_vt_key("sm_90a", variants.FP8_DTYPE, 128)
     keys["hopper_fwd_quant_slots"] = variants.make_hopper_quant_slots_key("sm_90a", "bfloat16", 128,
                                                                           variants.shipped_quant_slots()[-1])
     return keys

@@ -156,15 +156,14 @@ def test_warmup_select_keys_filters():
     # fused D128 kernel (16), the deterministic pair (96) and at D256 the wide dK/dV/drab kernel
     # (2 dtypes x 4 masks x 4 rab/drab modes) with its dQ kernel (16); the FP8 forward (2 output
     # dtypes x 3 head dims x 4 masks x rab or not x P cast, scaled or scaled with mode 1's
-    # descales: 144), its V^T kernel (3 input dtypes x 3 head dims), quant_mode 0's cast (2 x 3)
-    # and the block quantizers of modes 1-5 (2 x 3 x 7 roles)
-    # and their slot quantizers (2 x 3 x 14 slot sets); the paged forward, sm80 and Hopper (32 each);
+    # descales: 144), its V^T kernel for e4m3 V (3 head dims), the quantizers of quant modes 0-5
+    # (2 x 3 x 14 slot sets); the paged forward, sm80 and Hopper (32 each);
     # the split-key Hopper forward, contiguous and paged (2 dtypes x 4 head dims x 2 masks x rab or not);
     # the FP8 backward pair and its drab dQ kernels (64 + 32 at D64/128, 48 at D256), for quant modes 0,
     # 2-5 and for mode 1, and the fused FP8 backward (2 dtypes x 4 masks at D128).
-    assert len(select_keys("sm_90a")) == (96 + 192 + 64 + 96 + 16 + 32 + 16 + 144 + 9 + 6 + 42 + 84 + 32 + 32 + 32
+    assert len(select_keys("sm_90a")) == (96 + 192 + 64 + 96 + 16 + 32 + 16 + 144 + 3 + 84 + 32 + 32 + 32
                                           + 32 + 64 + 2 * (64 + 32 + 48) + 8)
-    assert len(select_keys("sm_90a", kernels="fwd")) == 96 + 64 + 144 + 9 + 6 + 42 + 84 + 32 + 32 + 32 + 32 + 64
+    assert len(select_keys("sm_90a", kernels="fwd")) == 96 + 64 + 144 + 3 + 84 + 32 + 32 + 32 + 32 + 64
     # + the FP8 pair and drab dQ kernels, for quant modes 0, 2-5 and for mode 1, and the fused FP8 kernel
     assert len(select_keys("sm_90a", kernels="bwd")) == 192 + 96 + 16 + 32 + 16 + 2 * (64 + 32 + 48) + 8
     keys = select_keys("sm_90a", ["bfloat16"], [128], ["causal"], "none", kernels="fwd")
@@ -183,7 +182,7 @@ def test_key_variant_parses_every_key_class():
     keys = shipped_keys("sm_90a", ("float16",), (64,))
     assert {k.kernel_name for k in keys} == {"ampere_fwd", "ampere_bwd_dq", "ampere_bwd_dkdv", "hopper_fwd",
                                              "hopper_bwd_dkdv", "hopper_bwd_dq", "hopper_fwd_fp8", "hopper_fwd_vt",
-                                             "hopper_fwd_cast", "hopper_fwd_quant", "hopper_fwd_quant_slots",
+                                             "hopper_fwd_quant_slots",
                                              "ampere_fwd_paged",
                                              "hopper_fwd_paged", "hopper_bwd_fp8_dkdv", "hopper_bwd_fp8_dq"}
     for k in keys:

@@ -155,44 +155,6 @@ def test_fp8_scaled_modes(mode, head_dim):
     _check(b, f"mode{mode}", torch.float16, seed + 1)
 
 
-@pytest.mark.parametrize("mode", SCALED_MODES)
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_block_quantizers_match_torch(mode, head_dim):
-    """The device quantizers (launch.quantize_blocks) against hstu_cute.quantize bit for bit: the
-    e4m3 data of every sequence token, the descale table, and V^T's columns of each sequence
-    (mode 1: the (T, H) table of the sequences' tokens, and V^T against the token-contiguous copy
-    with its (B, blocks, H, D) table)."""
-    from hstu_cute import quantize
-
-    lengths = [300, 0, 1, 17, 129, 256]
-    b = random_jagged_batch(6, 3, head_dim, 300, device="cuda", seed=_seed("quant", mode, head_dim), lengths=lengths)
-    x, offsets = b["k"], b["seq_offsets_k"]
-    g = torch.Generator(device="cuda").manual_seed(mode)
-    x = (x.float() * torch.exp2(torch.randint(-4, 5, (x.shape[0], 3, 1), generator=g, device="cuda").float())).to(x.dtype)
-    want = quantize.quantize(x, mode, offsets, 300)
-    two_direction = mode == QuantMode.TWO_DIRECTION
-    data, got_table = launch.quantize_blocks(x, offsets, 300, mode, False)
-    start, end = int(offsets[0]), int(offsets[-1])
-    assert torch.equal(data[start:end].view(torch.uint8), want.data[start:end].view(torch.uint8))
-    if two_direction:
-        assert torch.equal(got_table[start:end], want.scale[start:end])
-        table, by_token = want.scale_t, want.data_t.permute(2, 0, 1)[: x.shape[0]]
-    else:
-        table, by_token = quantize.descale_table(want.scale, mode, 6, 3), want.data
-        assert torch.equal(got_table, table)
-    vt, vt_table = launch.quantize_blocks(x, offsets, 300, mode, True)
-    if two_direction:  # the scales, then their reciprocals
-        assert torch.equal(vt_table[:, :, :, 1], 1.0 / table)
-        vt_table = vt_table[:, :, :, 0]
-    assert torch.equal(vt_table, table)
-    starts = offsets.tolist()
-    for seq, length in enumerate(lengths):
-        column = -(-starts[seq] // 16) * 16 + 16 * seq
-        got = vt[:, :, _key_columns(column, length)]
-        assert torch.equal(got.view(torch.uint8), by_token[starts[seq]:starts[seq] + length].permute(1, 2, 0)
-                           .view(torch.uint8)), seq
-
-
 def _check_copies(copies: dict, x, offsets, max_seqlen: int, mode: int, lengths: list) -> None:
     """One tensor's copies from launch.quantize_for against hstu_cute.quantize, bit for bit: the
     e4m3 data of every sequence token and its table; V^T's columns of each sequence (mode 1: the
@@ -325,29 +287,35 @@ def test_fp8_raises_on_the_sm80_path(monkeypatch):
         arch._kernel_path.cache_clear()
 
 
-@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float16])
-def test_vt_layout(dtype):
-    """V^T (hopper.vt): sequence b's keys at columns roundup16(off_b) + 16 b onward, in
-    KEY_AT_COLUMN order within each 16-key group, cast to e4m3 with saturation; empty sequences
-    and tokens past the last offset are harmless."""
+def test_vt_layout():
+    """V^T of e4m3 V (hopper.vt, the pre-quantized entry): sequence b's keys at columns
+    roundup16(off_b) + 16 b onward, in KEY_AT_COLUMN order within each 16-key group; empty
+    sequences and tokens past the last offset are harmless."""
     lengths = [0, 1, 17, 300, 0, 64, 5]
     offsets = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
     tokens = int(offsets[-1]) + 3  # 3 tokens past the last sequence
-    v = torch.randn(tokens, 2, 64, device="cuda") * 200  # beyond +-448 in places: the 16-bit cast saturates
-    v = (v.clamp(-448, 448) if dtype == torch.float8_e4m3fn else v).to(dtype)
+    v = (torch.randn(tokens, 2, 64, device="cuda") * 200).clamp(-448, 448).to(torch.float8_e4m3fn)
     vt = launch.transposed_for_pv(v, offsets)
     assert vt.dtype == torch.float8_e4m3fn and vt.shape == (2, 64, variants.vt_width(tokens, len(lengths)))
-    expected = v.float().clamp(-448, 448).to(torch.float8_e4m3fn).float()
     for b, (start, end) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
         col = (start + 15) // 16 * 16 + 16 * b
-        assert torch.equal(vt[:, :, _key_columns(col, end - start)].float(), expected[start:end].permute(1, 2, 0)), b
+        assert torch.equal(vt[:, :, _key_columns(col, end - start)].view(torch.uint8),
+                           v[start:end].permute(1, 2, 0).view(torch.uint8)), b
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 256])
-def test_cast_e4m3(dtype, head_dim):
-    """quant_mode 0's cast kernel: torch's clamp-and-cast, bit for bit, also for a strided input."""
-    x = (torch.randn(37, 6, head_dim, device="cuda") * 300).to(dtype)[:, 1:4]
-    out = launch.cast_e4m3(x)
-    assert out.dtype == torch.float8_e4m3fn and out.shape == x.shape and out.is_contiguous()
-    assert torch.equal(out.view(torch.uint8), x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8))
+def test_mode0_cast_saturates_strided_input(dtype, head_dim):
+    """quant_mode 0's slot role "unit": torch's clamp-and-cast bit for bit, for values beyond
+    +-448 and a strided input (every other head of a wider tensor), in both copies."""
+    x = (torch.randn(37, 6, head_dim, device="cuda") * 300).to(dtype)[:, ::2]
+    offsets = torch.tensor([0, 20, 37], dtype=torch.int32, device="cuda")
+    (copies,) = launch.quantize_for(0, "gradient", (x,), (offsets,), (20,))
+    want = x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    data, _ = copies["plain"]
+    assert data.is_contiguous() and torch.equal(data.view(torch.uint8), want)
+    vt, _ = copies["transposed"]
+    for b, (start, end) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+        col = (start + 15) // 16 * 16 + 16 * b
+        assert torch.equal(vt[:, :, _key_columns(col, end - start)].view(torch.uint8),
+                           want[start:end].permute(1, 2, 0)), b

@@ -1,8 +1,7 @@
 """The FP8 training path's plumbing on CPU, kernels stubbed (no GPU): every launch of a quant-mode
 forward and backward gets each argument its kernel's spec names, with the shapes and dtypes the
-compile-time fakes promise, for the per-tensor quantizers (the default) and the slot quantizer
-(launch.FP8_QUANT_SLOTS); and the slot quantizer makes 2 quantizer launches per mode-2 training
-step where the per-tensor ones make 8. What the kernels compute is checked on the GPU
+compile-time fakes promise; and the slot quantizer makes 2 quantizer launches per mode-2 training
+step (the per-tensor quantizers it replaced made 8). What the kernels compute is checked on the GPU
 (tests/test_fp8_forward_gpu.py, tests/test_fp8_backward_gpu.py)."""
 
 from __future__ import annotations
@@ -65,10 +64,8 @@ def _check_arguments(key, values) -> None:
                 assert value.shape[dim] == extent, (key.describe(), name, tuple(value.shape))
 
 
-@pytest.mark.parametrize("slots", [False, True], ids=["per-tensor", "slots"])
 @pytest.mark.parametrize("mode", [0, 1, 2, 3, 4, 5])
-def test_fp8_training_step_launches(recorded, monkeypatch, mode, slots):
-    monkeypatch.setattr(launch, "FP8_QUANT_SLOTS", slots)
+def test_fp8_training_step_launches(recorded, mode):
     q, k, v, dout, offsets, p = _batch(mode)
     out, kept = launch.forward_fp8(q, k, v, offsets, offsets, 130, 130, None, None, 1, 1.0, None, None, None, p,
                                    keep_quantized=True)
@@ -81,23 +78,17 @@ def test_fp8_training_step_launches(recorded, monkeypatch, mode, slots):
         _check_arguments(key, values)
     assert names[forward_launches - 1] == "hopper_fwd_fp8"
     assert names[-2:] == ["hopper_bwd_fp8_dkdv", "hopper_bwd_fp8_dq"]
-    quantizers = [n for n in names if n.startswith(("hopper_fwd_quant", "hopper_fwd_vt", "hopper_fwd_cast"))]
-    if slots:
-        assert set(quantizers) == {"hopper_fwd_quant_slots"}
-        # forward: one launch (two for modes 1 and 3-5); backward: dO's (two for modes 3-5)
-        assert len(quantizers) == (2 if mode in (0, 2) else 3 if mode == 1 else 4)
-        assert forward_launches == (2 if mode in (0, 2) else 3)
-    else:
-        # forward: q, k and V^T (two passes each for modes 3-5); backward: dO, v, then the
-        # copies Q^T, dO^T, K^T (by the V^T kernel; mode 1 by the quantizer, from 16-bit)
-        assert len(quantizers) == (8 if mode <= 2 else 13)
+    quantizers = [n for n in names if n.startswith(("hopper_fwd_quant", "hopper_fwd_vt"))]
+    assert set(quantizers) == {"hopper_fwd_quant_slots"}
+    # forward: one launch (two for modes 1 and 3-5); backward: dO's (two for modes 3-5)
+    assert len(quantizers) == (2 if mode in (0, 2) else 3 if mode == 1 else 4)
+    assert forward_launches == (2 if mode in (0, 2) else 3)
 
 
 @pytest.mark.parametrize("mode", [0, 1, 2, 5])
-def test_fp8_backward_without_forward_copies(recorded, monkeypatch, mode):
+def test_fp8_backward_without_forward_copies(recorded, mode):
     """The backward called without the forward's copies (the custom op's path) quantizes q, k
     and v itself: every argument is still there."""
-    monkeypatch.setattr(launch, "FP8_QUANT_SLOTS", True)
     q, k, v, dout, offsets, p = _batch(mode)
     launch.backward_fp8(dout, q, k, v, offsets, offsets, 130, 130, None, None, 1, 1.0, None, None, None, p)
     for key, values in recorded:

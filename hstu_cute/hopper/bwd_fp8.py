@@ -19,7 +19,7 @@ and so do the dQ kernel's n-blocks (64 keys) inside one key block.
 
 ``two_direction`` (quant mode 1): q, k, v and dO carry (T, H) per-token descales, which scale the
 score products' rows and columns before the SiLU; the token-contiguous copies carry their own
-(B, blocks, H, 2, D) per-(block, dim) descales (:func:`hstu_cute.launch.quantize_blocks`), which
+(B, blocks, H, 2, D) per-(block, dim) descales (:func:`hstu_cute.launch.quantize_for`), which
 scale the columns of the accumulator their GEMM feeds. That accumulator is kept in units of the
 current block's descales: when the walk enters another block its columns take old / new
 (:func:`hstu_cute.common.fp8.dim_descales`), and the epilogue multiplies by the last block's.

@@ -1,31 +1,33 @@
-"""The device quantizers of FP8 quant modes 1-5: one CTA per (block of 128 tokens, sequence, head),
-so that a block's sequence is known from the grid (no search) and its scale group is one CTA (or,
-mode 1, lies inside one).
+"""How the slot quantizer (:mod:`hstu_cute.hopper.quantize_slots`) quantizes one block of 128
+tokens of one sequence and head for FP8 quant modes 0-5: a block's sequence is known from the
+grid (no search) and its scale group is one CTA (or, mode 1, lies inside one).
 
-Roles (``hstu_cute.quantize`` is the PyTorch description they match):
+Roles (``hstu_cute.quantize`` is the PyTorch description they match bit for bit):
 
-* ``"fused"`` (mode 2, a group is the CTA's block): the block's amax, its scale
-  ``max(amax * (1 / 448), 1e-6)`` written to the (B, blocks, H) table, and the cast ``e4m3(x * (1 / scale))``,
-  in one pass over the input;
-* ``"amax"`` (modes 3-5, first pass): the block's amax, max-ed atomically into its group's entry
-  of the amax table (a zeroed per-group tensor seen as (B, blocks, H) with zero strides along the
-  dims the mode's group spans, so every block of a group lands on one float);
-* ``"cast"`` (modes 3-5, second pass): the group's scale from its amax, written to the scale table
-  (the forward's descales; every block of a group writes the same value), and the cast;
+* ``"fused"`` (mode 2, a group is the block): the block's amax, its scale
+  ``max(amax * (1 / 448), 1e-6)`` written to the (B, blocks, H) table, and the cast
+  ``e4m3(x * (1 / scale))``, in one pass over the input;
+* ``"amax"`` (modes 3-5, first pass): the block's scale, max-ed atomically into its group's entry
+  of the scale table (a zeroed per-group tensor seen as (B, blocks, H) with zero strides along the
+  dims the mode's group spans, so every block of a group lands on one float). The scale is
+  monotonic in the amax, so the max of the blocks' scales is the group's scale bit for bit;
+* ``"cast"`` (modes 3-5, second pass): the cast by the group's scale, read from that table (the
+  descale table the kernels read: no second table);
 * ``"token"`` (mode 1, q and k): a scale per (token, head) over D, written to a (T, H) table, and
   the cast, in one pass (a token's D / 16 chunks are neighbouring lanes of one warp);
 * ``"column"`` (mode 1, V, transposed only): a scale per (block, head, dim) over the block's
   tokens, written with its reciprocal to a (B, blocks, H, 2, D) table (the forward rescales its
   output's columns by dv_old / dv_new without a division), and the cast to V^T, in one pass;
-* ``"unit"`` (mode 0, the slot quantizer only): the saturating cast, no scale.
+* ``"unit"`` (mode 0): the saturating cast, no scale.
 
-With ``transposed`` the cast writes V^T (H, D, W) instead of (T, H, D): the forward reads V only
-through V^T (layout, key order included: :mod:`hstu_cute.hopper.vt`; a block starts 16-aligned in
-its sequence), so V's (T, H, D) e4m3 copy is never made. The
-block goes through shared memory as (D, 128 tokens) and leaves as 16-byte runs of keys; the columns
-past the sequence inside its last run are zeros. The runs of a staging row are swizzled by the row's
-16-row group: the 16 rows a thread writes (one per byte of its chunk) would otherwise share a bank
-with every other chunk's (D128 V^T 29 us against 19 for the (T, H, D) cast, D256 100 against 37).
+A block writes its (T, H, D) e4m3 copy (``plain``), V^T (H, D, W) (``transposed``) or both from
+one read. The forward reads V only through V^T (layout, key order included:
+:mod:`hstu_cute.hopper.vt`; a block starts 16-aligned in its sequence), the FP8 backward reads the
+token-contiguous Q^T, K^T and dO^T in the same layout. The block goes through shared memory as
+(D, 128 tokens) and leaves as 16-byte runs of keys; the columns past the sequence inside its last
+run are zeros. The runs of a staging row are swizzled by the row's 16-row group: the 16 rows a
+thread writes (one per byte of its chunk) would otherwise share a bank with every other chunk's
+(D128 V^T 29 us against 19 for the (T, H, D) cast, D256 100 against 37).
 """
 
 from __future__ import annotations
@@ -44,21 +46,14 @@ _ROW_PAD = 16
 QUANT_ROLES = ("fused", "amax", "cast", "token", "column", "unit")
 
 
-class BlockQuantizeSm90:
-    """256 threads per CTA; each row of the block (a token) is ``D / 16`` chunks of 16 elements,
-    ``4096 / D`` rows per pass, ``D / 32`` passes: a thread holds ``D / 2`` input elements."""
+class BlockQuantizer:
+    """The block body of the slot quantizer (256 threads per CTA; no kernel of its own): each row
+    of the block (a token) is ``D / 16`` chunks of 16 elements, ``4096 / D`` rows per pass,
+    ``D / 32`` passes: a thread holds ``D / 2`` input elements."""
 
-    # Modes 3-5 meet in an amax table and the cast writes the scales (the slot quantizer,
-    # hstu_cute.hopper.quantize_slots, maxes the scales themselves into the descale table).
-    scales_in_group_table = False
-
-    def __init__(self, dtype, head_dim: int, role: str, transposed: bool):
-        assert role in QUANT_ROLES and role != "unit" and not (transposed and role in ("amax", "token"))
-        assert transposed or role != "column"
+    def __init__(self, dtype, head_dim: int):
         self.dtype = dtype
         self.head_dim = head_dim
-        self.role = role
-        self.transposed = transposed
         self.num_threads = 256
         self.chunks = head_dim // VEC
         self.rows_per_pass = self.num_threads // self.chunks
@@ -69,26 +64,12 @@ class BlockQuantizeSm90:
         self.column_lanes = tuple(self.chunks << b for b in range((32 // self.chunks).bit_length() - 1))
 
     @cute.jit
-    def __call__(self, mX, mOffsets, mAmax, mScale, mO, mVt, num_blocks, stream):
-        grid = [num_blocks, mOffsets.shape[0] - 1, mX.shape[1]]
-        self.kernel(mX, mOffsets, mAmax, mScale, mO, mVt).launch(grid=grid, block=[self.num_threads, 1, 1],
-                                                                   stream=stream)
-
-    @cute.kernel
-    def kernel(self, mX, mOffsets, mAmax, mScale, mO, mVt):
-        tidx, _, _ = cute.arch.thread_idx()
-        block, batch, head = cute.arch.block_idx()
-        self.quantize_block(self.role, self.role != "amax" and not self.transposed, self.transposed, mX, mOffsets,
-                            mAmax, mScale, mO, mVt, None, None, None, tidx, block, batch, head)
-
-    @cute.jit
     def quantize_block(self, role: cutlass.Constexpr, plain: cutlass.Constexpr, transposed: cutlass.Constexpr, mX,
-                       mOffsets, mAmax, mScale, mO, mVt, warp_max, dim_max, sT, tidx: Int32, block: Int32,
-                       batch: Int32, head: Int32):
+                       mOffsets, mScale, mO, mVt, warp_max, dim_max, sT, tidx: Int32, block: Int32, batch: Int32,
+                       head: Int32):
         """One block: load, scale, cast, store the (T, H, D) copy (``plain``) and/or V^T
-        (``transposed``). ``warp_max``, ``dim_max``, ``sT``: shared memory to use (None:
-        allocated by the helpers). The groups of modes 3-5 meet in ``mAmax`` (their amax, then
-        the cast writes ``mScale``), or with ``scales_in_group_table`` in ``mScale`` itself."""
+        (``transposed``). ``warp_max`` (one fp32 per warp), ``dim_max`` ((D, warps) fp32; role
+        "column") and ``sT`` ((D, 128 + pad) e4m3; ``transposed``): the shared memory to use."""
         seq_start = mOffsets[batch]
         row0 = block * BLOCK_TOKENS
         rows = cutlass.min(mOffsets[batch + 1] - seq_start - row0, BLOCK_TOKENS)
@@ -106,12 +87,8 @@ class BlockQuantizeSm90:
         if const_expr(role == "amax"):
             amax = self.block_amax(values, tidx, warp_max)
             if tidx == 0:
-                if const_expr(self.scales_in_group_table):
-                    cute.arch.atomic_max_float32(mScale.iterator + cute.crd2idx((batch, block, head), mScale.layout),
-                                                 self.scale_of(amax))
-                else:
-                    cute.arch.atomic_max_float32(mAmax.iterator + cute.crd2idx((batch, block, head), mAmax.layout),
-                                                 amax)
+                cute.arch.atomic_max_float32(mScale.iterator + cute.crd2idx((batch, block, head), mScale.layout),
+                                             self.scale_of(amax))
         else:
             # The multiplier of each element: one per group, (passes,) per token or (VEC,) per dim.
             if const_expr(role == "token"):
@@ -119,12 +96,10 @@ class BlockQuantizeSm90:
             elif const_expr(role == "column"):
                 inverse = self.column_inverse_scales(values, mScale, tidx, chunk, row_in_pass, batch, block, head,
                                                      dim_max)
-            elif const_expr(role == "cast" and self.scales_in_group_table):
+            elif const_expr(role == "cast"):
                 scale = mScale[batch, block, head]
-            elif const_expr(role != "unit"):
-                amax = mAmax[batch, block, head] if const_expr(role == "cast") else self.block_amax(values, tidx,
-                                                                                                     warp_max)
-                scale = self.scale_of(amax)
+            elif const_expr(role == "fused"):
+                scale = self.scale_of(self.block_amax(values, tidx, warp_max))
                 if tidx == 0:
                     mScale[batch, block, head] = scale
             out = cute.make_rmem_tensor(cute.make_layout((VEC, self.passes)), cutlass.Float8E4M3FN)
@@ -179,11 +154,11 @@ class BlockQuantizeSm90:
 
     @cute.jit
     def column_inverse_scales(self, values: cute.Tensor, mScale, tidx: Int32, chunk: Int32, row_in_pass: Int32,
-                              batch: Int32, block: Int32, head: Int32, dim_max=None) -> cute.Tensor:
+                              batch: Int32, block: Int32, head: Int32, dim_max: cute.Tensor) -> cute.Tensor:
         """Mode 1, V: the scale of each of the thread's 16 dims over the block's tokens (lanes with
         the same chunk in a warp, then the 8 warps through shared memory) and 1 / scale into the
         (B, blocks, H, 2, D) table; returns 1 / scale per dim. ``dim_max``: a (D, warps) fp32
-        smem tensor to use (default: allocated here)."""
+        smem tensor."""
         amax = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
         for e in cutlass.range_constexpr(VEC):
             m = Float32(0.0)
@@ -194,25 +169,16 @@ class BlockQuantizeSm90:
                 m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset))
             amax[e] = m
         warps = self.num_threads // 32
-        warp_max = dim_max
-        if const_expr(dim_max is None):
-
-            @cute.struct
-            class Storage:
-                warp_max: cute.struct.MemRange[Float32, warps * self.head_dim]
-
-            storage = cutlass.memory.SmemAllocator().allocate(Storage)
-            warp_max = storage.warp_max.get_tensor(cute.make_layout((self.head_dim, warps)))
         lane = tidx % 32
         if lane < self.chunks:
             for e in cutlass.range_constexpr(VEC):
-                warp_max[chunk * VEC + e, tidx // 32] = amax[e]
+                dim_max[chunk * VEC + e, tidx // 32] = amax[e]
         cute.arch.sync_threads()
         inverse = cute.make_rmem_tensor(cute.make_layout(VEC), Float32)
         for e in cutlass.range_constexpr(VEC):
-            m = warp_max[chunk * VEC + e, 0]
+            m = dim_max[chunk * VEC + e, 0]
             for w in cutlass.range_constexpr(1, warps):
-                m = cute.arch.fmax(m, warp_max[chunk * VEC + e, w])
+                m = cute.arch.fmax(m, dim_max[chunk * VEC + e, w])
             scale = self.scale_of(m)
             inverse[e] = div_rn(Float32(1.0), scale)
             if row_in_pass == 0:
@@ -221,23 +187,15 @@ class BlockQuantizeSm90:
         return inverse
 
     @cute.jit
-    def block_amax(self, values: cute.Tensor, tidx: Int32, warp_max=None) -> Float32:
+    def block_amax(self, values: cute.Tensor, tidx: Int32, warp_max: cute.Tensor) -> Float32:
         """max |x| over the CTA's block (rows past the sequence hold zeros). ``warp_max``: an
-        fp32 smem tensor of one entry per warp to use (default: allocated here)."""
+        fp32 smem tensor of one entry per warp."""
         amax = Float32(0.0)
         for i in cutlass.range_constexpr(cute.size(values)):
             x = Float32(values[i])
             amax = cute.arch.fmax(amax, cute.arch.fmax(x, -x))
         for offset in (16, 8, 4, 2, 1):
             amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset))
-        if const_expr(warp_max is None):
-
-            @cute.struct
-            class Storage:
-                warp_max: cute.struct.MemRange[Float32, 8]
-
-            storage = cutlass.memory.SmemAllocator().allocate(Storage)
-            warp_max = storage.warp_max.get_tensor(cute.make_layout(self.num_threads // 32))
         if tidx % 32 == 0:
             warp_max[tidx // 32] = amax
         cute.arch.sync_threads()
@@ -248,20 +206,12 @@ class BlockQuantizeSm90:
 
     @cute.jit
     def store_transposed(self, out: cute.Tensor, mVt, tidx: Int32, chunk: Int32, row_in_pass: Int32,
-                         seq_start: Int32, batch: Int32, head: Int32, row0: Int32, rows: Int32, sT=None):
+                         seq_start: Int32, batch: Int32, head: Int32, row0: Int32, rows: Int32, sT: cute.Tensor):
         """The block's e4m3 values (zeros past the sequence) to V^T through a (D, 128) smem tile
-        (``sT``, (D, 128 + pad) e4m3; default: allocated here): 16-byte runs of keys, the runs
+        (``sT``, (D, 128 + pad) e4m3): 16-byte runs of keys, the runs
         that start inside the sequence."""
         D = self.head_dim
         stride = BLOCK_TOKENS + _ROW_PAD
-        if const_expr(sT is None):
-
-            @cute.struct
-            class Storage:
-                sT: cute.struct.Align[cute.struct.MemRange[cutlass.Float8E4M3FN, D * stride], 16]
-
-            storage = cutlass.memory.SmemAllocator().allocate(Storage)
-            sT = storage.sT.get_tensor(cute.make_layout((D, stride), stride=(stride, 1)))
         for i in cutlass.range_constexpr(self.passes):
             r = row_in_pass + i * self.rows_per_pass
             for e in cutlass.range_constexpr(VEC):

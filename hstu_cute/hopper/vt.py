@@ -1,4 +1,5 @@
-"""V^T for the FP8 forward: V (T, H, D) -> e4m3 (H, D, W), keys contiguous, in one launch.
+"""V^T for the pre-quantized FP8 forward: e4m3 V (T, H, D) -> (H, D, W), keys contiguous, in one
+launch (quant modes write V^T in their quantizer's pass: :mod:`hstu_cute.hopper.quantize_slots`).
 
 An 8-bit WGMMA reads its shared-memory B operand K-major only, so the FP8 forward's P.V needs V with
 keys contiguous, and a TMA box must start 16-byte aligned along that dimension: sequence b's keys
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+from cutlass import Int32
 
 from ..fp8_format import vt_column_start, vt_key_column
 
@@ -25,11 +26,12 @@ _ROW_PAD = 4
 
 
 class VTransposeSm90:
-    """One CTA of 128 threads per (64 tokens, head): coalesced loads of the tokens' rows (cast to
-    e4m3, saturating, when V is 16-bit) into a padded smem tile, a binary search of each token's
-    sequence in the offsets (hence its column), then stores along the key columns of V^T."""
+    """One CTA of 128 threads per (64 tokens, head): coalesced loads of the tokens' rows into a
+    padded smem tile, a binary search of each token's sequence in the offsets (hence its column),
+    then stores along the key columns of V^T."""
 
     def __init__(self, dtype, head_dim: int):
+        assert dtype == cutlass.Float8E4M3FN, dtype
         self.dtype = dtype
         self.head_dim = head_dim
         self.num_threads = 128
@@ -63,10 +65,7 @@ class VTransposeSm90:
             t = t0 + j
             value = cutlass.Float8E4M3FN(0.0)
             if t < tokens:
-                if const_expr(self.dtype == cutlass.Float8E4M3FN):
-                    value = mV[t, head, d]
-                else:
-                    value = mV[t, head, d].to(cutlass.Float8E4M3FN)
+                value = mV[t, head, d]
             sV[j, d] = value
         if tidx < VT_TOKENS:
             # The sequence of token t: the first b with offsets[b + 1] > t (b == batch: no owner).

@@ -203,6 +203,27 @@ def _flush_l2():
 _L2_FLUSH = None
 
 
+def time_graphed(fns, reps: int = 30) -> tuple[float, float, str]:
+    """(median ms, IQR ms, "graph") of CUDA-graph replays of each of ``fns`` (each captured once,
+    after a call outside capture): the device time of a sequence of short launches that Python
+    issues more slowly than the GPU runs them (the quantizers alone: 59 us of device time timed
+    as 77-273 us when queued from Python, docs/perf-log.md session 21). Where capture fails, the
+    queued timing of :func:`time_cuda`, marked "queued"."""
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    try:
+        graphs = []
+        for fn in fns:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            graphs.append(graph)
+    except RuntimeError:
+        return (*time_cuda(fns, reps=reps), "queued")
+    return (*time_cuda([g.replay for g in graphs], reps=reps), "graph")
+
+
 def time_flushed(fns, warmup: int = 3, reps: int = 20) -> tuple[float, float]:
     """Median and IQR (ms) of samples rotating over ``fns``, L2 flushed before each sample (outside
     the events), launches queued with no host sync inside the loop."""
@@ -318,7 +339,8 @@ def run_workload_fp8(w: Workload, entry: str = "kernel", tiles: dict | None = No
     made beforehand: the P-cast kernel alone), "prequantized" (e4m3 q, k, v with descales: V^T
     is made per call), "modeN" (16-bit inputs, quant_mode N: quantizers, V^T and kernel per
     call), "kernelN" (mode N's kernel alone, N >= 1) or "quantN" (mode N's quantizers and V^T
-    alone: the row adds ``gbps``, 16-bit q, k, v read and e4m3 q, k, V^T written once)."""
+    alone, timed as CUDA-graph replays (:func:`time_graphed`): the row adds ``gbps``, 16-bit q,
+    k, v read and e4m3 q, k, V^T written once)."""
     from . import launch, validation
     from .quantize import QuantMode, quantize_batch
 
@@ -351,10 +373,14 @@ def run_workload_fp8(w: Workload, entry: str = "kernel", tiles: dict | None = No
         else:
             calls.append(lambda a=args, c=common, d=descales: launch.forward_fp8(*a, *c, *d, tiles=tiles))
     calls[0]()
-    ms, iqr = time_cuda(calls)
+    timing = "queued"
+    if entry.startswith("quant"):
+        ms, iqr, timing = time_graphed(calls)
+    else:
+        ms, iqr = time_cuda(calls)
     f, convention = flops(w, lens_q, lens_k)
     row = dict(workload=w.name, entry=f"fp8 {entry}", ms=ms, iqr_ms=iqr, tflops=f / ms / 1e9, flops=convention,
-               tiles=tiles or "default", path="hopper")
+               tiles=tiles or "default", path="hopper", timing=timing)
     if entry.startswith("quant"):
         q, k, v = (inputs[0][n] for n in "qkv")
         moved = sum(x.numel() * (x.element_size() + 1) for x in (q, k, v))
@@ -420,8 +446,9 @@ def run_workload_bwd_fp8(w: Workload, mode: int, entry: str = "kernel", sets: in
                          kernels=("dkdv", "dq"), fused: bool | None = None) -> dict:
     """The FP8 backward (quant ``mode`` 0-5) on ``w``; FLOPs = 2.5 x forward, as for 16-bit.
     ``entry``: "kernel" (quantized operands and copies made beforehand: the kernels alone),
-    "quant" (the quantizers and copies alone: the row adds ``gbps``, 16-bit q, k, v, dO read and
-    e4m3 data plus three copies written once) or "end2end" (both, per call). ``fused``: force
+    "quant" (the quantizers and copies alone, q, k and v quantized as a training forward does,
+    timed as CUDA-graph replays: the row adds ``gbps``, 16-bit q, k, v, dO read and each one's
+    e4m3 data and token-contiguous copy written once) or "end2end" (both, per call). ``fused``: force
     the fused kernel (True) or the pair (False); None: the default choice."""
     from . import launch, validation
 
@@ -447,19 +474,20 @@ def run_workload_bwd_fp8(w: Workload, mode: int, entry: str = "kernel", sets: in
         else:
             calls.append(lambda a=args: launch.backward_fp8(*a, fused=fused))
     calls[0]()
-    ms, iqr = time_cuda(calls)
+    ms, iqr, timing = time_graphed(calls) if entry == "quant" else (*time_cuda(calls), "queued")
     f, convention = flops(w, full["_lens_q"], full["_lens_k"])
     if fused is None:
         fused = launch.fp8_backward_fused(w.head_dim, mode, kw["max_seqlen_k"], kw.get("rab") is not None, False, False)
     path = "fused" if fused else "pair"
     row = dict(workload=w.name + " bwd", entry=f"fp8 bwd mode{mode} {entry} ({path})", ms=ms, iqr_ms=iqr,
                tflops=2.5 * f / ms / 1e9, flops=convention + " x2.5", tiles=f"{tiles or 'default'} {'+'.join(kernels)}",
-               path="hopper")
+               path="hopper", timing=timing)
     if entry == "quant":
         moved = sum(x.numel() * (x.element_size() + 1) for x in (kw["q"], kw["k"], kw["v"], dout))
-        moved += sum(x.numel() for x in (kw["q"], kw["k"], dout))  # the three e4m3 copies
-        if mode == 1:  # and mode 1 reads q, k and dO once more for them
-            moved += sum(x.numel() * x.element_size() for x in (kw["q"], kw["k"], dout))
+        # the token-contiguous Q^T, K^T, dO^T, and the V^T a training forward's pass also writes
+        moved += sum(x.numel() for x in (kw["q"], kw["k"], kw["v"], dout))
+        if mode == 1:  # its token-contiguous copies take a second read of each input
+            moved += sum(x.numel() * x.element_size() for x in (kw["q"], kw["k"], kw["v"], dout))
         row.update(tflops=0.0, gbps=moved / ms / 1e6)
     return row
 

@@ -1,6 +1,6 @@
 """FP8 forward tile sweep, kernel alone (issue 16), beside the bf16 forward of the same run.
 
-    python scripts/sweep_fp8_tiles.py D TILE_N:STAGES[:Q_STAGES[:PTXAS_OPT]] [...] [--rounds 3]
+    python scripts/sweep_fp8_tiles.py D TILE_N:STAGES[:Q_STAGES[:PTXAS_OPT]][:nopp] [...] [--rounds 3]
         [--entry kernel|kernel2|...] [--mask causal|ctx|local|rab]
 
 B8 N4096 H4 at head dim D, causal (``--mask``: with 8 contexts and 64 targets, a (256, 0) window,
@@ -25,9 +25,14 @@ KEY_MASKS = {"causal": (MaskKind.CAUSAL, False, False), "ctx": (MaskKind.CAUSAL,
 
 
 def _tiles(config: str) -> dict:
-    """TILE_N:STAGES[:Q_STAGES[:PTXAS_OPT]] (defaults 1 and 3)."""
-    tile_n, stages, q_stages, opt = (list(map(int, config.split(":"))) + [1, 3])[:4]
-    return dict(tile_m=128, tile_n=tile_n, num_stages=stages, q_stages=q_stages, ptxas_opt=opt, dynamic_tiles=True)
+    """TILE_N:STAGES[:Q_STAGES[:PTXAS_OPT]][:nopp] (defaults 1 and 3; ``nopp``: the consumer
+    warpgroups do not take turns at the GEMMs)."""
+    fields = config.split(":")
+    pingpong = fields[-1] != "nopp"
+    fields = fields if pingpong else fields[:-1]
+    tile_n, stages, q_stages, opt = (list(map(int, fields)) + [1, 3])[:4]
+    return dict(tile_m=128, tile_n=tile_n, num_stages=stages, q_stages=q_stages, ptxas_opt=opt, dynamic_tiles=True,
+                pingpong=pingpong)
 
 
 def main() -> None:

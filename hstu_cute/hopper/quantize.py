@@ -113,7 +113,7 @@ class BlockQuantizer:
                         scaled[e, i] = Float32(values[e, i]) * inverse[e]
                 out.store(scaled.load().to(cutlass.Float8E4M3FN))
             elif const_expr(role == "unit"):
-                # quant_mode 0: the saturating cast of hopper.cast and hopper.vt, bit for bit.
+                # quant_mode 0: the saturating cast, as torch's clamp-and-cast (tests: bit for bit).
                 out.store(values.load().to(cutlass.Float8E4M3FN))
             else:
                 # x * (1 / scale), as hstu_cute.quantize computes it (a division per element was

@@ -373,11 +373,7 @@ def run_workload_fp8(w: Workload, entry: str = "kernel", tiles: dict | None = No
         else:
             calls.append(lambda a=args, c=common, d=descales: launch.forward_fp8(*a, *c, *d, tiles=tiles))
     calls[0]()
-    timing = "queued"
-    if entry.startswith("quant"):
-        ms, iqr, timing = time_graphed(calls)
-    else:
-        ms, iqr = time_cuda(calls)
+    ms, iqr, timing = time_graphed(calls) if entry.startswith("quant") else (*time_cuda(calls), "queued")
     f, convention = flops(w, lens_q, lens_k)
     row = dict(workload=w.name, entry=f"fp8 {entry}", ms=ms, iqr_ms=iqr, tflops=f / ms / 1e9, flops=convention,
                tiles=tiles or "default", path="hopper", timing=timing)

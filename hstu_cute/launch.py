@@ -303,19 +303,16 @@ class Fp8Operands:
         self.scaled_p, self.two_direction, self.kept = scaled_p, two_direction, kept
 
 
-_FP8_NAMES = {**DTYPE_NAMES, torch.float8_e4m3fn: FP8_DTYPE}
-
-
 def transposed_for_pv(v: torch.Tensor, seq_offsets: torch.Tensor) -> torch.Tensor:
-    """V^T (H, D, W) e4m3 of V (T, H, D) (e4m3, or 16-bit cast on the way, saturating) in one
-    launch (:class:`hstu_cute.hopper.vt.VTransposeSm90`): keys contiguous, each sequence starting
-    16 tokens aligned, W = :func:`hstu_cute.fp8_format.vt_width` (a shape that depends only on
-    shapes: no sync, and it traces)."""
+    """V^T (H, D, W) of e4m3 V (T, H, D) in one launch (:class:`hstu_cute.hopper.vt.VTransposeSm90`;
+    the pre-quantized entry: quant modes get V^T from their quantizer, :func:`quantize_for`): keys
+    contiguous, each sequence starting 16 tokens aligned, W = :func:`hstu_cute.fp8_format.vt_width`
+    (a shape that depends only on shapes: no sync, and it traces)."""
     tokens, heads, head_dim = v.shape
     vt = torch.empty((heads, head_dim, vt_width(tokens, seq_offsets.shape[0] - 1)), dtype=torch.float8_e4m3fn,
                      device=v.device)
     if tokens:
-        key = _made(make_hopper_vt_key, device_arch(v.device), _FP8_NAMES[v.dtype], head_dim)
+        key = _made(make_hopper_vt_key, device_arch(v.device), FP8_DTYPE, head_dim)
         with _on_device(v.device):
             _launch(key, _compiled(key), dict(mV=v, mVt=vt, mOffsets=seq_offsets))
     return vt

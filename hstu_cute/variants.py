@@ -356,8 +356,8 @@ class _Fp8InputKey(_Variant):
 
 @dataclass(frozen=True)
 class HopperVtKey(_Fp8InputKey):
-    """Compile key of :class:`~hstu_cute.hopper.vt.VTransposeSm90` (V -> e4m3 V^T for the FP8
-    forward): ``dtype`` is V's, 16-bit (cast on the way) or e4m3."""
+    """Compile key of :class:`~hstu_cute.hopper.vt.VTransposeSm90` (e4m3 V -> V^T for the
+    pre-quantized FP8 forward): ``dtype`` is V's, e4m3."""
 
     kernel_name: ClassVar[str] = "hopper_fwd_vt"
 
@@ -372,8 +372,8 @@ class HopperQuantSlotsKey(_Fp8InputKey):
     0-5, several tensors per launch): the ``slots`` of one launch, each ``(role, plain,
     transposed)``: role "unit" (mode 0's cast), "fused" (mode 2), "amax" or "cast" (modes 3-5's
     two passes; "amax" maxes the groups' scales, not their amax), "token" or "column" (mode 1);
-    ``plain`` writes the (T,
-    H, D) e4m3 copy, ``transposed`` V^T (:func:`quant_launches` lists what the launcher asks)."""
+    ``plain`` writes the (T, H, D) e4m3 copy, ``transposed`` V^T (:func:`quant_launches` lists
+    what the launcher asks)."""
 
     kernel_name: ClassVar[str] = "hopper_fwd_quant_slots"
 
@@ -438,6 +438,8 @@ def shipped_quant_slots() -> tuple:
 #: (scaled_p, two_direction) of the shipped FP8 forward variants: P cast (the pre-quantized entry
 #: and mode 0), scaled P (modes 2-5), scaled P with per-token and per-dim descales (mode 1).
 FP8_P_SCALINGS = ((False, False), (True, False), (True, True))
+
+
 def default_hopper_fp8_fwd_tiles(head_dim: int, has_rab: bool, scaled_p: bool = False,
                                  two_direction: bool = False) -> dict:
     """FP8 tiles: K and V^T tiles are half the bytes of 16-bit ones, so the smem plan of

@@ -1,7 +1,7 @@
 """Precompile the shipped variants whose description matches a regex, with every CPU (GPU runs
 that need one kernel family warm, not all of them).
 
-    python scripts/warm_keys.py '^hopper_fwd_(fp8|vt|cast|quant) ' [--arch sm_90a]
+    python scripts/warm_keys.py '^hopper_fwd_(fp8|quant_slots|vt) ' [--arch sm_90a]
 """
 
 import argparse

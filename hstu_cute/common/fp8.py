@@ -50,39 +50,48 @@ def prmt(a: Uint32, b: Uint32, selector: Uint32, ordered: bool = False) -> Uint3
 
 
 def silu_e4m3x4(h0: Float32, h1: Float32, h2: Float32, h3: Float32) -> Uint32:
-    """e4m3(silu(2 h)) of four values, packed low to high, computed as h + h tanh(h) in f16x2:
-    two MUFU ops for four elements (the fp32 form takes four, and MUFU bounds the FP8 forward).
-    f16's 11-bit mantissa is well below e4m3's 4 bits; the f32 -> f16x2 conversion saturates at
-    +-65504, so a huge score gives +-448 after the saturating e4m3 conversion, and h = -65504
-    gives h + h * (-1) = 0, never inf - inf."""
+    """e4m3(silu(2 h)) of four values, packed low to high, computed as h + h tanh(h) in fp32: one
+    MUFU per value, the fp32 -> e4m3x2 conversions writing the word's halves. The f16x2 form it
+    replaced took as many MUFU ops (``tanh.approx.f16x2`` is two MUFU.TANH.F16 in SASS, then a byte
+    permute to pair them) and two conversions more per four values: 354 instructions per n-block
+    against 323, 5-7 % slower at D64-D256 (docs/perf-log.md, session 22). A huge score saturates to
+    +-448 in the e4m3 conversion; a hugely negative one gives h - h = 0 (tanh.approx is -1
+    there), never inf - inf."""
     return _asm(
         Uint32, [Float32(h) for h in (h0, h1, h2, h3)],
         "{\n"
-        ".reg .b32 h01, h23, t01, t23;\n"
+        ".reg .f32 t0, t1, t2, t3;\n"
         ".reg .b16 e01, e23;\n"
-        "cvt.rn.satfinite.f16x2.f32 h01, $2, $1;\n"
-        "cvt.rn.satfinite.f16x2.f32 h23, $4, $3;\n"
-        "tanh.approx.f16x2 t01, h01;\n"
-        "tanh.approx.f16x2 t23, h23;\n"
-        "fma.rn.f16x2 t01, h01, t01, h01;\n"
-        "fma.rn.f16x2 t23, h23, t23, h23;\n"
-        "cvt.rn.satfinite.e4m3x2.f16x2 e01, t01;\n"
-        "cvt.rn.satfinite.e4m3x2.f16x2 e23, t23;\n"
+        "tanh.approx.f32 t0, $1;\n"
+        "tanh.approx.f32 t1, $2;\n"
+        "tanh.approx.f32 t2, $3;\n"
+        "tanh.approx.f32 t3, $4;\n"
+        "fma.rn.f32 t0, $1, t0, $1;\n"
+        "fma.rn.f32 t1, $2, t1, $2;\n"
+        "fma.rn.f32 t2, $3, t2, $3;\n"
+        "fma.rn.f32 t3, $4, t3, $4;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 e01, t1, t0;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 e23, t3, t2;\n"
         "mov.b32 $0, {e01, e23};\n"
         "}",
         "=r,f,f,f,f")
 
 
 def silu_f16x2(h0: Float32, h1: Float32) -> Uint32:
-    """silu(2 h) of two values as f16x2 (low = h0), by the same f16x2 recipe as
-    :func:`silu_e4m3x4`, for the scaled P of quant modes >= 1 (its row maximum sets the scale)."""
+    """silu(2 h) of two values as f16x2 (low = h0), the SiLU in fp32 as in :func:`silu_e4m3x4`,
+    for the scaled P of quant modes >= 1: its row maximum and the multiplication by the row's
+    multiplier stay in f16x2, half the instructions of fp32 (measured: an fp32 maximum tree was 2 %
+    faster at D128 and 10 % slower at D256). P saturates at f16's +-65504 here, a limit of scaled
+    P since its first version."""
     return _asm(
         Uint32, [Float32(h0), Float32(h1)],
         "{\n"
-        ".reg .b32 h, t;\n"
-        "cvt.rn.satfinite.f16x2.f32 h, $2, $1;\n"
-        "tanh.approx.f16x2 t, h;\n"
-        "fma.rn.f16x2 $0, h, t, h;\n"
+        ".reg .f32 t0, t1;\n"
+        "tanh.approx.f32 t0, $1;\n"
+        "tanh.approx.f32 t1, $2;\n"
+        "fma.rn.f32 t0, $1, t0, $1;\n"
+        "fma.rn.f32 t1, $2, t1, $2;\n"
+        "cvt.rn.satfinite.f16x2.f32 $0, t1, t0;\n"
         "}",
         "=r,f,f")
 

@@ -57,7 +57,7 @@ def _hopper_fwd_fp8(key):
     return HstuForwardFp8Sm90(dsl_dtype(key.dtype), key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n,
                               key.num_stages, key.fast_silu, key.intra_wg_overlap, key.pingpong, key.persistent,
                               key.q_stages, key.dynamic_tiles, out_dtype=dsl_dtype(key.out_dtype),
-                              scaled_p=key.scaled_p, two_direction=key.two_direction)
+                              scaled_p=key.scaled_p, two_direction=key.two_direction, early_silu=key.early_silu)
 
 
 def _hopper_bwd(key):

@@ -1,6 +1,6 @@
 """FP8 forward tile sweep, kernel alone (issue 16), beside the bf16 forward of the same run.
 
-    python scripts/sweep_fp8_tiles.py D [TILE_Mx]TILE_N:STAGES[:Q_STAGES[:PTXAS_OPT]][:nopp] [...] [--rounds 3]
+    python scripts/sweep_fp8_tiles.py D [TILE_Mx]TILE_N:STAGES[:Q_STAGES[:PTXAS_OPT]][:nopp][:es] [...] [--rounds 3]
         [--entry kernel|kernel2|...] [--mask causal|ctx|local|rab]
 
 B8 N4096 H4 at head dim D, causal (``--mask``: with 8 contexts and 64 targets, a (256, 0) window,
@@ -25,16 +25,18 @@ KEY_MASKS = {"causal": (MaskKind.CAUSAL, False, False), "ctx": (MaskKind.CAUSAL,
 
 
 def _tiles(config: str) -> dict:
-    """[TILE_Mx]TILE_N:STAGES[:Q_STAGES[:PTXAS_OPT]][:nopp] (tile_m 128 unless given, 64 query
-    rows per consumer warpgroup; defaults 1 and 3; ``nopp``: the consumer warpgroups do not take
-    turns at the GEMMs)."""
+    """[TILE_Mx]TILE_N:STAGES[:Q_STAGES[:PTXAS_OPT]][:nopp][:es] (tile_m 128 unless given, 64
+    query rows per consumer warpgroup; defaults 1 and 3; ``nopp``: the consumer warpgroups do not
+    take turns at the GEMMs; ``es``: the P-cast SiLU ahead of the mask, HopperFp8FwdKey.early_silu)."""
     fields = config.split(":")
+    early_silu = fields[-1] == "es"
+    fields = fields[:-1] if early_silu else fields
     pingpong = fields[-1] != "nopp"
     fields = fields if pingpong else fields[:-1]
     tile_m, tile_n = map(int, fields[0].split("x")) if "x" in fields[0] else (128, int(fields[0]))
     stages, q_stages, opt = (list(map(int, fields[1:])) + [1, 3])[:3]
     return dict(tile_m=tile_m, tile_n=tile_n, num_stages=stages, q_stages=q_stages, ptxas_opt=opt, dynamic_tiles=True,
-                pingpong=pingpong)
+                pingpong=pingpong, **({"early_silu": True} if early_silu else {}))
 
 
 def main() -> None:

@@ -108,6 +108,22 @@ def test_one_sm90a_variant_compiles(tmp_cache):
     assert archs == {b"sm_90a"}, archs
 
 
+@pytest.mark.slow
+def test_fp8_early_silu_variants_compile(tmp_cache):
+    """The P-cast FP8 forward with its SiLU ahead of the mask (``early_silu``, not shipped until
+    it is timed: docs/design/fp8-forward.md section 9) builds for sm_90a at every FP8 head dim,
+    with and without rab, and the flag is refused for scaled P."""
+    base = [k for k in shipped_hopper_fp8_fwd_keys() if k.kernel_name == "hopper_fwd_fp8" and not k.scaled_p
+            and k.out_dtype == "bfloat16" and k.describe().split()[-2] in ("causal", "causal,rab")]
+    keys = [dataclasses.replace(k, early_silu=True) for k in base]
+    assert len(keys) == 6 and all(k.describe().endswith(" early-SiLU") for k in keys)
+    results = warmup(arch="sm_90a", keys=keys, workers=2, raise_errors=False)
+    _assert_all_built(results, keys, tmp_cache, "sm_90a")
+    scaled = next(k for k in shipped_hopper_fp8_fwd_keys() if k.kernel_name == "hopper_fwd_fp8" and k.scaled_p)
+    with pytest.raises(AssertionError, match="early_silu is for P cast"):
+        dataclasses.replace(scaled, early_silu=True)
+
+
 def test_sm80_d256_backward_keys_shipped():
     """The sm80 backward at head dim 256: the dQ (+drab) and dK/dV keys that the launcher picks,
     for both dtypes and every shipped mask and rab/drab mode, are in the shipped list (what

@@ -167,6 +167,19 @@ def silu_to_fp8_words(acc_S: cute.Tensor, half_alpha: Float32) -> cute.Tensor:
     return words
 
 
+@cute.jit
+def fp8_words(acc_P: cute.Tensor) -> cute.Tensor:
+    """The operand-order words of :func:`silu_to_fp8_words` for a P computed already (the SiLU in
+    place, masked): e4m3 of each value."""
+    n_words = cute.size(acc_P) // 4
+    flat = cute.make_tensor(acc_P.iterator, cute.make_layout(cute.size(acc_P)))
+    words = cute.make_rmem_tensor(cute.make_layout(n_words), Uint32)
+    for h in cutlass.range_constexpr(n_words // 2):
+        for r, slots in enumerate((ROW_G_SLOTS, ROW_G8_SLOTS)):
+            words[2 * h + r] = e4m3x4(*(flat[8 * h + i] for i in slots))
+    return words
+
+
 def _tree(values: list, combine):
     while len(values) > 1:
         values = [combine(values[i], values[i + 1]) if i + 1 < len(values) else values[i]

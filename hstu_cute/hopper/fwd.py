@@ -16,6 +16,7 @@ from ..common.fp8 import (
     dim_descales,
     scale_columns,
     scale_rows,
+    fp8_words,
     silu_to_fp8_words,
     silu_to_scaled_fp8_words,
     words_to_operand_a,
@@ -79,7 +80,8 @@ class HstuForwardSm90(HstuSm90Base):
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
                  num_stages: int, fast_silu: bool, intra_wg_overlap: bool = True, pingpong: bool = True,
                  persistent: bool = True, q_stages: int = 1, dynamic_tiles: bool = False, out_dtype=None,
-                 scaled_p: bool = False, two_direction: bool = False, paged: bool = False, split_keys: bool = False):
+                 scaled_p: bool = False, two_direction: bool = False, paged: bool = False, split_keys: bool = False,
+                 early_silu: bool = False):
         # The CTA launches with 168 x 384 registers; setmaxnreg moves them between roles, so the
         # consumers' 240 must come out of that pool (common.sm90.sm90_register_split).
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, tile_m // 64,
@@ -104,6 +106,13 @@ class HstuForwardSm90(HstuSm90Base):
         # block changes (it can not go into P, whose scale is per row).
         self.two_direction = two_direction
         assert not two_direction or scaled_p
+        # FP8 P cast: the SiLU in place in the fp32 scores ahead of the mask's branch, then only the
+        # e4m3 packing, as the 16-bit kernels do. With the SiLU inside the packing (after the
+        # mask), ptxas hoists the P.V wait (`wait_group 0`) above all but the first few MUFU ops,
+        # and each warpgroup idles until its own P.V retires; the branch keeps the wait after all
+        # 64 of them (SASS, docs/design/fp8-forward.md section 9). Not timed yet: off by default.
+        self.early_silu = early_silu
+        assert not early_silu or (self.fp8 and not scaled_p)
         # Keys of a paged KV cache ahead of each sequence's new keys (common.key_blocks): cache
         # blocks arrive as PAGE_CHUNK-row TMA loads, one per chunk of a page.
         self.paged = paged
@@ -825,10 +834,10 @@ class HstuForwardSm90(HstuSm90Base):
                 acc_S.store(acc_S.load() * qk_descale + rRab.load().to(Float32))
             else:
                 acc_S.store(acc_S.load() + rRab.load().to(Float32))
-        if const_expr(not self.fp8):
+        if const_expr(not self.fp8 or self.early_silu):
             silu_scaled_inplace(acc_S, alpha, self.fast_silu)
-        # FP8: the SiLU runs in the conversion to e4m3 (common.fp8.silu_to_fp8_words), after the mask:
-        # masked scores become 0, and silu(0) = 0.
+        # Otherwise FP8 runs the SiLU in the packing (common.fp8.silu_to_fp8_words,
+        # silu_to_scaled_fp8_words), after the mask: masked scores become 0, and silu(0) = 0.
         if not masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
             acc_rc = cute.make_tensor(acc_S.iterator, wgmma_acc_rows_cols(acc_S.layout))
             apply_mask_rows_cols(acc_rc, tScS_rc, spec, seq, row_first, n_block * self.tile_n)
@@ -872,6 +881,8 @@ class HstuForwardSm90(HstuSm90Base):
         qk_descale = self.qk_descale if const_expr(self.has_rab) else None
         self.add_rab_silu_mask(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, self.mask, seq, m_block, n_block,
                                row_first, qk_descale)
+        if const_expr(self.early_silu):
+            return fp8_words(acc_S), None
         return silu_to_fp8_words(acc_S, alpha * Float32(0.5)), None
 
     @cute.jit

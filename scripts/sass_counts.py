@@ -9,12 +9,18 @@ rows past the sequence, rescales when a row scale grows) are taken as jumps, and
 the loop (barrier retry) as not taken.
 
     python scripts/sass_counts.py --only "hopper_bwd_fp8_dkdv sm_90a float8_e4m3fn d128 .* causal ->bfloat16$"
+
+``--waits`` adds where the loop's WGMMA waits (``WARPGROUP.DEPBAR.LE gsb0, N``) sit, counted in
+MUFU ops before them, and the local loads/stores of the whole kernel: ptxas may hoist a wait
+above the SiLU it was written after (docs/design/fp8-forward.md section 9). ``--set FIELD=VALUE``
+builds the matching keys with a field changed (e.g. ``early_silu=true``, ``tile_n=160``).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import re
 import shutil
@@ -35,8 +41,8 @@ def opcode(text: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
 
 
-def main_path(ins: list[tuple[int, str]]) -> tuple[list[str], int]:
-    """(opcodes along the innermost GEMM loop's main path, its static size)."""
+def innermost_gemm_loop(ins: list[tuple[int, str]]) -> tuple[int, int]:
+    """(first, last) index of the smallest loop (a backward branch) holding a GMMA instruction."""
     where = {a: i for i, (a, _) in enumerate(ins)}
     loops = []
     for i, (a, text) in enumerate(ins):
@@ -50,6 +56,26 @@ def main_path(ins: list[tuple[int, str]]) -> tuple[list[str], int]:
     if not loops:
         raise RuntimeError("no loop with a GMMA instruction")
     _, start, end = min(loops)
+    return start, end
+
+
+def waits(ins: list[tuple[int, str]]) -> str:
+    """Each WGMMA wait of the innermost GEMM loop as ``LE<n>@<MUFU ops before it>``, in order."""
+    start, end = innermost_gemm_loop(ins)
+    mufu, marks = 0, []
+    for _, text in ins[start:end + 1]:
+        mufu += opcode(text) == "MUFU"
+        m = re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*(0x[0-9a-f]+)", text)
+        if m:
+            marks.append(f"LE{int(m.group(1), 16)}@{mufu}")
+    local = sum(opcode(t) in ("LDL", "STL") for _, t in ins)
+    return f"waits {' '.join(marks)} of {mufu} MUFU; {local} local loads/stores in the kernel"
+
+
+def main_path(ins: list[tuple[int, str]]) -> tuple[list[str], int]:
+    """(opcodes along the innermost GEMM loop's main path, its static size)."""
+    where = {a: i for i, (a, _) in enumerate(ins)}
+    start, end = innermost_gemm_loop(ins)
     path, i = [], start
     while i <= end:
         a, text = ins[i]
@@ -76,6 +102,8 @@ def main() -> None:
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--tools", default=None, help="folder holding cuobjdump (default: PATH)")
     ap.add_argument("--top", type=int, default=16, help="opcodes listed per variant")
+    ap.add_argument("--waits", action="store_true", help="also where the loop's WGMMA waits sit")
+    ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="build the keys with fields changed")
     args = ap.parse_args()
     from hstu_cute.variants import shipped_keys
 
@@ -85,14 +113,21 @@ def main() -> None:
     keys = [k for k in shipped_keys(args.arch) if any(re.search(p, k.describe()) for p in args.only)]
     if not keys:
         raise SystemExit("no shipped variant matches")
+    if args.set:
+        fields = {}
+        for item in args.set:
+            name, value = item.split("=", 1)
+            fields[name] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+        keys = [dataclasses.replace(k, **fields) for k in keys]
     os.environ.update(CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=tempfile.mkdtemp(prefix="hstu-sass-"))
     for key in keys:
-        path, size = main_path(parse(sass_of(key, cuobjdump)))
+        ins = parse(sass_of(key, cuobjdump))
+        path, size = main_path(ins)
         counts = collections.Counter(path)
         uniform = sum(v for k, v in counts.items() if k.startswith("U"))
         top = ", ".join(f"{k} {v}" for k, v in counts.most_common(args.top))
         print(f"{key.describe()}: {len(path)} on the main path of a {size}-instruction loop "
-              f"({uniform} uniform): {top}", flush=True)
+              f"({uniform} uniform): {top}" + (f"; {waits(ins)}" if args.waits else ""), flush=True)
 
 
 if __name__ == "__main__":

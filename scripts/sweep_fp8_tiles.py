@@ -36,7 +36,7 @@ def _tiles(config: str) -> dict:
     tile_m, tile_n = map(int, fields[0].split("x")) if "x" in fields[0] else (128, int(fields[0]))
     stages, q_stages, opt = (list(map(int, fields[1:])) + [1, 3])[:3]
     return dict(tile_m=tile_m, tile_n=tile_n, num_stages=stages, q_stages=q_stages, ptxas_opt=opt, dynamic_tiles=True,
-                pingpong=pingpong, **({"early_silu": True} if early_silu else {}))
+                pingpong=pingpong, early_silu=early_silu)
 
 
 def main() -> None:

@@ -153,31 +153,31 @@ ROW_G_SLOTS = (0, 1, 4, 5)
 ROW_G8_SLOTS = (2, 3, 6, 7)
 
 
+def _operand_words(acc: cute.Tensor, pack) -> cute.Tensor:
+    """Words in operand order of a warpgroup's fp32 accumulator ((2, 2, K / 8), 1, 1; compact):
+    word 2h is row g of 16-column half h, word 2h + 1 row g + 8 (module docstring), each
+    ``pack`` of its four values. Traced inline."""
+    n_words = cute.size(acc) // 4
+    flat = cute.make_tensor(acc.iterator, cute.make_layout(cute.size(acc)))
+    words = cute.make_rmem_tensor(cute.make_layout(n_words), Uint32)
+    for h in range(n_words // 2):
+        for r, slots in enumerate((ROW_G_SLOTS, ROW_G8_SLOTS)):
+            words[2 * h + r] = pack(*(flat[8 * h + i] for i in slots))
+    return words
+
+
 @cute.jit
 def silu_to_fp8_words(acc_S: cute.Tensor, half_alpha: Float32) -> cute.Tensor:
-    """e4m3(silu(alpha * acc_S)) of a warpgroup's fp32 score accumulator ((2, 2, K / 8), 1, 1)
-    (compact; masked scores already 0, and silu(0) = 0), packed four per 32-bit word in operand
-    order: word 2h is row g of 16-column half h, word 2h + 1 row g + 8 (module docstring)."""
-    n_words = cute.size(acc_S) // 4
-    flat = cute.make_tensor(acc_S.iterator, cute.make_layout(cute.size(acc_S)))
-    words = cute.make_rmem_tensor(cute.make_layout(n_words), Uint32)
-    for h in cutlass.range_constexpr(n_words // 2):
-        for r, slots in enumerate((ROW_G_SLOTS, ROW_G8_SLOTS)):
-            words[2 * h + r] = silu_e4m3x4(*(flat[8 * h + i] * half_alpha for i in slots))
-    return words
+    """e4m3(silu(alpha * acc_S)) of a score accumulator (masked scores already 0, and
+    silu(0) = 0), in operand order (:func:`_operand_words`)."""
+    return _operand_words(acc_S, lambda *four: silu_e4m3x4(*(x * half_alpha for x in four)))
 
 
 @cute.jit
 def fp8_words(acc_P: cute.Tensor) -> cute.Tensor:
     """The operand-order words of :func:`silu_to_fp8_words` for a P computed already (the SiLU in
     place, masked): e4m3 of each value."""
-    n_words = cute.size(acc_P) // 4
-    flat = cute.make_tensor(acc_P.iterator, cute.make_layout(cute.size(acc_P)))
-    words = cute.make_rmem_tensor(cute.make_layout(n_words), Uint32)
-    for h in cutlass.range_constexpr(n_words // 2):
-        for r, slots in enumerate((ROW_G_SLOTS, ROW_G8_SLOTS)):
-            words[2 * h + r] = e4m3x4(*(flat[8 * h + i] for i in slots))
-    return words
+    return _operand_words(acc_P, e4m3x4)
 
 
 def _tree(values: list, combine):

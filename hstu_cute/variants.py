@@ -335,7 +335,8 @@ class HopperFp8FwdKey(HopperFwdKey):
     scaled_p: bool = False
     two_direction: bool = False
     # P cast: the SiLU ahead of the mask's branch, which keeps ptxas from hoisting the P.V wait
-    # above it (HstuForwardSm90 early_silu). Not timed yet, so no shipped key sets it.
+    # above it (HstuForwardSm90 early_silu). Shipped where it measured faster: D256 without rab
+    # (default_hopper_fp8_fwd_tiles).
     early_silu: bool = False
 
     def __post_init__(self):
@@ -458,7 +459,10 @@ def default_hopper_fp8_fwd_tiles(head_dim: int, has_rab: bool, scaled_p: bool = 
     if head_dim <= 128:
         return dict(tile_m=128, tile_n=128, num_stages=2, ptxas_opt=2, q_stages=2, dynamic_tiles=True)
     if not has_rab and not two_direction:
-        return dict(tile_m=128, tile_n=128, num_stages=2, ptxas_opt=3, dynamic_tiles=True)
+        # P cast with the SiLU ahead of the mask's branch (HopperFp8FwdKey.early_silu): causal,
+        # H100, same runs (session 23): 1150-1165 TF/s against 1104-1143. At D128 it measured
+        # even (848-862 against 850-858) and at D64 slower (497-506 against 552-554): off there.
+        return dict(tile_m=128, tile_n=128, num_stages=2, ptxas_opt=3, dynamic_tiles=True, early_silu=not scaled_p)
     return dict(tile_m=128, tile_n=64, num_stages=2 if scaled_p else 3, ptxas_opt=3, dynamic_tiles=True)
 
 

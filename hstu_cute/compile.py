@@ -48,7 +48,8 @@ def _hopper_fwd(key):
 
     return HstuForwardSm90(dsl_dtype(key.dtype), key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n,
                            key.num_stages, key.fast_silu, key.intra_wg_overlap, key.pingpong, key.persistent,
-                           key.q_stages, key.dynamic_tiles, paged=key.paged, split_keys=key.split_keys)
+                           key.q_stages, key.dynamic_tiles, paged=key.paged, split_keys=key.split_keys,
+                           staged_epilogue=key.staged_epilogue)
 
 
 def _hopper_fwd_fp8(key):
@@ -57,7 +58,8 @@ def _hopper_fwd_fp8(key):
     return HstuForwardFp8Sm90(dsl_dtype(key.dtype), key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n,
                               key.num_stages, key.fast_silu, key.intra_wg_overlap, key.pingpong, key.persistent,
                               key.q_stages, key.dynamic_tiles, out_dtype=dsl_dtype(key.out_dtype),
-                              scaled_p=key.scaled_p, two_direction=key.two_direction, early_silu=key.early_silu)
+                              scaled_p=key.scaled_p, two_direction=key.two_direction, early_silu=key.early_silu,
+                              staged_epilogue=key.staged_epilogue)
 
 
 def _hopper_bwd(key):

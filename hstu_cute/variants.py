@@ -252,11 +252,15 @@ class HopperFwdKey(_Variant):
     # A tile's key blocks split into parts over CTAs, fp32 partial outputs summed by the launcher
     # (HstuForwardSm90 split_keys; launch.key_splits picks the parts).
     split_keys: bool = False
+    # The output through smem and a TMA store where the smem fits (hopper.base.StagedEpilogue);
+    # False: register stores only ("r" in the description).
+    staged_epilogue: bool = True
 
     def describe(self) -> str:
         flags = ("o" if self.intra_wg_overlap else "") + ("p" if self.pingpong else "") + (
             "P" if self.persistent else "") + (f"q{self.q_stages}" if self.q_stages != 1 else "") + (
-            "d" if self.dynamic_tiles else "") + ("k" if self.split_keys else "")
+            "d" if self.dynamic_tiles else "") + ("k" if self.split_keys else "") + (
+            "" if self.staged_epilogue else "r")
         return self._describe(f"{self.tile_m}x{self.tile_n}s{self.num_stages}{flags}",
                               ["rab"] if self.has_rab else [])
 

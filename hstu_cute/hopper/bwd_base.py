@@ -1,5 +1,5 @@
 """What the sm90 backward kernels share beyond :mod:`hstu_cute.hopper.base`: TMA load atoms of Q,
-dO, K, V and rab, the dK/dV store, and the key-block producer of the dK/dV kernels."""
+dO, K, V and rab, the dK/dV and dQ register stores, and the key-block producer of the dK/dV kernels."""
 
 from __future__ import annotations
 
@@ -11,14 +11,11 @@ from cutlass.cute.nvgpu import cpasync
 
 from .. import masks
 from ..common.mask_apply import KERNEL_OPS
-from ..common.barriers import NamedBarrier
 from ..common.sm90 import (
     advanced,
     red_add_f32,
-    sm90_smem_layout,
     sm90_tma_atom_tokens,
     sm90_tma_atom_rab,
-    store_acc_16bit_sw128_64cols,
     store_acc_rows,
     wgmma_acc_rows_cols,
 )
@@ -54,70 +51,6 @@ def store_dq(thr_mma, acc_dQ, mdQ, dtype: cutlass.Constexpr, tile_m: cutlass.Con
     tQc = thr_mma.partition_C(cute.make_identity_tensor((tile_m, head_dim)))
     tQc_rc = cute.make_tensor(tQc.iterator, wgmma_acc_rows_cols(tQc.layout))
     store_acc_rows(rOut, thr_mma.partition_C(gOut), tQc_rc, seq.seqlen_q - m_block * tile_m)
-
-
-#: Shared memory a CTA may use on sm90.
-SMEM_LIMIT = 227 * 1024
-
-
-class StagedEpilogue:
-    """Gradient tiles stored through shared memory and TMA (the FP8 backward kernels): a
-    warpgroup's 64 rows of each gradient are written to a swizzled smem tile and one TMA store
-    takes them to global memory, in the background of the next tile. Register stores (two
-    columns per store) took 12 % of the FP8 dK/dV kernel's warp samples, most of it waiting on
-    the store queue (H100 ncu, B8 N4096 D128 causal, session 19). Tiles whose rows run past the
-    sequence keep the register stores: a TMA store would write the next sequence's rows."""
-
-    def staged_epilogue(self, storage_of, outputs: tuple, cols: int):
-        """Plain Python, in ``__call__``: ``storage_of(extra)`` builds the shared storage with the
-        ``extra`` buffers. Where one 64 x ``cols`` tile per warpgroup and output fits beside the
-        rest: (storage, smem layout (64, cols, 2 len(outputs)), ((atom, tma tensor) per output));
-        else (storage, None, None)."""
-        # The tile is written in 128-byte swizzled blocks of 64 16-bit columns.
-        assert cols % 64 == 0, cols
-        storage = storage_of({})
-        elem = self.grad_dtype.width // 8
-        tiles = 2 * len(outputs)
-        # 1024: room for the new buffer's alignment.
-        if storage.size_in_bytes() + tiles * 64 * cols * elem > SMEM_LIMIT - 1024:
-            return storage, None, None
-        layout = sm90_smem_layout(self.grad_dtype, 64, cols, tiles)
-        stage = cute.slice_(layout, (None, None, 0))
-        atoms = tuple(sm90_tma_atom_tokens(cpasync.CopyBulkTensorTileS2GOp(), m, stage, 64, cols) for m in outputs)
-        return storage_of(dict(sEpi=(self.grad_dtype, cute.cosize(layout)))), layout, atoms
-
-
-@cute.jit
-def store_rows_staged(accs, sEpi, epi_atoms, dtype: cutlass.Constexpr, tid_in_wg: Int32, wg: Int32, row0: Int32,
-                      head: Int32, col_block=0):
-    """:class:`StagedEpilogue`: this warpgroup's (64, cols) fp32 accumulators ``accs`` (one per
-    output of ``epi_atoms``) in ``dtype`` to rows ``row0``.. of their (T, H, D) outputs, columns
-    block ``col_block``. Waits until the warpgroup's previous TMA stores have read its tiles."""
-    cols = cute.size(sEpi, mode=[1])
-    if tid_in_wg < 32:
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
-    cute.arch.barrier(barrier_id=NamedBarrier.ZERO_ROWS_WG0 + wg, number_of_threads=128)
-    for t in cutlass.range_constexpr(len(accs)):
-        rOut = cute.make_rmem_tensor(accs[t].layout, dtype)
-        rOut.store(accs[t].load().to(dtype))
-        base = sEpi[None, None, 2 * t + wg].iterator.toint()
-        # 64-column blocks of the tile lie one after another (64 rows x 128 bytes each).
-        for h in cutlass.range_constexpr(cols // 64):
-            block = cute.make_tensor(cute.make_ptr(dtype, base + h * 64 * 128, cute.AddressSpace.smem,
-                                                   assumed_align=1024), cute.make_layout(1))
-            store_acc_16bit_sw128_64cols(cute.make_tensor(rOut.iterator + 32 * h, cute.make_layout((2, 2, 8))),
-                                         block, tid_in_wg, 0)
-    cute.arch.fence_view_async_shared()
-    cute.arch.barrier(barrier_id=NamedBarrier.ZERO_ROWS_WG0 + wg, number_of_threads=128)
-    if tid_in_wg < 32:
-        for t in cutlass.range_constexpr(len(accs)):
-            atom, tma_out = epi_atoms[t]
-            gOut = cute.local_tile(cute.domain_offset((row0, 0), tma_out[None, None, head]), (64, cols), (0, col_block))
-            tSs, tGg = cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                             cute.group_modes(sEpi[None, None, 2 * t + wg], 0, 2),
-                                             cute.group_modes(gOut, 0, 2))
-            cute.copy(atom, tSs, tGg)
-        cute.arch.cp_async_bulk_commit_group()
 
 
 class HstuBackwardSm90Base(HstuSm90Base):

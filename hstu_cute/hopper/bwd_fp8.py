@@ -70,7 +70,8 @@ from ..common.sm90 import (
 from ..common.tile_scheduler import SectionWalk
 from ..fp8_format import BLOCK_TOKENS, P_AMAX_FLOOR
 from .bwd import HstuBackwardDkDvSm90, HstuBackwardDqSm90
-from .bwd_base import StagedEpilogue, store_dk_dv, store_dq, store_rows_staged
+from .base import StagedEpilogue, store_rows_staged
+from .bwd_base import store_dk_dv, store_dq
 
 # G has no natural floor (dO can be any size): a row of zeros keeps common.fp8.MIN_ROW_SCALE.
 G_AMAX_FLOOR = 0.0
@@ -275,7 +276,8 @@ class HstuBackwardDkDvFp8Sm90(StagedEpilogue, HstuBackwardDkDvSm90):
                        sRab=(self.rab_dtype, self.smem_elems(self.sRab_layout)), **self.column_rows_storage(2),
                        **fused_storage)
         self.shared_storage, self.sEpi_layout, epi_atoms = self.staged_epilogue(
-            lambda extra: shared_storage(barriers, dict(buffers, **extra), words=ring_words), (mdK, mdV), self.dims)
+            lambda extra: shared_storage(barriers, dict(buffers, **extra), words=ring_words), (mdK, mdV), self.dims,
+            self.grad_dtype)
         num_ctas = num_n_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
         if const_expr(self.persistent):
             num_ctas = cutlass.min(num_ctas, num_sms)
@@ -626,7 +628,7 @@ class HstuBackwardDqFp8Sm90(StagedEpilogue, HstuBackwardDqSm90):
         buffers = dict(sQ=tile, sdO=tile, sK=ring, sV=ring, sKt=(self.dtype, cute.cosize(self.sKt_layout)),
                        sRab=(self.rab_dtype, self.smem_elems(self.sRab_layout)), **self.column_rows_storage(1))
         self.shared_storage, self.sEpi_layout, epi_atoms = self.staged_epilogue(
-            lambda extra: shared_storage(barriers, dict(buffers, **extra), words=ring_words), (mdQ,), D)
+            lambda extra: shared_storage(barriers, dict(buffers, **extra), words=ring_words), (mdQ,), D, self.grad_dtype)
         num_ctas = num_m_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
         if const_expr(self.persistent):
             num_ctas = cutlass.min(num_ctas, num_sms)

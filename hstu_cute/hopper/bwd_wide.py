@@ -26,7 +26,8 @@ from ..common.sm90 import (
     wgmma,
     zero_smem_rows_past,
 )
-from .bwd_base import SMEM_LIMIT, HstuBackwardSm90Base, KeyBlockProducer, store_dk_dv
+from .base import SMEM_LIMIT
+from .bwd_base import HstuBackwardSm90Base, KeyBlockProducer, store_dk_dv
 
 
 def wide_smem_bytes(elem_bytes: int, head_dim: int, tile_m: int, tile_n: int, num_stages: int, has_rab: bool,

@@ -27,7 +27,7 @@ from ..common.key_blocks import PAGE_CHUNK, KeyBlocks, PagedArgs, cache_row, pag
 from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import silu_scaled_inplace
 from ..common.tile_scheduler import SectionWalk, TileScheduler
-from .base import HstuSm90Base
+from .base import HstuSm90Base, StagedEpilogue, store_rows_staged
 from ..common.sm90 import (
     advanced,
     rows_zero_copy,
@@ -46,7 +46,7 @@ from ..common.sm90 import (
     zero_smem_rows_past,
 )
 
-class HstuForwardSm90(HstuSm90Base):
+class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
     """Forward kernel: out = sum_j mask(silu(alpha * (q.k + rab))) v / S over one jagged batch.
 
     Tiles: (m-block, head, batch), last m-block first within sections of ``bh_per_section``
@@ -71,8 +71,10 @@ class HstuForwardSm90(HstuSm90Base):
     Barriers: named barriers 2/3 (``pingpong``) make the two consumer warpgroups alternate GEMM
     issue, so one warpgroup's SiLU overlaps the other's GEMMs; 4/5 after zeroing the V rows past
     seqlen_k (TMA reads the next sequence there: P is 0 for them, but 0 * NaN would be NaN).
-    Epilogue: 1/S folded into the fp32 -> bf16 conversion, stored from registers two columns at
-    a time (rows past seqlen_q are not written). Tiles are chained: a tile's last P.V goes out with
+    Epilogue (``staged_epilogue`` where the smem fits, head dims 64k): O times 1/S in the output
+    type, a warpgroup's 64 rows through a swizzled smem tile and one TMA store that runs behind the
+    next tile (:class:`~hstu_cute.hopper.base.StagedEpilogue`; named barrier 4 + warpgroup); rows
+    crossing seqlen_q, and the other configurations, store from registers two columns at a time. Tiles are chained: a tile's last P.V goes out with
     the next tile's first QK^T and its epilogue follows (consume_tiles), so short tiles do not
     drain the tensor cores between them.
     """
@@ -81,7 +83,7 @@ class HstuForwardSm90(HstuSm90Base):
                  num_stages: int, fast_silu: bool, intra_wg_overlap: bool = True, pingpong: bool = True,
                  persistent: bool = True, q_stages: int = 1, dynamic_tiles: bool = False, out_dtype=None,
                  scaled_p: bool = False, two_direction: bool = False, paged: bool = False, split_keys: bool = False,
-                 early_silu: bool = False):
+                 early_silu: bool = False, staged_epilogue: bool = True):
         # The CTA launches with 168 x 384 registers; setmaxnreg moves them between roles, so the
         # consumers' 240 must come out of that pool (common.sm90.sm90_register_split).
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, tile_m // 64,
@@ -125,6 +127,9 @@ class HstuForwardSm90(HstuSm90Base):
         self.intra_wg_overlap = intra_wg_overlap
         self.pingpong = pingpong and self.num_mma_wg == 2
         self.q_stages = q_stages
+        # Split keys store fp32 partials (store_split_tile); the smem tile is written in 64-column
+        # blocks.
+        self.staged = staged_epilogue and not split_keys and head_dim % 64 == 0
         assert tile_m % 64 == 0 and tile_n % 16 == 0 and head_dim % 16 == 0
 
     # ------------------------------------------------------------------------------------------
@@ -190,12 +195,16 @@ class HstuForwardSm90(HstuSm90Base):
         ring_barriers, ring_words = self.tile_ring_storage()
         if const_expr(self.split_keys):
             ring_words = dict(ring_words, sArrived=2)  # a warpgroup's arrival count, for its threads
-        self.shared_storage = shared_storage(
-            dict(mbar_q=2 * self.q_stages, mbar_k=2 * self.num_stages, mbar_v=2 * self.num_stages, mbar_rab=2 * self.num_stages,
-                 **ring_barriers),
-            dict(sQ=(self.dtype, cute.cosize(sQ_layout)), sK=kv, sV=(self.dtype, cute.cosize(sV_layout)),
-                 sRab=(self.rab_dtype, self.smem_elems(sRab_layout))),
-            words=ring_words)
+        barriers = dict(mbar_q=2 * self.q_stages, mbar_k=2 * self.num_stages, mbar_v=2 * self.num_stages,
+                        mbar_rab=2 * self.num_stages, **ring_barriers)
+        buffers = dict(sQ=(self.dtype, cute.cosize(sQ_layout)), sK=kv, sV=(self.dtype, cute.cosize(sV_layout)),
+                       sRab=(self.rab_dtype, self.smem_elems(sRab_layout)))
+        storage_of = lambda extra: shared_storage(barriers, dict(buffers, **extra), words=ring_words)  # noqa: E731
+        sEpi_layout = epi_atoms = None
+        if const_expr(self.staged):
+            self.shared_storage, sEpi_layout, epi_atoms = self.staged_epilogue(storage_of, (mO,), D, self.out_dtype)
+        else:
+            self.shared_storage = storage_of({})
 
         num_tiles = num_m_blocks * mQ.shape[1] * (seqs.mOffsetsQ.shape[0] - 1)
         # Persistent: one CTA per SM (smem allows no second one) walking the tiles; the producer
@@ -204,8 +213,10 @@ class HstuForwardSm90(HstuSm90Base):
         self.launch(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, mQ, mO, mK, seqs, mRab,
             scalars, num_m_blocks, bh_per_section, mTileCounter, descales, page_loads,
-            paged._replace(mCache=None, mRabNew=None) if const_expr(self.paged) else None, split, statics=dict(
+            paged._replace(mCache=None, mRabNew=None) if const_expr(self.paged) else None, split, epi_atoms,
+            statics=dict(
                 sQ_layout=sQ_layout, sK_layout=sK_layout, sV_layout=sV_layout, sRab_layout=sRab_layout,
+                sEpi_layout=sEpi_layout,
                 tiled_mma_qk=trivial_mma(self.dtype, self.tile_n, False, self.num_mma_wg),
                 # P (registers) x V: 16-bit V is (n, D) with D contiguous, an MN-major B operand;
                 # FP8 V^T is (D, n) with n contiguous, K-major.
@@ -222,7 +233,7 @@ class HstuForwardSm90(HstuSm90Base):
     @cute.kernel
     def kernel(self, tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, mQ, mO, mK,
                seqs, mRab, scalars, num_m_blocks: Int32, bh_per_section: Int32, mTileCounter, descales, page_loads,
-               paged, split, statics):
+               paged, split, epi_atoms, statics):
         self.bind(statics)
         page_atoms = ()
         if const_expr(self.paged):
@@ -256,7 +267,9 @@ class HstuForwardSm90(HstuSm90Base):
         cute.arch.sync_threads()
 
         s = smem_tensors(storage, dict(sQ=self.sQ_layout, sK=self.sK_layout, sV=self.sV_layout,
-                                       sRab=self.sRab_layout))
+                                       sRab=self.sRab_layout, sEpi=self.sEpi_layout))
+        # (smem tiles, TMA store atoms) of the staged epilogue, or None (store_output).
+        self.epilogue = (s["sEpi"], epi_atoms) if const_expr(self.sEpi_layout is not None) else None
         walk = SectionWalk(num_m_blocks, mQ.shape[1], seqs.mOffsetsQ.shape[0] - 1, bh_per_section, reverse=True)
         seqinfo = self.sequence_info(seqs, scalars, mQ, mK)
         claims = self.tile_claims(storage, walk, mTileCounter)
@@ -636,6 +649,10 @@ class HstuForwardSm90(HstuSm90Base):
             v_state = self.last_pv(pipe_v, v_state, sV, zero_copy_v, tidx, wg, prev_v_rows, acc_O, tOrP, tOrVt)
             self.store_tile(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, prev_head, prev_q_start, prev_m_block,
                             prev_seqlen_q, p_scale, (prev_batch, prev_n_last))
+        if const_expr(self.epilogue is not None):
+            # The last TMA stores must have read smem before the CTA's smem goes away.
+            if tidx % 128 < 32:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     def pending_tag(self, n_last, blocks):
         """What the pending tile's epilogue needs besides its coordinates: its last key block
@@ -730,8 +747,9 @@ class HstuForwardSm90(HstuSm90Base):
     @cute.jit
     def store_output(self, acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale: Float32, head: Int32, q_start: Int32,
                      m_block: Int32, seqlen_q: Int32, p_scale=None, last_block=None):
-        """O * (1/S) -> the input dtype, stored from registers (pairs of columns), rows past
-        seqlen_q skipped; scaled P: each row times its final P scale first (``acc_O`` is
+        """O * (1/S) -> the output dtype, rows past seqlen_q skipped: a warpgroup's 64 rows inside
+        the sequence through the staged epilogue where there is one, else from registers
+        (:meth:`store_output_rows`); scaled P: each row times its final P scale first (``acc_O`` is
         overwritten; None for a tile without keys: its zeros); two_direction: each column times
         the V descale of the tile's last key block (``last_block``: (batch, n_block))."""
         if const_expr(p_scale is not None):
@@ -747,11 +765,28 @@ class HstuForwardSm90(HstuSm90Base):
                     dv = mDescaleV[batch, block, head, 0, tOcO_rc[0, j][1]]
                     for i in cutlass.range_constexpr(cute.size(rc.shape[0])):
                         rc[i, j] = rc[i, j] * dv
+        rows = seqlen_q - m_block * self.tile_m
+        if const_expr(self.epilogue is not None):
+            tid_in_wg = (cute.arch.thread_idx()[0] - 128) % 128
+            wg = cute.arch.make_warp_uniform((cute.arch.thread_idx()[0] - 128) // 128)
+            if rows - wg * 64 >= 64:
+                acc_O.store(acc_O.load() * inv_scale)
+                store_rows_staged((acc_O,), *self.epilogue, self.out_dtype, tid_in_wg, wg,
+                                  q_start + m_block * self.tile_m + wg * 64, head)
+            else:
+                self.store_output_rows(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, head, q_start, m_block, rows)
+        else:
+            self.store_output_rows(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, head, q_start, m_block, rows)
+
+    @cute.jit
+    def store_output_rows(self, acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale: Float32, head: Int32, q_start: Int32,
+                          m_block: Int32, rows: Int32):
+        """O * (1/S) from registers, two columns per store, the tile's rows past ``rows`` skipped."""
         rO = cute.make_rmem_tensor(acc_O.layout, self.out_dtype)
         rO.store((acc_O.load() * inv_scale).to(self.out_dtype))
         gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, head, None]), (self.tile_m, self.head_dim),
                              (m_block, 0))
-        store_acc_rows(rO, thr_mma_pv.partition_C(gO), tOcO_rc, seqlen_q - m_block * self.tile_m)
+        store_acc_rows(rO, thr_mma_pv.partition_C(gO), tOcO_rc, rows)
 
     @cute.jit
     def store_split_tile(self, acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale: Float32, head: Int32, q_start: Int32,

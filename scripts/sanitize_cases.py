@@ -4,8 +4,10 @@ On a compute capability 9.x GPU every case runs the forward on both kernel paths
 ampere, forced through HSTU_CUTE_ARCH). The backward runs on both paths too, three ways per case:
 the default (on hopper at D128 forced to the fused dK/dV/dQ kernel, which these short keys would
 not take by default; rab without drab included), deterministic=True (the dK/dV + dQ pair; not at
-D256) and, with rab, has_drab=True (on hopper at D256 all of them run the one wide kernel)."""
+D256) and, with rab, has_drab=True (on hopper at D256 all of them run the one wide kernel).
+``--forward``: the forward only; ``--hopper``: the hopper path only (a quick check of a forward change)."""
 import os
+import sys
 
 import torch
 
@@ -26,6 +28,9 @@ CASES = {
     "rab H_rab=H, seqused": dict(window_size=(-1, 0), rab_heads=2, seqused=True),
 }
 PATHS = ("hopper", "ampere") if torch.cuda.get_device_capability()[0] == 9 else ("ampere",)
+if "--hopper" in sys.argv:
+    PATHS = PATHS[:1]
+FORWARD_ONLY = "--forward" in sys.argv
 for path in PATHS:
     os.environ["HSTU_CUTE_ARCH"] = {"hopper": "sm90", "ampere": "sm80"}[path]
     arch._kernel_path.cache_clear()
@@ -34,6 +39,8 @@ for path in PATHS:
             b = testing.random_jagged_batch(5, 2, head_dim, 99 if kw.get("is_delta_q") else 131,
                                             device="cuda", seed=7, **kw)
             hstu_attn_varlen_func(**b)
+            if FORWARD_ONLY:
+                continue
             for t in ("q", "k", "v"):
                 b[t].requires_grad_(True)
             modes = [dict()] + ([dict(deterministic=True)] if head_dim <= 128 else [])

@@ -1,9 +1,14 @@
-"""Clock trace of one tile of the D128 P-cast FP8 forward (experiment, session 23): with
-HSTU_CUTE_EXP_TRACE=M the kernel records %clock at fixed points of each key block of tile
+"""Clock trace of one tile of the D128 P-cast FP8 forward (experiment, session 23). The trace build
+is a patch, not part of the shipped kernel: ``git apply scripts/trace_fwd.patch`` first (and a
+separate HSTU_CUTE_CACHE_DIR: the variable is read at trace time). With HSTU_CUTE_EXP_TRACE=M
+the kernel records %clock at fixed points of each key block of tile
 (batch 0, head 0, m-block M), per consumer warpgroup (thread 0 of each) and for the producer
 thread, and writes them into head 0 of that tile's output rows. B8 N4096 H4 D128 causal.
 
-    HSTU_CUTE_EXP_TRACE=31 python scripts/trace_fp8_fwd.py [--tile-n 128] [--es]
+    HSTU_CUTE_EXP_TRACE=31 python scripts/trace_fp8_fwd.py [--es]
+
+Per tile of the traced CTA: start, first block done, loop done, end, and the first block's steps
+(before the Q wait, Q ready, K ready, its QK^T + the previous tile's P.V done, that tile stored).
 
 Consumer events per block: 0 before the K wait, 1 K ready, 2 turn acquired, 3 QK^T issued,
 4 V ready, 5 P.V issued + turn passed, 6 QK^T done, 7 P words ready (SiLU), 8 P.V done.

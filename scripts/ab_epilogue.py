@@ -2,7 +2,7 @@
 stores, kernel alone, bf16 and the FP8 P-cast kernel, on the headline and the recsys shapes (D128
 causal unless named), configurations alternating over rounds. JSON lines to $OUT/ab_epilogue.jsonl.
 
-    python scripts/ab_epilogue.py [--rounds 3] [--precompile 16] [--fp8-only | --bf16-only]
+    python scripts/ab_epilogue.py [--rounds 3] [--precompile 16] [--fp8-only | --bf16-only] [--arms staged]
 """
 
 import argparse
@@ -26,8 +26,9 @@ def main() -> None:
     ap.add_argument("--precompile", type=int, default=16)
     ap.add_argument("--fp8-only", action="store_true")
     ap.add_argument("--bf16-only", action="store_true")
+    ap.add_argument("--arms", nargs="+", default=["staged", "registers"], choices=["staged", "registers"])
     args = ap.parse_args()
-    arms = [("staged", True), ("registers", False)]
+    arms = [(a, a == "staged") for a in args.arms]
     keys = []
     for w in workloads():
         kind = MaskKind.CAUSAL

@@ -66,10 +66,17 @@ def sequence_mask(spec, seqlen_q, seqlen_k, mNumContexts, mNumTargets, batch, wi
     )
 
 
+#: Int32 words of one sequence as a producer warp publishes them with a claimed tile
+#: (:meth:`SequenceInfo.to_words`, :meth:`SequenceInfo.from_words`).
+SEQ_WORDS = 6
+
+
 class SequenceInfo:
     """The sequences of one call inside a kernel: ``at(batch)`` gives ``(q_start, k_start, seq)``,
     the first query and key token of sequence ``batch`` and its :class:`masks.SeqMask` (lengths
-    clamped to the tensors and to seqused)."""
+    clamped to the tensors and to seqused). ``to_words`` / ``from_words``: the same, as the
+    :data:`SEQ_WORDS` words a producer publishes beside a tile index, so that the consumers skip
+    the global loads (common.tile_scheduler.TileClaims)."""
 
     def __init__(self, spec: masks.MaskSpec, seqs: SequenceArgs, scalars: ScoreScalars, tokens_q, tokens_k):
         self.spec = spec
@@ -88,6 +95,19 @@ class SequenceInfo:
         c = self.scalars
         return sequence_mask(self.spec, seqlen_q, seqlen_k, self.seqs.mNumContexts, self.seqs.mNumTargets, batch,
                              c.window_left, c.window_right, c.group_size, c.is_delta_q)
+
+    def to_words(self, q_start, k_start, seq) -> tuple:
+        return (q_start, k_start, seq.seqlen_q, seq.seqlen_k, seq.num_context, seq.history_end)
+
+    def from_words(self, words):
+        """``(q_start, k_start, seq)`` from :meth:`to_words`' words."""
+        q_start, k_start, seqlen_q, seqlen_k, num_context, history_end = words
+        c = self.scalars
+        return q_start, k_start, masks.SeqMask(
+            seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=c.window_left, window_right=c.window_right,
+            num_context=num_context, history_end=history_end, group_size=c.group_size,
+            row_offset=cutlass.select_(c.is_delta_q != 0, seqlen_k - seqlen_q, Int32(0)),
+        )
 
     def at(self, batch, cached_len=None):
         """``cached_len``: a paged cache's tokens ahead of the sequence's keys (common.key_blocks):

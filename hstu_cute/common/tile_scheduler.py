@@ -104,12 +104,14 @@ class TileClaims:
     consumers must visit into a small smem ring (:meth:`publish`), then ``num_tiles`` to stop
     them; the consumers read it back (:meth:`consumer_next`)."""
 
-    def __init__(self, walk, mCounter, ring, sRing):
+    def __init__(self, walk, mCounter, ring, sRing, sWords=None):
         self.walk = walk
         self.num_tiles = walk.num_tiles
         self.counter = mCounter
         self.ring = ring
         self.sRing = sRing
+        # (TILE_RING_STAGES, words) published beside each tile (publish's ``words``), or None.
+        self.sWords = sWords
         self.cta, _, _ = cute.arch.block_idx()
         self.grid, _, _ = cute.arch.grid_dim()
 
@@ -142,12 +144,15 @@ class TileClaims:
                 counter[1] = cutlass.Int32(0)
 
     @cute.jit
-    def publish(self, state, tile):
-        """The whole producer warp: tile -> ring slot (``state``), returns the advanced state."""
+    def publish(self, state, tile, words=()):
+        """The whole producer warp: tile (and ``words``, Int32 values the consumers would
+        otherwise load themselves) -> ring slot (``state``), returns the advanced state."""
         self.ring.producer_acquire(state)
-        slots = self.sRing
+        slots, extra = self.sRing, self.sWords
         if cute.arch.lane_idx() == 0:
             slots[state.index] = tile
+            for i in cutlass.range_constexpr(len(words)):
+                extra[state.index, i] = words[i]
         self.ring.producer_commit(state)
         return advanced(state)
 
@@ -162,3 +167,17 @@ class TileClaims:
         nxt = self.sRing[state.index]
         self.ring.consumer_release(state)
         return nxt, advanced(state)
+
+    def consumer_first_words(self):
+        """Every consumer thread: (first tile, its words, ring state)."""
+        return self.consumer_next_words(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                                     TILE_RING_STAGES))
+
+    def consumer_next_words(self, state):
+        """Every consumer thread: (the next tile the producer published, the words published with
+        it, advanced ring state)."""
+        self.ring.consumer_wait(state)
+        nxt = self.sRing[state.index]
+        words = tuple(self.sWords[state.index, i] for i in range(cute.size(self.sWords, mode=[1])))
+        self.ring.consumer_release(state)
+        return nxt, words, advanced(state)

@@ -13,7 +13,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from .. import masks
 from ..common.barriers import NamedBarrier
-from ..common.seqinfo import SequenceInfo
+from ..common.seqinfo import SEQ_WORDS, SequenceInfo
 from ..common.sm90 import (
     prefetch_tma_descriptors,
     sm90_register_split,
@@ -48,6 +48,10 @@ class HstuSm90Base:
         self.persistent = persistent
         # Persistent CTAs claim their tiles (common.tile_scheduler.TileClaims) instead of the snake.
         self.dynamic_tiles = dynamic_tiles and persistent
+        # With claims, the producer also publishes each tile's sequence words (common.seqinfo
+        # SEQ_WORDS) and the consumers read them from smem instead of global memory (kernels that
+        # use them set this).
+        self.publishes_seq = False
         self.num_mma_wg = num_mma_wg
         self.num_threads = 128 * (1 + num_mma_wg)
         self.num_mma_threads = 128 * num_mma_wg
@@ -66,7 +70,10 @@ class HstuSm90Base:
         """(barriers, words) of the claimed-tile ring for :func:`common.sm90.shared_storage` (a
         one-slot placeholder without claims)."""
         stages = TILE_RING_STAGES if const_expr(self.dynamic_tiles) else 1
-        return dict(mbar_tile=2 * stages), dict(sTile=stages)
+        words = dict(sTile=stages)
+        if const_expr(self.publishes_seq):
+            words["sTileSeq"] = stages * SEQ_WORDS
+        return dict(mbar_tile=2 * stages), words
 
     def smem_elems(self, layout) -> int:
         """Elements of a smem tile; an absent tile keeps a small placeholder field."""
@@ -106,7 +113,11 @@ class HstuSm90Base:
             barrier_storage=storage.mbar_tile.data_ptr(), num_stages=TILE_RING_STAGES,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads))
-        return TileClaims(walk, mTileCounter, ring, storage.sTile.get_tensor(cute.make_layout(TILE_RING_STAGES)))
+        sWords = None
+        if const_expr(self.publishes_seq):
+            sWords = storage.sTileSeq.get_tensor(cute.make_layout((TILE_RING_STAGES, SEQ_WORDS), stride=(SEQ_WORDS, 1)))
+        return TileClaims(walk, mTileCounter, ring, storage.sTile.get_tensor(cute.make_layout(TILE_RING_STAGES)),
+                          sWords)
 
     def sequence_info(self, seqs, scalars, mQ, mK) -> SequenceInfo:
         return SequenceInfo(self.mask, seqs, scalars, mQ.shape[0], mK.shape[0])
@@ -161,12 +172,16 @@ class HstuSm90Base:
         # No method call on a loop-carried name: the bound methods are taken out first.
         num_tiles, claim, claimed, publish, walk = (claims.num_tiles, claims.claim, claims.claimed, claims.publish,
                                                      claims.walk)
+        to_words = seqinfo.to_words
         tile = claims.first()
         while tile < num_tiles:
             ticket = claim()
             live, coords = self.tile_problem(walk, seqinfo, tile)
             if live:
-                ring_state = publish(ring_state, tile)
+                words = ()
+                if const_expr(self.publishes_seq):
+                    words = to_words(coords[3], coords[4], coords[5])
+                ring_state = publish(ring_state, tile, words)
                 if const_expr(visit_if is None):
                     states = visit(*args, *coords, *states)
                 else:

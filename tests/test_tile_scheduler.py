@@ -1,6 +1,7 @@
 """The tile walks visit every tile exactly once, in the promised order, and the launcher's section
 sizes follow its rule. The walk's arithmetic runs on Python ints here, the same code the kernels trace."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -75,3 +76,36 @@ def test_claims_are_the_hopper_forward_default():
     keys = variants.shipped_hopper_fwd_keys("sm_90a")
     assert keys and all(k.dynamic_tiles and k.persistent for k in keys)
     assert all("mTileCounter" in kernel_args.slots(k) for k in keys)
+
+
+def test_forward_consumers_take_published_sequences():
+    """Every claiming Hopper forward but the paged one has its producer publish each tile's
+    sequence words (the consumers then skip the offsets' global loads), and the words are the
+    ones SequenceInfo writes."""
+    from hstu_cute import compile as compile_mod, variants
+    from hstu_cute.common.seqinfo import SEQ_WORDS, SequenceInfo
+
+    keys = variants.shipped_hopper_fwd_keys("sm_90a") + variants.shipped_hopper_fp8_fwd_keys("sm_90a")
+    kernels = [compile_mod.kernel_for(k) for k in keys if k.kernel_name in ("hopper_fwd", "hopper_fwd_paged",
+                                                                            "hopper_fwd_fp8")]
+    assert kernels and all(kr.publishes_seq == (not kr.paged) for kr in kernels)
+    seq = masks.SeqMask(seqlen_q=5, seqlen_k=7, num_context=2, history_end=6)
+    words = SequenceInfo(masks.MaskSpec(masks.MaskKind.CAUSAL), None, None, 64, 64).to_words(11, 13, seq)
+    assert words == (11, 13, 5, 7, 2, 6) and len(words) == SEQ_WORDS
+
+
+def test_forward_output_goes_through_the_staged_epilogue():
+    """The Hopper forward stores its output through smem and a TMA store wherever a 64-column
+    block layout exists (head dims 64k) and the tile is not a split-key part; the key field turns
+    it off and says so in the description."""
+    from hstu_cute import compile as compile_mod, variants
+
+    keys = [k for k in variants.shipped_hopper_fwd_keys("sm_90a") + variants.shipped_hopper_fp8_fwd_keys("sm_90a")
+            if k.kernel_name in ("hopper_fwd", "hopper_fwd_paged", "hopper_fwd_fp8")]
+    for k in keys:
+        kr = compile_mod.kernel_for(k)
+        assert kr.staged == (k.head_dim % 64 == 0 and not k.split_keys), k.describe()
+    on = next(k for k in keys if k.head_dim == 128 and not k.split_keys)
+    off = dataclasses.replace(on, staged_epilogue=False)
+    tiles_on, tiles_off = on.describe().split()[4], off.describe().split()[4]
+    assert not compile_mod.kernel_for(off).staged and tiles_off == tiles_on + "r"

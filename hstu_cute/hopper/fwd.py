@@ -74,9 +74,10 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
     Epilogue (``staged_epilogue`` where the smem fits, head dims 64k): O times 1/S in the output
     type, a warpgroup's 64 rows through a swizzled smem tile and one TMA store that runs behind the
     next tile (:class:`~hstu_cute.hopper.base.StagedEpilogue`; named barrier 4 + warpgroup); rows
-    crossing seqlen_q, and the other configurations, store from registers two columns at a time. Tiles are chained: a tile's last P.V goes out with
-    the next tile's first QK^T and its epilogue follows (consume_tiles), so short tiles do not
-    drain the tensor cores between them.
+    crossing seqlen_q, and the other configurations, store from registers two columns at a time.
+    Tiles are chained: a tile's last P.V goes out with the next tile's first QK^T and its epilogue
+    follows (consume_tiles), so short tiles do not drain the tensor cores between them. With tile
+    claims the producer publishes each tile's sequence words beside its index (tile_problem).
     """
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,

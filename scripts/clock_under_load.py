@@ -62,7 +62,8 @@ def main() -> None:
             clocks = [float(s[0]) for s in samples[2:-1] if len(s) == 3]
             power = [float(s[1]) for s in samples[2:-1] if len(s) == 3]
             reasons = sorted({s[2] for s in samples[2:-1] if len(s) == 3})
-            print(f"{name} D{D}: {flops / ms / 1e9:7.1f} TF/s, {ms:.4f} ms; SM clock median {statistics.median(clocks):.0f} "
+            print(f"{name} D{D}: {flops / ms / 1e9:7.1f} TF/s, {ms:.4f} ms; "
+                  f"SM clock median {statistics.median(clocks):.0f} "
                   f"MHz (min {min(clocks):.0f}), power median {statistics.median(power):.0f} W, throttle {reasons}",
                   flush=True)
 

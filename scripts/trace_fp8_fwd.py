@@ -56,7 +56,7 @@ words = out.view(torch.int32)[M * 128:M * 128 + 64, 0, :].reshape(-1).cpu().toli
 rows = [words[r * 16:(r + 1) * 16] for r in range(192)]
 t0 = min(v for r in rows for v in r[:9] if v != 0)
 rel = lambda v: ((v - t0) & 0xFFFFFFFF) if v != 0 else None
-result = {"ms": ms, "consumer": {}, "producer": {}, "tiles": [words[(192 + t) * 16:(192 + t) * 16 + 8] for t in range(63)]}
+result = {"ms": ms, "consumer": {}, "producer": {}}
 for wg in (0, 1):
     for n in range(64):
         r = rows[wg * 64 + n]
@@ -88,5 +88,6 @@ if tiles_rec:
     for i, t in enumerate(tiles_rec):
         st, fb, le, en = ((t[j] - base) & 0xFFFFFFFF for j in (0, 3, 4, 5))
         first = " ".join(f"{(t[j] - t[0]) & 0xFFFFFFFF:6d}" for j in (12, 8, 9, 10, 11, 3))
-        print(f"  {i:2d} {t[1]:6d} {t[6]:4d} {t[7]:5d} {t[2]:6d} {st:7d} {fb:7d} {le:8d} {en:7d}   {(en - st) / max(t[2], 1):7.0f}"
+        per_block = (en - st) / max(t[2], 1)
+        print(f"  {i:2d} {t[1]:6d} {t[6]:4d} {t[7]:5d} {t[2]:6d} {st:7d} {fb:7d} {le:8d} {en:7d}   {per_block:7.0f}"
               f"   first block (from tile start): descales {first}")

@@ -56,7 +56,9 @@ words = out.view(torch.int32)[M * 128:M * 128 + 64, 0, :].reshape(-1).cpu().toli
 rows = [words[r * 16:(r + 1) * 16] for r in range(192)]
 t0 = min(v for r in rows for v in r[:9] if v != 0)
 rel = lambda v: ((v - t0) & 0xFFFFFFFF) if v != 0 else None
-result = {"ms": ms, "consumer": {}, "producer": {}}
+# Per tile of the traced CTA, 16 words: clocks 0, 3, 4, 5, 8-12 and m-block, blocks, head, batch at 1, 2, 6, 7.
+result = {"ms": ms, "consumer": {}, "producer": {},
+          "tiles": [words[(192 + t) * 16:(192 + t) * 16 + 16] for t in range(63)]}
 for wg in (0, 1):
     for n in range(64):
         r = rows[wg * 64 + n]
@@ -79,7 +81,6 @@ print("producer: n  Kacq  Kfree  Vacq  Vfree")
 for n in sorted(result["producer"], reverse=True):
     print(f"  {n:3d} " + " ".join(f"{v if v is not None else -1:7d}" for v in result["producer"][n]))
 # The traced CTA's tiles: start, first block done, loop done, end (cycles from its first tile).
-result["tiles"] = [words[(192 + t) * 16:(192 + t) * 16 + 16] for t in range(63)]
 tiles_rec = [t for t in result["tiles"] if t[0] != 0 and 0 <= t[2] <= 64 and 0 <= t[1] < 64]
 if tiles_rec:
     base = tiles_rec[0][0]

@@ -59,6 +59,14 @@ def sequence_mask(spec, seqlen_q, seqlen_k, mNumContexts, mNumTargets, batch, wi
         num_context = mNumContexts[batch]
     if const_expr(spec.has_target):
         history_end = seqlen_k - cutlass.min(cutlass.max(mNumTargets[batch], Int32(0)), seqlen_k)
+    return sequence_mask_of(seqlen_q, seqlen_k, num_context, history_end, window_left, window_right, group_size,
+                            is_delta_q)
+
+
+def sequence_mask_of(seqlen_q, seqlen_k, num_context, history_end, window_left, window_right, group_size,
+                     is_delta_q):
+    """The :class:`masks.SeqMask` of one sequence from its loaded values (delta_q: query 0 sits at
+    key ``seqlen_k - seqlen_q``)."""
     return masks.SeqMask(
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=window_left, window_right=window_right,
         num_context=num_context, history_end=history_end, group_size=group_size,
@@ -103,11 +111,8 @@ class SequenceInfo:
         """``(q_start, k_start, seq)`` from :meth:`to_words`' words."""
         q_start, k_start, seqlen_q, seqlen_k, num_context, history_end = words
         c = self.scalars
-        return q_start, k_start, masks.SeqMask(
-            seqlen_q=seqlen_q, seqlen_k=seqlen_k, window_left=c.window_left, window_right=c.window_right,
-            num_context=num_context, history_end=history_end, group_size=c.group_size,
-            row_offset=cutlass.select_(c.is_delta_q != 0, seqlen_k - seqlen_q, Int32(0)),
-        )
+        return q_start, k_start, sequence_mask_of(seqlen_q, seqlen_k, num_context, history_end, c.window_left,
+                                                  c.window_right, c.group_size, c.is_delta_q)
 
     def at(self, batch, cached_len=None):
         """``cached_len``: a paged cache's tokens ahead of the sequence's keys (common.key_blocks):

@@ -225,11 +225,35 @@ class StagedEpilogue:
 
 
 @cute.jit
+def copy_staged_rows(sTile, mOut, row0: Int32, head: Int32, rows: Int32, tid_in_wg: Int32, cols: cutlass.Constexpr):
+    """The first ``rows`` (< 64) rows of a warpgroup's staged tile ``sTile`` (64 rows, ``cols``
+    16-bit columns in 64-column blocks of 128-byte swizzled rows, as :func:`store_rows_staged`
+    writes it) to rows ``row0``.. of head ``head`` of the (T, H, D) ``mOut``: what the TMA store
+    writes, cut at the sequence's end. 16 bytes per thread and step, a warp's steps on whole rows."""
+    base = sTile.iterator.toint()
+    chunks = cols // 8  # 16-byte chunks per row
+    for i in cutlass.range_constexpr(64 * chunks // 128):
+        chunk = tid_in_wg + 128 * i
+        row = chunk // chunks
+        c8 = chunk % chunks
+        if row < rows:
+            saddr = base + (c8 // 8) * (64 * 128) + row * 128 + ((c8 % 8) ^ (row % 8)) * 16
+            src = cute.make_tensor(cute.make_ptr(Int32, saddr, cute.AddressSpace.smem, assumed_align=16),
+                                   cute.make_layout(4))
+            gaddr = (mOut.iterator + ((row0 + row) * mOut.stride[0] + head * mOut.stride[1] + c8 * 8)).toint()
+            dst = cute.make_tensor(cute.make_ptr(Int32, gaddr, cute.AddressSpace.gmem, assumed_align=16),
+                                   cute.make_layout(4))
+            cute.autovec_copy(src, dst)
+
+
+@cute.jit
 def store_rows_staged(accs, sEpi, epi_atoms, dtype: cutlass.Constexpr, tid_in_wg: Int32, wg: Int32, row0: Int32,
-                      head: Int32, col_block=0):
+                      head: Int32, col_block=0, rows=None, outputs=None):
     """:class:`StagedEpilogue`: this warpgroup's (64, cols) fp32 accumulators ``accs`` (one per
     output of ``epi_atoms``) in ``dtype`` to rows ``row0``.. of their (T, H, D) outputs, columns
-    block ``col_block``. Waits until the warpgroup's previous TMA stores have read its tiles."""
+    block ``col_block``. Waits until the warpgroup's previous TMA stores have read its tiles.
+    ``rows`` (with ``outputs``, the (T, H, D) tensors): the warpgroup's rows inside the sequence;
+    below 64 the rows go out through :func:`copy_staged_rows` instead of the TMA store."""
     cols = cute.size(sEpi, mode=[1])
     if tid_in_wg < 32:
         cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -246,8 +270,22 @@ def store_rows_staged(accs, sEpi, epi_atoms, dtype: cutlass.Constexpr, tid_in_wg
                                          block, tid_in_wg, 0)
     cute.arch.fence_view_async_shared()
     cute.arch.barrier(barrier_id=NamedBarrier.ZERO_ROWS_WG0 + wg, number_of_threads=128)
+    if const_expr(rows is None):
+        tma_store_staged(sEpi, epi_atoms, len(accs), tid_in_wg, wg, row0, head, col_block, cols)
+    else:
+        if rows >= 64:
+            tma_store_staged(sEpi, epi_atoms, len(accs), tid_in_wg, wg, row0, head, col_block, cols)
+        else:
+            for t in cutlass.range_constexpr(len(accs)):
+                copy_staged_rows(sEpi[None, None, 2 * t + wg], outputs[t], row0, head, rows, tid_in_wg, cols)
+
+
+@cute.jit
+def tma_store_staged(sEpi, epi_atoms, count: cutlass.Constexpr, tid_in_wg: Int32, wg: Int32, row0: Int32,
+                     head: Int32, col_block, cols: cutlass.Constexpr):
+    """The TMA stores of :func:`store_rows_staged` (one warp issues them), committed as one group."""
     if tid_in_wg < 32:
-        for t in cutlass.range_constexpr(len(accs)):
+        for t in cutlass.range_constexpr(count):
             atom, tma_out = epi_atoms[t]
             gOut = cute.local_tile(cute.domain_offset((row0, 0), tma_out[None, None, head]), (64, cols), (0, col_block))
             tSs, tGg = cpasync.tma_partition(atom, 0, cute.make_layout(1),

@@ -767,9 +767,10 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
     @cute.jit
     def store_output(self, acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale: Float32, head: Int32, q_start: Int32,
                      m_block: Int32, seqlen_q: Int32, p_scale=None, last_block=None):
-        """O * (1/S) -> the output dtype, rows past seqlen_q skipped: a warpgroup's 64 rows inside
-        the sequence through the staged epilogue where there is one, else from registers
-        (:meth:`store_output_rows`); scaled P: each row times its final P scale first (``acc_O`` is
+        """O * (1/S) -> the output dtype, rows past seqlen_q skipped: through the staged epilogue
+        where there is one (a warpgroup's tile cut at the sequence's end copied out by its threads,
+        one store path: both paths in one loop cost the FP8 D128 loop 36 SASS instructions), else
+        from registers (:meth:`store_output_rows`); scaled P: each row times its final P scale first (``acc_O`` is
         overwritten; None for a tile without keys: its zeros); two_direction: each column times
         the V descale of the tile's last key block (``last_block``: (batch, n_block))."""
         if const_expr(p_scale is not None):
@@ -789,12 +790,9 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
         if const_expr(self.epilogue is not None):
             tid_in_wg = (cute.arch.thread_idx()[0] - 128) % 128
             wg = cute.arch.make_warp_uniform((cute.arch.thread_idx()[0] - 128) // 128)
-            if rows - wg * 64 >= 64:
-                acc_O.store(acc_O.load() * inv_scale)
-                store_rows_staged((acc_O,), *self.epilogue, self.out_dtype, tid_in_wg, wg,
-                                  q_start + m_block * self.tile_m + wg * 64, head)
-            else:
-                self.store_output_rows(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, head, q_start, m_block, rows)
+            acc_O.store(acc_O.load() * inv_scale)
+            store_rows_staged((acc_O,), *self.epilogue, self.out_dtype, tid_in_wg, wg,
+                              q_start + m_block * self.tile_m + wg * 64, head, rows=rows - wg * 64, outputs=(mO,))
         else:
             self.store_output_rows(acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale, head, q_start, m_block, rows)
 

@@ -4,7 +4,7 @@ variants the tests and benchmark use, run tests/test_fp8_backward_gpu.py, then t
 alone, end to end) and the training step bf16 vs FP8, same run. JSON lines to ``--out``.
 
 Usage on the GPU machine: python scripts/gpu_fp8_bwd.py [--stages warmup tests bench] [--out F]
-(stage "fused": the opt-in fused kernel beside the pair)."""
+(stage "fused": the opt-in fused kernel beside the pair; "steps": the training steps alone)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-STAGES = ("warmup", "tests", "sanitize", "sweep", "bench", "drab", "fused")
+STAGES = ("warmup", "tests", "sanitize", "sweep", "bench", "steps", "drab", "fused")
 
 
 def warmup() -> None:
@@ -93,6 +93,17 @@ def bench(out) -> None:
                   f"{r['tflops']:.1f} TF{extra}")
 
 
+def steps(out) -> None:
+    """Training steps only (bf16 and FP8 modes 2 and 5, B8 N4096 H4 causal at D128 and D256, same
+    run): the check after a forward change, without the backward's kernel rows."""
+    from hstu_cute import bench as B
+
+    for d in (128, 256):
+        w = B.Workload(f"full B8 N4096 D{d}", 8, 4096, head_dim=d)
+        run_steps([lambda m=m: B.run_training_step(w, quant_mode=m) for m in (-1, 2, 5, -1, 2, 5)], w.name, out,
+                  tag="STEP ")
+
+
 def sweep(out) -> None:
     """Each FP8 kernel alone and a few tile choices (B8 N4096 D128 causal, mode 2), beside the
     16-bit backward of the same run."""
@@ -163,6 +174,8 @@ def main() -> int:
         sweep(args.out)
     if "bench" in args.stages:
         bench(args.out)
+    if "steps" in args.stages:
+        steps(args.out)
     if "drab" in args.stages:
         drab(args.out)
     if "fused" in args.stages:

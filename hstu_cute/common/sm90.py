@@ -21,6 +21,27 @@ def wgmma_acc_rows_cols(layout: cute.Layout) -> cute.Layout:
     rows_cols = cute.make_layout(((r2, m), (c2, v, n)), stride=((sr2, sm), (sc2, sv, sn)))
     return cute.composition(layout, rows_cols)
 
+def acc_coords(thr_mma, shape: tuple) -> tuple:
+    """A thread's (row, col) coordinates of its WGMMA accumulator over a ``shape`` tile, and the
+    same viewed as rows x cols (:func:`wgmma_acc_rows_cols`)."""
+    tXcX = thr_mma.partition_C(cute.make_identity_tensor(shape))
+    return tXcX, cute.make_tensor(tXcX.iterator, wgmma_acc_rows_cols(tXcX.layout))
+
+
+def transposed_view(sX: cute.Tensor, shape: tuple) -> cute.Tensor:
+    """``sX``, stored contiguous along the second mode of ``shape`` (its first two modes swapped;
+    a third mode is the pipeline stage), viewed as ``shape``: the MN-major view a WGMMA operand or
+    a transposed accumulator read takes."""
+    return cute.composition(sX, cute.make_ordered_layout(shape, order=(1, 0, 2)[:len(shape)]))
+
+
+def score_operands(wg_mma, a_tiles: tuple, b_tiles: tuple) -> tuple:
+    """A warpgroup's fragments for its score GEMMs: each of ``a_tiles`` as the A operand, then each
+    of ``b_tiles`` as B."""
+    return (tuple(wg_mma.make_fragment_A(wg_mma.partition_A(s)) for s in a_tiles)
+            + tuple(wg_mma.make_fragment_B(wg_mma.partition_B(s)) for s in b_tiles))
+
+
 def wgmma_acc_as_operand_a(layout: cute.Layout) -> cute.Layout:
     """((2, 2, V), M, N) fp32 accumulator layout -> ((2, 2, 2), M, (V/2, N)): for 16-bit types
     two adjacent n8 column groups of an accumulator are exactly one k16 slice of an RS WGMMA's

@@ -17,9 +17,11 @@ from ..common.mask_apply import KERNEL_OPS, apply_mask_key_major, apply_mask_row
 from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import silu_and_grad
 from ..common.sm90 import (
-    L2_EVICT_LAST,
+    acc_coords,
     advanced,
+    L2_EVICT_LAST,
     rows_zero_copy,
+    score_operands,
     shared_storage,
     sm90_bwd_pipelines,
     sm90_smem_layout,
@@ -27,6 +29,7 @@ from ..common.sm90 import (
     smem_tensors,
     store_acc_16bit_sw128_64cols,
     store_acc_fp32_sw128,
+    transposed_view,
     trivial_mma,
     wgmma,
     wgmma_acc_as_operand_a,
@@ -192,28 +195,21 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
                 pipe_q, alpha: Float32, inv_scale: Float32, walk, seqinfo, claims):
         D = self.head_dim
         tiled_mma_s, tiled_mma_d, tiled_mma_dq = self.tiled_mma_s, self.tiled_mma_d, self.tiled_mma_dq
-        spec = self.mask
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_mma_s = tiled_mma_s.get_slice(tidx)
-        thr_mma_d = tiled_mma_d.get_slice(tidx)
         wg_mma_s = tiled_mma_s.get_slice(wg * 128)
         wg_mma_d = tiled_mma_d.get_slice(wg * 128)
-        tSrK = wg_mma_s.make_fragment_A(wg_mma_s.partition_A(sK))
-        tSrV = wg_mma_s.make_fragment_A(wg_mma_s.partition_A(sV))
-        tSrQ = wg_mma_s.make_fragment_B(wg_mma_s.partition_B(sQ))
-        tSrdO = wg_mma_s.make_fragment_B(wg_mma_s.partition_B(sdO))
+        tSrK, tSrV, tSrQ, tSrdO = score_operands(wg_mma_s, (sK, sV), (sQ, sdO))
         # Q and dO are (queries, D) with D contiguous: as B of (keys, D) += (keys, queries) x (queries, D)
         # they are (N = D, K = queries), MN-major.
-        qt = cute.make_ordered_layout((D, self.tile_m, self.num_stages), order=(1, 0, 2))
-        tDrQt = wg_mma_d.make_fragment_B(wg_mma_d.partition_B(cute.composition(sQ, qt)))
-        tDrdOt = wg_mma_d.make_fragment_B(wg_mma_d.partition_B(cute.composition(sdO, qt)))
-        shape_S = wg_mma_s.partition_shape_C((self.tile_n, self.tile_m))
+        qt = (D, self.tile_m, self.num_stages)
+        tDrQt = wg_mma_d.make_fragment_B(wg_mma_d.partition_B(transposed_view(sQ, qt)))
+        tDrdOt = wg_mma_d.make_fragment_B(wg_mma_d.partition_B(transposed_view(sdO, qt)))
         tScS = thr_mma_s.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
         tSsRabT = None
         if const_expr(self.has_rab):
             # rab tiles are (queries, keys) in smem; the accumulator reads them transposed.
-            sRabT = cute.composition(sRab, cute.make_ordered_layout((self.tile_n, self.tile_m, self.num_stages),
-                                                                    order=(1, 0, 2)))
+            sRabT = transposed_view(sRab, (self.tile_n, self.tile_m, self.num_stages))
             tSsRabT = thr_mma_s.partition_C(sRabT)
         tid_in_wg = tidx % 128
         tdQrdS = tdQrKt = tdQsdQ = sdQ_wg = None
@@ -221,9 +217,8 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
         if const_expr(self.fuse_dq):
             thr_mma_dq = tiled_mma_dq.get_slice(tid_in_wg)
             # dS as (queries, keys) and K as (D, keys): both contiguous along their first mode.
-            sdSt = cute.composition(sdS, cute.make_ordered_layout((self.tile_m, self.tile_n, cute.size(sdS, mode=[2])),
-                                                                  order=(1, 0, 2)))
-            sKt = cute.composition(sK, cute.make_ordered_layout((D, self.tile_n), order=(1, 0)))
+            sdSt = transposed_view(sdS, (self.tile_m, self.tile_n, cute.size(sdS, mode=[2])))
+            sKt = transposed_view(sK, (D, self.tile_n))
             tdQrdS = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sdSt))
             dq_col_block = wg if const_expr(self.dq_split) else 0
             sKt_cols = cute.local_tile(sKt, (self.dq_cols, self.tile_n), (dq_col_block, 0))
@@ -588,19 +583,14 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         thr_mma_dq = tiled_mma_dq.get_slice(tidx)
         wg_mma_s = tiled_mma_s.get_slice(wg * 128)
         wg_mma_dq = tiled_mma_dq.get_slice(wg * 128)
-        tSrQ = wg_mma_s.make_fragment_A(wg_mma_s.partition_A(sQ))
-        tSrdO = wg_mma_s.make_fragment_A(wg_mma_s.partition_A(sdO))
-        tSrK = wg_mma_s.make_fragment_B(wg_mma_s.partition_B(sK))
-        tSrV = wg_mma_s.make_fragment_B(wg_mma_s.partition_B(sV))
+        tSrQ, tSrdO, tSrK, tSrV = score_operands(wg_mma_s, (sQ, sdO), (sK, sV))
         # K is (keys, D) with D contiguous: as B of (queries, D) += (queries, keys) x (keys, D) it is
         # (N = D, K = keys), MN-major.
-        kt = cute.make_ordered_layout((D, self.tile_n, self.num_stages), order=(1, 0, 2))
-        tDrKt = wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(cute.composition(sK, kt)))
+        tDrKt = wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(transposed_view(sK, (D, self.tile_n, self.num_stages))))
         shape_S = wg_mma_s.partition_shape_C((self.tile_m, self.tile_n))
         acc_dQ = cute.make_rmem_tensor(wg_mma_dq.partition_shape_C((self.tile_m, D)), Float32)
         acc_dQ.fill(0.0)
-        tScS = thr_mma_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-        tScS_rc = cute.make_tensor(tScS.iterator, wgmma_acc_rows_cols(tScS.layout))
+        tScS, tScS_rc = acc_coords(thr_mma_s, (self.tile_m, self.tile_n))
         tSsRab = None
         if const_expr(self.has_rab):
             tSsRab = thr_mma_s.partition_C(sRab)

@@ -55,13 +55,16 @@ from ..common.mask_apply import KERNEL_OPS, apply_mask_key_major, apply_mask_row
 from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import scale_scores_by_tokens, silu_and_grad_token_scaled, silu_and_grad_unscaled
 from ..common.sm90 import (
+    acc_coords,
     advanced,
     rows_zero_copy,
+    score_operands,
     shared_storage,
     sm90_bwd_pipelines,
     sm90_smem_layout,
-    smem_tensors,
     sm90_tma_atom_tokens,
+    smem_tensors,
+    transposed_view,
     trivial_mma,
     wgmma,
     wgmma_acc_rows_cols,
@@ -371,21 +374,15 @@ class HstuBackwardDkDvFp8Sm90(StagedEpilogue, HstuBackwardDkDvSm90):
         thr_mma_s = tiled_mma_s.get_slice(tidx)
         wg_mma_s = tiled_mma_s.get_slice(wg * 128)
         wg_mma_d = tiled_mma_d.get_slice(wg * 128)
-        tSrK = wg_mma_s.make_fragment_A(wg_mma_s.partition_A(sK))
-        tSrV = wg_mma_s.make_fragment_A(wg_mma_s.partition_A(sV))
-        tSrQ = wg_mma_s.make_fragment_B(wg_mma_s.partition_B(sQ))
-        tSrdO = wg_mma_s.make_fragment_B(wg_mma_s.partition_B(sdO))
+        tSrK, tSrV, tSrQ, tSrdO = score_operands(wg_mma_s, (sK, sV), (sQ, sdO))
         # Q^T / dO^T (D, queries) are already the (N, K) B operands, K-major.
         tDrQt = wg_mma_d.make_fragment_B(wg_mma_d.partition_B(sQt))
         tDrdOt = wg_mma_d.make_fragment_B(wg_mma_d.partition_B(sdOt))
-        tScS = thr_mma_s.partition_C(cute.make_identity_tensor((self.tile_n, self.tile_m)))
-        tScS_rc = cute.make_tensor(tScS.iterator, wgmma_acc_rows_cols(tScS.layout))
-        tDcD = tiled_mma_d.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_n, self.dims)))
-        tDcD_rc = cute.make_tensor(tDcD.iterator, wgmma_acc_rows_cols(tDcD.layout))
+        tScS, tScS_rc = acc_coords(thr_mma_s, (self.tile_n, self.tile_m))
+        tDcD, tDcD_rc = acc_coords(tiled_mma_d.get_slice(tidx), (self.tile_n, self.dims))
         tSsRabT = None
         if const_expr(self.has_rab):
-            sRabT = cute.composition(sRab, cute.make_ordered_layout((self.tile_n, self.tile_m, self.num_stages),
-                                                                    order=(1, 0, 2)))
+            sRabT = transposed_view(sRab, (self.tile_n, self.tile_m, self.num_stages))
             tSsRabT = thr_mma_s.partition_C(sRabT)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
@@ -704,10 +701,7 @@ class HstuBackwardDqFp8Sm90(StagedEpilogue, HstuBackwardDqSm90):
         thr_mma_dq = tiled_mma_dq.get_slice(tidx)
         wg_mma_s = tiled_mma_s.get_slice(wg * 128)
         wg_mma_dq = tiled_mma_dq.get_slice(wg * 128)
-        tSrQ = wg_mma_s.make_fragment_A(wg_mma_s.partition_A(sQ))
-        tSrdO = wg_mma_s.make_fragment_A(wg_mma_s.partition_A(sdO))
-        tSrK = wg_mma_s.make_fragment_B(wg_mma_s.partition_B(sK))
-        tSrV = wg_mma_s.make_fragment_B(wg_mma_s.partition_B(sV))
+        tSrQ, tSrdO, tSrK, tSrV = score_operands(wg_mma_s, (sQ, sdO), (sK, sV))
         tDrKt = wg_mma_dq.make_fragment_B(wg_mma_dq.partition_B(sKt))
         shape_S = wg_mma_s.partition_shape_C((self.tile_m, self.tile_n))
         acc_dQ = cute.make_rmem_tensor(wg_mma_dq.partition_shape_C((self.tile_m, D)), Float32)
@@ -716,8 +710,7 @@ class HstuBackwardDqFp8Sm90(StagedEpilogue, HstuBackwardDqSm90):
         g_scale = cute.make_rmem_tensor(cute.make_layout(2), Float32)
         g_scale.fill(0.0)
         g_rescale = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-        tScS = thr_mma_s.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-        tScS_rc = cute.make_tensor(tScS.iterator, wgmma_acc_rows_cols(tScS.layout))
+        tScS, tScS_rc = acc_coords(thr_mma_s, (self.tile_m, self.tile_n))
         tSsRab = None
         if const_expr(self.has_rab):
             tSsRab = thr_mma_s.partition_C(sRab)
@@ -725,8 +718,7 @@ class HstuBackwardDqFp8Sm90(StagedEpilogue, HstuBackwardDqSm90):
         mDescaleQ, mDescaleK, mDescaleV, mDescaleDO = self.descales[:4]
         dq = ddo = None
         if const_expr(self.two_direction):
-            tDcD = thr_mma_dq.partition_C(cute.make_identity_tensor((self.tile_m, D)))
-            tDcD_rc = cute.make_tensor(tDcD.iterator, wgmma_acc_rows_cols(tDcD.layout))
+            tDcD, tDcD_rc = acc_coords(thr_mma_dq, (self.tile_m, D))
             q_last = q_start + seq.seqlen_q - 1
             dq_rows = row_token_descales(mDescaleQ, q_start + m_block * self.tile_m, q_last, head, tScS_rc)
             ddo_rows = row_token_descales(mDescaleDO, q_start + m_block * self.tile_m, q_last, head, tScS_rc)

@@ -18,10 +18,12 @@ from ..common.sm90 import (
     advanced,
     prefetch_tma_descriptors,
     rows_zero_copy,
+    score_operands,
     shared_storage,
     sm90_bwd_pipelines,
     sm90_smem_layout,
     smem_tensors,
+    transposed_view,
     trivial_mma,
     wgmma,
     zero_smem_rows_past,
@@ -163,17 +165,14 @@ class HstuBackwardWideSm90(KeyBlockProducer, HstuBackwardSm90Base):
         thr_mma_dkv = tiled_mma_dkv.get_slice(tidx)
         wg_mma_s = tiled_mma_s.get_slice(wg * 128)
         wg_mma_dkv = tiled_mma_dkv.get_slice(wg * 128)
-        tSrK = wg_mma_s.make_fragment_A(wg_mma_s.partition_A(sK))
-        tSrV = wg_mma_s.make_fragment_A(wg_mma_s.partition_A(sV))
-        tSrQ = wg_mma_s.make_fragment_B(wg_mma_s.partition_B(sQ))
-        tSrdO = wg_mma_s.make_fragment_B(wg_mma_s.partition_B(sdO))
+        tSrK, tSrV, tSrQ, tSrdO = score_operands(wg_mma_s, (sK, sV), (sQ, sdO))
         # Q and dO are (queries, D) with D contiguous: as B of (keys, D) += (keys, queries) x (queries, D)
         # they are (N = D, K = queries), MN-major.
-        qt = cute.make_ordered_layout((D, self.tile_m, self.num_stages), order=(1, 0, 2))
+        qt = (D, self.tile_m, self.num_stages)
         tDrP = wg_mma_dkv.make_fragment_A(wg_mma_dkv.partition_A(sP))
         tDrdS = wg_mma_dkv.make_fragment_A(wg_mma_dkv.partition_A(sdS))
-        tDrQt = wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(cute.composition(sQ, qt)))
-        tDrdOt = wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(cute.composition(sdO, qt)))
+        tDrQt = wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(transposed_view(sQ, qt)))
+        tDrdOt = wg_mma_dkv.make_fragment_B(wg_mma_dkv.partition_B(transposed_view(sdO, qt)))
         shape_S = wg_mma_s.partition_shape_C((self.tile_n, self.tile_m))
         acc_dK = cute.make_rmem_tensor(wg_mma_dkv.partition_shape_C((self.tile_n, D)), Float32)
         acc_dV = cute.make_rmem_tensor(wg_mma_dkv.partition_shape_C((self.tile_n, D)), Float32)
@@ -185,8 +184,7 @@ class HstuBackwardWideSm90(KeyBlockProducer, HstuBackwardSm90Base):
         tSsRabT = None
         if const_expr(self.has_rab):
             # rab tiles are (queries, keys) in smem; the accumulator reads them transposed.
-            sRabT = cute.composition(sRab, cute.make_ordered_layout((self.tile_n, self.tile_m, self.num_stages),
-                                                                    order=(1, 0, 2)))
+            sRabT = transposed_view(sRab, (self.tile_n, self.tile_m, self.num_stages))
             tSsRabT = thr_mma_s.partition_C(sRabT)
         tSgdRab = None
         drab_rows = drab_cols = Int32(0)

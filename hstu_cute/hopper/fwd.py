@@ -29,15 +29,17 @@ from ..common.silu import silu_scaled_inplace
 from ..common.tile_scheduler import SectionWalk, TileScheduler
 from .base import HstuSm90Base, StagedEpilogue, store_rows_staged
 from ..common.sm90 import (
+    acc_coords,
     advanced,
+    load_acc_rows,
     rows_zero_copy,
     shared_storage,
     sm90_smem_layout,
     sm90_tma_atom_rab,
     sm90_tma_atom_tokens,
     smem_tensors,
-    load_acc_rows,
     store_acc_rows,
+    transposed_view,
     trivial_mma,
     wgmma,
     wgmma_acc_as_operand_a,
@@ -539,18 +541,14 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
             sVt = sV  # V^T (D, n): already the (N, K) B operand of P.V, K-major
         else:
             # V is (n, D) with D contiguous: as the B operand of P.V (N = D, K = n) it is MN-major.
-            sVt = cute.composition(
-                sV, cute.make_ordered_layout((D, self.tile_n, self.num_stages), order=(1, 0, 2))
-            )
+            sVt = transposed_view(sV, (D, self.tile_n, self.num_stages))
         tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
         acc_shape_S = wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
         acc_shape_O = wg_mma_pv.partition_shape_C((self.tile_m, D))
         tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
 
-        tScS = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-        tScS_rc = cute.make_tensor(tScS.iterator, wgmma_acc_rows_cols(tScS.layout))
-        tOcO = thr_mma_pv.partition_C(cute.make_identity_tensor((self.tile_m, D)))
-        tOcO_rc = cute.make_tensor(tOcO.iterator, wgmma_acc_rows_cols(tOcO.layout))
+        tScS, tScS_rc = acc_coords(thr_mma_qk, (self.tile_m, self.tile_n))
+        tOcO, tOcO_rc = acc_coords(thr_mma_pv, (self.tile_m, D))
         tSsRab = None
         if const_expr(self.has_rab):
             tSsRab = thr_mma_qk.partition_C(sRab)

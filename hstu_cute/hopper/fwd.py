@@ -75,8 +75,11 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
     seqlen_k (TMA reads the next sequence there: P is 0 for them, but 0 * NaN would be NaN).
     Epilogue (``staged_epilogue`` where the smem fits, head dims 64k): O times 1/S in the output
     type, a warpgroup's 64 rows through a swizzled smem tile and one TMA store that runs behind the
-    next tile (:class:`~hstu_cute.hopper.base.StagedEpilogue`; named barrier 4 + warpgroup); rows
-    crossing seqlen_q, and the other configurations, store from registers two columns at a time.
+    next tile (:class:`~hstu_cute.hopper.base.StagedEpilogue`; named barrier 4 + warpgroup); a tile
+    crossing seqlen_q is copied out of the same smem tile by its warpgroup, rows inside the
+    sequence only; the other configurations store from registers two columns at a time.
+    FP8: each block probes (``mbarrier.test_wait``) the full barriers of the next K and V stages
+    while its GEMMs run, and the next block skips a wait whose probe found the phase done.
     Tiles are chained: a tile's last P.V goes out with the next tile's first QK^T and its epilogue
     follows (consume_tiles), so short tiles do not drain the tensor cores between them. With tile
     claims the producer publishes each tile's sequence words beside its index (tile_problem).

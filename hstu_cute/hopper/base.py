@@ -225,11 +225,13 @@ class StagedEpilogue:
 
 
 @cute.jit
-def copy_staged_rows(sTile, mOut, row0: Int32, head: Int32, rows: Int32, tid_in_wg: Int32, cols: cutlass.Constexpr):
+def copy_staged_rows(sTile, mOut, row0: Int32, head: Int32, rows: Int32, tid_in_wg: Int32, cols: cutlass.Constexpr,
+                     col_block=0):
     """The first ``rows`` (< 64) rows of a warpgroup's staged tile ``sTile`` (64 rows, ``cols``
     16-bit columns in 64-column blocks of 128-byte swizzled rows, as :func:`store_rows_staged`
-    writes it) to rows ``row0``.. of head ``head`` of the (T, H, D) ``mOut``: what the TMA store
-    writes, cut at the sequence's end. 16 bytes per thread and step, a warp's steps on whole rows."""
+    writes it) to rows ``row0``.. of head ``head`` of the (T, H, D) ``mOut``, columns block
+    ``col_block``: what the TMA store writes, cut at the sequence's end. 16 bytes per thread and
+    step, a warp's steps on whole rows."""
     base = sTile.iterator.toint()
     chunks = cols // 8  # 16-byte chunks per row
     for i in cutlass.range_constexpr(64 * chunks // 128):
@@ -240,7 +242,8 @@ def copy_staged_rows(sTile, mOut, row0: Int32, head: Int32, rows: Int32, tid_in_
             saddr = base + (c8 // 8) * (64 * 128) + row * 128 + ((c8 % 8) ^ (row % 8)) * 16
             src = cute.make_tensor(cute.make_ptr(Int32, saddr, cute.AddressSpace.smem, assumed_align=16),
                                    cute.make_layout(4))
-            gaddr = (mOut.iterator + ((row0 + row) * mOut.stride[0] + head * mOut.stride[1] + c8 * 8)).toint()
+            gaddr = (mOut.iterator + ((row0 + row) * mOut.stride[0] + head * mOut.stride[1] + col_block * cols
+                                      + c8 * 8)).toint()
             dst = cute.make_tensor(cute.make_ptr(Int32, gaddr, cute.AddressSpace.gmem, assumed_align=16),
                                    cute.make_layout(4))
             cute.autovec_copy(src, dst)
@@ -277,7 +280,8 @@ def store_rows_staged(accs, sEpi, epi_atoms, dtype: cutlass.Constexpr, tid_in_wg
             tma_store_staged(sEpi, epi_atoms, len(accs), tid_in_wg, wg, row0, head, col_block, cols)
         else:
             for t in cutlass.range_constexpr(len(accs)):
-                copy_staged_rows(sEpi[None, None, 2 * t + wg], outputs[t], row0, head, rows, tid_in_wg, cols)
+                copy_staged_rows(sEpi[None, None, 2 * t + wg], outputs[t], row0, head, rows, tid_in_wg, cols,
+                                 col_block)
 
 
 @cute.jit

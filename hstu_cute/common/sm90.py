@@ -21,6 +21,7 @@ def wgmma_acc_rows_cols(layout: cute.Layout) -> cute.Layout:
     rows_cols = cute.make_layout(((r2, m), (c2, v, n)), stride=((sr2, sm), (sc2, sv, sn)))
     return cute.composition(layout, rows_cols)
 
+
 def acc_coords(thr_mma, shape: tuple) -> tuple:
     """A thread's (row, col) coordinates of its WGMMA accumulator over a ``shape`` tile, and the
     same viewed as rows x cols (:func:`wgmma_acc_rows_cols`)."""

@@ -637,22 +637,17 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
                     for it in cutlass.range(1, n_count, unroll=1):
                         seg, n_block = block_at(n_count - 1 - it)
                         seg_prev, n_prev = block_at(n_count - it)
+                        # FP8: the next K and V barriers are probed while this block's GEMMs run
+                        # and their waits skipped when done (a wait on a completed phase still
+                        # cost ~100 cycles in the clock trace): D128 963-967 TF/s against 926
+                        # (H100, session 24); bf16 measured 0.8 % slower, so not there.
+                        pipe_k.consumer_wait(k_state, k_peek if const_expr(self.fp8) else None)
+                        done = self.overlapped_block(step, q_state, k_state, v_state,
+                                                     lambda: seg_prev.seqlen_k - n_prev * self.tile_n, seg, m_block,
+                                                     n_block, self.rows_of(seg, m_block, row_first), scales,
+                                                     n_prev=n_prev, peeks=v_peek if const_expr(self.fp8) else None)
                         if const_expr(self.fp8):
-                            # The next K and V barriers are probed while this block's GEMMs run and
-                            # their waits skipped when done (a wait on a completed phase still
-                            # cost ~100 cycles in the clock trace): FP8 D128 963-967 TF/s against
-                            # 926 (H100, session 24); bf16 measured 0.8 % slower, so not there.
-                            pipe_k.consumer_wait(k_state, k_peek)
-                            _, (k_peek, v_peek) = self.overlapped_block(
-                                step, q_state, k_state, v_state, lambda: seg_prev.seqlen_k - n_prev * self.tile_n,
-                                seg, m_block, n_block, self.rows_of(seg, m_block, row_first), scales, n_prev=n_prev,
-                                peeks=v_peek)
-                        else:
-                            pipe_k.consumer_wait(k_state)
-                            self.overlapped_block(step, q_state, k_state, v_state,
-                                                  lambda: seg_prev.seqlen_k - n_prev * self.tile_n, seg, m_block,
-                                                  n_block, self.rows_of(seg, m_block, row_first), scales,
-                                                  n_prev=n_prev)
+                            k_peek, v_peek = done[1]
                         k_state = advanced(k_state)
                         v_state = advanced(v_state)
                     # Every QK^T of this tile is complete: the producer may load the next Q.

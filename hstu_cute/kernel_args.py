@@ -183,6 +183,17 @@ def _quant_slot_args(i: int) -> tuple:
             Arg(f"num_blocks{i}", _i32, used))
 
 
+def _barrier_count(s: FakeShapes):
+    import cutlass
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
+
+
+def _cooperative(key) -> bool:
+    return key.cooperative
+
+
 def _f32(s: FakeShapes):
     from cutlass import Float32
 
@@ -341,7 +352,9 @@ SPECS: dict[str, tuple[Arg, ...]] = {
     "hopper_fwd_vt": (Arg("mV", _tokens("tokens_k")), Arg("mVt", _tokens_transposed),
                       Arg("mOffsets", _int_vec("batch1"))),
     # Several tensors per launch (hstu_cute.hopper.quantize_slots): up to QUANT_MAX_SLOTS slots.
-    "hopper_fwd_quant_slots": tuple(arg for i in range(QUANT_MAX_SLOTS) for arg in _quant_slot_args(i)),
+    # With "group" slots: the grid barrier's arrival count (zero at launch) and the SM count.
+    "hopper_fwd_quant_slots": (*(arg for i in range(QUANT_MAX_SLOTS) for arg in _quant_slot_args(i)),
+                               Arg("mBarrier", _barrier_count, _cooperative), Arg("num_sms", _i32, _cooperative)),
     "hopper_bwd_dq": (_Q, _K, _V, _DO, _DQ, *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS,
                       _BH_PER_SECTION, _TILE_COUNTER),
     "hopper_bwd_wide": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _TMA_RAB,

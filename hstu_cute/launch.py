@@ -353,9 +353,11 @@ def quantize_for(mode: int, purpose: str, xs: tuple, offsets: tuple, max_seqlens
             tables[i, "unit"] = (None, ones)
     if mode >= QuantMode.PER_HEAD:
         group = {QuantMode.PER_HEAD: (batch, 1, heads), QuantMode.PER_SEQUENCE: (batch, 1, 1)}.get(mode, (1, 1, 1))
-        # The first pass maxes each group's scale in here (one memset for every tensor); every
-        # block of a group sees it (zero strides).
-        groups = torch.zeros((len(xs), *group), dtype=torch.float32, device=device)
+        # The blocks max each group's scale in here, every block of a group sees it (zero strides);
+        # the word after the tables counts the grid barrier's arrivals: one memset for all.
+        words = torch.zeros(len(xs) * math.prod(group) + 1, dtype=torch.float32, device=device)
+        groups = words[:-1].view(len(xs), *group)
+        cooperative = dict(mBarrier=words[-1:].view(torch.int32), num_sms=num_sms(device))
         for i, g in enumerate(groups):
             if empty[i]:
                 g.fill_(SCALE_FLOOR)
@@ -364,7 +366,7 @@ def quantize_for(mode: int, purpose: str, xs: tuple, offsets: tuple, max_seqlens
     dtype = DTYPE_NAMES[x0.dtype]
     aligned = [aligned_16(x) for x in xs]
     for launch_slots, slot_specs in _quant_plan(mode, purpose):
-        values: dict = {}
+        values: dict = dict(cooperative) if mode >= QuantMode.PER_HEAD else {}
         for names, (i, role, plain, transposed) in zip(_SLOT_ARGS, launch_slots):
             x = aligned[i]
             family = role if role in ("token", "column", "unit") else "group" if mode >= QuantMode.PER_HEAD else "block"

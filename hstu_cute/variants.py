@@ -14,6 +14,7 @@ Imports neither torch nor cutlass.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -379,14 +380,19 @@ def make_hopper_vt_key(arch, dtype, head_dim) -> HopperVtKey:
 class HopperQuantSlotsKey(_Fp8InputKey):
     """Compile key of :class:`~hstu_cute.hopper.quantize_slots.QuantizeSlotsSm90` (quant modes
     0-5, several tensors per launch): the ``slots`` of one launch, each ``(role, plain,
-    transposed)``: role "unit" (mode 0's cast), "fused" (mode 2), "amax" or "cast" (modes 3-5's
-    two passes; "amax" maxes the groups' scales, not their amax), "token" or "column" (mode 1);
+    transposed)``: role "unit" (mode 0's cast), "fused" (mode 2), "group" (modes 3-5: the groups'
+    scales, a grid barrier, the cast, in one cooperative launch), "token" or "column" (mode 1);
     ``plain`` writes the (T, H, D) e4m3 copy, ``transposed`` V^T (:func:`quant_launches` lists
     what the launcher asks)."""
 
     kernel_name: ClassVar[str] = "hopper_fwd_quant_slots"
 
     slots: tuple = (("fused", True, False),)
+
+    @property
+    def cooperative(self) -> bool:
+        """Role "group": one cooperative launch with grid barriers (modes 3-5)."""
+        return any(role == "group" for role, _, _ in self.slots)
 
     def describe(self) -> str:
         def slot(role, plain, transposed):
@@ -408,8 +414,8 @@ QUANT_PURPOSES = ("forward", "training", "gradient")
 def quant_launches(mode: int, purpose: str) -> tuple:
     """The slot quantizer's launches of quant mode ``mode`` (0-5) for ``purpose``: each a tuple
     of slots ``(input, role, plain, transposed)``, ``input`` indexing the purpose's tensors (q,
-    k, v; or dO). Modes 3-5 take two launches (the groups' scales, then the cast), the second
-    listing the tensors last-read first (they may still be in L2). Mode 1 scales its
+    k, v; or dO). Modes 3-5 take one cooperative launch of "group" slots (each tensor's scales,
+    a grid barrier, its cast while L2 still holds it). Mode 1 scales its
     token-contiguous copies along tokens, unlike its (T, H, D) ones, so its training call adds a
     launch for Q^T, K^T and e4m3 V, and its gradient call reads dO twice."""
     assert purpose in QUANT_PURPOSES and 0 <= mode <= 5
@@ -429,8 +435,10 @@ def quant_launches(mode: int, purpose: str) -> tuple:
         return (first, ((0, "column", False, True), (1, "column", False, True), (2, "token", True, False)))
     if mode <= 2:
         return (tuple((i, "unit" if mode == 0 else "fused", *copies(i)) for i in inputs),)
-    return (tuple((i, "amax", False, False) for i in inputs),
-            tuple((i, "cast", *copies(i)) for i in reversed(inputs)))
+    if os.environ.get("HSTU_CUTE_TWO_PASS_GROUPS") == "1":  # A/B arm (session 25), not shipped
+        return (tuple((i, "amax", False, False) for i in inputs),
+                tuple((i, "cast", *copies(i)) for i in reversed(inputs)))
+    return (tuple((i, "group", *copies(i)) for i in inputs),)
 
 
 def shipped_quant_slots() -> tuple:

@@ -198,7 +198,7 @@ def _check_copies(copies: dict, x, offsets, max_seqlen: int, mode: int, lengths:
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_quantizer_launches_match_torch(mode, head_dim):
     """Every purpose's slot-quantizer launches (launch.quantize_for: q, k and v in one launch,
-    modes 3-5 in two) against hstu_cute.quantize: q on one set of offsets (300 tokens at most), k and v
+    modes 3-5 cooperative, with grid barriers) against hstu_cute.quantize: q on one set of offsets (300 tokens at most), k and v
     on another (200 at most: fewer blocks than q's in the same launch), magnitudes that differ by
     up to 256x between tokens and heads, empty and one-token sequences."""
     lengths_q, lengths_k = [300, 0, 1, 17, 129, 256], [200, 5, 0, 128, 129, 1]
@@ -223,6 +223,27 @@ def test_quantizer_launches_match_torch(mode, head_dim):
     (got,) = launch.quantize_for(mode, "gradient", (dout,), offsets[:1], (300,))
     assert set(got) == {"plain", "transposed"}
     _check_copies(got, dout, offsets[0], 300, mode, lengths_q)
+
+
+@pytest.mark.parametrize("mode", [3, 4, 5])
+@pytest.mark.parametrize("head_dim, dtype", [(64, torch.bfloat16), (256, torch.float16)])
+def test_group_quantizer_with_many_blocks_per_cta(mode, head_dim, dtype):
+    """Modes 3-5's cooperative launch when every persistent CTA strides over several blocks of
+    each tensor (more blocks than CTAs; at D256 one CTA per SM) and the groups' scales differ by
+    up to 2^8: bit for bit against hstu_cute.quantize, in the forward's and the gradient's
+    launches."""
+    lengths = [4096, 1111, 3000, 17, 0, 2900, 4000, 129]
+    b = random_jagged_batch(8, 4, head_dim, 4096, device="cuda", seed=_seed("group", mode, head_dim), lengths=lengths,
+                            dtype=dtype)
+    gain = torch.exp2(torch.arange(-4, 4, device="cuda").float())
+    seq = torch.searchsorted(b["seq_offsets_q"].long(), torch.arange(b["q"].shape[0], device="cuda"), right=True) - 1
+    q = (b["q"].float() * gain[seq.clamp(0, 7)][:, None, None]).to(dtype)
+    offsets = (b["seq_offsets_q"],) * 3
+    copies = launch.quantize_for(mode, "training", (q, b["k"], b["v"]), offsets, (4096,) * 3)
+    for x, got in zip((q, b["k"], b["v"]), copies):
+        _check_copies(got, x, b["seq_offsets_q"], 4096, mode, lengths)
+    (got,) = launch.quantize_for(mode, "gradient", (q,), offsets[:1], (4096,))
+    _check_copies(got, q, b["seq_offsets_q"], 4096, mode, lengths)
 
 
 def test_fp8_all_target_and_many_sequences():

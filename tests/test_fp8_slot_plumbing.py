@@ -80,9 +80,9 @@ def test_fp8_training_step_launches(recorded, mode):
     assert names[-2:] == ["hopper_bwd_fp8_dkdv", "hopper_bwd_fp8_dq"]
     quantizers = [n for n in names if n.startswith(("hopper_fwd_quant", "hopper_fwd_vt"))]
     assert set(quantizers) == {"hopper_fwd_quant_slots"}
-    # forward: one launch (two for modes 1 and 3-5); backward: dO's (two for modes 3-5)
-    assert len(quantizers) == (2 if mode in (0, 2) else 3 if mode == 1 else 4)
-    assert forward_launches == (2 if mode in (0, 2) else 3)
+    # forward: one launch (two for mode 1); backward: dO's (modes 3-5: cooperative, grid barriers)
+    assert len(quantizers) == (3 if mode == 1 else 2)
+    assert forward_launches == (3 if mode == 1 else 2)
 
 
 @pytest.mark.parametrize("mode", [0, 1, 2, 5])

@@ -249,7 +249,7 @@ def test_quantizer_launches_are_shipped_and_complete(mode):
     """Every slot set the launcher can ask for (variants.quant_launches) is a shipped compile key;
     each purpose writes exactly the copies its readers take (forward: e4m3 q, k and V^T;
     training: also Q^T, K^T and e4m3 V; gradient: e4m3 dO and dO^T), each copy once; modes 3-5
-    fill every group's scale before casting, and cast last-read first."""
+    in one cooperative launch."""
     from hstu_cute import variants
     from hstu_cute.fp8_format import QUANT_MAX_SLOTS
 
@@ -267,6 +267,7 @@ def test_quantizer_launches_are_shipped_and_complete(mode):
                 written += [(i, "P")] * plain + [(i, "T")] * transposed
         assert sorted(written) == sorted(wanted[purpose]), (mode, purpose)
         if mode >= 3:
-            (first, second) = launches
-            assert all(role == "amax" for _, role, _, _ in first)
-            assert [slot[0] for slot in second] == [slot[0] for slot in reversed(first)]
+            # One cooperative launch: each tensor's scales, a grid barrier, then its cast.
+            (launch,) = launches
+            assert all(role == "group" for _, role, _, _ in launch)
+            assert variants.make_hopper_quant_slots_key("sm_90a", "bfloat16", 128, [s[1:] for s in launch]).cooperative

@@ -13,6 +13,9 @@ Roles (``hstu_cute.quantize`` is the PyTorch description they match bit for bit)
   monotonic in the amax, so the max of the blocks' scales is the group's scale bit for bit;
 * ``"cast"`` (modes 3-5, second pass): the cast by the group's scale, read from that table (the
   descale table the kernels read: no second table);
+* ``"group"`` (modes 3-5 in one launch): ``"amax"`` over every block of the tensor, a grid-wide
+  barrier, then ``"cast"`` (:class:`~hstu_cute.hopper.quantize_slots.QuantizeSlotsSm90` runs it;
+  a block never sees this role);
 * ``"token"`` (mode 1, q and k): a scale per (token, head) over D, written to a (T, H) table, and
   the cast, in one pass (a token's D / 16 chunks are neighbouring lanes of one warp);
 * ``"column"`` (mode 1, V, transposed only): a scale per (block, head, dim) over the block's
@@ -43,7 +46,7 @@ from ..fp8_format import BLOCK_TOKENS, E4M3_MAX, SCALE_FLOOR, vt_column_start, v
 VEC = 16
 # (D, tokens) staging rows padded to keep 16-byte alignment and spread the banks.
 _ROW_PAD = 16
-QUANT_ROLES = ("fused", "amax", "cast", "token", "column", "unit")
+QUANT_ROLES = ("fused", "amax", "cast", "group", "token", "column", "unit")
 
 
 class BlockQuantizer:

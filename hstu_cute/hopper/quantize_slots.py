@@ -14,16 +14,32 @@ mode-2 training step made 8 quantizer launches (3 in the forward, 5 in the backw
 tensor per launch where slots make 2. H100, B8 N4096 H4 D128 causal, same lease (session 21):
 mode-2 training step 0.945 ms against 1.026, mode 5 1.039 against 1.976; host time of a tiny
 mode-2 step 763 us against 1132.
+
+Role ``"group"`` (modes 3-5): a group's scale needs every block of the tensor before any block can
+be cast, which took two launches (an amax pass over q, k and v, then a cast pass reading them
+again from HBM: ~240 MB at B8 N4096 H4 D128). With any "group" slot the launch is cooperative
+(the driver starts every CTA at once or fails the launch, so a grid-wide barrier cannot hang) and
+persistent (:func:`ctas_per_sm`); per slot in order its CTAs max the scales of all its
+blocks, meet at a grid barrier, and cast the blocks in the reverse order, so that the cast reads
+the tensor (32 MB in bf16 there) while the 50 MB L2 still holds most of it.
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, const_expr
+from cutlass import Float32, Int32, const_expr
 
 from ..fp8_format import BLOCK_TOKENS, QUANT_MAX_SLOTS
 from .quantize import _ROW_PAD, QUANT_ROLES, BlockQuantizer
+
+
+
+def ctas_per_sm(head_dim: int) -> int:
+    """Persistent CTAs per SM of a cooperative ("group") launch, 256 threads each: a thread holds
+    D / 2 elements, and ptxas gives D <= 128 at most 128 registers (two CTAs fit) but D256 up to
+    255 (one). A cooperative launch larger than the GPU holds fails instead of starting."""
+    return 2 if head_dim <= 128 else 1
 
 
 def check_slot(role: str, plain: bool, transposed: bool) -> None:
@@ -32,6 +48,8 @@ def check_slot(role: str, plain: bool, transposed: bool) -> None:
     assert role in QUANT_ROLES, role
     if role == "amax":
         assert not (plain or transposed)
+    elif role == "group":
+        assert plain or transposed
     elif role == "token":
         assert plain and not transposed
     elif role == "column":
@@ -59,30 +77,33 @@ class QuantizeSlotsSm90(BlockQuantizer):
         self.warps = self.num_threads // 32
         self.any_transposed = any(t for _, _, t in self.slots)
         self.any_column = any(role == "column" for role, _, _ in self.slots)
+        self.cooperative = any(role == "group" for role, _, _ in self.slots)
+        assert not self.cooperative or all(role == "group" for role, _, _ in self.slots)
 
     @cute.jit
     def __call__(self, mX0, mOffsets0, mScale0, mO0, mVt0, num_blocks0,
                  mX1, mOffsets1, mScale1, mO1, mVt1, num_blocks1,
                  mX2, mOffsets2, mScale2, mO2, mVt2, num_blocks2,
-                 mX3, mOffsets3, mScale3, mO3, mVt3, num_blocks3, stream):
-        blocks = num_blocks0
-        for count in (num_blocks1, num_blocks2, num_blocks3)[:len(self.slots) - 1]:
-            blocks = cutlass.max(blocks, count)
-        grid = [blocks, mOffsets0.shape[0] - 1, len(self.slots) * mX0.shape[1]]
-        self.kernel(mX0, mOffsets0, mScale0, mO0, mVt0, num_blocks0, mX1, mOffsets1, mScale1, mO1, mVt1, num_blocks1,
-                    mX2, mOffsets2, mScale2, mO2, mVt2, num_blocks2, mX3, mOffsets3, mScale3, mO3, mVt3,
-                    num_blocks3).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+                 mX3, mOffsets3, mScale3, mO3, mVt3, num_blocks3, mBarrier, num_sms, stream):
+        kernel = self.kernel(mX0, mOffsets0, mScale0, mO0, mVt0, num_blocks0, mX1, mOffsets1, mScale1, mO1, mVt1,
+                             num_blocks1, mX2, mOffsets2, mScale2, mO2, mVt2, num_blocks2, mX3, mOffsets3, mScale3,
+                             mO3, mVt3, num_blocks3, mBarrier)
+        if const_expr(self.cooperative):
+            kernel.launch(grid=[num_sms * ctas_per_sm(self.head_dim), 1, 1], block=[self.num_threads, 1, 1], stream=stream,
+                          cooperative=True)
+        else:
+            blocks = num_blocks0
+            for count in (num_blocks1, num_blocks2, num_blocks3)[:len(self.slots) - 1]:
+                blocks = cutlass.max(blocks, count)
+            grid = [blocks, mOffsets0.shape[0] - 1, len(self.slots) * mX0.shape[1]]
+            kernel.launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX0, mOffsets0, mScale0, mO0, mVt0, num_blocks0,
                mX1, mOffsets1, mScale1, mO1, mVt1, num_blocks1,
                mX2, mOffsets2, mScale2, mO2, mVt2, num_blocks2,
-               mX3, mOffsets3, mScale3, mO3, mVt3, num_blocks3):
+               mX3, mOffsets3, mScale3, mO3, mVt3, num_blocks3, mBarrier):
         tidx, _, _ = cute.arch.thread_idx()
-        block, batch, slot_head = cute.arch.block_idx()
-        heads = mX0.shape[1]
-        slot = slot_head // heads
-        head = slot_head - slot * heads
         D = self.head_dim
         stride = BLOCK_TOKENS + _ROW_PAD
 
@@ -100,9 +121,65 @@ class QuantizeSlotsSm90(BlockQuantizer):
               if const_expr(self.any_transposed) else None)
         args = ((mX0, mOffsets0, mScale0, mO0, mVt0, num_blocks0), (mX1, mOffsets1, mScale1, mO1, mVt1, num_blocks1),
                 (mX2, mOffsets2, mScale2, mO2, mVt2, num_blocks2), (mX3, mOffsets3, mScale3, mO3, mVt3, num_blocks3))
+        if const_expr(self.cooperative):
+            self.group_slots(args, mBarrier, warp_max, dim_max, sT, tidx)
+        else:
+            block, batch, slot_head = cute.arch.block_idx()
+            heads = mX0.shape[1]
+            slot = slot_head // heads
+            head = slot_head - slot * heads
+            for i in cutlass.range_constexpr(len(self.slots)):
+                if slot == i:
+                    if block < args[i][5]:
+                        mX, mOffsets, mScale, mO, mVt, _ = args[i]
+                        self.quantize_block(*self.slots[i], mX, mOffsets, mScale, mO, mVt, warp_max, dim_max, sT,
+                                            tidx, block, batch, head)
+
+    @cute.jit
+    def group_slots(self, args: tuple, mBarrier, warp_max, dim_max, sT, tidx: Int32):
+        """The persistent body of a cooperative launch: per slot, every CTA maxes the scales of
+        the blocks it strides over, all meet at a grid barrier, then each casts its blocks in the
+        reverse order. A block is ((sequence * blocks) + block) * H + head: neighbouring CTAs read
+        neighbouring rows."""
+        cta, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
         for i in cutlass.range_constexpr(len(self.slots)):
-            if slot == i:
-                if block < args[i][5]:
-                    mX, mOffsets, mScale, mO, mVt, _ = args[i]
-                    self.quantize_block(*self.slots[i], mX, mOffsets, mScale, mO, mVt, warp_max, dim_max, sT,
-                                        tidx, block, batch, head)
+            mX, mOffsets, mScale, mO, mVt, blocks = args[i]
+            _, plain, transposed = self.slots[i]
+            heads = mX.shape[1]
+            units = blocks * (mOffsets.shape[0] - 1) * heads
+            for unit in cutlass.range(cta, units, ctas):
+                block, batch, head = self.unit_coords(unit, blocks, heads)
+                self.quantize_block("amax", False, False, mX, mOffsets, mScale, mO, mVt, warp_max, dim_max, sT,
+                                    tidx, block, batch, head)
+                # warp_max (and sT) are rewritten by the next block.
+                cute.arch.sync_threads()
+            self.grid_barrier(mBarrier, ctas * (i + 1), tidx)
+            for j in cutlass.range((units - cta + ctas - 1) // ctas):
+                block, batch, head = self.unit_coords(units - 1 - cta - j * ctas, blocks, heads)
+                self.quantize_block("cast", plain, transposed, mX, mOffsets, mScale, mO, mVt, warp_max, dim_max,
+                                    sT, tidx, block, batch, head)
+                cute.arch.sync_threads()
+
+    @staticmethod
+    @cute.jit
+    def unit_coords(unit: Int32, blocks: Int32, heads: Int32):
+        """(block, sequence, head) of a block's flat index."""
+        row = unit // heads
+        batch = row // blocks
+        return row - batch * blocks, batch, unit - row * heads
+
+    @staticmethod
+    @cute.jit
+    def grid_barrier(mBarrier, target: Int32, tidx: Int32):
+        """Every CTA's writes and scale maxima before it, visible to every CTA after it: thread 0
+        counts its CTA in (release) and waits for ``target`` arrivals (acquire)."""
+        cute.arch.sync_threads()
+        if tidx == 0:
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.atomic_add(mBarrier.iterator, Int32(1), sem="release", scope="gpu")
+            arrived = Int32(0)
+            while arrived < target:
+                arrived = cute.arch.load(mBarrier.iterator, Int32, sem="acquire", scope="gpu")
+            cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_threads()

@@ -332,7 +332,7 @@ def _quant_plan(mode: int, purpose: str) -> tuple:
 def quantize_for(mode: int, purpose: str, xs: tuple, offsets: tuple, max_seqlens: tuple) -> list[dict]:
     """Quantize the 16-bit (T, H, D) tensors ``xs`` (q, k, v; or dO) with ``mode`` (0-5) for
     ``purpose`` (:func:`hstu_cute.variants.quant_launches`: one launch of the slot quantizer,
-    :mod:`hstu_cute.hopper.quantize_slots`, modes 3-5 two) and return, per tensor, its copies by
+    :mod:`hstu_cute.hopper.quantize_slots`, mode 1 two) and return, per tensor, its copies by
     name: ``"plain"`` (T, H, D) e4m3 and/or ``"transposed"`` V^T (H, D, W)
     (:func:`transposed_for_pv`'s layout), each as ``(data, descale table)``. The table is (B,
     blocks, H) for mode 2, a zero-strided (B, 1, H) view of the group's scale for modes 3-5;
@@ -352,16 +352,18 @@ def quantize_for(mode: int, purpose: str, xs: tuple, offsets: tuple, max_seqlens
         for i in range(len(xs)):
             tables[i, "unit"] = (None, ones)
     if mode >= QuantMode.PER_HEAD:
-        group = {QuantMode.PER_HEAD: (batch, 1, heads), QuantMode.PER_SEQUENCE: (batch, 1, 1)}.get(mode, (1, 1, 1))
-        # The blocks max each group's scale in here, every block of a group sees it (zero strides);
-        # the word after the tables counts the grid barrier's arrivals: one memset for all.
-        words = torch.zeros(len(xs) * math.prod(group) + 1, dtype=torch.float32, device=device)
-        groups = words[:-1].view(len(xs), *group)
+        # The blocks max each group's scale in here, every block of a group sees it (zero strides
+        # along the (B, blocks, H) dims it spans); the word after the tables counts the grid
+        # barrier's arrivals: one memset for all.
+        size, strides = {QuantMode.PER_HEAD: (batch * heads, (heads, 0, 1)),
+                         QuantMode.PER_SEQUENCE: (batch, (1, 0, 0))}.get(mode, (1, (0, 0, 0)))
+        words = torch.zeros(len(xs) * size + 1, dtype=torch.float32, device=device)
         cooperative = dict(mBarrier=words[-1:].view(torch.int32), num_sms=num_sms(device))
-        for i, g in enumerate(groups):
+        for i in range(len(xs)):
             if empty[i]:
-                g.fill_(SCALE_FLOOR)
-            tables[i, "group"] = (g.expand(batch, blocks[i], heads), g.expand(batch, 1, heads))
+                words[i * size:(i + 1) * size].fill_(SCALE_FLOOR)
+            tables[i, "group"] = (words.as_strided((batch, blocks[i], heads), strides, i * size),
+                                  words.as_strided((batch, 1, heads), strides, i * size))
     arch = device_arch(device)
     dtype = DTYPE_NAMES[x0.dtype]
     aligned = [aligned_16(x) for x in xs]

@@ -78,14 +78,7 @@ class BlockQuantizer:
         rows = cutlass.min(mOffsets[batch + 1] - seq_start - row0, BLOCK_TOKENS)
         chunk = tidx % self.chunks
         row_in_pass = tidx // self.chunks
-
-        values = cute.make_rmem_tensor(cute.make_layout((VEC, self.passes)), self.dtype)
-        values.fill(0.0)
-        for i in cutlass.range_constexpr(self.passes):
-            r = row_in_pass + i * self.rows_per_pass
-            if r < rows:
-                cute.autovec_copy(cute.local_tile(mX[seq_start + row0 + r, head, None], (VEC,), (chunk,)),
-                                  values[None, i])
+        values = self.load_block(mX, seq_start + row0, rows, head, chunk, row_in_pass)
 
         if const_expr(role == "amax"):
             amax = self.block_amax(values, tidx, warp_max)
@@ -130,6 +123,18 @@ class BlockQuantizer:
                                           cute.local_tile(mO[seq_start + row0 + r, head, None], (VEC,), (chunk,)))
             if const_expr(transposed):
                 self.store_transposed(out, mVt, tidx, chunk, row_in_pass, seq_start, batch, head, row0, rows, sT)
+
+    @cute.jit
+    def load_block(self, mX, token0: Int32, rows: Int32, head: Int32, chunk: Int32, row_in_pass: Int32) -> cute.Tensor:
+        """The thread's (VEC, passes) elements of the block's ``rows`` tokens from ``token0``
+        (zeros past them)."""
+        values = cute.make_rmem_tensor(cute.make_layout((VEC, self.passes)), self.dtype)
+        values.fill(0.0)
+        for i in cutlass.range_constexpr(self.passes):
+            r = row_in_pass + i * self.rows_per_pass
+            if r < rows:
+                cute.autovec_copy(cute.local_tile(mX[token0 + r, head, None], (VEC,), (chunk,)), values[None, i])
+        return values
 
     @staticmethod
     def scale_of(amax: Float32) -> Float32:
@@ -193,10 +198,20 @@ class BlockQuantizer:
     def block_amax(self, values: cute.Tensor, tidx: Int32, warp_max: cute.Tensor) -> Float32:
         """max |x| over the CTA's block (rows past the sequence hold zeros). ``warp_max``: an
         fp32 smem tensor of one entry per warp."""
-        amax = Float32(0.0)
+        return self.cta_max(self.thread_amax(values, Float32(0.0)), tidx, warp_max)
+
+    @staticmethod
+    @cute.jit
+    def thread_amax(values: cute.Tensor, amax: Float32) -> Float32:
+        """max(amax, max |x| over the thread's ``values``)."""
         for i in cutlass.range_constexpr(cute.size(values)):
             x = Float32(values[i])
             amax = cute.arch.fmax(amax, cute.arch.fmax(x, -x))
+        return amax
+
+    @cute.jit
+    def cta_max(self, amax: Float32, tidx: Int32, warp_max: cute.Tensor) -> Float32:
+        """The max of every thread's ``amax`` (``warp_max``: one fp32 smem entry per warp)."""
         for offset in (16, 8, 4, 2, 1):
             amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset))
         if tidx % 32 == 0:

@@ -138,28 +138,57 @@ class QuantizeSlotsSm90(BlockQuantizer):
     @cute.jit
     def group_slots(self, args: tuple, mBarrier, warp_max, dim_max, sT, tidx: Int32):
         """The persistent body of a cooperative launch: per slot, every CTA maxes the scales of
-        the blocks it strides over, all meet at a grid barrier, then each casts its blocks in the
-        reverse order. A block is ((sequence * blocks) + block) * H + head: neighbouring CTAs read
-        neighbouring rows."""
+        the blocks it strides over, all meet at a grid barrier, then each casts the same blocks in
+        the reverse order: its SM reads them again from the L2 partition that cached them for it
+        (an SM's misses fill its own half of the L2). A block is ((sequence * blocks) + block) * H
+        + head: neighbouring CTAs read neighbouring rows.
+
+        The scale pass keeps a running max per thread while the CTA's blocks share a group (the
+        table entry they max into; mode 5: the whole pass) and reduces it across the CTA only
+        when the group changes: no barrier per block, so each warp streams its loads on its own
+        (with a CTA reduction per block, as the two-launch quantizer did, the loads stopped at
+        every block and the pass ran at ~2 TB/s)."""
         cta, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
+        chunk = tidx % self.chunks
+        row_in_pass = tidx // self.chunks
         for i in cutlass.range_constexpr(len(self.slots)):
             mX, mOffsets, mScale, mO, mVt, blocks = args[i]
             _, plain, transposed = self.slots[i]
             heads = mX.shape[1]
             units = blocks * (mOffsets.shape[0] - 1) * heads
+            group = Int32(-1)
+            amax = Float32(0.0)
             for unit in cutlass.range(cta, units, ctas):
                 block, batch, head = self.unit_coords(unit, blocks, heads)
-                self.quantize_block("amax", False, False, mX, mOffsets, mScale, mO, mVt, warp_max, dim_max, sT,
-                                    tidx, block, batch, head)
-                # warp_max (and sT) are rewritten by the next block.
-                cute.arch.sync_threads()
+                entry = Int32(cute.crd2idx((batch, block, head), mScale.layout))
+                if entry != group:
+                    if group >= 0:
+                        self.max_into(mScale, group, amax, tidx, warp_max)
+                    group = entry
+                    amax = Float32(0.0)
+                seq_start = mOffsets[batch]
+                rows = cutlass.min(mOffsets[batch + 1] - seq_start - block * BLOCK_TOKENS, BLOCK_TOKENS)
+                values = self.load_block(mX, seq_start + block * BLOCK_TOKENS, rows, head, chunk, row_in_pass)
+                amax = self.thread_amax(values, amax)
+            if group >= 0:
+                self.max_into(mScale, group, amax, tidx, warp_max)
             self.grid_barrier(mBarrier, ctas * (i + 1), tidx)
-            for j in cutlass.range((units - cta + ctas - 1) // ctas):
-                block, batch, head = self.unit_coords(units - 1 - cta - j * ctas, blocks, heads)
+            count = (units - cta + ctas - 1) // ctas
+            for j in cutlass.range(count):
+                block, batch, head = self.unit_coords(cta + (count - 1 - j) * ctas, blocks, heads)
                 self.quantize_block("cast", plain, transposed, mX, mOffsets, mScale, mO, mVt, warp_max, dim_max,
                                     sT, tidx, block, batch, head)
-                cute.arch.sync_threads()
+                if const_expr(transposed):
+                    cute.arch.sync_threads()  # sT is rewritten by the next block
+
+    @cute.jit
+    def max_into(self, mScale, entry: Int32, amax: Float32, tidx: Int32, warp_max: cute.Tensor):
+        """The scale of the CTA's max of ``amax``, maxed atomically into ``mScale``'s ``entry``."""
+        amax = self.cta_max(amax, tidx, warp_max)
+        if tidx == 0:
+            cute.arch.atomic_max_float32(mScale.iterator + entry, self.scale_of(amax))
+        cute.arch.sync_threads()  # warp_max is rewritten by the next reduction
 
     @staticmethod
     @cute.jit

@@ -78,6 +78,8 @@ class QuantizeSlotsSm90(BlockQuantizer):
         self.any_transposed = any(t for _, _, t in self.slots)
         self.any_column = any(role == "column" for role, _, _ in self.slots)
         self.cooperative = any(role == "group" for role, _, _ in self.slots)
+        import os
+        self.probe = os.environ.get("HSTU_CUTE_GROUP_PROBE", "")  # TEMP timing probe
         assert not self.cooperative or all(role == "group" for role, _, _ in self.slots)
 
     @cute.jit
@@ -159,28 +161,53 @@ class QuantizeSlotsSm90(BlockQuantizer):
             units = blocks * (mOffsets.shape[0] - 1) * heads
             group = Int32(-1)
             amax = Float32(0.0)
-            for unit in cutlass.range(cta, units, ctas):
-                block, batch, head = self.unit_coords(unit, blocks, heads)
-                entry = Int32(cute.crd2idx((batch, block, head), mScale.layout))
-                if entry != group:
+            mine = (units - cta + ctas - 1) // ctas
+            for pair in cutlass.range((mine + 1) // 2 if const_expr(self.probe != "cast_only") else 0):
+                unit0 = cta + 2 * pair * ctas
+                unit1 = unit0 + ctas
+                block0, batch0, head0 = self.unit_coords(unit0, blocks, heads)
+                block1, batch1, head1 = self.unit_coords(cutlass.min(unit1, units - 1), blocks, heads)
+                start0, rows0 = self.block_rows(mOffsets, batch0, block0)
+                start1, rows1 = self.block_rows(mOffsets, batch1, block1)
+                if unit1 >= units:
+                    block1, batch1, head1, rows1 = block0, batch0, head0, Int32(0)
+                # Both blocks' loads are in flight before either is reduced.
+                values0 = self.load_block(mX, start0, rows0, head0, chunk, row_in_pass)
+                values1 = self.load_block(mX, start1, rows1, head1, chunk, row_in_pass)
+                entry0 = Int32(cute.crd2idx((batch0, block0, head0), mScale.layout))
+                entry1 = Int32(cute.crd2idx((batch1, block1, head1), mScale.layout))
+                if entry0 != group:
                     if group >= 0:
                         self.max_into(mScale, group, amax, tidx, warp_max)
-                    group = entry
+                    group = entry0
                     amax = Float32(0.0)
-                seq_start = mOffsets[batch]
-                rows = cutlass.min(mOffsets[batch + 1] - seq_start - block * BLOCK_TOKENS, BLOCK_TOKENS)
-                values = self.load_block(mX, seq_start + block * BLOCK_TOKENS, rows, head, chunk, row_in_pass)
-                amax = self.thread_amax(values, amax)
+                amax = self.thread_amax(values0, amax)
+                if entry1 != group:
+                    self.max_into(mScale, group, amax, tidx, warp_max)
+                    group = entry1
+                    amax = Float32(0.0)
+                amax = self.thread_amax(values1, amax)
             if group >= 0:
                 self.max_into(mScale, group, amax, tidx, warp_max)
-            self.grid_barrier(mBarrier, ctas * (i + 1), tidx)
+            if const_expr(self.probe != "no_barrier"):
+                self.grid_barrier(mBarrier, ctas * (i + 1), tidx)
             count = (units - cta + ctas - 1) // ctas
+            if const_expr(self.probe == "amax_only"):
+                count = 0
             for j in cutlass.range(count):
                 block, batch, head = self.unit_coords(cta + (count - 1 - j) * ctas, blocks, heads)
                 self.quantize_block("cast", plain, transposed, mX, mOffsets, mScale, mO, mVt, warp_max, dim_max,
                                     sT, tidx, block, batch, head)
                 if const_expr(transposed):
                     cute.arch.sync_threads()  # sT is rewritten by the next block
+
+    @staticmethod
+    @cute.jit
+    def block_rows(mOffsets, batch: Int32, block: Int32):
+        """The first token of a block and its token count (<= 0 past the sequence)."""
+        seq_start = mOffsets[batch]
+        start = seq_start + block * BLOCK_TOKENS
+        return start, cutlass.min(mOffsets[batch + 1] - start, BLOCK_TOKENS)
 
     @cute.jit
     def max_into(self, mScale, entry: Int32, amax: Float32, tidx: Int32, warp_max: cute.Tensor):

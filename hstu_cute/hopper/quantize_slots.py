@@ -39,7 +39,8 @@ def ctas_per_sm(head_dim: int) -> int:
     """Persistent CTAs per SM of a cooperative ("group") launch, 256 threads each: a thread holds
     D / 2 elements, and ptxas gives D <= 128 at most 128 registers (two CTAs fit) but D256 up to
     255 (one). A cooperative launch larger than the GPU holds fails instead of starting."""
-    return 2 if head_dim <= 128 else 1
+    import os
+    return int(os.environ.get("HSTU_CUTE_CTAS", "2")) * (2 if head_dim <= 128 else 1) // 2  # TEMP
 
 
 def check_slot(role: str, plain: bool, transposed: bool) -> None:
@@ -92,7 +93,8 @@ class QuantizeSlotsSm90(BlockQuantizer):
                              mO3, mVt3, num_blocks3, mBarrier)
         if const_expr(self.cooperative):
             kernel.launch(grid=[num_sms * ctas_per_sm(self.head_dim), 1, 1], block=[self.num_threads, 1, 1], stream=stream,
-                          cooperative=True)
+                          cooperative=True, min_blocks_per_mp=ctas_per_sm(self.head_dim),
+                          preferred_smem_carveout=100)
         else:
             blocks = num_blocks0
             for count in (num_blocks1, num_blocks2, num_blocks3)[:len(self.slots) - 1]:

@@ -246,6 +246,21 @@ def test_group_quantizer_with_many_blocks_per_cta(mode, head_dim, dtype):
     _check_copies(got, q, b["seq_offsets_q"], 4096, mode, lengths)
 
 
+def test_group_quantizer_launch_that_cannot_fit_raises(monkeypatch):
+    """A cooperative launch larger than the GPU holds (here: asked for 4x its SMs) must raise, not
+    skip the quantizer and leave its outputs unwritten; the GPU stays usable."""
+    b = random_jagged_batch(2, 2, 128, 300, device="cuda", seed=5)
+    sms = launch.num_sms(torch.device("cuda"))
+    monkeypatch.setattr(launch, "num_sms", lambda device: 4 * sms)
+    with pytest.raises(Exception):
+        launch.quantize_for(5, "forward", (b["q"], b["k"], b["v"]), (b["seq_offsets_q"],) * 3, (300,) * 3)
+        torch.cuda.synchronize()
+    monkeypatch.undo()
+    torch.cuda.synchronize()
+    copies = launch.quantize_for(5, "forward", (b["q"], b["k"], b["v"]), (b["seq_offsets_q"],) * 3, (300,) * 3)
+    _check_copies(copies[0], b["q"], b["seq_offsets_q"], 300, 5, b["seq_offsets_q"].diff().tolist())
+
+
 def test_fp8_all_target_and_many_sequences():
     lens = [64, 300, 1, 129]
     b = random_jagged_batch(4, 2, 128, 300, device="cuda", seed=3, lengths=lens, window_size=(-1, 0),

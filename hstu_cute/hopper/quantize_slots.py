@@ -36,11 +36,13 @@ from .quantize import _ROW_PAD, QUANT_ROLES, BlockQuantizer
 
 
 def ctas_per_sm(head_dim: int) -> int:
-    """Persistent CTAs per SM of a cooperative ("group") launch, 256 threads each: a thread holds
-    D / 2 elements, and ptxas gives D <= 128 at most 128 registers (two CTAs fit) but D256 up to
-    255 (one). A cooperative launch larger than the GPU holds fails instead of starting."""
-    import os
-    return int(os.environ.get("HSTU_CUTE_CTAS", "2")) * (2 if head_dim <= 128 else 1) // 2  # TEMP
+    """Persistent CTAs per SM of a cooperative ("group") launch, 256 threads each, also the
+    launch's minimum CTAs per SM (ptxas keeps the registers within it): a thread holds D / 2
+    elements; D <= 128 fits two CTAs in 128 registers, D256 takes up to 255 (one). H100, mode 5
+    at D128 (ncu, docs/perf-log.md session 25): 86 us with two CTAs, 107 with three and 139 with
+    four (ptxas spills at 85 and 64 registers). A cooperative launch larger than the GPU holds
+    fails instead of starting."""
+    return 2 if head_dim <= 128 else 1
 
 
 def check_slot(role: str, plain: bool, transposed: bool) -> None:
@@ -79,8 +81,6 @@ class QuantizeSlotsSm90(BlockQuantizer):
         self.any_transposed = any(t for _, _, t in self.slots)
         self.any_column = any(role == "column" for role, _, _ in self.slots)
         self.cooperative = any(role == "group" for role, _, _ in self.slots)
-        import os
-        self.probe = os.environ.get("HSTU_CUTE_GROUP_PROBE", "")  # TEMP timing probe
         assert not self.cooperative or all(role == "group" for role, _, _ in self.slots)
 
     @cute.jit
@@ -148,10 +148,8 @@ class QuantizeSlotsSm90(BlockQuantizer):
         + head: neighbouring CTAs read neighbouring rows.
 
         The scale pass keeps a running max per thread while the CTA's blocks share a group (the
-        table entry they max into; mode 5: the whole pass) and reduces it across the CTA only
-        when the group changes: no barrier per block, so each warp streams its loads on its own
-        (with a CTA reduction per block, as the two-launch quantizer did, the loads stopped at
-        every block and the pass ran at ~2 TB/s)."""
+        table entry they max into; mode 5: the whole pass) and reduces it across the CTA when the
+        group changes: one atomic per CTA and group, and no CTA barrier between blocks."""
         cta, _, _ = cute.arch.block_idx()
         ctas, _, _ = cute.arch.grid_dim()
         chunk = tidx % self.chunks
@@ -163,39 +161,20 @@ class QuantizeSlotsSm90(BlockQuantizer):
             units = blocks * (mOffsets.shape[0] - 1) * heads
             group = Int32(-1)
             amax = Float32(0.0)
-            mine = (units - cta + ctas - 1) // ctas
-            for pair in cutlass.range((mine + 1) // 2 if const_expr(self.probe != "cast_only") else 0):
-                unit0 = cta + 2 * pair * ctas
-                unit1 = unit0 + ctas
-                block0, batch0, head0 = self.unit_coords(unit0, blocks, heads)
-                block1, batch1, head1 = self.unit_coords(cutlass.min(unit1, units - 1), blocks, heads)
-                start0, rows0 = self.block_rows(mOffsets, batch0, block0)
-                start1, rows1 = self.block_rows(mOffsets, batch1, block1)
-                if unit1 >= units:
-                    block1, batch1, head1, rows1 = block0, batch0, head0, Int32(0)
-                # Both blocks' loads are in flight before either is reduced.
-                values0 = self.load_block(mX, start0, rows0, head0, chunk, row_in_pass)
-                values1 = self.load_block(mX, start1, rows1, head1, chunk, row_in_pass)
-                entry0 = Int32(cute.crd2idx((batch0, block0, head0), mScale.layout))
-                entry1 = Int32(cute.crd2idx((batch1, block1, head1), mScale.layout))
-                if entry0 != group:
+            for unit in cutlass.range(cta, units, ctas):
+                block, batch, head = self.unit_coords(unit, blocks, heads)
+                entry = Int32(cute.crd2idx((batch, block, head), mScale.layout))
+                if entry != group:
                     if group >= 0:
                         self.max_into(mScale, group, amax, tidx, warp_max)
-                    group = entry0
+                    group = entry
                     amax = Float32(0.0)
-                amax = self.thread_amax(values0, amax)
-                if entry1 != group:
-                    self.max_into(mScale, group, amax, tidx, warp_max)
-                    group = entry1
-                    amax = Float32(0.0)
-                amax = self.thread_amax(values1, amax)
+                start, rows = self.block_rows(mOffsets, batch, block)
+                amax = self.thread_amax(self.load_block(mX, start, rows, head, chunk, row_in_pass), amax)
             if group >= 0:
                 self.max_into(mScale, group, amax, tidx, warp_max)
-            if const_expr(self.probe != "no_barrier"):
-                self.grid_barrier(mBarrier, ctas * (i + 1), tidx)
+            self.grid_barrier(mBarrier, ctas * (i + 1), tidx)
             count = (units - cta + ctas - 1) // ctas
-            if const_expr(self.probe == "amax_only"):
-                count = 0
             for j in cutlass.range(count):
                 block, batch, head = self.unit_coords(cta + (count - 1 - j) * ctas, blocks, heads)
                 self.quantize_block("cast", plain, transposed, mX, mOffsets, mScale, mO, mVt, warp_max, dim_max,

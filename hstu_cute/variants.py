@@ -14,7 +14,6 @@ Imports neither torch nor cutlass.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -435,9 +434,6 @@ def quant_launches(mode: int, purpose: str) -> tuple:
         return (first, ((0, "column", False, True), (1, "column", False, True), (2, "token", True, False)))
     if mode <= 2:
         return (tuple((i, "unit" if mode == 0 else "fused", *copies(i)) for i in inputs),)
-    if os.environ.get("HSTU_CUTE_TWO_PASS_GROUPS") == "1":  # A/B arm (session 25), not shipped
-        return (tuple((i, "amax", False, False) for i in inputs),
-                tuple((i, "cast", *copies(i)) for i in reversed(inputs)))
     return (tuple((i, "group", *copies(i)) for i in inputs),)
 
 

@@ -1,6 +1,6 @@
 """A small jagged batch through every mask family (and rab, delta_q, seqused) on the Hopper FP8
 forward, every entry (pre-quantized e4m3 with descales; quant_mode 0; quant_mode 1, 2 and 4: the
-per-token and per-dim descales, the quantizer's one- and two-pass forms), for
+per-token and per-dim descales, the quantizer's one-pass and cooperative forms), for
 compute-sanitizer.
 Lengths are random, so sequences start at tokens that are not multiples of 16. Skips (exit 0)
 without a compute capability 9.x GPU."""

@@ -1,6 +1,6 @@
 """A small jagged batch through every mask family (and rab, delta_q, seqused) on the Hopper FP8
 backward at D64, D128 and D256 (quant modes 0, 1, 2 and 4: the cast, the two-direction, the
-one-pass and the two-pass quantizers; drab with modes 1 and 2 where the case has rab), gradients
+one-pass and the cooperative quantizers; drab with modes 1 and 2 where the case has rab), gradients
 by autograd, for compute-sanitizer. Lengths are random, so sequences start at tokens that are not
 multiples of 16 (the token-contiguous copies' padding). Then the opt-in fused kernel at D128 on
 a batch with a 2100-token sequence. Skips (exit 0) without a compute capability 9.x GPU."""

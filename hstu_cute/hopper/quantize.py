@@ -7,15 +7,11 @@ Roles (``hstu_cute.quantize`` is the PyTorch description they match bit for bit)
 * ``"fused"`` (mode 2, a group is the block): the block's amax, its scale
   ``max(amax * (1 / 448), 1e-6)`` written to the (B, blocks, H) table, and the cast
   ``e4m3(x * (1 / scale))``, in one pass over the input;
-* ``"amax"`` (modes 3-5, first pass): the block's scale, max-ed atomically into its group's entry
-  of the scale table (a zeroed per-group tensor seen as (B, blocks, H) with zero strides along the
-  dims the mode's group spans, so every block of a group lands on one float). The scale is
-  monotonic in the amax, so the max of the blocks' scales is the group's scale bit for bit;
-* ``"cast"`` (modes 3-5, second pass): the cast by the group's scale, read from that table (the
-  descale table the kernels read: no second table);
-* ``"group"`` (modes 3-5 in one launch): ``"amax"`` over every block of the tensor, a grid-wide
-  barrier, then ``"cast"`` (:class:`~hstu_cute.hopper.quantize_slots.QuantizeSlotsSm90` runs it;
-  a block never sees this role);
+* ``"cast"`` (modes 3-5): the cast by the group's scale, read from its table (the descale table
+  the kernels read: no second table), once the cooperative launch of
+  :class:`~hstu_cute.hopper.quantize_slots.QuantizeSlotsSm90` has maxed every block of the tensor
+  into it (slot role ``"group"``; :func:`BlockQuantizer.load_block` and
+  :func:`BlockQuantizer.thread_amax` are that pass's pieces);
 * ``"token"`` (mode 1, q and k): a scale per (token, head) over D, written to a (T, H) table, and
   the cast, in one pass (a token's D / 16 chunks are neighbouring lanes of one warp);
 * ``"column"`` (mode 1, V, transposed only): a scale per (block, head, dim) over the block's
@@ -46,7 +42,9 @@ from ..fp8_format import BLOCK_TOKENS, E4M3_MAX, SCALE_FLOOR, vt_column_start, v
 VEC = 16
 # (D, tokens) staging rows padded to keep 16-byte alignment and spread the banks.
 _ROW_PAD = 16
-QUANT_ROLES = ("fused", "amax", "cast", "group", "token", "column", "unit")
+# The slot roles of a launch (hstu_cute.hopper.quantize_slots); a block is quantized by "cast"
+# for "group" and by its own role otherwise.
+QUANT_ROLES = ("fused", "group", "token", "column", "unit")
 
 
 class BlockQuantizer:
@@ -80,49 +78,43 @@ class BlockQuantizer:
         row_in_pass = tidx // self.chunks
         values = self.load_block(mX, seq_start + row0, rows, head, chunk, row_in_pass)
 
-        if const_expr(role == "amax"):
-            amax = self.block_amax(values, tidx, warp_max)
+        # The multiplier of each element: one per group, (passes,) per token or (VEC,) per dim.
+        if const_expr(role == "token"):
+            inverse = self.token_inverse_scales(values, mScale, row_in_pass, chunk, seq_start + row0, rows, head)
+        elif const_expr(role == "column"):
+            inverse = self.column_inverse_scales(values, mScale, tidx, chunk, row_in_pass, batch, block, head,
+                                                 dim_max)
+        elif const_expr(role == "cast"):
+            scale = mScale[batch, block, head]
+        elif const_expr(role == "fused"):
+            scale = self.scale_of(self.block_amax(values, tidx, warp_max))
             if tidx == 0:
-                cute.arch.atomic_max_float32(mScale.iterator + cute.crd2idx((batch, block, head), mScale.layout),
-                                             self.scale_of(amax))
+                mScale[batch, block, head] = scale
+        out = cute.make_rmem_tensor(cute.make_layout((VEC, self.passes)), cutlass.Float8E4M3FN)
+        if const_expr(role == "token"):
+            for i in cutlass.range_constexpr(self.passes):
+                out[None, i].store((values[None, i].load().to(Float32) * inverse[i]).to(cutlass.Float8E4M3FN))
+        elif const_expr(role == "column"):
+            scaled = cute.make_rmem_tensor(cute.make_layout((VEC, self.passes)), Float32)
+            for i in cutlass.range_constexpr(self.passes):
+                for e in cutlass.range_constexpr(VEC):
+                    scaled[e, i] = Float32(values[e, i]) * inverse[e]
+            out.store(scaled.load().to(cutlass.Float8E4M3FN))
+        elif const_expr(role == "unit"):
+            # quant_mode 0: the saturating cast, as torch's clamp-and-cast (tests: bit for bit).
+            out.store(values.load().to(cutlass.Float8E4M3FN))
         else:
-            # The multiplier of each element: one per group, (passes,) per token or (VEC,) per dim.
-            if const_expr(role == "token"):
-                inverse = self.token_inverse_scales(values, mScale, row_in_pass, chunk, seq_start + row0, rows, head)
-            elif const_expr(role == "column"):
-                inverse = self.column_inverse_scales(values, mScale, tidx, chunk, row_in_pass, batch, block, head,
-                                                     dim_max)
-            elif const_expr(role == "cast"):
-                scale = mScale[batch, block, head]
-            elif const_expr(role == "fused"):
-                scale = self.scale_of(self.block_amax(values, tidx, warp_max))
-                if tidx == 0:
-                    mScale[batch, block, head] = scale
-            out = cute.make_rmem_tensor(cute.make_layout((VEC, self.passes)), cutlass.Float8E4M3FN)
-            if const_expr(role == "token"):
-                for i in cutlass.range_constexpr(self.passes):
-                    out[None, i].store((values[None, i].load().to(Float32) * inverse[i]).to(cutlass.Float8E4M3FN))
-            elif const_expr(role == "column"):
-                scaled = cute.make_rmem_tensor(cute.make_layout((VEC, self.passes)), Float32)
-                for i in cutlass.range_constexpr(self.passes):
-                    for e in cutlass.range_constexpr(VEC):
-                        scaled[e, i] = Float32(values[e, i]) * inverse[e]
-                out.store(scaled.load().to(cutlass.Float8E4M3FN))
-            elif const_expr(role == "unit"):
-                # quant_mode 0: the saturating cast, as torch's clamp-and-cast (tests: bit for bit).
-                out.store(values.load().to(cutlass.Float8E4M3FN))
-            else:
-                # x * (1 / scale), as hstu_cute.quantize computes it (a division per element was
-                # the quantizers' main cost).
-                out.store((values.load().to(Float32) * div_rn(Float32(1.0), scale)).to(cutlass.Float8E4M3FN))
-            if const_expr(plain):
-                for i in cutlass.range_constexpr(self.passes):
-                    r = row_in_pass + i * self.rows_per_pass
-                    if r < rows:
-                        cute.autovec_copy(out[None, i],
-                                          cute.local_tile(mO[seq_start + row0 + r, head, None], (VEC,), (chunk,)))
-            if const_expr(transposed):
-                self.store_transposed(out, mVt, tidx, chunk, row_in_pass, seq_start, batch, head, row0, rows, sT)
+            # x * (1 / scale), as hstu_cute.quantize computes it (a division per element was
+            # the quantizers' main cost).
+            out.store((values.load().to(Float32) * div_rn(Float32(1.0), scale)).to(cutlass.Float8E4M3FN))
+        if const_expr(plain):
+            for i in cutlass.range_constexpr(self.passes):
+                r = row_in_pass + i * self.rows_per_pass
+                if r < rows:
+                    cute.autovec_copy(out[None, i],
+                                      cute.local_tile(mO[seq_start + row0 + r, head, None], (VEC,), (chunk,)))
+        if const_expr(transposed):
+            self.store_transposed(out, mVt, tidx, chunk, row_in_pass, seq_start, batch, head, row0, rows, sT)
 
     @cute.jit
     def load_block(self, mX, token0: Int32, rows: Int32, head: Int32, chunk: Int32, row_in_pass: Int32) -> cute.Tensor:

@@ -46,14 +46,10 @@ def ctas_per_sm(head_dim: int) -> int:
 
 
 def check_slot(role: str, plain: bool, transposed: bool) -> None:
-    """What each role may write: amax nothing, token only (T, H, D), column only V^T, the
-    others either or both."""
+    """What each role may write: token only (T, H, D), column only V^T, the others either or
+    both."""
     assert role in QUANT_ROLES, role
-    if role == "amax":
-        assert not (plain or transposed)
-    elif role == "group":
-        assert plain or transposed
-    elif role == "token":
+    if role == "token":
         assert plain and not transposed
     elif role == "column":
         assert transposed and not plain

@@ -157,13 +157,13 @@ def test_warmup_select_keys_filters():
     # (2 dtypes x 4 masks x 4 rab/drab modes) with its dQ kernel (16); the FP8 forward (2 output
     # dtypes x 3 head dims x 4 masks x rab or not x P cast, scaled or scaled with mode 1's
     # descales: 144), its V^T kernel for e4m3 V (3 head dims), the quantizers of quant modes 0-5
-    # (2 x 3 x 14 slot sets); the paged forward, sm80 and Hopper (32 each);
+    # (2 x 3 x 12 slot sets); the paged forward, sm80 and Hopper (32 each);
     # the split-key Hopper forward, contiguous and paged (2 dtypes x 4 head dims x 2 masks x rab or not);
     # the FP8 backward pair and its drab dQ kernels (64 + 32 at D64/128, 48 at D256), for quant modes 0,
     # 2-5 and for mode 1, and the fused FP8 backward (2 dtypes x 4 masks at D128).
-    assert len(select_keys("sm_90a")) == (96 + 192 + 64 + 96 + 16 + 32 + 16 + 144 + 3 + 84 + 32 + 32 + 32
+    assert len(select_keys("sm_90a")) == (96 + 192 + 64 + 96 + 16 + 32 + 16 + 144 + 3 + 72 + 32 + 32 + 32
                                           + 32 + 64 + 2 * (64 + 32 + 48) + 8)
-    assert len(select_keys("sm_90a", kernels="fwd")) == 96 + 64 + 144 + 3 + 84 + 32 + 32 + 32 + 32 + 64
+    assert len(select_keys("sm_90a", kernels="fwd")) == 96 + 64 + 144 + 3 + 72 + 32 + 32 + 32 + 32 + 64
     # + the FP8 pair and drab dQ kernels, for quant modes 0, 2-5 and for mode 1, and the fused FP8 kernel
     assert len(select_keys("sm_90a", kernels="bwd")) == 192 + 96 + 16 + 32 + 16 + 2 * (64 + 32 + 48) + 8
     keys = select_keys("sm_90a", ["bfloat16"], [128], ["causal"], "none", kernels="fwd")

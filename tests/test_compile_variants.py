@@ -76,11 +76,11 @@ def test_every_hopper_variant_compiles(tmp_cache):
     keys = (shipped_hopper_fwd_keys("sm_90a") + shipped_hopper_bwd_keys("sm_90a") + shipped_hopper_fp8_fwd_keys()
             + shipped_hopper_paged_fwd_keys() + shipped_hopper_fp8_bwd_keys())
     # FP8: the forward with P cast, scaled P and scaled P with mode 1's descales (144), V^T of
-    # e4m3 V (3), the slot quantizers of quant modes 0-5 (84); the paged KV-cache forward (32);
+    # e4m3 V (3), the slot quantizers of quant modes 0-5 (72); the paged KV-cache forward (32);
     # the split-key forward, contiguous and paged (32 each); the FP8 backward pair (64) and its dQ
     # kernels that write drab (32), at D64/128 and D256 (48 more), each for quant modes 0, 2-5 and for mode 1;
     # the fused FP8 backward at D128 (8, opt-in).
-    assert len(keys) == len(set(keys)) == (64 + 96 + 16 + 32 + 16 + 144 + 3 + 84 + 32 + 32 + 32
+    assert len(keys) == len(set(keys)) == (64 + 96 + 16 + 32 + 16 + 144 + 3 + 72 + 32 + 32 + 32
                                            + 2 * (64 + 32 + 48) + 8)
     assert sum(getattr(k, "two_direction", False) for k in keys if k.kernel_name.startswith("hopper_bwd_fp8")) == 144
     assert sum(k.kernel_name.startswith("hopper_fwd") and getattr(k, "split_keys", False) for k in keys) == 64

@@ -455,3 +455,26 @@ def g_to_smem_keys_contiguous(acc_G: cute.Tensor, base: Float32, sG: cute.Tensor
         word = prmt(own, cute.arch.shuffle_sync_bfly(own, 4), selector)
         ptr = cute.make_ptr(Uint32, address + j * 1024, cute.AddressSpace.smem, assumed_align=4)
         cute.make_tensor(ptr, cute.make_layout(1))[0] = word
+
+
+@cute.jit
+def cast_tile_e4m3(sSrc: cute.Tensor, sDst: cute.Tensor, inverse: Float32, tidx: Int32,
+                   num_threads: cutlass.Constexpr[int]):
+    """e4m3(x * ``inverse``) of a 16-bit (rows, cols) smem tile into an e4m3 tile of the same
+    logical shape, each in its own (swizzled WGMMA) layout, by ``num_threads`` threads: runs of 8
+    elements along cols (16 bytes read, 8 written; both swizzles keep such a run contiguous). The
+    arithmetic of the quantizers (hstu_cute.hopper.quantize), so the bytes match theirs. The
+    caller fences (``fence_proxy`` async shared) before a WGMMA reads ``sDst``."""
+    rows, cols = cute.size(sSrc, mode=[0]), cute.size(sSrc, mode=[1])
+    chunks = cols // 8
+    assert cols % 8 == 0 and num_threads % chunks == 0
+    lanes_per_row = chunks
+    rows_per_pass = num_threads // lanes_per_row
+    chunk = tidx % lanes_per_row
+    row = tidx // lanes_per_row
+    values = cute.make_rmem_tensor(cute.make_layout(8), sSrc.element_type)
+    out = cute.make_rmem_tensor(cute.make_layout(8), cutlass.Float8E4M3FN)
+    for r in cutlass.range(row, rows, rows_per_pass, unroll=2):
+        cute.autovec_copy(cute.local_tile(sSrc[r, None], (8,), (chunk,)), values)
+        out.store((values.load().to(Float32) * inverse).to(cutlass.Float8E4M3FN))
+        cute.autovec_copy(out, cute.local_tile(sDst[r, None], (8,), (chunk,)))

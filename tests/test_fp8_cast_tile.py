@@ -62,8 +62,9 @@ def _compile(dtype_name: str, rows: int, cols: int):
     import cutlass.cute as cute
 
     probe, dtype = _probe(dtype_name, rows, cols)
-    x = cute.runtime.make_fake_compact_tensor(dtype, (rows, cols), assumed_align=16)
-    y = cute.runtime.make_fake_compact_tensor(cutlass.Float8E4M3FN, (rows, cols), assumed_align=16)
+    x = cute.runtime.make_fake_compact_tensor(dtype, (rows, cols), stride_order=(1, 0), assumed_align=16)
+    y = cute.runtime.make_fake_compact_tensor(cutlass.Float8E4M3FN, (rows, cols), stride_order=(1, 0),
+                                                  assumed_align=16)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(probe, x, y, cutlass.Float32(1.0), stream, options="--enable-tvm-ffi --gpu-arch sm_90a")
 

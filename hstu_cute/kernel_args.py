@@ -183,11 +183,16 @@ def _quant_slot_args(i: int) -> tuple:
             Arg(f"num_blocks{i}", _i32, used))
 
 
-def _barrier_count(s: FakeShapes):
-    import cutlass
-    import cutlass.cute as cute
+def _int_words(count: int, align: int):
+    """``count`` int32 device words (counters a kernel and its launcher share)."""
 
-    return cute.runtime.make_fake_compact_tensor(cutlass.Int32, (1,), assumed_align=4)
+    def fake(s: FakeShapes):
+        import cutlass
+        import cutlass.cute as cute
+
+        return cute.runtime.make_fake_compact_tensor(cutlass.Int32, (count,), assumed_align=align)
+
+    return fake
 
 
 def _cooperative(key) -> bool:
@@ -265,15 +270,8 @@ _NUM_SMS = Arg("num_sms", _i32)
 _BH_PER_SECTION = Arg("bh_per_section", _i32)
 
 
-def _tile_counter(s: FakeShapes):
-    import cutlass
-    import cutlass.cute as cute
-
-    return cute.runtime.make_fake_compact_tensor(cutlass.Int32, (2,), assumed_align=8)
-
-
 # (2,) int32, zero at launch, zero again after it (common.tile_scheduler.TileClaims)
-_TILE_COUNTER = Arg("mTileCounter", _tile_counter, lambda key: key.dynamic_tiles)
+_TILE_COUNTER = Arg("mTileCounter", _int_words(2, 8), lambda key: key.dynamic_tiles)
 
 
 def _cache_rows(s: FakeShapes):
@@ -354,7 +352,7 @@ SPECS: dict[str, tuple[Arg, ...]] = {
     # Several tensors per launch (hstu_cute.hopper.quantize_slots): up to QUANT_MAX_SLOTS slots.
     # With "group" slots: the grid barrier's arrival count (zero at launch) and the SM count.
     "hopper_fwd_quant_slots": (*(arg for i in range(QUANT_MAX_SLOTS) for arg in _quant_slot_args(i)),
-                               Arg("mBarrier", _barrier_count, _cooperative), Arg("num_sms", _i32, _cooperative)),
+                               Arg("mBarrier", _int_words(1, 4), _cooperative), Arg("num_sms", _i32, _cooperative)),
     "hopper_bwd_dq": (_Q, _K, _V, _DO, _DQ, *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS,
                       _BH_PER_SECTION, _TILE_COUNTER),
     "hopper_bwd_wide": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _TMA_RAB,

@@ -71,9 +71,7 @@ class BlockQuantizer:
         """One block: load, scale, cast, store the (T, H, D) copy (``plain``) and/or V^T
         (``transposed``). ``warp_max`` (one fp32 per warp), ``dim_max`` ((D, warps) fp32; role
         "column") and ``sT`` ((D, 128 + pad) e4m3; ``transposed``): the shared memory to use."""
-        seq_start = mOffsets[batch]
-        row0 = block * BLOCK_TOKENS
-        rows = cutlass.min(mOffsets[batch + 1] - seq_start - row0, BLOCK_TOKENS)
+        seq_start, row0, rows = self.block_rows(mOffsets, batch, block)
         chunk = tidx % self.chunks
         row_in_pass = tidx // self.chunks
         values = self.load_block(mX, seq_start + row0, rows, head, chunk, row_in_pass)
@@ -115,6 +113,15 @@ class BlockQuantizer:
                                       cute.local_tile(mO[seq_start + row0 + r, head, None], (VEC,), (chunk,)))
         if const_expr(transposed):
             self.store_transposed(out, mVt, tidx, chunk, row_in_pass, seq_start, batch, head, row0, rows, sT)
+
+    @staticmethod
+    @cute.jit
+    def block_rows(mOffsets, batch: Int32, block: Int32):
+        """(its sequence's first token, the block's first row in it, its token count: <= 0 past
+        the sequence) of a block."""
+        seq_start = mOffsets[batch]
+        row0 = block * BLOCK_TOKENS
+        return seq_start, row0, cutlass.min(mOffsets[batch + 1] - seq_start - row0, BLOCK_TOKENS)
 
     @cute.jit
     def load_block(self, mX, token0: Int32, rows: Int32, head: Int32, chunk: Int32, row_in_pass: Int32) -> cute.Tensor:

@@ -34,7 +34,6 @@ from ..fp8_format import BLOCK_TOKENS, QUANT_MAX_SLOTS
 from .quantize import _ROW_PAD, QUANT_ROLES, BlockQuantizer
 
 
-
 def ctas_per_sm(head_dim: int) -> int:
     """Persistent CTAs per SM of a cooperative ("group") launch, 256 threads each, also the
     launch's minimum CTAs per SM (ptxas keeps the registers within it): a thread holds D / 2
@@ -88,8 +87,10 @@ class QuantizeSlotsSm90(BlockQuantizer):
                              num_blocks1, mX2, mOffsets2, mScale2, mO2, mVt2, num_blocks2, mX3, mOffsets3, mScale3,
                              mO3, mVt3, num_blocks3, mBarrier)
         if const_expr(self.cooperative):
-            kernel.launch(grid=[num_sms * ctas_per_sm(self.head_dim), 1, 1], block=[self.num_threads, 1, 1], stream=stream,
-                          cooperative=True, min_blocks_per_mp=ctas_per_sm(self.head_dim),
+            # A carveout given keeps the DSL from querying the device for its smem per SM when
+            # min_blocks_per_mp > 1 (the compile runs on machines without a GPU).
+            kernel.launch(grid=[num_sms * ctas_per_sm(self.head_dim), 1, 1], block=[self.num_threads, 1, 1],
+                          stream=stream, cooperative=True, min_blocks_per_mp=ctas_per_sm(self.head_dim),
                           preferred_smem_carveout=100)
         else:
             blocks = num_blocks0
@@ -165,8 +166,8 @@ class QuantizeSlotsSm90(BlockQuantizer):
                         self.max_into(mScale, group, amax, tidx, warp_max)
                     group = entry
                     amax = Float32(0.0)
-                start, rows = self.block_rows(mOffsets, batch, block)
-                amax = self.thread_amax(self.load_block(mX, start, rows, head, chunk, row_in_pass), amax)
+                seq_start, row0, rows = self.block_rows(mOffsets, batch, block)
+                amax = self.thread_amax(self.load_block(mX, seq_start + row0, rows, head, chunk, row_in_pass), amax)
             if group >= 0:
                 self.max_into(mScale, group, amax, tidx, warp_max)
             self.grid_barrier(mBarrier, ctas * (i + 1), tidx)
@@ -177,14 +178,6 @@ class QuantizeSlotsSm90(BlockQuantizer):
                                     sT, tidx, block, batch, head)
                 if const_expr(transposed):
                     cute.arch.sync_threads()  # sT is rewritten by the next block
-
-    @staticmethod
-    @cute.jit
-    def block_rows(mOffsets, batch: Int32, block: Int32):
-        """The first token of a block and its token count (<= 0 past the sequence)."""
-        seq_start = mOffsets[batch]
-        start = seq_start + block * BLOCK_TOKENS
-        return start, cutlass.min(mOffsets[batch + 1] - start, BLOCK_TOKENS)
 
     @cute.jit
     def max_into(self, mScale, entry: Int32, amax: Float32, tidx: Int32, warp_max: cute.Tensor):

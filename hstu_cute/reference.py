@@ -435,7 +435,7 @@ def hstu_attn_fp8_grad_emulation(q, k, v, dout, seq_offsets_q, seq_offsets_k, ma
                                  num_contexts=None, num_targets=None, target_group_size=1, window_size=(-1, -1),
                                  alpha=1.0, rab=None, is_delta_q=False, *, quant_mode: int, scaling_seqlen=-1,
                                  quantize_inputs: bool = True, round_products: bool = True, tile_m: int = 64,
-                                 tile_n: int = 128, fused_dq: bool = False) -> dict:
+                                 tile_n: int = 128, fused_dq: bool = False, seqused_q=None, seqused_k=None) -> dict:
     """The FP8 backward's oracle (docs/design/fp8-backward.md): ``dict(dq, dk, dv, drab)`` in fp32.
 
     With ``quantize_inputs``, q, k, v and dO (dO with q's groups) are quantized with
@@ -449,7 +449,10 @@ def hstu_attn_fp8_grad_emulation(q, k, v, dout, seq_offsets_q, seq_offsets_k, ma
     power-of-two scale (:func:`tile_scale_e4m3`); the rounding is of the
     unscaled values (silu(z), alpha silu'(z) dP), 1/S applied after the products. Without
     either flag this is the fp32 backward of spec section 2 written out (the tests compare it
-    with autograd of :func:`hstu_attn_reference`). No seqused."""
+    with autograd of :func:`hstu_attn_reference`). ``seqused_q`` / ``seqused_k``: each sequence
+    attends over its valid prefixes only (the padding rows' gradients are zeros), while the
+    quantization groups still span the whole storage, padding included, as the device quantizers'
+    do (they see the offsets, not seqused)."""
     from .fp8_format import P_AMAX_FLOOR
     from .quantize import QuantMode, dequantize, quantize
 
@@ -476,8 +479,14 @@ def hstu_attn_fp8_grad_emulation(q, k, v, dout, seq_offsets_q, seq_offsets_k, ma
     S = scaling_seqlen if scaling_seqlen != -1 else max(max_seqlen_q, 1)
     # Rows whose tiles hold nothing but masked or zero entries keep a scale above zero.
     g_floor = 2.0 ** -120
+    used_q = _host_list(seqused_q, "seqused_q", len(offs_q) - 1)
+    used_k = _host_list(seqused_k, "seqused_k", len(offs_q) - 1)
     for b in range(len(offs_q) - 1):
         sq, Lq, sk, Lk = offs_q[b], offs_q[b + 1] - offs_q[b], offs_k[b], offs_k[b + 1] - offs_k[b]
+        if used_q is not None:
+            Lq = min(Lq, used_q[b])
+        if used_k is not None:
+            Lk = min(Lk, used_k[b])
         if Lq == 0 or Lk == 0:
             continue
         seq = seq_mask_from_lengths(spec, Lq, Lk, wl, wr, ctx[b] if ctx else 0, tgt[b] if tgt else 0,

@@ -29,7 +29,8 @@ MASKS = {
     "ctx+tgt": dict(window_size=(-1, 0), num_contexts=200, num_targets=300, target_group_size=3),
 }
 _EMULATION_ARGS = ("seq_offsets_q", "seq_offsets_k", "max_seqlen_q", "max_seqlen_k", "num_contexts", "num_targets",
-                   "target_group_size", "window_size", "alpha", "rab", "is_delta_q", "scaling_seqlen")
+                   "target_group_size", "window_size", "alpha", "rab", "is_delta_q", "scaling_seqlen", "seqused_q",
+                   "seqused_k")
 
 
 def _seed(*parts) -> int:
@@ -98,6 +99,33 @@ def test_fp8_backward_grid(case):
     b = random_jagged_batch(8, 2, head_dim, mq, mk, device="cuda", dtype=dtype, seed=seed, rab_heads=rab_heads,
                             is_delta_q=mq < mk, lengths=lengths, alpha=0.5, **MASKS[mask])
     check(b, mode, seed)
+
+
+# seqused: valid prefixes shorter than the storage (the quantizers' groups still span it, padding
+# included, as the emulation's do): (mode, mask, head dim, dtype, max lengths q/k)
+SEQUSED_GRID = [
+    (2, "causal", 128, torch.bfloat16, (1024, 1024)),
+    (5, "ctx+tgt", 128, torch.float16, (700, 700)),
+    (1, "local", 64, torch.bfloat16, (600, 600)),
+    (0, "none", 256, torch.bfloat16, (400, 400)),
+    (2, "causal", 64, torch.float16, (300, 900)),  # delta_q
+]
+
+
+@pytest.mark.parametrize("case", SEQUSED_GRID, ids=lambda c: f"mode{c[0]}-{c[1]}-d{c[2]}-{str(c[3])[6:]}-{c[4][0]}x{c[4][1]}")
+def test_fp8_backward_seqused(case):
+    mode, mask, head_dim, dtype, (mq, mk) = case
+    seed = _seed("seqused", case)
+    b = random_jagged_batch(6, 2, head_dim, mq, mk, device="cuda", dtype=dtype, seed=seed, is_delta_q=mq < mk,
+                            lengths="random", alpha=0.5, seqused=True, **MASKS[mask])
+    used_q, used_k = b["seqused_q"].tolist(), b["seqused_k"].tolist()
+    offs_q, offs_k = b["seq_offsets_q"].tolist(), b["seq_offsets_k"].tolist()
+    pad_q = [t for i in range(6) for t in range(offs_q[i] + used_q[i], offs_q[i + 1])]
+    pad_k = [t for i in range(6) for t in range(offs_k[i] + used_k[i], offs_k[i + 1])]
+    assert pad_q and pad_k, "the batch must have padding rows"
+    kernel = check(b, mode, seed)
+    assert kernel["dq"][pad_q].abs().max().item() == 0.0
+    assert kernel["dk"][pad_k].abs().max().item() == 0.0 and kernel["dv"][pad_k].abs().max().item() == 0.0
 
 
 # The fused kernel (opt-in: D128, modes 0 and 2-5, no rab, keys of at least FUSED_MIN_SEQLEN_K

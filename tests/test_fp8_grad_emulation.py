@@ -44,6 +44,28 @@ def test_written_out_backward_equals_autograd(case):
         assert (got[name] - want[name]).abs().max().item() <= 1e-9 * scale, name
 
 
+@pytest.mark.parametrize("delta_q", [False, True])
+def test_written_out_backward_with_seqused_equals_autograd(delta_q):
+    """seqused shortens each sequence to a prefix of its storage: the written-out backward attends
+    over the prefixes only, as the oracle does (padding rows get zero gradients)."""
+    kw = dict(window_size=(-1, 0), is_delta_q=True) if delta_q else dict(window_size=(20, 7), rab_heads=1)
+    batch = random_jagged_batch(5, 2, 32, 150, 190 if delta_q else None, lengths=[150, 1, 17, 0, 97], alpha=0.4,
+                                dtype=torch.float64, seed=23, seqused=True, **kw)
+    args = {k: batch[k] for k in ORACLE_KEYS + ("seqused_q", "seqused_k")}
+    assert args["seqused_k"] is not None
+    dout = torch.randn(batch["q"].shape, generator=torch.Generator().manual_seed(24), dtype=torch.float64) * 1e-2
+    want = reference.reference_grads(**args, dout=dout, compute_dtype=torch.float64)
+    got = reference.hstu_attn_fp8_grad_emulation(**args, dout=dout, quant_mode=5, quantize_inputs=False,
+                                                 round_products=False)
+    for name in ("dq", "dk", "dv") + (("drab",) if args["rab"] is not None else ()):
+        scale = want[name].abs().max().item() or 1.0
+        assert (got[name] - want[name]).abs().max().item() <= 1e-9 * scale, name
+    offs_k, used_k = args["seq_offsets_k"].tolist(), args["seqused_k"].tolist()
+    padding = [t for b in range(5) for t in range(offs_k[b] + used_k[b], offs_k[b + 1])]
+    assert padding, "the batch must have key padding for this test to mean anything"
+    assert got["dk"][padding].abs().max().item() == 0.0 and got["dv"][padding].abs().max().item() == 0.0
+
+
 def _errors(args, dout, mode, **flags):
     exact = reference.reference_grads(**args, dout=dout, compute_dtype=torch.float32)
     got = reference.hstu_attn_fp8_grad_emulation(**args, dout=dout, quant_mode=mode, **flags)

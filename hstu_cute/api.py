@@ -10,12 +10,24 @@ import torch
 import tvm_ffi  # noqa: F401  (the kernels' calling convention; importing it here keeps its ~50 ms
 #                  one-time cost out of the first call, e.g. out of a disk-cache load)
 
+from .call import (
+    OP_NAMES,
+    SEQUENCE_NAMES,
+    Call,
+    PagedTables,
+    call_of_op_arguments,
+    op_arguments,
+    op_arguments_of,
+    op_scalars,
+    op_schema_args,
+    op_values,
+    sequence_tensors,
+)
 from .launch import backward, backward_fp8, check_fp8_backward, forward, forward_fp8
 from .validation import (
     check_device_data,
     device_checks_enabled,
     fail,
-    problem_of_op_args,
     output_dtype,
     validate,
     validate_memoized,
@@ -29,37 +41,29 @@ __all__ = ["hstu_attn_varlen_func", "fwd_op", "bwd_op", "fwd_fp8_op", "bwd_fp8_o
 #
 # torch.compile and torch.export trace these ops (their fake implementations give the output
 # shapes without compiling or launching anything). Eager calls skip the dispatcher and call the
-# same Python bodies directly (see _eager), as quack does: going through torch.ops costs ~50-70 us
+# same launchers directly (see _eager), as quack does: going through torch.ops costs ~50-70 us
 # per call on the 2-core CPU machine vs ~5 us for the direct call (scripts/measure_dispatch.py,
-# docs/perf-log.md "custom op dispatch").
+# docs/perf-log.md "custom op dispatch"). The ops take the call flat (hstu_cute.call.OP_FIELDS);
+# their bodies turn it back into the call record.
 # ---------------------------------------------------------------------------------------------
-_OP_ARGS = (
-    "Tensor seq_offsets_q, Tensor seq_offsets_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
-    "Tensor? num_contexts, Tensor? num_targets, SymInt target_group_size, SymInt window_left, "
-    "SymInt window_right, float alpha, Tensor? rab, bool is_delta_q, SymInt scaling_seqlen, "
-    "Tensor? seqused_q, Tensor? seqused_k"
-)
+_OP_ARGS = op_schema_args()
 _FWD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, {_OP_ARGS}) -> Tensor"
 _BWD_SCHEMA = (f"(Tensor dout, Tensor q, Tensor k, Tensor v, {_OP_ARGS}, bool has_drab, bool deterministic)"
                " -> (Tensor, Tensor, Tensor, Tensor)")
 
-def _check_data(p, q, k, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-                seqused_q, seqused_k, paged=None):
+
+def _check_data(call: Call, q, k):
     if device_checks_enabled():
-        check_device_data(p, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, q, k, num_contexts,
-                          num_targets, seqused_q, seqused_k, paged)
+        check_device_data(call.problem, call.seq_offsets_q, call.seq_offsets_k, call.max_seqlen_q,
+                          call.max_seqlen_k, q, k, call.num_contexts, call.num_targets, call.seqused_q,
+                          call.seqused_k, call.paged)
 
 
-def _fwd_impl(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-              target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen, seqused_q,
-              seqused_k):
-    p = problem_of_op_args(q, seq_offsets_q, max_seqlen_q, max_seqlen_k, num_contexts, num_targets, window_left,
-                             window_right, rab, is_delta_q, scaling_seqlen)
+def _fwd_impl(q, k, v, *op_args):
+    call, rab = call_of_op_arguments(q, op_args)
     # Compiled graphs reach the device-data checks here (eager calls run them before the op).
-    _check_data(p, q, k, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-                seqused_q, seqused_k)
-    return forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-                   target_group_size, alpha, rab, seqused_q, seqused_k, p)
+    _check_data(call, q, k)
+    return forward(q, k, v, rab, call)
 
 
 def _fwd_fake(q, k, v, *rest):
@@ -71,23 +75,20 @@ def _empty_drab(q):
     return q.new_empty((0,))
 
 
-def _bwd_impl(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-              target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen, seqused_q,
-              seqused_k, has_drab, deterministic):
-    p = problem_of_op_args(q, seq_offsets_q, max_seqlen_q, max_seqlen_k, num_contexts, num_targets, window_left,
-                             window_right, rab, is_delta_q, scaling_seqlen)
-    grads = backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
-                     num_targets, target_group_size, alpha, rab, has_drab, seqused_q, seqused_k, p, deterministic)
+def _bwd_impl(dout, q, k, v, *args):
+    *op_args, has_drab, deterministic = args
+    call, rab = call_of_op_arguments(q, tuple(op_args), has_drab=has_drab, deterministic=deterministic)
+    grads = backward(dout, q, k, v, rab, call)
     # The fake implementation promises contiguous gradients (compiled graphs rely on its strides);
     # a launcher may hand back a strided view (e.g. drab of a padded slab): copy it then.
     dq, dk, dv, drab = (g if g is None or g.is_contiguous() else g.contiguous() for g in grads)
     return dq, dk, dv, (drab if drab is not None else _empty_drab(q))
 
 
-def _bwd_fake(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-              target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen, seqused_q,
-              seqused_k, has_drab, deterministic):
+def _bwd_fake(dout, q, k, v, *args):
     # Contiguous gradients in the input dtype; drab shaped like rab (0 elements without has_drab).
+    *op_args, has_drab, _ = args
+    rab = op_values(op_args)["rab"]
     drab = rab.new_empty(rab.shape) if has_drab and rab is not None else _empty_drab(q)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), drab
 
@@ -98,16 +99,17 @@ _FWD_FP8_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, Tensor? descale_q, Tensor? d
                    f"{_OP_ARGS}, int quant_mode, bool has_drab=False, bool deterministic=False) -> Tensor")
 
 
-def _fwd_fp8_impl(q, k, v, descale_q, descale_k, descale_v, seq_offsets_q, seq_offsets_k, max_seqlen_q,
-                  max_seqlen_k, num_contexts, num_targets, target_group_size, window_left, window_right, alpha, rab,
-                  is_delta_q, scaling_seqlen, seqused_q, seqused_k, quant_mode, has_drab=False, deterministic=False):
+def _fwd_fp8_call(q, args) -> tuple[Call, object]:
+    """(call, rab) of hstu_cute::fwd_fp8's arguments after q, k, v."""
+    descales, (*op_args, quant_mode, has_drab, deterministic) = tuple(args[:3]), args[3:]
+    return call_of_op_arguments(q, tuple(op_args), quant_mode, has_drab, deterministic, descales)
+
+
+def _fwd_fp8_impl(q, k, v, *args):
     # has_drab and deterministic concern the backward (the registered autograd reads them).
-    p = problem_of_op_args(q, seq_offsets_q, max_seqlen_q, max_seqlen_k, num_contexts, num_targets, window_left,
-                           window_right, rab, is_delta_q, scaling_seqlen, quant_mode)
-    _check_data(p, q, k, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-                seqused_q, seqused_k)
-    return forward_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-                       target_group_size, alpha, rab, seqused_q, seqused_k, p, descale_q, descale_k, descale_v)
+    call, rab = _fwd_fp8_call(q, args)
+    _check_data(call, q, k)
+    return forward_fp8(q, k, v, rab, call)
 
 
 def _fwd_fp8_fake(q, *rest):
@@ -120,54 +122,41 @@ _BWD_FP8_SCHEMA = (f"(Tensor dout, Tensor q, Tensor k, Tensor v, {_OP_ARGS}, int
                    f"bool deterministic) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
-def _bwd_fp8_impl(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
-                  num_targets, target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen,
-                  seqused_q, seqused_k, quant_mode, has_drab, deterministic):
-    p = problem_of_op_args(q, seq_offsets_q, max_seqlen_q, max_seqlen_k, num_contexts, num_targets, window_left,
-                           window_right, rab, is_delta_q, scaling_seqlen, quant_mode)
-    dq, dk, dv, drab = backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
-                                    num_contexts, num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p,
-                                    has_drab=has_drab, deterministic=deterministic)
+def _bwd_fp8_impl(dout, q, k, v, *args):
+    *op_args, quant_mode, has_drab, deterministic = args
+    call, rab = call_of_op_arguments(q, tuple(op_args), quant_mode, has_drab, deterministic)
+    dq, dk, dv, drab = backward_fp8(dout, q, k, v, rab, call)
     return dq, dk, dv, (drab.contiguous() if drab is not None else _empty_drab(q))
 
 
-def _bwd_fp8_fake(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
-                  num_targets, target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen,
-                  seqused_q, seqused_k, quant_mode, has_drab, deterministic):
+def _bwd_fp8_fake(dout, q, k, v, *args):
+    *op_args, _, has_drab, _ = args
+    rab = op_values(op_args)["rab"]
     drab = rab.new_empty(rab.shape) if has_drab and rab is not None else _empty_drab(q)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), drab
 
 
 def _fwd_fp8_setup_context(ctx, inputs, output):
-    (q, k, v, _, _, _, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-     target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen, seqused_q, seqused_k,
-     quant_mode, has_drab, deterministic) = inputs
-    ctx.save_for_backward(q, k, v, rab, seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q,
-                          seqused_k)
-    ctx.scalars = (max_seqlen_q, max_seqlen_k, target_group_size, window_left, window_right, alpha, is_delta_q,
-                   scaling_seqlen, quant_mode, has_drab, deterministic)
+    q, k, v, *args = inputs
+    ctx.call, rab = _fwd_fp8_call(q, args)
+    ctx.save_for_backward(q, k, v, rab, *sequence_tensors(ctx.call))
 
 
-def _bwd_fp8_through_op(dout, q, k, v, rab, sequences, scalars):
-    """hstu_cute::bwd_fp8 on a saved call: ``sequences`` are the six integer tensors (offsets,
-    contexts, targets, seqused), ``scalars`` the op's non-tensor arguments in
-    :func:`_fwd_fp8_setup_context`'s order."""
-    seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = sequences
-    (max_seqlen_q, max_seqlen_k, target_group_size, window_left, window_right, alpha, is_delta_q, scaling_seqlen,
-     quant_mode, has_drab, deterministic) = scalars
-    return torch.ops.hstu_cute.bwd_fp8(
-        dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-        target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen, seqused_q, seqused_k,
-        quant_mode, has_drab, deterministic)
+def _bwd_fp8_through_op(dout, q, k, v, rab, call: Call):
+    """hstu_cute::bwd_fp8 on a saved call."""
+    return torch.ops.hstu_cute.bwd_fp8(dout, q, k, v, *op_arguments(call, rab), call.problem.quant_mode,
+                                       call.has_drab, call.deterministic)
 
 
 def _fwd_fp8_backward(ctx, dout):
     q, k, v, rab, *sequences = ctx.saved_tensors
-    dq, dk, dv, drab = _bwd_fp8_through_op(dout, q, k, v, rab, sequences, ctx.scalars)
-    has_drab = ctx.scalars[9]
-    # One gradient per input of fwd_fp8 (24): q, k, v, none for the descales, sequences and
-    # scalars, drab for rab (index 16) with has_drab, none for the rest.
-    return (dq, dk, dv) + (None,) * 13 + (drab if has_drab else None,) + (None,) * 7
+    call = ctx.call
+    dq, dk, dv, drab = _bwd_fp8_through_op(dout, q, k, v, rab, call)
+    # One gradient per input of fwd_fp8: q, k, v, then none but drab for rab with has_drab.
+    grads = dict(zip(("q", "k", "v"), (dq, dk, dv)), rab=drab if call.has_drab else None)
+    names = ("q", "k", "v", "descale_q", "descale_k", "descale_v", *OP_NAMES, "quant_mode", "has_drab",
+             "deterministic")
+    return tuple(grads.get(name) for name in names)
 
 
 # Serving from a paged KV cache: inference only (no autograd), one op with the cache's tables.
@@ -175,16 +164,11 @@ _FWD_PAGED_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, {_OP_ARGS}, Tensor kv_cach
                      f"Tensor page_ids, Tensor last_page_lens) -> Tensor")
 
 
-def _fwd_paged_impl(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-                    target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen, seqused_q,
-                    seqused_k, kv_cache, page_offsets, page_ids, last_page_lens):
-    p = problem_of_op_args(q, seq_offsets_q, max_seqlen_q, max_seqlen_k, num_contexts, num_targets, window_left,
-                           window_right, rab, True, scaling_seqlen, page_size=kv_cache.shape[2])
-    paged = (kv_cache, page_offsets, page_ids, last_page_lens)
-    _check_data(p, q, k, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-                seqused_q, seqused_k, paged)
-    return forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-                   target_group_size, alpha, rab, seqused_q, seqused_k, p, paged=paged)
+def _fwd_paged_impl(q, k, v, *args):
+    op_args, paged = args[:-4], PagedTables(*args[-4:])
+    call, rab = call_of_op_arguments(q, tuple(op_args), paged=paged)
+    _check_data(call, q, k)
+    return forward(q, k, v, rab, call)
 
 
 fwd_op = torch.library.custom_op("hstu_cute::fwd", _fwd_impl, mutates_args=(), schema=_FWD_SCHEMA)
@@ -226,25 +210,19 @@ def _dedupe(tensors: tuple) -> tuple[tuple, tuple | None]:
     return tuple(None if a >= 0 else t for t, a in zip(tensors, alias)), tuple(alias)
 
 
-def _bwd_through_op(dout, q, k, v, rab, sequences, scalars):
+def _bwd_through_op(dout, q, k, v, rab, call: Call):
     """hstu_cute::bwd on a saved call (traced calls, or a dispatch mode watching an eager
-    backward): ``sequences`` are the six integer tensors, ``scalars`` the op's non-tensor
-    arguments, both in :class:`_HstuAttnFunction`'s order."""
-    seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = sequences
-    (max_seqlen_q, max_seqlen_k, target_group_size, window_left, window_right, alpha, is_delta_q, scaling_seqlen,
-     has_drab, deterministic) = scalars
-    return torch.ops.hstu_cute.bwd(
-        dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-        target_group_size, window_left, window_right, alpha, rab, is_delta_q, scaling_seqlen, seqused_q, seqused_k,
-        has_drab, deterministic)
+    backward)."""
+    return torch.ops.hstu_cute.bwd(dout, q, k, v, *op_arguments(call, rab), call.has_drab, call.deterministic)
 
 
 class _HstuAttnFunction(torch.autograd.Function):
     """Autograd over hstu_cute::fwd / hstu_cute::bwd for traced calls (torch.compile,
     torch.export, dispatch modes); eager calls take :class:`_HstuAttnEager`.
 
-    ``scalars`` are the op's non-tensor arguments; ``alias`` is _dedupe's map. The tensors are
-    q, k, v, rab, seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k.
+    The tensors are q, k, v, rab, then the call's per-sequence tensors
+    (:data:`hstu_cute.call.SEQUENCE_NAMES`); ``scalars`` the rest of the call
+    (:class:`hstu_cute.call.OpScalars`); ``alias`` is _dedupe's map.
     """
 
     @staticmethod
@@ -254,63 +232,56 @@ class _HstuAttnFunction(torch.autograd.Function):
         ctx.scalars, ctx.alias = scalars, alias
         if alias is not None:
             tensors = tuple(t if a < 0 else tensors[a] for t, a in zip(tensors, alias))
-        q, k, v, rab, seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = tensors
-        (max_seqlen_q, max_seqlen_k, target_group_size, window_left, window_right, alpha, is_delta_q, scaling_seqlen,
-         _, _) = scalars
-        return torch.ops.hstu_cute.fwd(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
-                                       num_contexts, num_targets, target_group_size, window_left, window_right,
-                                       alpha, rab, is_delta_q, scaling_seqlen, seqused_q, seqused_k)
+        q, k, v, *rest = tensors
+        return torch.ops.hstu_cute.fwd(q, k, v, *_traced_op_arguments(rest, scalars))
 
     @staticmethod
     def backward(ctx, dout):
         if dout is None:
-            return (None,) * 12
-        tensors, alias = ctx.saved_tensors, ctx.alias
+            return (None, None) + (None,) * (4 + len(SEQUENCE_NAMES))
+        tensors, alias, scalars = ctx.saved_tensors, ctx.alias, ctx.scalars
         if alias is not None:
             tensors = tuple(t if a < 0 else tensors[a] for t, a in zip(tensors, alias))
-        q, k, v, rab = tensors[:4]
-        dq, dk, dv, drab = _bwd_through_op(dout, q, k, v, rab, tensors[4:], ctx.scalars)
-        has_drab = ctx.scalars[8]
-        grads = [dq, dk, dv, drab if has_drab else None]
+        q, k, v, *rest = tensors
+        dq, dk, dv, drab = torch.ops.hstu_cute.bwd(dout, q, k, v, *_traced_op_arguments(rest, scalars),
+                                                   scalars.has_drab, scalars.deterministic)
+        grads = [dq, dk, dv, drab if scalars.has_drab else None]
         if alias is not None:  # a tensor given as several of q, k, v gets the sum of their gradients
             for i in (1, 2):
                 if alias[i] >= 0:
                     grads[alias[i]] = grads[alias[i]] + grads[i]
                     grads[i] = None
-        return (None, None, *grads) + (None,) * 6
+        return (None, None, *grads) + (None,) * len(SEQUENCE_NAMES)
+
+
+def _traced_op_arguments(tensors, scalars) -> tuple:
+    """The ops' flat arguments of the traced function's rab and per-sequence tensors."""
+    return op_arguments_of(dict(zip(("rab",) + SEQUENCE_NAMES, tensors)), scalars)
 
 
 class _HstuAttnEager(torch.autograd.Function):
     """Autograd of eager calls: the launchers called directly (no dispatcher). Only q, k, v and
-    rab are inputs of the node; the rest of the call rides in ``call`` (fewer slots for autograd
-    to walk per call)."""
+    rab are inputs of the node; the rest of the call rides in its record (fewer slots for
+    autograd to walk per call)."""
 
     @staticmethod
     def forward(ctx, call, q, k, v, rab):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, rab)
         ctx.call = call
-        p, sequences, scalars = call
-        seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = sequences
-        max_seqlen_q, max_seqlen_k, target_group_size, _, _, alpha, _, _, _, _ = scalars
-        return forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-                       target_group_size, alpha, rab, seqused_q, seqused_k, p)
+        return forward(q, k, v, rab, call)
 
     @staticmethod
     def backward(ctx, dout):
         if dout is None:
             return None, None, None, None, None
         q, k, v, rab = ctx.saved_tensors
-        p, sequences, scalars = ctx.call
-        max_seqlen_q, max_seqlen_k, target_group_size, _, _, alpha, _, _, has_drab, deterministic = scalars
+        call = ctx.call
         if _eager(dout):
-            seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = sequences
-            dq, dk, dv, drab = backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
-                                        num_contexts, num_targets, target_group_size, alpha, rab, has_drab,
-                                        seqused_q, seqused_k, p, deterministic)
+            dq, dk, dv, drab = backward(dout, q, k, v, rab, call)
         else:  # a dispatch mode or tensor subclass is watching the backward: it must see the op
-            dq, dk, dv, drab = _bwd_through_op(dout, q, k, v, rab, sequences, scalars)
-        return None, dq, dk, dv, (drab if has_drab else None)
+            dq, dk, dv, drab = _bwd_through_op(dout, q, k, v, rab, call)
+        return None, dq, dk, dv, (drab if call.has_drab else None)
 
 
 class _HstuAttnFp8Eager(torch.autograd.Function):
@@ -323,12 +294,7 @@ class _HstuAttnFp8Eager(torch.autograd.Function):
     def forward(ctx, call, q, k, v, rab):
         ctx.set_materialize_grads(False)
         ctx.call = call
-        p, sequences, scalars = call
-        seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = sequences
-        max_seqlen_q, max_seqlen_k, target_group_size, alpha, _, _ = scalars
-        out, quantized = forward_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
-                                     num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p,
-                                     keep_quantized=True)
+        out, quantized = forward_fp8(q, k, v, rab, call, keep_quantized=True)
         # What the backward reads of q, k and v (e4m3 copies, half the bytes of the 16-bit
         # tensors), written by the forward's quantizer passes: the backward quantizes only dO.
         ctx.kept_names = tuple(quantized)
@@ -340,19 +306,12 @@ class _HstuAttnFp8Eager(torch.autograd.Function):
         if dout is None:
             return None, None, None, None, None
         q, k, v, rab, *kept = ctx.saved_tensors
-        p, sequences, scalars = ctx.call
-        seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k = sequences
-        max_seqlen_q, max_seqlen_k, target_group_size, alpha, has_drab, deterministic = scalars
+        call = ctx.call
         if _eager(dout):
-            dq, dk, dv, drab = backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
-                                            num_contexts, num_targets, target_group_size, alpha, rab, seqused_q,
-                                            seqused_k, p, has_drab=has_drab, deterministic=deterministic,
-                                            quantized=dict(zip(ctx.kept_names, kept)))
+            dq, dk, dv, drab = backward_fp8(dout, q, k, v, rab, call, quantized=dict(zip(ctx.kept_names, kept)))
         else:  # a dispatch mode or tensor subclass is watching the backward: it must see the op
-            dq, dk, dv, drab = _bwd_fp8_through_op(dout, q, k, v, rab, sequences, (
-                max_seqlen_q, max_seqlen_k, target_group_size, p.window_left, p.window_right, alpha,
-                p.mask.is_delta_q, p.scale_seqlen, p.quant_mode, has_drab, deterministic))
-        return None, dq, dk, dv, (drab if has_drab else None)
+            dq, dk, dv, drab = _bwd_fp8_through_op(dout, q, k, v, rab, call)
+        return None, dq, dk, dv, (drab if call.has_drab else None)
 
 
 def hstu_attn_varlen_func(
@@ -458,14 +417,17 @@ def hstu_attn_varlen_func(
     if not isinstance(deterministic, bool):
         fail(TypeError, "deterministic", "a bool", type(deterministic).__name__)
     eager = _eager(q)
-    p = (validate_memoized if eager else validate)(
-        q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-        target_group_size, window_size, alpha, rab, has_drab, is_delta_q, descale_q, descale_k, descale_v, descale_do,
-        quant_mode, scaling_seqlen, seqused_q, seqused_k, kv_cache, page_offsets, page_ids, last_page_lens)
-    paged = (kv_cache, page_offsets, page_ids, last_page_lens) if p.page_size else None
+    args = (q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
+            target_group_size, window_size, alpha, rab, has_drab, is_delta_q, descale_q, descale_k, descale_v,
+            descale_do, quant_mode, scaling_seqlen, seqused_q, seqused_k, kv_cache, page_offsets, page_ids,
+            last_page_lens)
+    p, plans = validate_memoized(*args) if eager else (validate(*args), {})
+    paged = PagedTables(kv_cache, page_offsets, page_ids, last_page_lens) if p.page_size else None
+    call = Call(p, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets, seqused_q,
+                seqused_k, target_group_size, alpha, has_drab, deterministic, (descale_q, descale_k, descale_v), paged,
+                plans)
     if eager:
-        _check_data(p, q, k, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-                    seqused_q, seqused_k, paged)
+        _check_data(call, q, k)
     needs_grad = torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or (has_drab and rab.requires_grad))
     if paged is not None:
@@ -474,39 +436,23 @@ def hstu_attn_varlen_func(
                 "q/k/v.requires_grad: the paged KV cache path is inference-only (no backward); run it under "
                 "torch.no_grad() or pass detached tensors")
         if eager:
-            return forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
-                           num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p, paged=paged)
-        return torch.ops.hstu_cute.fwd_paged(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
-                                             num_contexts, num_targets, target_group_size, p.window_left,
-                                             p.window_right, alpha, rab, True, scaling_seqlen, seqused_q, seqused_k,
-                                             kv_cache, page_offsets, page_ids, last_page_lens)
+            return forward(q, k, v, rab, call)
+        return torch.ops.hstu_cute.fwd_paged(q, k, v, *op_arguments(call, rab), *paged)
     if p.fp8:
         if needs_grad:
             # Before any work: a call no FP8 backward serves fails here, never with a 16-bit backward.
             check_fp8_backward(p)
             if eager:
-                sequences = (seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k)
-                return _HstuAttnFp8Eager.apply((p, sequences, (max_seqlen_q, max_seqlen_k, target_group_size, alpha,
-                                                               has_drab, deterministic)), q, k, v, rab)
+                return _HstuAttnFp8Eager.apply(call, q, k, v, rab)
         if eager:
-            return forward_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
-                               num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p, descale_q,
-                               descale_k, descale_v)
-        return torch.ops.hstu_cute.fwd_fp8(q, k, v, descale_q, descale_k, descale_v, seq_offsets_q, seq_offsets_k,
-                                           max_seqlen_q, max_seqlen_k, num_contexts, num_targets, target_group_size,
-                                           p.window_left, p.window_right, alpha, rab, is_delta_q, scaling_seqlen,
-                                           seqused_q, seqused_k, quant_mode, has_drab, deterministic)
+            return forward_fp8(q, k, v, rab, call)
+        return torch.ops.hstu_cute.fwd_fp8(q, k, v, descale_q, descale_k, descale_v, *op_arguments(call, rab),
+                                           quant_mode, has_drab, deterministic)
     if needs_grad:
-        scalars = (max_seqlen_q, max_seqlen_k, target_group_size, p.window_left, p.window_right, alpha, is_delta_q,
-                   scaling_seqlen, has_drab, deterministic)
-        tensors = (q, k, v, rab, seq_offsets_q, seq_offsets_k, num_contexts, num_targets, seqused_q, seqused_k)
         if eager:
-            return _HstuAttnEager.apply((p, tensors[4:], scalars), q, k, v, rab)
-        tensors, alias = _dedupe(tensors)
-        return _HstuAttnFunction.apply(scalars, alias, *tensors)
+            return _HstuAttnEager.apply(call, q, k, v, rab)
+        tensors, alias = _dedupe((q, k, v, rab) + sequence_tensors(call))
+        return _HstuAttnFunction.apply(op_scalars(call), alias, *tensors)
     if eager:
-        return forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
-                       num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p)
-    return torch.ops.hstu_cute.fwd(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
-                                   num_targets, target_group_size, p.window_left, p.window_right, alpha, rab,
-                                   is_delta_q, scaling_seqlen, seqused_q, seqused_k)
+        return forward(q, k, v, rab, call)
+    return torch.ops.hstu_cute.fwd(q, k, v, *op_arguments(call, rab))

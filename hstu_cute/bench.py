@@ -304,23 +304,16 @@ def _sdpa_lines(w: Workload, row: dict, f: float, mode: str) -> None:
 
 def run_workload(w: Workload, tiles: dict | None = None, sets: int = 3, path: str | None = None) -> dict:
     """Forward kernel on ``w`` (``path``: 'hopper' or 'ampere'; default: the device's own)."""
-    from . import arch, launch, validation
+    from . import arch, launch
+    from .testing import call_record
 
     inputs = [make_inputs(w, seed=s) for s in range(sets)]
     lens_q, lens_k = inputs[0]["_lens_q"], inputs[0]["_lens_k"]
     calls = []
     for kw in inputs:
-        kw = {k: v for k, v in kw.items() if not k.startswith("_")}
-        p = validation.validate(
-            kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
-            kw["max_seqlen_k"], kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1),
-            kw["window_size"], 1.0, kw.get("rab"), False, kw["is_delta_q"], None, None, None, None, -1, -1,
-            None, None,
-        )
-        calls.append(lambda kw=kw, p=p: launch.forward(
-            kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
-            kw["max_seqlen_k"], kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1),
-            1.0, kw.get("rab"), None, None, p, tiles, path=path))
+        call, rab = call_record(**kw)
+        calls.append(lambda kw=kw, c=call, rab=rab: launch.forward(kw["q"], kw["k"], kw["v"], rab, c, tiles,
+                                                                   path=path))
     calls[0]()  # compile (or load from the module cache) outside the timing
     ms, iqr = time_cuda(calls)
     f, convention = flops(w, lens_q, lens_k)
@@ -341,8 +334,9 @@ def run_workload_fp8(w: Workload, entry: str = "kernel", tiles: dict | None = No
     call), "kernelN" (mode N's kernel alone, N >= 1) or "quantN" (mode N's quantizers and V^T
     alone, timed as CUDA-graph replays (:func:`time_graphed`): the row adds ``gbps``, 16-bit q,
     k, v read and e4m3 q, k, V^T written once)."""
-    from . import launch, validation
+    from . import launch
     from .quantize import QuantMode, quantize_batch
+    from .testing import call_record
 
     inputs = [make_inputs(w, seed=s) for s in range(sets)]
     lens_q, lens_k = inputs[0]["_lens_q"], inputs[0]["_lens_k"]
@@ -351,27 +345,22 @@ def run_workload_fp8(w: Workload, entry: str = "kernel", tiles: dict | None = No
     for kw in inputs:
         kw = {k: v for k, v in kw.items() if not k.startswith("_")}
         if mode >= 0:
-            args, descales, quant_mode = (kw["q"], kw["k"], kw["v"]), (None, None, None), mode
+            args, fp8_kw = (kw["q"], kw["k"], kw["v"]), dict(quant_mode=mode)
         else:
             quantized = quantize_batch(kw, QuantMode.PER_TENSOR)
-            args, descales, quant_mode = tuple(x.data for x in quantized), tuple(x.scale for x in quantized), -1
-        rab = kw.get("rab")
-        if rab is not None and quant_mode == -1:
-            rab = rab.to(torch.bfloat16)
-        p = validation.validate(
-            *args, kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"], kw["max_seqlen_k"],
-            kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1), kw["window_size"], 1.0,
-            rab, False, kw["is_delta_q"], *descales, None, quant_mode, -1, None, None)
-        offsets = (kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"], kw["max_seqlen_k"])
-        common = (*offsets, kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1), 1.0, rab,
-                  None, None, p)
+            args = tuple(x.data for x in quantized)
+            fp8_kw = dict(zip(("descale_q", "descale_k", "descale_v"), (x.scale for x in quantized)))
+            if kw.get("rab") is not None:
+                fp8_kw["rab"] = kw["rab"].to(torch.bfloat16)
+        call, rab = call_record(**dict(kw, q=args[0], k=args[1], v=args[2], **fp8_kw))
         if entry.startswith("kernel"):
-            q8, k8, fp8 = launch.prepare_fp8(*args, *offsets, p, *descales)
-            calls.append(lambda q8=q8, k8=k8, c=common, fp8=fp8: launch.forward(q8, k8, None, *c, tiles, fp8=fp8))
+            q8, k8, fp8 = launch.prepare_fp8(*args, call)
+            calls.append(lambda q8=q8, k8=k8, c=call, rab=rab, fp8=fp8: launch.forward(q8, k8, None, rab, c, tiles,
+                                                                                      fp8=fp8))
         elif entry.startswith("quant"):
-            calls.append(lambda a=args, o=offsets, p=p: launch.prepare_fp8(*a, *o, p))
+            calls.append(lambda a=args, c=call: launch.prepare_fp8(*a, c))
         else:
-            calls.append(lambda a=args, c=common, d=descales: launch.forward_fp8(*a, *c, *d, tiles=tiles))
+            calls.append(lambda a=args, c=call, rab=rab: launch.forward_fp8(*a, rab, c, tiles=tiles))
     calls[0]()
     ms, iqr, timing = time_graphed(calls) if entry.startswith("quant") else (*time_cuda(calls), "queued")
     f, convention = flops(w, lens_q, lens_k)
@@ -388,23 +377,16 @@ def backward_call(w: Workload, seed: int = 0, tiles_dq: dict | None = None, tile
                   path: str | None = None, deterministic: bool = False):
     """(call, lens_q, lens_k): ``call()`` runs the backward kernels alone (dq, dk, dv[, drab]) on
     one random input set of ``w``."""
-    from . import launch, validation
+    from . import launch
+    from .testing import call_record
 
     full = make_inputs(w, seed=seed)
     kw = {k: v for k, v in full.items() if not k.startswith("_")}
-    p = validation.validate(
-        kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
-        kw["max_seqlen_k"], kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1),
-        kw["window_size"], 1.0, kw.get("rab"), kw.get("rab") is not None, kw["is_delta_q"], None, None, None,
-        None, -1, -1, None, None,
-    )
+    record, rab = call_record(**kw, has_drab=kw.get("rab") is not None, deterministic=deterministic)
     dout = torch.rand_like(kw["q"])
 
     def call():
-        return launch.backward(
-            dout, kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
-            kw["max_seqlen_k"], kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1), 1.0,
-            kw.get("rab"), kw.get("rab") is not None, None, None, p, deterministic, tiles_dq, tiles_dkdv, path)
+        return launch.backward(dout, kw["q"], kw["k"], kw["v"], rab, record, tiles_dq, tiles_dkdv, path)
 
     return call, full["_lens_q"], full["_lens_k"]
 
@@ -446,34 +428,32 @@ def run_workload_bwd_fp8(w: Workload, mode: int, entry: str = "kernel", sets: in
     timed as CUDA-graph replays: the row adds ``gbps``, 16-bit q, k, v, dO read and each one's
     e4m3 data and token-contiguous copy written once) or "end2end" (both, per call). ``fused``: force
     the fused kernel (True) or the pair (False); None: the default choice."""
-    from . import launch, validation
+    from . import launch
+    from .testing import call_record
+
+    from .fp8_recipe import recipe
 
     calls = []
     for s in range(sets):
         full = make_inputs(w, seed=s)
         kw = {k: v for k, v in full.items() if not k.startswith("_")}
-        p = validation.validate(
-            kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
-            kw["max_seqlen_k"], kw.get("num_contexts"), kw.get("num_targets"), kw.get("target_group_size", 1),
-            kw["window_size"], 1.0, kw.get("rab"), False, kw["is_delta_q"], None, None, None, None, mode, -1, None,
-            None)
+        call, rab = call_record(**kw, quant_mode=mode)
         dout = (torch.rand_like(kw["q"]) - 0.5) * 0.02
-        offsets = (kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"], kw["max_seqlen_k"])
-        operands = launch.fp8_backward_operands(dout, kw["q"], kw["k"], kw["v"], *offsets, mode)
-        args = (dout, kw["q"], kw["k"], kw["v"], *offsets, kw.get("num_contexts"), kw.get("num_targets"),
-                kw.get("target_group_size", 1), 1.0, kw.get("rab"), None, None, p)
+        operands = launch.fp8_backward_operands(dout, kw["q"], kw["k"], kw["v"], call)
+        args = (dout, kw["q"], kw["k"], kw["v"], rab, call)
         if entry == "kernel":
             calls.append(lambda a=args, o=operands: launch.backward_fp8(*a, operands=o, tiles=tiles, kernels=kernels,
                                                                        fused=fused))
         elif entry == "quant":
-            calls.append(lambda a=args: launch.fp8_backward_operands(*a[:8], mode))
+            calls.append(lambda a=args: launch.fp8_backward_operands(*a[:4], a[5]))
         else:
             calls.append(lambda a=args: launch.backward_fp8(*a, fused=fused))
     calls[0]()
     ms, iqr, timing = time_graphed(calls) if entry == "quant" else (*time_cuda(calls), "queued")
     f, convention = flops(w, full["_lens_q"], full["_lens_k"])
     if fused is None:
-        fused = launch.fp8_backward_fused(w.head_dim, mode, kw["max_seqlen_k"], kw.get("rab") is not None, False, False)
+        fused = launch.fp8_backward_fused(w.head_dim, recipe(mode), kw["max_seqlen_k"], kw.get("rab") is not None, False,
+                                          False)
     path = "fused" if fused else "pair"
     row = dict(workload=w.name + " bwd", entry=f"fp8 bwd mode{mode} {entry} ({path})", ms=ms, iqr_ms=iqr,
                tflops=2.5 * f / ms / 1e9, flops=convention + " x2.5", tiles=f"{tiles or 'default'} {'+'.join(kernels)}",
@@ -572,3 +552,98 @@ def host_overhead_us(n: int = 2000) -> dict:
         "launch_us": per_call(lambda: compiled(*launch_args)),
         "empty_like_us": per_call(lambda: torch.empty_like(kw["q"])),
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Host time per call (bench --host)
+# ---------------------------------------------------------------------------------------------
+class NullAttention(torch.autograd.Function):
+    """PyTorch's own floor of an attention step: an autograd node that only allocates its output
+    and its three gradients."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return torch.empty_like(dout), torch.empty_like(dout), torch.empty_like(dout)
+
+
+def _host_lines(batch: int, seqlen: int, heads: int, head_dim: int) -> dict:
+    """name -> (forward(), step()) on a tiny causal bf16 problem: the null node, SDPA cuDNN on the
+    padded (B, H, N, D) batch, ours bf16 and FP8 quant_mode 2 (Hopper only), FlashAttention-4
+    when it imports."""
+    from .api import hstu_attn_varlen_func
+    from .arch import kernel_path
+
+    dev = torch.device("cuda")
+    tokens = batch * seqlen
+
+    def jagged(requires_grad):
+        return [torch.randn(tokens, heads, head_dim, device=dev, dtype=torch.bfloat16, requires_grad=requires_grad)
+                for _ in range(3)]
+
+    offsets = torch.arange(0, tokens + 1, seqlen, device=dev, dtype=torch.int32)
+    kw = dict(seq_offsets_q=offsets, seq_offsets_k=offsets, max_seqlen_q=seqlen, max_seqlen_k=seqlen,
+              window_size=(-1, 0), alpha=1.0 / head_dim**0.5)
+    lines = {}
+
+    def add(name, fn, inputs, grad_inputs):
+        dout = torch.randn_like(fn(*inputs))
+        lines[name] = (lambda: fn(*inputs),
+                       lambda: torch.autograd.grad(fn(*grad_inputs), grad_inputs, dout))
+
+    add("null autograd.Function", NullAttention.apply, jagged(False), jagged(True))
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def dense(requires_grad):
+        return [torch.randn(batch, heads, seqlen, head_dim, device=dev, dtype=torch.bfloat16,
+                            requires_grad=requires_grad) for _ in range(3)]
+
+    def cudnn(q, k, v):
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    try:
+        add("SDPA cuDNN", cudnn, dense(False), dense(True))
+    except RuntimeError:
+        pass
+    try:  # a comparison line only, never a dependency
+        from flash_attn.cute.interface import flash_attn_func
+
+        def fa4(q, k, v):
+            out = flash_attn_func(q, k, v, causal=True)
+            return out[0] if isinstance(out, tuple) else out
+
+        def padded(requires_grad):
+            return [torch.randn(batch, seqlen, heads, head_dim, device=dev, dtype=torch.bfloat16,
+                                requires_grad=requires_grad) for _ in range(3)]
+
+        add("FlashAttention-4", fa4, padded(False), padded(True))
+    except Exception:  # noqa: BLE001 - not installed, or no kernel for this GPU
+        lines.pop("FlashAttention-4", None)
+    add("hstu_cute bf16", lambda q, k, v: hstu_attn_varlen_func(q, k, v, **kw), jagged(False), jagged(True))
+    if kernel_path(dev) == "hopper":
+        add("hstu_cute quant_mode=2", lambda q, k, v: hstu_attn_varlen_func(q, k, v, **kw, quant_mode=2),
+            jagged(False), jagged(True))
+    return lines
+
+
+def host_table(batch: int = 2, seqlen: int = 128, heads: int = 2, head_dim: int = 64, calls: int = 1000,
+               repeats: int = 5) -> list[dict]:
+    """Host (CPU) microseconds per call, tiny causal bf16 problem (GPU work negligible), ``calls``
+    calls queued with no sync inside the loop, ``repeats`` times interleaved over the lines: the
+    forward under ``torch.no_grad`` and the autograd step (forward + ``torch.autograd.grad``).
+    One row per line with the repeats' min and max."""
+    lines = _host_lines(batch, seqlen, heads, head_dim)
+    samples: dict = {name: ([], []) for name in lines}
+    for _ in range(repeats):
+        for name, (forward, step) in lines.items():
+            with torch.no_grad():
+                samples[name][0].append(host_us_per_call(forward, calls))
+            samples[name][1].append(host_us_per_call(step, calls))
+    return [dict(line=name, fwd_us=(min(f), max(f)), step_us=(min(s), max(s)),
+                 shape=f"B{batch} N{seqlen} H{heads} D{head_dim} bf16 causal")
+            for name, (f, s) in samples.items()]

@@ -611,6 +611,8 @@ def _bench_gpu(args, console, dev, name: str) -> int:
     path, arch = served
     if args.grid == "serving":
         return _bench_serving(args, console, dev, name)
+    if args.host:
+        return _bench_host(args, console, dev, name)
     workloads = {"headline": lambda: [bench.headline()], "full": bench.default_grid,
                  "recsys": bench.recsys_grid}[args.grid]()
     if args.limit is not None:
@@ -691,6 +693,31 @@ def _bench_gpu(args, console, dev, name: str) -> int:
             fh.write(json.dumps({**meta, "gemm_tflops": gemm, "workload": "host_overhead", **overhead}) + "\n")
         console.print(f"Appended {len(all_rows) + 1} JSON lines to {args.out}")
     return 1 if any("error" in r for r in all_rows) else 0
+
+
+def _bench_host(args, console, dev, name: str) -> int:
+    """``bench --host``: CPU time per call on a tiny problem beside PyTorch's floor and SDPA cuDNN,
+    all lines in one run (bench.host_table)."""
+    import torch
+    from rich.table import Table
+
+    from . import bench
+
+    with torch.cuda.device(dev):
+        rows = bench.host_table(calls=args.host_calls)
+    table = Table(title=f"Host time per call on {name}: {rows[0]['shape']}, {args.host_calls} calls queued, no sync "
+                        "(min-max of 5 interleaved repeats)")
+    table.add_column("line")
+    table.add_column("forward, no grad (us)", justify="right")
+    table.add_column("forward + backward step (us)", justify="right")
+    for row in rows:
+        table.add_row(row["line"], "%.0f-%.0f" % row["fwd_us"], "%.0f-%.0f" % row["step_us"])
+    console.print(table)
+    if args.out:
+        with open(args.out, "a", encoding="utf-8") as fh:
+            for row in rows:
+                fh.write(json.dumps({"gpu": name, "workload": "host", **row}) + "\n")
+    return 0
 
 
 def _bench_serving(args, console, dev, name: str) -> int:
@@ -919,13 +946,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "pre-quantized entry, quant_mode 0, 1, 2 and 5 end to end and their quantizers), backward "
                         "(modes 2 and 1, the kernels alone and end to end) and, on the recsys "
                         "grid, the training step (mode 2)")
+    p.add_argument("--host", action="store_true",
+                   help="instead of the workloads: host (CPU) time per call on a tiny problem, forward and "
+                        "training step, beside a null autograd.Function, SDPA cuDNN and FlashAttention-4 when it "
+                        "imports")
+    p.add_argument("--host-calls", type=int, default=1000, help=argparse.SUPPRESS)
     p.add_argument("--limit", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bench)
     return parser
 
 
 def _positive(parser, args) -> None:
-    for name in ("batch", "max_len", "heads", "workers", "limit", "group", "reps"):
+    for name in ("batch", "max_len", "heads", "workers", "limit", "group", "reps", "host_calls"):
         value = getattr(args, name, None)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')}: expected an int >= 1, got {value}")

@@ -19,7 +19,8 @@ import torch
 from .arch import device_arch, kernel_path, num_sms
 from .cache import default_cache
 from .compile import build
-from .kernel_args import ordered
+from .call import Call
+from .kernel_args import ordered, slots
 from .validation import DTYPE_NAMES, Problem, cached_lengths, fail
 from .variants import (
     FUSED_MIN_SEQLEN_K,
@@ -39,12 +40,12 @@ from .variants import (
     make_hopper_paged_fwd_key,
     make_hopper_quant_slots_key,
     make_hopper_vt_key,
-    quant_launches,
     SPLIT_KEY_MASKS,
     vt_width,
 )
 from .fp8_format import QUANT_MAX_SLOTS, SCALE_FLOOR
-from .quantize import QuantMode, num_blocks
+from .fp8_recipe import Fp8Recipe, ScaleGroup, quant_launches, recipe
+from .quantize import num_blocks
 
 INT32_MAX = 2**31 - 1
 
@@ -136,27 +137,40 @@ def _outside_torch_pool(shape: tuple, dtype: torch.dtype, device) -> torch.Tenso
     return torch.as_tensor(_DeviceWords(int(ptr), words), device=device).view(dtype)[: math.prod(shape)].view(shape)
 
 
-def _sequence_args(p: Problem, device, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
-                   num_targets, context_target: bool) -> dict:
+def _sequence_args(call: Call, device, context_target: bool) -> dict:
     """The per-sequence runtime arguments every kernel family takes, absent ones filled."""
-    batch = p.batch
+    batch = call.problem.batch
+    num_contexts, num_targets = call.num_contexts, call.num_targets
     if context_target:
         num_contexts = num_contexts if num_contexts is not None else _filler(batch, device, 0)
         num_targets = num_targets if num_targets is not None else _filler(batch, device, 0)
     return dict(
-        mOffsetsQ=seq_offsets_q, mOffsetsK=seq_offsets_k,
-        mSeqUsedQ=seqused_q if seqused_q is not None else _filler(batch, device, INT32_MAX),
-        mSeqUsedK=seqused_k if seqused_k is not None else _filler(batch, device, INT32_MAX),
+        mOffsetsQ=call.seq_offsets_q, mOffsetsK=call.seq_offsets_k,
+        mSeqUsedQ=call.seqused_q if call.seqused_q is not None else _filler(batch, device, INT32_MAX),
+        mSeqUsedK=call.seqused_k if call.seqused_k is not None else _filler(batch, device, INT32_MAX),
         mNumContexts=num_contexts, mNumTargets=num_targets,
     )
 
 
-def _scalar_args(p: Problem, alpha, target_group_size) -> dict:
-    alpha = float(alpha)
+def _call_tensors(call: Call) -> dict:
+    """The call's own per-sequence tensors, by argument name (absent ones left out: a prepared
+    launch has their fillers in place)."""
+    values = {"mOffsetsQ": call.seq_offsets_q, "mOffsetsK": call.seq_offsets_k}
+    for name, t in (("mSeqUsedQ", call.seqused_q), ("mSeqUsedK", call.seqused_k),
+                    ("mNumContexts", call.num_contexts), ("mNumTargets", call.num_targets)):
+        if t is not None:
+            values[name] = t
+    return values
+
+
+def _scalar_args(call: Call) -> dict:
+    alpha = float(call.alpha)
     if not math.isfinite(alpha):  # traced calls skip the check in validation (a symbolic alpha)
         fail(ValueError, "alpha", "a finite Python float", repr(alpha))
+    p = call.problem
     return dict(alpha=alpha, inv_scale=1.0 / p.scale_seqlen, window_left=p.window_left,
-                window_right=p.window_right, group_size=int(target_group_size), is_delta_q=int(p.mask.is_delta_q))
+                window_right=p.window_right, group_size=int(call.target_group_size),
+                is_delta_q=int(p.mask.is_delta_q))
 
 
 def _compiled(key):
@@ -235,6 +249,52 @@ class _DeviceWords:
 
 def _launch(key, compiled, values: dict) -> None:
     compiled(*ordered(key, values))
+
+
+class Prepared:
+    """A compiled kernel with its runtime arguments laid out once for every call of one argument
+    signature (:attr:`hstu_cute.call.Call.plans`): ``fixed`` (scalars, fillers, block counts,
+    the tile walk) sit in place, a call fills in its tensors by name. A repeated call then costs
+    a list copy and the TVM-FFI call (the prepared launches of a step: docs/perf-log.md, session
+    28)."""
+
+    __slots__ = ("key", "fn", "fixed", "args", "index", "claims_tiles")
+
+    def __init__(self, key, fixed: dict):
+        names = slots(key)
+        self.key, self.fn, self.fixed = key, _compiled(key), fixed
+        self.args = [fixed.get(n) if n is not None else None for n in names]
+        self.index = {n: i for i, n in enumerate(names) if n is not None}
+        self.claims_tiles = getattr(key, "dynamic_tiles", False)
+
+    def __call__(self, values: dict, device) -> None:
+        """Launch on the current stream; a kernel that claims its tiles gets that stream's
+        :func:`tile_counter`."""
+        if self.claims_tiles:
+            values["mTileCounter"] = tile_counter(device)
+        _launch_prepared(self, values)
+
+
+def _launch_prepared(prepared: Prepared, values: dict) -> None:
+    """Run ``prepared`` with the call's ``values`` (names its key lacks are ignored)."""
+    args = prepared.args.copy()
+    index = prepared.index
+    for name, value in values.items():
+        i = index.get(name)
+        if i is not None:
+            args[i] = value
+    prepared.fn(*args)
+
+
+def _plan(call: Call, key: tuple, build):
+    """``call.plans[key]``, made by ``build()`` the first time; plans made inside a CUDA-graph
+    capture are not kept (their filler tensors would hold values only when the graph replays)."""
+    plan = call.plans.get(key)
+    if plan is None:
+        plan = build()
+        if not torch.cuda.is_current_stream_capturing():
+            call.plans[key] = plan
+    return plan
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,12 +385,13 @@ _SLOT_ARGS = tuple(tuple(f"{name}{j}" for name in ("mX", "mOffsets", "mScale", "
 
 @functools.lru_cache(maxsize=None)
 def _quant_plan(mode: int, purpose: str) -> tuple:
-    """:func:`hstu_cute.variants.quant_launches`, each launch with its key's slot tuple."""
+    """:func:`hstu_cute.fp8_recipe.quant_launches`, each launch with its key's slot tuple."""
     return tuple((launch, tuple(slot[1:] for slot in launch)) for launch in quant_launches(mode, purpose))
 
 
-def quantize_for(mode: int, purpose: str, xs: tuple, offsets: tuple, max_seqlens: tuple) -> list[dict]:
-    """Quantize the 16-bit (T, H, D) tensors ``xs`` (q, k, v; or dO) with ``mode`` (0-5) for
+def quantize_for(mode, purpose: str, xs: tuple, offsets: tuple, max_seqlens: tuple) -> list[dict]:
+    """Quantize the 16-bit (T, H, D) tensors ``xs`` (q, k, v; or dO) with ``mode`` (a quant mode
+    0-5 or its :class:`~hstu_cute.fp8_recipe.Fp8Recipe`) for
     ``purpose`` (:func:`hstu_cute.variants.quant_launches`: one launch of the slot quantizer,
     :mod:`hstu_cute.hopper.quantize_slots`, mode 1 two) and return, per tensor, its copies by
     name: ``"plain"`` (T, H, D) e4m3 and/or ``"transposed"`` V^T (H, D, W)
@@ -339,6 +400,7 @@ def quantize_for(mode: int, purpose: str, xs: tuple, offsets: tuple, max_seqlens
     mode 1's plain tables are (T, H) (per token), its transposed ones (B, blocks, H, 2, D): per
     block and dim the scale, then its reciprocal; mode 0's are zero-strided (B, 1, H) views of a
     cached one. Every shape depends only on shapes (no sync)."""
+    r = mode if isinstance(mode, Fp8Recipe) else recipe(mode)
     x0 = xs[0]
     device = x0.device
     batch = offsets[0].shape[0] - 1
@@ -347,16 +409,16 @@ def quantize_for(mode: int, purpose: str, xs: tuple, offsets: tuple, max_seqlens
     empty = [batch == 0 or x.shape[0] == 0 for x in xs]
     copies: list[dict] = [{} for _ in xs]
     tables: dict = {}  # (tensor, role family) -> (the kernel's table, the copies' table)
-    if mode == QuantMode.CAST:
+    cooperative = {}
+    if r.group is ScaleGroup.NONE:
         ones = unit_descale_table(device, batch, heads)
         for i in range(len(xs)):
             tables[i, "unit"] = (None, ones)
-    if mode >= QuantMode.PER_HEAD:
+    if r.grouped:
         # The blocks max each group's scale in here, every block of a group sees it (zero strides
         # along the (B, blocks, H) dims it spans); the word after the tables counts the grid
         # barrier's arrivals: one memset for all.
-        size, strides = {QuantMode.PER_HEAD: (batch * heads, (heads, 0, 1)),
-                         QuantMode.PER_SEQUENCE: (batch, (1, 0, 0))}.get(mode, (1, (0, 0, 0)))
+        size, strides = r.group_table(batch, heads)
         words = torch.zeros(len(xs) * size + 1, dtype=torch.float32, device=device)
         cooperative = dict(mBarrier=words[-1:].view(torch.int32), num_sms=num_sms(device))
         for i in range(len(xs)):
@@ -367,11 +429,11 @@ def quantize_for(mode: int, purpose: str, xs: tuple, offsets: tuple, max_seqlens
     arch = device_arch(device)
     dtype = DTYPE_NAMES[x0.dtype]
     aligned = [aligned_16(x) for x in xs]
-    for launch_slots, slot_specs in _quant_plan(mode, purpose):
-        values: dict = dict(cooperative) if mode >= QuantMode.PER_HEAD else {}
+    for launch_slots, slot_specs in _quant_plan(r.mode, purpose):
+        values: dict = dict(cooperative)
         for names, (i, role, plain, transposed) in zip(_SLOT_ARGS, launch_slots):
             x = aligned[i]
-            family = role if role in ("token", "column", "unit") else "group" if mode >= QuantMode.PER_HEAD else "block"
+            family = r.table_family(role)
             table, copies_table = tables.get((i, family)) or tables.setdefault(
                 (i, family), (_new_quant_table(family, x.shape[0], batch, blocks[i], heads, head_dim, empty[i],
                                                device),) * 2)
@@ -430,79 +492,97 @@ def fp8_fwd_key(p: Problem, arch: str, rab, out_dtype: torch.dtype, tiles: dict 
                  rab is not None, tiles, scaled_p, two_direction)
 
 
-def forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-            target_group_size, alpha, rab, seqused_q, seqused_k, p: Problem, tiles: dict | None = None,
-            out: torch.Tensor | None = None, path: str | None = None, fp8: "Fp8Operands | None" = None,
-            paged: tuple | None = None, splits: int | None = None) -> torch.Tensor:
+def forward(q, k, v, rab, call: Call, tiles: dict | None = None, out: torch.Tensor | None = None,
+            path: str | None = None, fp8: "Fp8Operands | None" = None, splits: int | None = None) -> torch.Tensor:
     """Launch the forward kernel of ``path`` ('hopper' or 'ampere'; default: :func:`kernel_path`)
-    and return ``out`` (T_q, H, D); ``tiles`` overrides the key's default tiles (benchmarks).
-    With ``fp8`` q and k are e4m3 and the Hopper FP8 kernel runs (``v`` is unused: the kernel
-    reads ``fp8.vt``); ``out`` is in ``fp8.out_dtype``. ``paged``: (kv_cache, page_offsets,
-    page_ids, last_page_lens) of a call with ``p.page_size`` (validated). ``splits``: parts of the
-    key blocks on the 16-bit paths (None: :func:`key_splits`; more than 1 takes the split-key
-    variant, whose parts add up inside the kernel)."""
+    for the validated ``call`` and return ``out`` (T_q, H, D); ``tiles`` overrides the key's
+    default tiles (benchmarks). With ``fp8`` q and k are e4m3 and the Hopper FP8 kernel runs
+    (``v`` is unused: the kernel reads ``fp8.vt``); ``out`` is in ``fp8.out_dtype``. A call with a
+    paged cache (``call.paged``) reads its keys from there first. ``splits``: parts of the key
+    blocks on the 16-bit paths (None: :func:`key_splits`; more than 1 takes the split-key variant,
+    whose parts add up inside the kernel). The launch is prepared once per argument signature
+    (:class:`Prepared`)."""
+    p = call.problem
     if fp8 is not None:
         path = "hopper"
     elif path is None:
         path = kernel_path(q.device)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype if fp8 is None else fp8.out_dtype, device=q.device)
-    if seqused_q is not None:
+    if call.seqused_q is not None:
         out.zero_()  # padding rows (past seqused_q) are never written by the kernel
-    if q.shape[0] == 0 or max_seqlen_q == 0 or p.batch == 0:
+    if q.shape[0] == 0 or call.max_seqlen_q == 0 or p.batch == 0 or k.shape[0] == 0:
         return out.zero_()
     q, k = aligned_16(q), aligned_16(k)
     v = aligned_16(v) if fp8 is None else fp8.vt
-    if k.shape[0] == 0:
-        return out.zero_()
     if rab is not None and (path == "hopper" or p.page_size):
         rab = pad_rab_rows(rab)  # TMA (and the paged sm80 key) need 16-byte aligned rows
     device = q.device
-    if fp8 is None:
-        key = fwd_key(p, device_arch(device), rab, tiles, path)
-        extra = {}
-        if splits is None:
-            splits = key_splits(p, key.tile_m, key.tile_n, max_seqlen_q, max_seqlen_k, num_sms(device))
-        if splits > 1:
-            if rab is not None:
-                rab = pad_rab_rows(rab)  # the split variants read 16-byte aligned rab rows
-            key = fwd_key(p, device_arch(device), rab, tiles, path, split_keys=True)
-            parts = torch.empty((splits * q.shape[0],) + tuple(q.shape[1:]), dtype=torch.float32, device=device)
-            arrivals = split_arrivals(device, p.batch * p.heads * -(-max_seqlen_q // key.tile_m) * 2)
-            extra = dict(mPartials=parts, mArrivals=arrivals, num_splits=splits)
-    else:
-        key = fp8_fwd_key(p, device_arch(device), rab, fp8.out_dtype, tiles, fp8.scaled_p, fp8.two_direction)
-        extra = dict(zip(("mDescaleQ", "mDescaleK", "mDescaleV"), fp8.descales))
-    compiled = _compiled(key)
-    num_m_blocks = -(-max_seqlen_q // key.tile_m) * extra.get("num_splits", 1)
-    values = dict(mQ=q, mK=k, mV=v, mO=out, mRab=rab, num_m_blocks=num_m_blocks, **extra,
-                  **_sequence_args(p, device, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
-                                   num_targets, key.has_context),
-                  **_scalar_args(p, alpha, target_group_size))
-    shared_tokens = k.shape[0]
+    fp8_kind = None if fp8 is None else (fp8.out_dtype, fp8.scaled_p, fp8.two_direction)
+    plan_key = ("fwd", path, rab_vec(rab) if rab is not None else 0, k.shape[0], splits, fp8_kind, call.alpha,
+                call.target_group_size)
+
+    def build():
+        return _forward_plan(call, device, rab, k.shape[0], path, tiles, fp8, splits)
+
+    prepared, splits = _plan(call, plan_key, build) if tiles is None else build()
+    if splits > 1 and rab is not None:
+        rab = pad_rab_rows(rab)  # the split variants read 16-byte aligned rab rows
+    values = dict(mQ=q, mK=k, mV=v, mO=out, mRab=rab, **_call_tensors(call))
+    key = prepared.key
+    if fp8 is not None:
+        values.update(zip(("mDescaleQ", "mDescaleK", "mDescaleV"), fp8.descales))
+    if splits > 1:
+        values.update(mPartials=torch.empty((splits * q.shape[0],) + tuple(q.shape[1:]), dtype=torch.float32,
+                                            device=device),
+                      mArrivals=split_arrivals(device, p.batch * p.heads * -(-call.max_seqlen_q // key.tile_m) * 2))
     if p.page_size:
-        values.update(_paged_args(p, paged))
+        values.update(_paged_args(p, call.paged))
         if rab is not None:
-            values["mRabNew"] = rab_among_new(rab, paged[1], paged[3], p.page_size, max_seqlen_q)
-        shared_tokens = p.batch * max_seqlen_k
-    if path == "hopper":
-        values.update(num_sms=num_sms(device), **_walk_args(key, p, shared_tokens, max_seqlen_k, device))
+            values["mRabNew"] = rab_among_new(rab, call.paged.page_offsets, call.paged.last_page_lens, p.page_size,
+                                              call.max_seqlen_q)
     # The launch goes to the current device's current stream (TVM-FFI env stream); switching
     # devices costs ~10 us, so only do it when q lives elsewhere.
     with _on_device(device):
-        _launch(key, compiled, values)
+        prepared(values, device)
     return out
 
 
-def _paged_args(p: Problem, paged: tuple) -> dict:
-    """The paged cache's runtime arguments: the cache seen as (pages * 2 * page_size, H, D) rows
-    (validation checked that its strides allow that view; no copy)."""
-    kv_cache, page_offsets, page_ids, last_page_lens = paged
+def _forward_plan(call: Call, device, rab, tokens_k: int, path: str, tiles, fp8, splits) -> tuple:
+    """(the prepared forward launch, the key splits it takes) of ``call``'s signature."""
+    p = call.problem
+    if fp8 is None:
+        key = fwd_key(p, device_arch(device), rab, tiles, path)
+        if splits is None:
+            splits = key_splits(p, key.tile_m, key.tile_n, call.max_seqlen_q, call.max_seqlen_k, num_sms(device))
+        fixed = {}
+        if splits > 1:
+            key = fwd_key(p, device_arch(device), pad_rab_rows(rab) if rab is not None else None, tiles, path,
+                          split_keys=True)
+            fixed["num_splits"] = splits
+    else:
+        splits = 1
+        key = fp8_fwd_key(p, device_arch(device), rab, fp8.out_dtype, tiles, fp8.scaled_p, fp8.two_direction)
+        fixed = {}
+    fixed.update(num_m_blocks=-(-call.max_seqlen_q // key.tile_m) * splits,
+                 **_sequence_args(call, device, key.has_context), **_scalar_args(call))
+    if p.page_size:
+        fixed["log2_page_size"] = p.page_size.bit_length() - 1
+    shared_tokens = p.batch * call.max_seqlen_k if p.page_size else tokens_k
+    if path == "hopper":
+        fixed.update(num_sms=num_sms(device), **_walk_fixed(key, p, shared_tokens, call.max_seqlen_k))
+    return Prepared(key, fixed), splits
+
+
+def _paged_args(p: Problem, paged) -> dict:
+    """The paged cache's per-call runtime arguments: the cache seen as (pages * 2 * page_size, H,
+    D) rows (validation checked that its strides allow that view; no copy), and its tables."""
+    kv_cache = paged.kv_cache
     rows = kv_cache.shape[0] * 2 * p.page_size
     cache_rows = kv_cache.as_strided((rows, kv_cache.shape[3], kv_cache.shape[4]), (kv_cache.stride(2),
                                      kv_cache.stride(3), 1))
-    return dict(mCache=cache_rows, mPageOffsets=page_offsets, mPageIds=page_ids, mLastPageLens=last_page_lens,
-                log2_page_size=p.page_size.bit_length() - 1)
+    return dict(mCache=cache_rows, mPageOffsets=paged.page_offsets, mPageIds=paged.page_ids,
+                mLastPageLens=paged.last_page_lens)
 
 
 def rab_among_new(rab: torch.Tensor, page_offsets, last_page_lens, page_size: int, new_len: int) -> torch.Tensor:
@@ -546,34 +626,35 @@ def _rab_gather_geometry(rab: torch.Tensor, width: int) -> tuple[torch.Tensor, t
     return geometry
 
 
-def prepare_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, p: Problem, descale_q=None,
-                descale_k=None, descale_v=None, training: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor, Fp8Operands]:
-    """(q8, k8, operands) of a validated FP8 call (``p.fp8``): pre-quantized e4m3 q, k, v with
-    their descales (None: 1), or 16-bit inputs quantized with ``p.quant_mode``; plus V^T. What
-    :func:`forward_fp8` does before the kernel (benchmarks time it alone). ``training`` (quant
-    modes): ``operands.kept`` holds what the backward may take of q, k and v (e4m3 q, k and their
-    tables, e4m3 V, Q^T and K^T: :func:`kept_for_backward`), written by the same passes.
-    Raises NotImplementedError where no FP8 kernel runs (not sm90, or the sm80 path forced)."""
+def prepare_fp8(q, k, v, call: Call, training: bool = False) -> tuple[torch.Tensor, torch.Tensor, Fp8Operands]:
+    """(q8, k8, operands) of a validated FP8 call (its recipe: ``call.problem.recipe``):
+    pre-quantized e4m3 q, k, v with ``call.descales`` (None: 1), or 16-bit inputs quantized by the
+    recipe; plus V^T. What :func:`forward_fp8` does before the kernel (benchmarks time it alone).
+    ``training`` (quantizing recipes): ``operands.kept`` holds what the backward may take of q, k
+    and v (e4m3 q, k and their tables, e4m3 V, Q^T and K^T: :func:`kept_for_backward`), written by
+    the same passes. Raises NotImplementedError where no FP8 kernel runs (not sm90, or the sm80
+    path forced)."""
+    p = call.problem
+    r = p.recipe
     device = q.device
     path = kernel_path(device)
     if path != "hopper":
         arch = device_arch(device)
-        what = "pre-quantized float8_e4m3fn inputs" if p.quant_mode == -1 else f"quant_mode={p.quant_mode}"
+        what = f"quant_mode={r.mode}" if r.quantizes else "pre-quantized float8_e4m3fn inputs"
         raise NotImplementedError(
             f"{what}: the FP8 kernels are Hopper-only (sm90); this call would run the {path} path on {arch} "
             "(no silent 16-bit fallback: pass 16-bit inputs with quant_mode=-1)")
-    if p.quant_mode == -1:
-        descales = tuple(d if d is not None else unit_descale(device) for d in (descale_q, descale_k, descale_v))
-        return q, k, Fp8Operands(transposed_for_pv(v, seq_offsets_k), descales, p.out_dtype, False)
-    two_direction = p.quant_mode == QuantMode.TWO_DIRECTION
-    copies = quantize_for(p.quant_mode, "training" if training else "forward", (q, k, v),
-                          (seq_offsets_q, seq_offsets_k, seq_offsets_k), (max_seqlen_q, max_seqlen_k, max_seqlen_k))
+    if not r.quantizes:
+        descales = tuple(d if d is not None else unit_descale(device) for d in call.descales)
+        return q, k, Fp8Operands(transposed_for_pv(v, call.seq_offsets_k), descales, p.out_dtype, False)
+    copies = quantize_for(r, "training" if training else "forward", (q, k, v),
+                          (call.seq_offsets_q, call.seq_offsets_k, call.seq_offsets_k),
+                          (call.max_seqlen_q, call.max_seqlen_k, call.max_seqlen_k))
     (q8, dq), (k8, dk), (vt, dv) = copies[0]["plain"], copies[1]["plain"], copies[2]["transposed"]
-    kept = kept_for_backward(copies, two_direction) if training else None
-    if p.quant_mode == QuantMode.CAST:  # P cast, (1,) descales
+    kept = kept_for_backward(copies, r.two_direction) if training else None
+    if r.unit_descales:  # P cast, (1,) descales
         return q8, k8, Fp8Operands(vt, (unit_descale(device),) * 3, p.out_dtype, False, kept=kept)
-    return q8, k8, Fp8Operands(vt, (dq, dk, dv), p.out_dtype, True, two_direction, kept)
+    return q8, k8, Fp8Operands(vt, (dq, dk, dv), p.out_dtype, True, r.two_direction, kept)
 
 
 def kept_for_backward(copies: list[dict], two_direction: bool) -> dict:
@@ -589,19 +670,15 @@ def kept_for_backward(copies: list[dict], two_direction: bool) -> dict:
     return kept
 
 
-def forward_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-                target_group_size, alpha, rab, seqused_q, seqused_k, p: Problem, descale_q=None, descale_k=None,
-                descale_v=None, tiles: dict | None = None, out: torch.Tensor | None = None,
+def forward_fp8(q, k, v, rab, call: Call, tiles: dict | None = None, out: torch.Tensor | None = None,
                 keep_quantized: bool = False):
-    """The FP8 forward of a validated call (``p.fp8``): :func:`prepare_fp8`, then the Hopper FP8
-    kernel. With ``keep_quantized`` (a quant-mode training call) returns ``(out, kept)``, ``kept``
-    being what the backward may take of the forward's quantization, by the backward's argument
-    names (``operands.kept`` of :func:`prepare_fp8`; :func:`fp8_backward_operands` takes it as
-    ``quantized``)."""
-    q8, k8, fp8 = prepare_fp8(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, p, descale_q,
-                              descale_k, descale_v, training=keep_quantized)
-    out = forward(q8, k8, None, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-                  target_group_size, alpha, rab, seqused_q, seqused_k, p, tiles=tiles, out=out, fp8=fp8)
+    """The FP8 forward of a validated call (``call.problem.fp8``): :func:`prepare_fp8`, then the
+    Hopper FP8 kernel. With ``keep_quantized`` (a quantizing training call) returns ``(out,
+    kept)``, ``kept`` being what the backward may take of the forward's quantization, by the
+    backward's argument names (``operands.kept`` of :func:`prepare_fp8`;
+    :func:`fp8_backward_operands` takes it as ``quantized``)."""
+    q8, k8, fp8 = prepare_fp8(q, k, v, call, training=keep_quantized)
+    out = forward(q8, k8, None, rab, call, tiles=tiles, out=out, fp8=fp8)
     return (out, fp8.kept) if keep_quantized else out
 
 
@@ -642,14 +719,19 @@ def bh_per_section(p: Problem, shared_tokens: int, max_seqlen: int, persistent: 
     return max(1, min(fit, pairs))
 
 
-def _walk_args(key, p: Problem, shared_tokens: int, max_seqlen: int, device) -> dict:
+def _walk_fixed(key, p: Problem, shared_tokens: int, max_seqlen: int) -> dict:
     """The tile-walk argument of a persistent sm90 kernel's launch (:func:`bh_per_section`);
-    the sm80 kernels take none."""
+    the sm80 kernels take none. Kernels that claim their tiles also take :func:`tile_counter`,
+    per call (one per stream)."""
     if not key.kernel_name.startswith("hopper"):
         return {}
-    dynamic = key.dynamic_tiles
-    args = dict(bh_per_section=bh_per_section(p, shared_tokens, max_seqlen, key.persistent, dynamic))
-    if dynamic:
+    return dict(bh_per_section=bh_per_section(p, shared_tokens, max_seqlen, key.persistent, key.dynamic_tiles))
+
+
+def _walk_args(key, p: Problem, shared_tokens: int, max_seqlen: int, device) -> dict:
+    """:func:`_walk_fixed` and the tile counter of a kernel that claims its tiles."""
+    args = _walk_fixed(key, p, shared_tokens, max_seqlen)
+    if getattr(key, "dynamic_tiles", False):
         args["mTileCounter"] = tile_counter(device)
     return args
 
@@ -715,11 +797,11 @@ def _nothing_to_do(q, k, max_seqlen_q: int, p: Problem) -> bool:
     return q.shape[0] == 0 or k.shape[0] == 0 or max_seqlen_q == 0 or p.batch == 0
 
 
-def backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-             target_group_size, alpha, rab, has_drab, seqused_q, seqused_k, p: Problem, deterministic: bool = False,
-             tiles_dq: dict | None = None, tiles_dkdv: dict | None = None, path: str | None = None):
-    """Launch the backward kernels; returns ``(dq, dk, dv, drab)``, fresh tensors shaped like q,
-    k, v (and like rab when ``has_drab``, else ``drab`` is None), in the input dtype.
+def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles_dkdv: dict | None = None,
+             path: str | None = None):
+    """Launch the backward kernels of the validated ``call``; returns ``(dq, dk, dv, drab)``,
+    fresh tensors shaped like q, k, v (and like rab with ``call.has_drab``, else ``drab`` is
+    None), in the input dtype.
 
     ``path`` 'hopper' (default on sm90): at head dim 128, without drab, unless ``deterministic``
     and for keys of at least ``FUSED_MIN_SEQLEN_K`` tokens, one fused TMA + WGMMA kernel computes
@@ -728,42 +810,100 @@ def backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seql
     a fixed order. At head dim 256 the wide dK/dV/drab kernel and the dQ kernel (deterministic,
     except the sum of drab over heads for one rab head unless ``deterministic``). 'ampere': the
     sm80 dK/dV and dQ kernels at every head dim, deterministic. ``tiles_*`` override the keys'
-    default tiles (benchmark sweeps)."""
+    default tiles (benchmark sweeps). The launches are prepared once per argument signature
+    (:class:`Prepared`)."""
+    p = call.problem
     if path is None:
         path = kernel_path(q.device)
     if p.head_dim not in HEAD_DIMS:
         raise NotImplementedError(f"q.shape[2] (head dim): the backward kernels support {HEAD_DIMS}, got {p.head_dim}")
-    dq, dk, dv = _gradient_buffers(q, k, v, seqused_q, seqused_k)
-    if _nothing_to_do(q, k, max_seqlen_q, p):
-        return dq.zero_(), dk.zero_(), dv.zero_(), (torch.zeros_like(rab) if has_drab else None)
+    dq, dk, dv = _gradient_buffers(q, k, v, call.seqused_q, call.seqused_k)
+    if _nothing_to_do(q, k, call.max_seqlen_q, p):
+        return dq.zero_(), dk.zero_(), dv.zero_(), (torch.zeros_like(rab) if call.has_drab else None)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     q, k, v, dout = (aligned_16(t) for t in (q, k, v, dout))
-
     device = q.device
-    rab, drab, drab_view = _aligned_rab_and_drab(rab, has_drab)
-    sum_heads = has_drab and rab.shape[1] == 1 and p.heads > 1
-    context_target = p.mask.has_context or p.mask.has_target
-    values = dict(mQ=q, mK=k, mV=v, mdO=dout, mdQ=dq, mdK=dk, mdV=dv, mRab=rab,
-                  **_sequence_args(p, device, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
-                                   num_targets, context_target),
-                  **_scalar_args(p, alpha, target_group_size))
-    if path == "hopper":
-        values.update(num_sms=num_sms(device))
-    common = (device_arch(device), DTYPE_NAMES[p.dtype], p.head_dim, p.mask.kind, context_target, rab is not None)
+    rab, drab, drab_view = _aligned_rab_and_drab(rab, call.has_drab)
+    plan_key = ("bwd", path, rab is not None, q.shape[0], k.shape[0], call.has_drab, call.deterministic,
+                call.alpha, call.target_group_size)
+
+    def build():
+        return _backward_plan(call, device, path, rab is not None, q.shape[0], k.shape[0], tiles_dq, tiles_dkdv)
+
+    plan = _plan(call, plan_key, build) if tiles_dq is None and tiles_dkdv is None else build()
+    values = dict(mQ=q, mK=k, mV=v, mdO=dout, mdQ=dq, mdK=dk, mdV=dv, mRab=rab, **_call_tensors(call))
     with _on_device(device):
-        if path == "hopper" and p.head_dim in HOPPER_WIDE_HEAD_DIMS:
-            _backward_wide(values, common, device, rab, drab, has_drab, deterministic, p, max_seqlen_q,
-                           max_seqlen_k, tiles_dq, tiles_dkdv)
-        else:
-            fused = (path == "hopper" and not has_drab and not deterministic
-                     and p.head_dim in HOPPER_FUSED_HEAD_DIMS and max_seqlen_k >= FUSED_MIN_SEQLEN_K)
-            if fused:
-                dq = _backward_fused(values, common, device, q, p, max_seqlen_q, max_seqlen_k, tiles_dkdv)
-                return dq, dk, dv, None
-            _backward_pair(values, common, device, path, rab, drab, sum_heads, has_drab, p, max_seqlen_q,
-                           max_seqlen_k, tiles_dq, tiles_dkdv)
+        if plan.kind == "fused":
+            dq_accum = values["mdQaccum"] = torch.zeros(q.shape, dtype=torch.float32, device=device)
+            plan.first(values, device)
+            return dq_accum.to(q.dtype), dk, dv, None
+        drab_out = drab
+        if plan.kind == "wide":
+            drab_out, _ = _drab_over_heads(rab, drab, p.heads, call.deterministic)
+        elif plan.sum_heads:
+            values["mdRabAccum"] = torch.zeros((rab.shape[0], rab.shape[2], rab.shape[3]), dtype=torch.float32,
+                                               device=device)
+        values["mdRab"] = drab_out
+        plan.first(values, device)
+        with _beside(device):
+            plan.second(values, device)
+        if plan.kind == "wide":
+            _sum_drab_heads(drab, drab_out)
     return dq, dk, dv, drab_view
+
+
+class _BackwardPlan:
+    """The prepared launches of a 16-bit backward: ``kind`` "fused" (one kernel), "wide" (the D256
+    dK/dV/drab kernel, then the dQ kernel beside it) or "pair" (the dK/dV kernel, then the dQ(+drab)
+    kernel beside it); ``sum_heads``: the pair's dQ kernel sums drab over heads into fp32."""
+
+    __slots__ = ("kind", "first", "second", "sum_heads")
+
+    def __init__(self, kind: str, first: Prepared, second: Prepared | None = None, sum_heads: bool = False):
+        self.kind, self.first, self.second, self.sum_heads = kind, first, second, sum_heads
+
+
+def _backward_plan(call: Call, device, path: str, has_rab: bool, tokens_q: int, tokens_k: int, tiles_dq,
+                   tiles_dkdv) -> _BackwardPlan:
+    p = call.problem
+    has_drab = call.has_drab
+    max_q, max_k = call.max_seqlen_q, call.max_seqlen_k
+    context_target = p.mask.has_context or p.mask.has_target
+    common = (device_arch(device), DTYPE_NAMES[p.dtype], p.head_dim, p.mask.kind, context_target, has_rab)
+    base = dict(**_sequence_args(call, device, context_target), **_scalar_args(call))
+    if path == "hopper":
+        base["num_sms"] = num_sms(device)
+
+    def over_keys(key):  # the dK/dV kernels walk key blocks, their tiles share Q and dO
+        return Prepared(key, dict(base, num_n_blocks=-(-max_k // key.tile_n), **_walk_fixed(key, p, tokens_q, max_q)))
+
+    def over_queries(key):  # the dQ kernels walk query blocks, their tiles share K and V
+        return Prepared(key, dict(base, num_m_blocks=-(-max_q // key.tile_m), **_walk_fixed(key, p, tokens_k, max_k)))
+
+    if path == "hopper" and p.head_dim in HOPPER_WIDE_HEAD_DIMS:
+        # drab of one rab head over several heads: fp32 atomics unless deterministic (_drab_over_heads)
+        atomic_sum = has_drab and p.rab_heads == 1 and p.heads > 1 and not call.deterministic
+        key_kv = _made(make_hopper_bwd_key, "wide", *common, tiles_dkdv, has_drab=has_drab, rab_sum_heads=atomic_sum)
+        key_q = _made(make_hopper_bwd_key, "dq", *common, tiles_dq)
+        return _BackwardPlan("wide", over_keys(key_kv), over_queries(key_q))
+    fused = (path == "hopper" and not has_drab and not call.deterministic
+             and p.head_dim in HOPPER_FUSED_HEAD_DIMS and max_k >= FUSED_MIN_SEQLEN_K)
+    if fused:
+        return _BackwardPlan("fused", over_keys(_made(make_hopper_bwd_key, "fused", *common, tiles_dkdv)))
+    sum_heads = has_drab and p.rab_heads == 1 and p.heads > 1
+    key_dq, key_dkdv = _made(make_bwd_keys, *common, has_drab, sum_heads)
+    if tiles_dq or tiles_dkdv:  # benchmark sweeps only
+        # The Hopper keys below take them whole; with drab the sm80 dQ kernel runs on that path too.
+        if path != "hopper" or has_drab:
+            key_dq = dataclasses.replace(key_dq, **(tiles_dq or {}))
+        if path != "hopper":
+            key_dkdv = dataclasses.replace(key_dkdv, **(tiles_dkdv or {}))
+    if path == "hopper":
+        key_dkdv = _made(make_hopper_bwd_key, "dkdv", *common, tiles_dkdv)
+        if not has_drab:  # drab (and its sum over heads) comes from the sm80 dQ kernel
+            key_dq = _made(make_hopper_bwd_key, "dq", *common, tiles_dq)
+    return _BackwardPlan("pair", over_keys(key_dkdv), over_queries(key_dq), sum_heads)
 
 
 def _aligned_rab_and_drab(rab, has_drab: bool) -> tuple:
@@ -799,63 +939,13 @@ def _sum_drab_heads(drab, target) -> None:
         drab[:, 0].copy_(target if target.dim() == 3 else target.float().sum(1))
 
 
-def _backward_wide(values, common, device, rab, drab, has_drab, deterministic, p, max_seqlen_q, max_seqlen_k,
-                   tiles_dq, tiles_dkdv) -> None:
-    """D256 on sm90: the wide dK/dV/drab kernel, the dQ kernel beside it."""
-    drab_out, atomic_sum = _drab_over_heads(rab, drab, p.heads, deterministic)
-    key_kv = _made(make_hopper_bwd_key, "wide", *common, tiles_dkdv, has_drab=has_drab, rab_sum_heads=atomic_sum)
-    key_q = _made(make_hopper_bwd_key, "dq", *common, tiles_dq)
-    fn_kv, fn_q = _compiled(key_kv), _compiled(key_q)
-    _launch(key_kv, fn_kv, dict(values, mdRab=drab_out, num_n_blocks=-(-max_seqlen_k // key_kv.tile_n)))
-    with _beside(device):
-        _launch(key_q, fn_q, dict(values, num_m_blocks=-(-max_seqlen_q // key_q.tile_m),
-                                  **_walk_args(key_q, p, values["mK"].shape[0], max_seqlen_k, device)))
-    _sum_drab_heads(drab, drab_out)
-
-
-def _backward_fused(values, common, device, q, p, max_seqlen_q, max_seqlen_k, tiles_dkdv) -> torch.Tensor:
-    """D128 on sm90: one kernel for dK, dV and dQ (reduce-added into fp32); returns dq."""
-    key = _made(make_hopper_bwd_key, "fused", *common, tiles_dkdv)
-    fn = _compiled(key)
-    dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=device)
-    _launch(key, fn, dict(values, mdQaccum=dq_accum, num_n_blocks=-(-max_seqlen_k // key.tile_n),
-                          **_walk_args(key, p, q.shape[0], max_seqlen_q, device)))
-    return dq_accum.to(q.dtype)
-
-
-def _backward_pair(values, common, device, path, rab, drab, sum_heads, has_drab, p, max_seqlen_q, max_seqlen_k,
-                   tiles_dq, tiles_dkdv) -> None:
-    """The deterministic pair: a dK/dV kernel and a dQ(+drab) kernel beside it."""
-    key_dq, key_dkdv = _made(make_bwd_keys, *common, has_drab, sum_heads)
-    if tiles_dq or tiles_dkdv:  # benchmark sweeps only
-        # The Hopper keys below take them whole; with drab the sm80 dQ kernel runs on that path too.
-        if path != "hopper" or has_drab:
-            key_dq = dataclasses.replace(key_dq, **(tiles_dq or {}))
-        if path != "hopper":
-            key_dkdv = dataclasses.replace(key_dkdv, **(tiles_dkdv or {}))
-    if path == "hopper":
-        key_dkdv = _made(make_hopper_bwd_key, "dkdv", *common, tiles_dkdv)
-        if not has_drab:  # drab (and its sum over heads) comes from the sm80 dQ kernel
-            key_dq = _made(make_hopper_bwd_key, "dq", *common, tiles_dq)
-    fn_dq, fn_dkdv = _compiled(key_dq), _compiled(key_dkdv)
-    drab_accum = None
-    if sum_heads:
-        drab_accum = torch.zeros((rab.shape[0], rab.shape[2], rab.shape[3]), dtype=torch.float32, device=device)
-    _launch(key_dkdv, fn_dkdv, dict(values, num_n_blocks=-(-max_seqlen_k // key_dkdv.tile_n),
-                                    **_walk_args(key_dkdv, p, values["mQ"].shape[0], max_seqlen_q, device)))
-    with _beside(device):
-        _launch(key_dq, fn_dq, dict(values, mdRab=drab, mdRabAccum=drab_accum,
-                                    num_m_blocks=-(-max_seqlen_q // key_dq.tile_m),
-                                    **_walk_args(key_dq, p, values["mK"].shape[0], max_seqlen_k, device)))
-
-
 # ---------------------------------------------------------------------------------------------
 # FP8 backward
 # ---------------------------------------------------------------------------------------------
 def check_fp8_backward(p: Problem) -> None:
     """NotImplementedError, naming the argument, for an FP8 training call no backward kernel
     serves: raised before the forward runs, so that a training step fails before any work."""
-    if p.quant_mode == -1:
+    if not p.recipe.quantizes:
         raise NotImplementedError(
             "q/k/v.requires_grad: pre-quantized float8_e4m3fn inputs are forward-only (FBGEMM's FP8 entry); "
             "train with 16-bit inputs and quant_mode >= 0")
@@ -864,11 +954,10 @@ def check_fp8_backward(p: Problem) -> None:
                                   f"grad: the FP8 backward supports {FP8_BWD_HEAD_DIMS}, got {p.head_dim}")
 
 
-def fp8_backward_operands(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, mode: int,
-                          quantized: dict | None = None) -> dict:
+def fp8_backward_operands(dout, q, k, v, call: Call, quantized: dict | None = None) -> dict:
     """What the FP8 backward kernels read, by argument name: e4m3 q, k, v, dO, the
     token-contiguous copies Q^T, K^T, dO^T, and their descale tables, quantized with ``mode`` on
-    the device by the slot quantizer (:func:`quantize_for`; dO with q's groups). q, k and v come
+    the device by the call's recipe (:func:`quantize_for`; dO with q's groups). q, k and v come
     from ``quantized`` (the forward's training copies, :func:`kept_for_backward`) when given, else
     are quantized here as a training forward does (which also writes a V^T the backward does not
     read); dO and dO^T take one launch (modes 3-5: two). Mode 1's token-contiguous copies are
@@ -876,12 +965,13 @@ def fp8_backward_operands(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqle
     from the kernels."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    two_direction = mode == QuantMode.TWO_DIRECTION
+    r = call.problem.recipe
+    two_direction = r.two_direction
     if quantized is None:
         quantized = kept_for_backward(
-            quantize_for(mode, "training", (q, k, v), (seq_offsets_q, seq_offsets_k, seq_offsets_k),
-                         (max_seqlen_q, max_seqlen_k, max_seqlen_k)), two_direction)
-    (copies,) = quantize_for(mode, "gradient", (dout,), (seq_offsets_q,), (max_seqlen_q,))
+            quantize_for(r, "training", (q, k, v), (call.seq_offsets_q, call.seq_offsets_k, call.seq_offsets_k),
+                         (call.max_seqlen_q, call.max_seqlen_k, call.max_seqlen_k)), two_direction)
+    (copies,) = quantize_for(r, "gradient", (dout,), (call.seq_offsets_q,), (call.max_seqlen_q,))
     (do8, table_do), (dot, table_dot) = copies["plain"], copies["transposed"]
     operands = dict(quantized, mdO=do8, mdOt=dot, mDescaleDO=table_do)
     if two_direction:
@@ -896,65 +986,64 @@ def fp8_backward_operands(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqle
 FP8_FUSED_BY_DEFAULT = False
 
 
-def fp8_fused_serves(head_dim: int, quant_mode: int, has_rab: bool, has_drab: bool, deterministic: bool) -> bool:
-    """Whether the fused FP8 kernel can serve a backward: quant modes 0, 2-5 at the head dims of
-    ``FP8_FUSED_HEAD_DIMS``, without rab, not ``deterministic`` (its dQ sum order varies)."""
-    return (head_dim in FP8_FUSED_HEAD_DIMS and quant_mode != QuantMode.TWO_DIRECTION and not has_rab
+def fp8_fused_serves(head_dim: int, fp8: Fp8Recipe, has_rab: bool, has_drab: bool, deterministic: bool) -> bool:
+    """Whether the fused FP8 kernel can serve a backward: recipes it reads the tables of
+    (:attr:`Fp8Recipe.fused_backward_serves`) at the head dims of ``FP8_FUSED_HEAD_DIMS``,
+    without rab, not ``deterministic`` (its dQ sum order varies)."""
+    return (head_dim in FP8_FUSED_HEAD_DIMS and fp8.fused_backward_serves and not has_rab
             and not has_drab and not deterministic)
 
 
-def fp8_backward_fused(head_dim: int, quant_mode: int, max_seqlen_k: int, has_rab: bool, has_drab: bool,
+def fp8_backward_fused(head_dim: int, fp8: Fp8Recipe, max_seqlen_k: int, has_rab: bool, has_drab: bool,
                        deterministic: bool) -> bool:
     """Whether :func:`backward_fp8` runs the fused FP8 kernel by default: with
     ``FP8_FUSED_BY_DEFAULT``, where it serves (:func:`fp8_fused_serves`), for keys of at least
     ``FUSED_MIN_SEQLEN_K`` tokens (as the 16-bit fused kernel)."""
     return (FP8_FUSED_BY_DEFAULT and max_seqlen_k >= FUSED_MIN_SEQLEN_K
-            and fp8_fused_serves(head_dim, quant_mode, has_rab, has_drab, deterministic))
+            and fp8_fused_serves(head_dim, fp8, has_rab, has_drab, deterministic))
 
 
-def backward_fp8(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
-                 num_targets, target_group_size, alpha, rab, seqused_q, seqused_k, p: Problem,
-                 operands: dict | None = None, tiles: dict | None = None, kernels=("dkdv", "dq"),
-                 has_drab: bool = False, deterministic: bool = False, quantized: dict | None = None,
-                 fused: bool | None = None):
+def backward_fp8(dout, q, k, v, rab, call: Call, operands: dict | None = None, tiles: dict | None = None,
+                 kernels=("dkdv", "dq"), quantized: dict | None = None, fused: bool | None = None):
     """The FP8 backward of a validated quant-mode call (:func:`check_fp8_backward`):
     :func:`fp8_backward_operands` (or the given ``operands``), then the FP8 dK/dV kernel and the dQ
     kernel beside it, or where :func:`fp8_backward_fused` (or ``fused``) says so the fused kernel
     (:mod:`hstu_cute.hopper.bwd_fp8`). Returns ``(dq, dk, dv, drab)`` in the input dtype
-    (``drab`` shaped like rab with ``has_drab``, else None; the dQ kernel writes it from G in
+    (``drab`` shaped like rab with ``call.has_drab``, else None; the dQ kernel writes it from G in
     fp32). The pair sums every gradient in a fixed order (bitwise reproducible), except drab of
     one rab head over several heads, added with fp32 atomics unless ``deterministic`` (then
     per-head drab summed afterwards); the fused kernel reduce-adds dQ in an order that varies.
     ``quantized``: the forward's copies of q, k and v (:func:`forward_fp8` with ``keep_quantized``).
     ``tiles`` (role -> the keys' tile fields) and ``kernels`` (the roles to launch) serve
     benchmark sweeps."""
+    p = call.problem
+    r = p.recipe
+    has_drab, deterministic = call.has_drab, call.deterministic
+    max_seqlen_q, max_seqlen_k = call.max_seqlen_q, call.max_seqlen_k
     check_fp8_backward(p)
     device = q.device
     if kernel_path(device) != "hopper":
-        raise NotImplementedError(f"quant_mode={p.quant_mode} backward: the FP8 kernels are Hopper-only (sm90); "
+        raise NotImplementedError(f"quant_mode={r.mode} backward: the FP8 kernels are Hopper-only (sm90); "
                                   f"got {device_arch(device)}")
-    dq, dk, dv = _gradient_buffers(q, k, v, seqused_q, seqused_k)
+    dq, dk, dv = _gradient_buffers(q, k, v, call.seqused_q, call.seqused_k)
     if _nothing_to_do(q, k, max_seqlen_q, p):
         return dq.zero_(), dk.zero_(), dv.zero_(), (torch.zeros_like(rab) if has_drab else None)
     if operands is None:
-        operands = fp8_backward_operands(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k,
-                                         p.quant_mode, quantized)
+        operands = fp8_backward_operands(dout, q, k, v, call, quantized)
     rab, drab, drab_view = _aligned_rab_and_drab(rab, has_drab)
     drab_out, atomic_sum = _drab_over_heads(rab, drab, p.heads, deterministic)
     context_target = p.mask.has_context or p.mask.has_target
     values = dict(operands, mdQ=dq, mdK=dk, mdV=dv, mRab=rab, mdRab=drab_out, num_sms=num_sms(device),
-                  **_sequence_args(p, device, seq_offsets_q, seq_offsets_k, seqused_q, seqused_k, num_contexts,
-                                   num_targets, context_target),
-                  **_scalar_args(p, alpha, target_group_size))
+                  **_sequence_args(call, device, context_target), **_scalar_args(call))
     common = (device_arch(device), DTYPE_NAMES[p.dtype], p.head_dim, p.mask.kind, context_target, rab is not None)
     tiles = tiles or {}
-    two_direction = p.quant_mode == QuantMode.TWO_DIRECTION
+    two_direction = r.two_direction
     if fused is None:
-        fused = fp8_backward_fused(p.head_dim, p.quant_mode, max_seqlen_k, rab is not None, has_drab, deterministic)
-    elif fused and not fp8_fused_serves(p.head_dim, p.quant_mode, rab is not None, has_drab, deterministic):
+        fused = fp8_backward_fused(p.head_dim, r, max_seqlen_k, rab is not None, has_drab, deterministic)
+    elif fused and not fp8_fused_serves(p.head_dim, r, rab is not None, has_drab, deterministic):
         raise ValueError(f"fused=True: the fused FP8 backward serves head dims {FP8_FUSED_HEAD_DIMS}, quant modes "
                          f"0, 2-5, no rab or drab, not deterministic; got head dim {p.head_dim}, quant_mode="
-                         f"{p.quant_mode}, rab={rab is not None}, has_drab={has_drab}, deterministic={deterministic}")
+                         f"{r.mode}, rab={rab is not None}, has_drab={has_drab}, deterministic={deterministic}")
     if fused:
         key = _made(make_hopper_fp8_bwd_key, "fused", *common, tiles.get("fused"))
         dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=device)

@@ -31,25 +31,20 @@ Groups (``QuantMode``), for a (T, H, D) tensor of a jagged batch of B sequences:
 
 from __future__ import annotations
 
-import enum
 from typing import NamedTuple
 
 import torch
 
 from .fp8_format import BLOCK_TOKENS, E4M3_MAX, SCALE_FLOOR
+from .fp8_recipe import QuantMode, ScaleGroup, recipe
 
 E4M3 = torch.float8_e4m3fn
 # Rows of mode 1's token-contiguous copy are padded to this many tokens (16 bytes of e4m3).
 ROW_ALIGN_TOKENS = 16
 
 
-class QuantMode(enum.IntEnum):
-    CAST = 0
-    TWO_DIRECTION = 1
-    PER_BLOCK = 2
-    PER_HEAD = 3
-    PER_SEQUENCE = 4
-    PER_TENSOR = 5
+__all__ = ["QuantMode", "Quantized", "quantize", "dequantize", "descale_table", "token_scales", "quantize_qkv",
+           "quantize_batch", "num_blocks"]
 
 
 class Quantized(NamedTuple):
@@ -105,23 +100,23 @@ def num_blocks(max_seqlen: int, block: int = BLOCK_TOKENS) -> int:
 def quantize(x: torch.Tensor, mode: int, seq_offsets: torch.Tensor, max_seqlen: int,
              block: int = BLOCK_TOKENS) -> Quantized:
     """Quantize a jagged (T, H, D) 16-bit (or fp32) tensor to e4m3 with ``mode``'s groups."""
-    mode = QuantMode(mode)
+    group = recipe(QuantMode(mode)).group
     tokens, heads, dim = x.shape
     batch = seq_offsets.shape[0] - 1
     blocks = num_blocks(max_seqlen, block)
-    if mode == QuantMode.CAST:
+    if group is ScaleGroup.NONE:
         # No scale: clamp in the input dtype (+-448 is exact in bf16 and fp16) and cast, two
         # passes instead of an fp32 copy first.
         scale = torch.ones(1, dtype=torch.float32, device=x.device)
         return Quantized(torch.clamp(x, -E4M3_MAX, E4M3_MAX).to(E4M3), scale)
     xf = x.float()
-    if mode == QuantMode.PER_TENSOR:
+    if group is ScaleGroup.TENSOR:
         # Over the sequences' tokens (not the padding past them); the appended zero keeps an
         # empty tensor (no tokens) legal without a shape branch.
         valid = _tokens(seq_offsets, tokens, blocks, block).valid
         scale = _scale(torch.cat([(xf.abs() * valid[:, None, None]).reshape(-1), xf.new_zeros(1)]).amax().reshape(1))
         return Quantized(_cast(xf, scale), scale)
-    if mode == QuantMode.TWO_DIRECTION:
+    if group is ScaleGroup.TOKEN:
         scale = _scale(xf.abs().amax(dim=2))  # (T, H)
         data = _cast(xf, scale[:, :, None])
         data_t, scale_t = _token_contiguous_copy(xf, seq_offsets, batch, blocks, block)
@@ -130,12 +125,12 @@ def quantize(x: torch.Tensor, mode: int, seq_offsets: torch.Tensor, max_seqlen: 
     where = _tokens(seq_offsets, tokens, blocks, block)
     per_head = xf.abs().amax(dim=2) * where.valid[:, None]  # (T, H), padding tokens excluded
     head_ids = torch.arange(heads, device=x.device, dtype=torch.int64)
-    if mode == QuantMode.PER_BLOCK:
+    if group is ScaleGroup.BLOCK:
         index = (where.seq * blocks + where.block)[:, None] * heads + head_ids  # (T, H)
         scale = _scale(_group_amax(per_head.reshape(-1), index.reshape(-1), batch * blocks * heads))
         scale = scale.reshape(batch, blocks, heads)
         token_scale = scale[where.seq, where.block]  # (T, H)
-    elif mode == QuantMode.PER_HEAD:
+    elif group is ScaleGroup.HEAD:
         index = where.seq[:, None] * heads + head_ids
         scale = _scale(_group_amax(per_head.reshape(-1), index.reshape(-1), batch * heads)).reshape(batch, heads)
         token_scale = scale[where.seq]  # (T, H)
@@ -165,14 +160,14 @@ def _token_contiguous_copy(xf: torch.Tensor, seq_offsets: torch.Tensor, batch: i
 def descale_table(scale: torch.Tensor, mode: int, batch: int, heads: int) -> torch.Tensor:
     """A quantizer's ``scale`` (modes 2-5) as the (B, blocks, H) fp32 table the FP8 forward
     reads per (sequence, block, head): one block for modes 3-5."""
-    mode = QuantMode(mode)
-    if mode == QuantMode.PER_BLOCK:
+    group = recipe(QuantMode(mode)).group
+    if group is ScaleGroup.BLOCK:
         table = scale
-    elif mode == QuantMode.PER_HEAD:
+    elif group is ScaleGroup.HEAD:
         table = scale[:, None, :]
-    elif mode == QuantMode.PER_SEQUENCE:
+    elif group is ScaleGroup.SEQUENCE:
         table = scale[:, None, None].expand(batch, 1, heads)
-    elif mode == QuantMode.PER_TENSOR:
+    elif group is ScaleGroup.TENSOR:
         table = scale.reshape(1, 1, 1).expand(batch, 1, heads)
     else:
         raise ValueError(f"quant_mode {int(mode)} has no per-(sequence, block, head) descale table")
@@ -182,16 +177,16 @@ def descale_table(scale: torch.Tensor, mode: int, batch: int, heads: int) -> tor
 def token_scales(qx: Quantized, mode: int, seq_offsets: torch.Tensor, max_seqlen: int,
                  block: int = BLOCK_TOKENS) -> torch.Tensor:
     """The (T, H) fp32 scale of every token and head of a :class:`Quantized` (its first copy)."""
-    mode = QuantMode(mode)
+    group = recipe(QuantMode(mode)).group
     tokens, heads = qx.data.shape[:2]
-    if mode in (QuantMode.CAST, QuantMode.PER_TENSOR):
+    if group in (ScaleGroup.NONE, ScaleGroup.TENSOR):
         return qx.scale.reshape(1, 1).expand(tokens, heads)
-    if mode == QuantMode.TWO_DIRECTION:
+    if group is ScaleGroup.TOKEN:
         return qx.scale
     where = _tokens(seq_offsets, tokens, num_blocks(max_seqlen, block), block)
-    if mode == QuantMode.PER_BLOCK:
+    if group is ScaleGroup.BLOCK:
         return qx.scale[where.seq, where.block]
-    if mode == QuantMode.PER_HEAD:
+    if group is ScaleGroup.HEAD:
         return qx.scale[where.seq]
     return qx.scale[where.seq][:, None].expand(tokens, heads)
 
@@ -200,7 +195,7 @@ def dequantize(qx: Quantized, mode: int, seq_offsets: torch.Tensor, max_seqlen: 
                block: int = BLOCK_TOKENS, token_contiguous: bool = False) -> torch.Tensor:
     """fp32 (T, H, D) from a :class:`Quantized` (the emulation oracle's inputs); with
     ``token_contiguous`` mode 1's second copy (what the P.V GEMM reads) instead of the first."""
-    if QuantMode(mode) == QuantMode.TWO_DIRECTION and token_contiguous:
+    if recipe(QuantMode(mode)).two_direction and token_contiguous:
         tokens = qx.data.shape[0]
         where = _tokens(seq_offsets, tokens, num_blocks(max_seqlen, block), block)
         return qx.data_t[:, :, :tokens].float().permute(2, 0, 1) * qx.scale_t[where.seq, where.block]

@@ -355,9 +355,11 @@ def hstu_attn_fp8_emulation(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q,
     with the kernel's key tile). Mode 1 reads V from its token-contiguous copy, as the kernel's
     P.V does. Its error against the fp32 oracle on the unquantized inputs is the yardstick of the
     FP8 kernels' (spec: within 2x)."""
-    from .quantize import QuantMode, dequantize, quantize, token_scales
+    from .fp8_recipe import recipe
+    from .quantize import dequantize, quantize, token_scales
 
     quantized = {}
+    r = recipe(quant_mode)
 
     def emulate(name, x, offsets, max_seqlen, token_contiguous=False):
         qx = quantized[name] = quantize(x, quant_mode, offsets, max_seqlen)
@@ -365,16 +367,16 @@ def hstu_attn_fp8_emulation(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q,
 
     qe = emulate("q", q, seq_offsets_q, max_seqlen_q)
     ke = emulate("k", k, seq_offsets_k, max_seqlen_k)
-    ve = emulate("v", v, seq_offsets_k, max_seqlen_k, token_contiguous=quant_mode == QuantMode.TWO_DIRECTION)
+    ve = emulate("v", v, seq_offsets_k, max_seqlen_k, token_contiguous=r.two_direction)
     p_round = None
-    if round_p and quant_mode == QuantMode.CAST:
+    if round_p and not r.scaled_p:
         p_round = lambda p, b: cast_p_e4m3(p)  # noqa: E731
     elif round_p:
         # Mode 1's V scale varies along D: it stays in the dequantized V, P is scaled alone.
-        dv = (torch.ones(v.shape[:2], dtype=torch.float32, device=v.device) if quant_mode == QuantMode.TWO_DIRECTION
+        dv = (torch.ones(v.shape[:2], dtype=torch.float32, device=v.device) if r.two_direction
               else token_scales(quantized["v"], quant_mode, seq_offsets_k, max_seqlen_k))
         starts = seq_offsets_k.tolist()
-        tile_n = fp8_p_tile_n(q.shape[2], kwargs.get("rab") is not None, quant_mode == QuantMode.TWO_DIRECTION)
+        tile_n = fp8_p_tile_n(q.shape[2], kwargs.get("rab") is not None, r.two_direction)
         p_round = lambda p, b: scaled_p_e4m3(  # noqa: E731
             p, dv[starts[b]:starts[b] + p.shape[2]].transpose(0, 1), tile_n)
     return hstu_attn_reference(qe, ke, ve, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, *args,
@@ -454,7 +456,8 @@ def hstu_attn_fp8_grad_emulation(q, k, v, dout, seq_offsets_q, seq_offsets_k, ma
     quantization groups still span the whole storage, padding included, as the device quantizers'
     do (they see the offsets, not seqused)."""
     from .fp8_format import P_AMAX_FLOOR
-    from .quantize import QuantMode, dequantize, quantize
+    from .fp8_recipe import recipe
+    from .quantize import dequantize, quantize
 
     def inputs(x, offsets, max_seqlen):
         if not quantize_inputs:
@@ -462,7 +465,7 @@ def hstu_attn_fp8_grad_emulation(q, k, v, dout, seq_offsets_q, seq_offsets_k, ma
             return wide, wide
         qx = quantize(x, quant_mode, offsets, max_seqlen)
         per_token = dequantize(qx, quant_mode, offsets, max_seqlen)
-        if QuantMode(quant_mode) == QuantMode.TWO_DIRECTION:
+        if recipe(quant_mode).two_direction:
             return per_token, dequantize(qx, quant_mode, offsets, max_seqlen, token_contiguous=True)
         return per_token, per_token
 

@@ -260,3 +260,25 @@ def random_paged_batch(
     dense = dict(common, k=k_full.to(device), v=v_full.to(device), seq_offsets_k=_offsets(whole, device),
                  is_delta_q=True)
     return paged, dense
+
+
+def call_record(**kwargs):
+    """``(call, rab)``: the validated record :func:`hstu_cute.hstu_attn_varlen_func` builds from
+    the same keyword arguments (:class:`hstu_cute.call.Call`), for driving the launchers
+    directly (benchmarks, kernel tests). Extra keys of a batch dict (``_lens_q`` ...) are ignored."""
+    import inspect
+
+    from .api import hstu_attn_varlen_func
+    from .call import Call, PagedTables
+    from .validation import validate
+
+    public = inspect.signature(hstu_attn_varlen_func)
+    bound = public.bind(**{n: x for n, x in kwargs.items() if n in public.parameters})
+    bound.apply_defaults()
+    a = bound.arguments
+    p = validate(*(a[n] for n in inspect.signature(validate).parameters))
+    paged = PagedTables(a["kv_cache"], a["page_offsets"], a["page_ids"], a["last_page_lens"]) if p.page_size else None
+    call = Call(p, a["seq_offsets_q"], a["seq_offsets_k"], a["max_seqlen_q"], a["max_seqlen_k"], a["num_contexts"],
+                a["num_targets"], a["seqused_q"], a["seqused_k"], a["target_group_size"], a["alpha"], a["has_drab"],
+                a["deterministic"], (a["descale_q"], a["descale_k"], a["descale_v"]), paged)
+    return call, a["rab"]

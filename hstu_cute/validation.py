@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from . import masks
+from .fp8_recipe import PRE_QUANTIZED, Fp8Recipe, recipe
 from .variants import FP8_HEAD_DIMS, HEAD_DIMS, PAGE_SIZES
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -30,7 +31,7 @@ FP8_INPUT_DTYPE = getattr(torch, "float8_e4m3fn", None)
 
 def is_fp8_call(dtype: torch.dtype, quant_mode: int) -> bool:
     """A call takes the FP8 path: pre-quantized e4m3 inputs, or a quant_mode."""
-    return quant_mode != -1 or dtype == FP8_INPUT_DTYPE
+    return quant_mode != PRE_QUANTIZED or dtype == FP8_INPUT_DTYPE
 
 
 def output_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -86,6 +87,11 @@ class Problem:
         return is_fp8_call(self.dtype, self.quant_mode)
 
     @property
+    def recipe(self) -> Fp8Recipe | None:
+        """The FP8 recipe (:mod:`hstu_cute.fp8_recipe`), None for a 16-bit call."""
+        return recipe(self.quant_mode) if self.fp8 else None
+
+    @property
     def out_dtype(self) -> torch.dtype:
         return output_dtype(self.dtype)
 
@@ -113,7 +119,7 @@ def _check_fp8(q, k, v, descale_q, descale_k, descale_v, descale_do, quant_mode)
             if t.dtype != FP8_INPUT_DTYPE:
                 fail(TypeError, f"{name}.dtype", "torch.float8_e4m3fn for all of q, k, v (pre-quantized inputs)",
                      t.dtype)
-        if quant_mode != -1:
+        if quant_mode != PRE_QUANTIZED:
             fail(ValueError, "quant_mode", "-1 with pre-quantized float8_e4m3fn inputs (they are quantized already)",
                  quant_mode)
         if descale_do is not None:
@@ -277,7 +283,7 @@ def validate(
 
     if not isinstance(has_drab, bool):
         fail(TypeError, "has_drab", "a bool", type(has_drab).__name__)
-    if fp8 and has_drab and quant_mode == -1:
+    if fp8 and has_drab and not recipe(quant_mode).quantizes:
         raise NotImplementedError("has_drab: pre-quantized float8_e4m3fn inputs are forward-only (no backward); "
                                   "train with 16-bit inputs and quant_mode >= 0, or pass False")
     if page_size and has_drab:
@@ -406,21 +412,22 @@ def _signature(x):
     return (kind, x)
 
 
-def validate_memoized(*args) -> Problem:
+def validate_memoized(*args) -> tuple[Problem, dict]:
     """:func:`validate`, run once per argument signature (eager calls: plain tensors with concrete
-    shapes). A repeated signature skips the ~15 us of checks (H100 host, scripts/host_breakdown.py);
+    shapes), with the signature's cache of prepared launches (:attr:`hstu_cute.call.Call.plans`).
+    A repeated signature skips the ~15 us of checks (H100 host, scripts/host_breakdown.py);
     failures are never memoized, so a bad call raises every time."""
     try:
         signature = tuple(map(_signature, args))
-        p = _VALIDATED.get(signature)
+        entry = _VALIDATED.get(signature)
     except TypeError:  # an unhashable argument: check it the long way (it will likely fail)
-        return validate(*args)
-    if p is None:
-        p = validate(*args)
+        return validate(*args), {}
+    if entry is None:
+        entry = (validate(*args), {})
         if len(_VALIDATED) >= 1024:
             _VALIDATED.clear()
-        _VALIDATED[signature] = p
-    return p
+        _VALIDATED[signature] = entry
+    return entry
 
 
 _PROBLEMS: dict = {}
@@ -428,22 +435,24 @@ _PROBLEMS: dict = {}
 
 def problem_of_op_args(q, seq_offsets_q, max_seqlen_q, max_seqlen_k, num_contexts, num_targets, window_left,
                        window_right, rab, is_delta_q, scaling_seqlen, quant_mode: int = -1, page_size: int = 0
-                       ) -> Problem:
+                       ) -> tuple[Problem, dict]:
     """The :class:`Problem` of already validated op arguments (what :func:`validate` returned for
-    the public call; the window comes normalized). Memoized: the ops run it on every call."""
+    the public call; the window comes normalized), with its cache of prepared launches.
+    Memoized: the ops run it on every call."""
     memo = (seq_offsets_q.shape[0], q.shape[1], q.shape[2], q.dtype, max_seqlen_q, max_seqlen_k,
             num_contexts is not None, num_targets is not None, window_left, window_right, is_delta_q,
             scaling_seqlen, rab.shape[1] if rab is not None else 0, quant_mode, page_size)
-    p = _PROBLEMS.get(memo)
-    if p is None:
+    entry = _PROBLEMS.get(memo)
+    if entry is None:
         if len(_PROBLEMS) > 256:
             _PROBLEMS.clear()
         kind, wl, wr = masks.normalize_window((window_left, window_right), max_seqlen_k)
-        mask = masks.MaskSpec(kind, memo[6], memo[7], is_delta_q)
-        p = _PROBLEMS[memo] = Problem(memo[0] - 1, memo[1], memo[2], q.dtype, mask, wl, wr,
-                                      scaling_seqlen if scaling_seqlen != -1 else max_seqlen_q, memo[12], quant_mode,
-                                      page_size)
-    return p
+        mask = masks.MaskSpec(kind, num_contexts is not None, num_targets is not None, is_delta_q)
+        problem = Problem(seq_offsets_q.shape[0] - 1, q.shape[1], q.shape[2], q.dtype, mask, wl, wr,
+                          scaling_seqlen if scaling_seqlen != -1 else max_seqlen_q,
+                          rab.shape[1] if rab is not None else 0, quant_mode, page_size)
+        entry = _PROBLEMS[memo] = (problem, {})
+    return entry
 
 
 def device_checks_enabled() -> bool:

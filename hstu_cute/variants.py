@@ -19,6 +19,7 @@ from typing import ClassVar
 
 from .arch import has_hopper_kernels
 from .fp8_format import vt_width
+from .fp8_recipe import QUANT_PURPOSES, quant_launches
 from .masks import MaskKind, MaskSpec
 
 #: The head dims every kernel family supports (forward and backward, sm80 and sm90).
@@ -402,39 +403,6 @@ class HopperQuantSlotsKey(_Fp8InputKey):
 
 def make_hopper_quant_slots_key(arch, dtype, head_dim, slots) -> HopperQuantSlotsKey:
     return HopperQuantSlotsKey(arch=arch, dtype=dtype, head_dim=head_dim, slots=tuple(tuple(s) for s in slots))
-
-
-#: What the slot quantizer makes in one call, by purpose: "forward" (q, k, v -> e4m3 q, k and
-#: V^T), "training" (q, k, v -> also the backward's Q^T, K^T and e4m3 V, from the same passes),
-#: "gradient" (dO -> e4m3 dO and dO^T).
-QUANT_PURPOSES = ("forward", "training", "gradient")
-
-
-def quant_launches(mode: int, purpose: str) -> tuple:
-    """The slot quantizer's launches of quant mode ``mode`` (0-5) for ``purpose``: each a tuple
-    of slots ``(input, role, plain, transposed)``, ``input`` indexing the purpose's tensors (q,
-    k, v; or dO). Modes 3-5 take one cooperative launch of "group" slots (each tensor's scales,
-    a grid barrier, its cast while L2 still holds it). Mode 1 scales its
-    token-contiguous copies along tokens, unlike its (T, H, D) ones, so its training call adds a
-    launch for Q^T, K^T and e4m3 V, and its gradient call reads dO twice."""
-    assert purpose in QUANT_PURPOSES and 0 <= mode <= 5
-    inputs = (0,) if purpose == "gradient" else (0, 1, 2)
-    both = purpose != "forward"
-
-    def copies(i):  # (plain, transposed): the forward reads V only as V^T
-        return (True, both) if i < 2 or purpose == "gradient" else (both, True)
-
-    if mode == 1:
-        first = tuple((i, "token", True, False) if i < 2 or purpose == "gradient" else (i, "column", False, True)
-                      for i in inputs)
-        if purpose == "forward":
-            return (first,)
-        if purpose == "gradient":
-            return (first + ((0, "column", False, True),),)
-        return (first, ((0, "column", False, True), (1, "column", False, True), (2, "token", True, False)))
-    if mode <= 2:
-        return (tuple((i, "unit" if mode == 0 else "fused", *copies(i)) for i in inputs),)
-    return (tuple((i, "group", *copies(i)) for i in inputs),)
 
 
 def shipped_quant_slots() -> tuple:

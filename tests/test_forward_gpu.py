@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hstu_cute import hstu_attn_varlen_func, launch, reference, validation, variants
-from hstu_cute.testing import random_jagged_batch
+from hstu_cute.testing import call_record, random_jagged_batch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -66,17 +66,9 @@ def _seed(*parts) -> int:
 def _check(b, path, seed):
     """Poisoned output buffer -> kernel of ``path`` -> ratio rule against fp32 and same-dtype oracles.
     ``seed``: the batch's seed, reported in failures."""
-    p = validation.validate(
-        b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"], b["max_seqlen_k"],
-        b["num_contexts"], b["num_targets"], b["target_group_size"], b["window_size"], b["alpha"], b["rab"],
-        False, b["is_delta_q"], None, None, None, None, -1, b["scaling_seqlen"], b["seqused_q"], b["seqused_k"],
-    )
+    call, rab = call_record(**b)
     out = torch.full_like(b["q"], float("nan"))
-    launch.forward(
-        b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"], b["max_seqlen_k"],
-        b["num_contexts"], b["num_targets"], b["target_group_size"], b["alpha"], b["rab"], b["seqused_q"],
-        b["seqused_k"], p, out=out, path=path,
-    )
+    launch.forward(b["q"], b["k"], b["v"], rab, call, out=out, path=path)
     torch.cuda.synchronize()
     ref32 = reference.hstu_attn_reference(**b)
     ref_same = reference.hstu_attn_reference(**b, compute_dtype=None)

@@ -13,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hstu_cute import hstu_attn_varlen_func, launch, reference
+from hstu_cute.fp8_recipe import recipe
 from hstu_cute.launch import fp8_backward_fused
 from hstu_cute.testing import random_jagged_batch
 
@@ -46,7 +47,7 @@ def fp8_grads(b, mode, dout):
     torch.cuda.synchronize()
     kernel = dict(dq=q.grad, dk=k.grad, dv=v.grad)
     args = {n: b[n] for n in _EMULATION_ARGS}
-    fused = fp8_backward_fused(q.shape[2], mode, b["max_seqlen_k"], b["rab"] is not None, False, False)
+    fused = fp8_backward_fused(q.shape[2], recipe(mode), b["max_seqlen_k"], b["rab"] is not None, False, False)
     emul = reference.hstu_attn_fp8_grad_emulation(b["q"], b["k"], b["v"], dout, **args, quant_mode=mode,
                                                   fused_dq=fused)
     exact = reference.hstu_attn_fp8_grad_emulation(b["q"], b["k"], b["v"], dout, **args, quant_mode=mode,
@@ -144,7 +145,7 @@ FUSED_GRID = [
 def test_fp8_backward_fused(case, monkeypatch):
     mode, mask, dtype, (mq, mk), lengths = case
     monkeypatch.setattr(launch, "FP8_FUSED_BY_DEFAULT", True)
-    assert fp8_backward_fused(128, mode, mk, False, False, False)
+    assert fp8_backward_fused(128, recipe(mode), mk, False, False, False)
     seed = _seed("fused", case)
     b = random_jagged_batch(4, 2, 128, mq, mk, device="cuda", dtype=dtype, seed=seed, is_delta_q=mq < mk,
                             lengths=lengths, alpha=0.5, **MASKS[mask])

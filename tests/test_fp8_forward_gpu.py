@@ -17,7 +17,7 @@ import torch
 from hstu_cute import hstu_attn_varlen_func, launch, reference, validation, variants
 from hstu_cute.fp8_format import vt_key_column
 from hstu_cute.quantize import QuantMode, quantize_batch
-from hstu_cute.testing import random_jagged_batch
+from hstu_cute.testing import call_record, random_jagged_batch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -92,14 +92,10 @@ def run_fp8(b, entry, out_dtype):
         descales = [None, None, None]
         quant_mode = int(entry.removeprefix("mode"))
         emul = reference.hstu_attn_fp8_emulation(*args, **rest, quant_mode=quant_mode)
-    p = validation.validate(
-        *args, b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"], b["max_seqlen_k"], b["num_contexts"],
-        b["num_targets"], b["target_group_size"], b["window_size"], b["alpha"], b["rab"], False, b["is_delta_q"],
-        *descales, None, quant_mode, b["scaling_seqlen"], b["seqused_q"], b["seqused_k"])
-    assert p.out_dtype == out_dtype
-    out = launch.forward_fp8(*args, b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"], b["max_seqlen_k"],
-                             b["num_contexts"], b["num_targets"], b["target_group_size"], b["alpha"], b["rab"],
-                             b["seqused_q"], b["seqused_k"], p, *descales,
+    call, rab = call_record(**dict(b, q=args[0], k=args[1], v=args[2], quant_mode=quant_mode,
+                                   **dict(zip(("descale_q", "descale_k", "descale_v"), descales))))
+    assert call.problem.out_dtype == out_dtype
+    out = launch.forward_fp8(*args, rab, call,
                              out=torch.full(b["q"].shape, float("nan"), dtype=out_dtype, device="cuda"))
     torch.cuda.synchronize()
     ref32 = reference.hstu_attn_reference(b["q"], b["k"], b["v"], **rest)
@@ -278,10 +274,10 @@ def test_fp8_nan_in_one_sequence_stays_there():
     pq = _prequantized(b)
     v8 = pq["v"][0].clone()
     v8.view(torch.uint8)[:7] = 0x7F
-    p = validation.validate(pq["q"][0], pq["k"][0], v8, b["seq_offsets_q"], b["seq_offsets_k"], 200, 200, None,
-                            None, 1, (-1, 0), 1.0, None, False, False, None, None, None, None, -1, -1, None, None)
-    out = launch.forward_fp8(pq["q"][0], pq["k"][0], v8, b["seq_offsets_q"], b["seq_offsets_k"], 200, 200, None, None,
-                             1, 1.0, None, None, None, p, pq["q"][1], pq["k"][1], pq["v"][1])
+    call, _ = call_record(q=pq["q"][0], k=pq["k"][0], v=v8, seq_offsets_q=b["seq_offsets_q"],
+                          seq_offsets_k=b["seq_offsets_k"], max_seqlen_q=200, max_seqlen_k=200, window_size=(-1, 0),
+                          descale_q=pq["q"][1], descale_k=pq["k"][1], descale_v=pq["v"][1])
+    out = launch.forward_fp8(pq["q"][0], pq["k"][0], v8, None, call)
     torch.cuda.synchronize()
     assert torch.isnan(out[:7]).all()
     assert torch.equal(out[7:], clean[7:])

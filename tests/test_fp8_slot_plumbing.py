@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hstu_cute import kernel_args, launch, validation, variants
+from hstu_cute.call import Call
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -28,6 +29,8 @@ def recorded(monkeypatch):
     monkeypatch.setattr(launch, "num_sms", lambda device: 132)
     monkeypatch.setattr(launch, "_compiled", lambda key: None)
     monkeypatch.setattr(launch, "_launch", lambda key, compiled, values: calls.append((key, dict(values))))
+    monkeypatch.setattr(launch, "_launch_prepared",
+                        lambda prepared, values: calls.append((prepared.key, {**prepared.fixed, **values})))
     monkeypatch.setattr(launch, "_on_device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(launch, "_beside", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(launch, "tile_counter", lambda device: torch.zeros(2, dtype=torch.int32))
@@ -41,7 +44,7 @@ def _batch(mode: int):
     meta = [x.to("meta") for x in (q, k, v, offsets, offsets)]
     p = validation.validate(*meta, 130, 130, None, None, 1, (-1, 0), 1.0, None, False, False, None, None, None,
                             None, mode, -1, None, None)
-    return q, k, v, dout, offsets, p
+    return q, k, v, dout, offsets, Call(p, offsets, offsets, 130, 130)
 
 
 _DTYPES = {"Float8E4M3FN": torch.float8_e4m3fn, "BFloat16": torch.bfloat16, "Float16": torch.float16,
@@ -66,13 +69,11 @@ def _check_arguments(key, values) -> None:
 
 @pytest.mark.parametrize("mode", [0, 1, 2, 3, 4, 5])
 def test_fp8_training_step_launches(recorded, mode):
-    q, k, v, dout, offsets, p = _batch(mode)
-    out, kept = launch.forward_fp8(q, k, v, offsets, offsets, 130, 130, None, None, 1, 1.0, None, None, None, p,
-                                   keep_quantized=True)
+    q, k, v, dout, offsets, call = _batch(mode)
+    out, kept = launch.forward_fp8(q, k, v, None, call, keep_quantized=True)
     assert out.shape == q.shape
     forward_launches = len(recorded)
-    launch.backward_fp8(dout, q, k, v, offsets, offsets, 130, 130, None, None, 1, 1.0, None, None, None, p,
-                        quantized=kept)
+    launch.backward_fp8(dout, q, k, v, None, call, quantized=kept)
     names = [key.kernel_name for key, _ in recorded]
     for key, values in recorded:
         _check_arguments(key, values)
@@ -89,8 +90,8 @@ def test_fp8_training_step_launches(recorded, mode):
 def test_fp8_backward_without_forward_copies(recorded, mode):
     """The backward called without the forward's copies (the custom op's path) quantizes q, k
     and v itself: every argument is still there."""
-    q, k, v, dout, offsets, p = _batch(mode)
-    launch.backward_fp8(dout, q, k, v, offsets, offsets, 130, 130, None, None, 1, 1.0, None, None, None, p)
+    q, k, v, dout, offsets, call = _batch(mode)
+    launch.backward_fp8(dout, q, k, v, None, call)
     for key, values in recorded:
         _check_arguments(key, values)
     assert [key.kernel_name for key, _ in recorded][-2:] == ["hopper_bwd_fp8_dkdv", "hopper_bwd_fp8_dq"]
@@ -103,7 +104,7 @@ def test_quantize_for_copies_and_tables(recorded, mode, purpose):
     mode's shape ((B, blocks, H); a zero-strided (B, 1, H) view of the group scales for modes
     3-5; mode 1 (T, H) and (B, blocks, H, 2, D)), and the tensors handed to the kernel are the
     ones returned; an empty sequence and q and k of different block counts included."""
-    q, k, v, dout, offsets, p = _batch(mode)
+    q, k, v, dout, offsets, _ = _batch(mode)
     k_offsets = torch.tensor([0, 40, 41, 137], dtype=torch.int32)
     xs, offs, maxes = ((dout,), (offsets,), (130,)) if purpose == "gradient" else (
         (q, k, v), (offsets, k_offsets, k_offsets), (130, 96, 96))

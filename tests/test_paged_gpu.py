@@ -15,6 +15,7 @@ import torch
 
 from hstu_cute import hstu_attn_varlen_func, launch, reference, validation
 from hstu_cute.kv_cache import PagedKVCache
+from hstu_cute.call import Call
 from hstu_cute.testing import random_paged_batch
 
 pytestmark = [
@@ -67,17 +68,12 @@ def _batch(page_size, lengths, mask, dtype, head_dim, seed, heads=2):
 
 
 def _run(paged, path, splits=None):
-    p = validation.validate(
-        paged["q"], paged["k"], paged["v"], paged["seq_offsets_q"], paged["seq_offsets_k"], paged["max_seqlen_q"],
-        paged["max_seqlen_k"], paged["num_contexts"], paged["num_targets"], paged["target_group_size"],
-        paged["window_size"], paged["alpha"], paged["rab"], False, False, None, None, None, None, -1, -1, None, None,
-        paged["kv_cache"], paged["page_offsets"], paged["page_ids"], paged["last_page_lens"])
+    call, rab = call_record(**{n: paged[n] for n in ("q", "k", "v", "seq_offsets_q", "seq_offsets_k", "max_seqlen_q",
+                                                     "max_seqlen_k", "num_contexts", "num_targets", "target_group_size",
+                                                     "window_size", "alpha", "rab", "kv_cache", "page_offsets",
+                                                     "page_ids", "last_page_lens")})
     out = torch.full_like(paged["q"], float("nan"))
-    launch.forward(paged["q"], paged["k"], paged["v"], paged["seq_offsets_q"], paged["seq_offsets_k"],
-                   paged["max_seqlen_q"], paged["max_seqlen_k"], paged["num_contexts"], paged["num_targets"],
-                   paged["target_group_size"], paged["alpha"], paged["rab"], None, None, p, out=out, path=path,
-                   paged=(paged["kv_cache"], paged["page_offsets"], paged["page_ids"], paged["last_page_lens"]),
-                   splits=splits)
+    launch.forward(paged["q"], paged["k"], paged["v"], rab, call, out=out, path=path, splits=splits)
     torch.cuda.synchronize()
     return out
 
@@ -86,13 +82,14 @@ def _run_contiguous(dense, splits, path, seqused_q=None):
     """The same kernel family on contiguous keys (delta_q), ``splits`` parts of the key blocks.
     The public call refuses delta_q with targets (FBGEMM's V1 rule), the launcher does not: the
     problem comes from the op-level constructor, as in the serving benchmark."""
-    p = validation.problem_of_op_args(dense["q"], dense["seq_offsets_q"], dense["max_seqlen_q"], dense["max_seqlen_k"],
-                                      dense["num_contexts"], dense["num_targets"], -1, 0, dense["rab"], True, -1)
+    p, plans = validation.problem_of_op_args(dense["q"], dense["seq_offsets_q"], dense["max_seqlen_q"],
+                                             dense["max_seqlen_k"], dense["num_contexts"], dense["num_targets"], -1, 0,
+                                             dense["rab"], True, -1)
+    call = Call(p, dense["seq_offsets_q"], dense["seq_offsets_k"], dense["max_seqlen_q"], dense["max_seqlen_k"],
+                dense["num_contexts"], dense["num_targets"], seqused_q, None, dense["target_group_size"],
+                dense["alpha"], plans=plans)
     out = torch.full_like(dense["q"], float("nan"))
-    launch.forward(dense["q"], dense["k"], dense["v"], dense["seq_offsets_q"], dense["seq_offsets_k"],
-                   dense["max_seqlen_q"], dense["max_seqlen_k"], dense["num_contexts"], dense["num_targets"],
-                   dense["target_group_size"], dense["alpha"], dense["rab"], seqused_q, None, p, out=out,
-                   path=path, splits=splits)
+    launch.forward(dense["q"], dense["k"], dense["v"], dense["rab"], call, out=out, path=path, splits=splits)
     torch.cuda.synchronize()
     return out
 

@@ -358,35 +358,39 @@ def test_compile_with_changing_alpha_meta(no_launch):
         y.sum().backward()
         assert y.shape == q.shape
     from hstu_cute import launch
+    from hstu_cute.call import Call
 
+    problem, _ = validation.problem_of_op_args(q, offsets, 8, 8, None, None, -1, 0, None, False, -1)
     with pytest.raises(ValueError, match="alpha: expected a finite Python float, got nan"):
-        launch._scalar_args(validation.problem_of_op_args(q, offsets, 8, 8, None, None, -1, 0, None, False, -1),
-                            float("nan"), 1)
+        launch._scalar_args(Call(problem, offsets, offsets, 8, 8, alpha=float("nan")))
 
 
 # ---------------------------------------------------------------------------------------------
 # CPU numerics of the wiring, with the oracle standing in for the kernels
 # ---------------------------------------------------------------------------------------------
-def _oracle_forward(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-                    target_group_size, alpha, rab, seqused_q, seqused_k, p, tiles=None, out=None):
-    return reference.hstu_attn_reference(
-        q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-        target_group_size, (p.window_left, p.window_right), alpha, rab, p.mask.is_delta_q,
-        scaling_seqlen=p.scale_seqlen, seqused_q=seqused_q, seqused_k=seqused_k).to(q.dtype)
+def _oracle_args(call):
+    """The oracle's arguments of a call record (hstu_cute.call.Call)."""
+    p = call.problem
+    return ((call.seq_offsets_q, call.seq_offsets_k, call.max_seqlen_q, call.max_seqlen_k, call.num_contexts,
+             call.num_targets, call.target_group_size, (p.window_left, p.window_right), call.alpha),
+            dict(scaling_seqlen=p.scale_seqlen, seqused_q=call.seqused_q, seqused_k=call.seqused_k))
+
+
+def _oracle_forward(q, k, v, rab, call, tiles=None, out=None):
+    args, kwargs = _oracle_args(call)
+    return reference.hstu_attn_reference(q, k, v, *args, rab, call.problem.mask.is_delta_q, **kwargs).to(q.dtype)
 
 
 CALLS = []
 
 
-def _oracle_backward(dout, q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts,
-                     num_targets, target_group_size, alpha, rab, has_drab, seqused_q, seqused_k, p, deterministic):
-    CALLS.append(dict(has_drab=has_drab, deterministic=deterministic))
+def _oracle_backward(dout, q, k, v, rab, call):
+    has_drab = call.has_drab
+    CALLS.append(dict(has_drab=has_drab, deterministic=call.deterministic))
+    args, kwargs = _oracle_args(call)
 
     def grads():
-        return reference.reference_grads(
-            q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
-            target_group_size, (p.window_left, p.window_right), alpha, rab, p.mask.is_delta_q, dout=dout,
-            scaling_seqlen=p.scale_seqlen, seqused_q=seqused_q, seqused_k=seqused_k)
+        return reference.reference_grads(q, k, v, *args, rab, call.problem.mask.is_delta_q, dout=dout, **kwargs)
 
     # Inside an op body autograd's dispatch keys are excluded (thread-local): run the oracle's
     # autograd on a fresh thread.
@@ -406,7 +410,8 @@ def oracle_kernels(monkeypatch):
         return validate(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args])
 
     monkeypatch.setattr(api, "validate", validate_on_meta)
-    monkeypatch.setattr(api, "validate_memoized", validate_on_meta)  # the eager path's entry
+    # the eager path's entry: the problem and its (here empty) cache of prepared launches
+    monkeypatch.setattr(api, "validate_memoized", lambda *args: (validate_on_meta(*args), {}))
     monkeypatch.setattr(api, "forward", _oracle_forward)
     monkeypatch.setattr(api, "backward", _oracle_backward)
     CALLS.clear()
@@ -459,7 +464,7 @@ def test_gradients_route_to_the_right_inputs_cpu(fast_path, oracle_kernels, monk
     (the compiled path deduplicates the inputs of the autograd.Function). ``eager-fast-path``
     lets CPU tensors take the fast path that CUDA tensors take (no dispatcher: the op bodies,
     which rebuild the Problem, must not run)."""
-    problem = api.problem_of_op_args
+    problem = api.call_of_op_arguments
     if fast_path:
         eager = api._eager
 
@@ -468,7 +473,7 @@ def test_gradients_route_to_the_right_inputs_cpu(fast_path, oracle_kernels, monk
 
         monkeypatch.setattr(api, "_eager", lambda t: eager(t) or (type(t) is torch.Tensor and t.device.type == "cpu"
                                                                    and not torch.compiler.is_compiling()))
-        monkeypatch.setattr(api, "problem_of_op_args", no_op_body)
+        monkeypatch.setattr(api, "call_of_op_arguments", no_op_body)
     b = random_jagged_batch(3, H, D, 12, dtype=BF16, window_size=(-1, 0), rab_heads=H, num_targets=3, seed=5)
     kw = {n: b[n] for n in ("seq_offsets_q", "seq_offsets_k", "max_seqlen_q", "max_seqlen_k", "num_targets",
                             "window_size", "alpha")}
@@ -487,7 +492,7 @@ def test_gradients_route_to_the_right_inputs_cpu(fast_path, oracle_kernels, monk
 
     call = lambda x: hstu_attn_varlen_func(x, x, x, **kw)  # noqa: E731
     g_eager = shared(call)
-    monkeypatch.setattr(api, "problem_of_op_args", problem)  # the compiled graph runs the op bodies
+    monkeypatch.setattr(api, "call_of_op_arguments", problem)  # the compiled graph runs the op bodies
     g_comp = shared(torch.compile(call, fullgraph=True, backend="aot_eager"))
     ref = reference.reference_grads(b["q"], b["q"], b["q"], dout=dout, **kw)
     expected = (ref["dq"].to(BF16) + ref["dk"].to(BF16) + ref["dv"].to(BF16)).float()

@@ -68,7 +68,7 @@ def test_eager_calls_skip_the_dispatcher(monkeypatch, path):
 
     b = _batch(num_targets=5, rab_heads=1)
     expected = _public(b)
-    monkeypatch.setattr(api, "problem_of_op_args", op_body)
+    monkeypatch.setattr(api, "call_of_op_arguments", op_body)
     assert api._eager(b["q"])
     torch.testing.assert_close(_public(b), expected, rtol=0, atol=0)
     q = b["q"].detach().clone().requires_grad_(True)  # through the autograd.Function

@@ -5,7 +5,7 @@ A slot is one input tensor, its role and the copies it writes: ``plain`` (T, H, 
 of 128 tokens, sequence, slot and head); each block is quantized by
 :class:`~hstu_cute.hopper.quantize.BlockQuantizer`'s body (roles and layouts there), with shared
 memory allocated once for the largest slot. What a call quantizes, by quant mode and
-purpose, is :func:`hstu_cute.variants.quant_launches`: a training call's forward writes q, k and
+purpose, is :func:`hstu_cute.fp8_recipe.quant_launches`: a training call's forward writes q, k and
 v with both copies (the backward's Q^T, K^T and e4m3 V come from the same pass), the backward
 then quantizes dO alone.
 

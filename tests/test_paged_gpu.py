@@ -16,7 +16,7 @@ import torch
 from hstu_cute import hstu_attn_varlen_func, launch, reference, validation
 from hstu_cute.kv_cache import PagedKVCache
 from hstu_cute.call import Call
-from hstu_cute.testing import random_paged_batch
+from hstu_cute.testing import call_record, random_paged_batch
 
 pytestmark = [
     pytest.mark.gpu,

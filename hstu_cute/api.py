@@ -421,7 +421,7 @@ def hstu_attn_varlen_func(
             target_group_size, window_size, alpha, rab, has_drab, is_delta_q, descale_q, descale_k, descale_v,
             descale_do, quant_mode, scaling_seqlen, seqused_q, seqused_k, kv_cache, page_offsets, page_ids,
             last_page_lens)
-    p, plans = validate_memoized(*args) if eager else (validate(*args), {})
+    p, plans = validate_memoized(*args) if eager else (validate(*args), None)
     paged = PagedTables(kv_cache, page_offsets, page_ids, last_page_lens) if p.page_size else None
     call = Call(p, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets, seqused_q,
                 seqused_k, target_group_size, alpha, has_drab, deterministic, (descale_q, descale_k, descale_v), paged,

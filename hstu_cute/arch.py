@@ -73,14 +73,15 @@ def kernel_path(device) -> str:
     ``HSTU_CUTE_ARCH`` forces a path: 'sm80' (the mma.sync kernels, on any sm80+ GPU) or 'sm90'
     (the Hopper kernels; only on a compute capability 9.x device).
     """
-    forced = os.environ.get("HSTU_CUTE_ARCH", "").strip().lower().replace("_", "")
-    return _kernel_path(forced, _index(device))
+    # One lookup per call: the environment may change between calls (tests, notebooks).
+    return _kernel_path(os.environ.get("HSTU_CUTE_ARCH", ""), _index(device))
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel_path(forced: str, index: int) -> str:
+def _kernel_path(setting: str, index: int) -> str:
     import torch
 
+    forced = setting.strip().lower().replace("_", "")
     if forced and forced not in _AMPERE_NAMES + _HOPPER_NAMES:
         raise ValueError(f"HSTU_CUTE_ARCH: expected one of sm80, sm90; got {forced!r}")
     if forced in _AMPERE_NAMES:

@@ -14,7 +14,6 @@ those arguments, the schemas are written from it, and :func:`op_arguments` /
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -31,11 +30,12 @@ class PagedTables(NamedTuple):
     last_page_lens: torch.Tensor
 
 
-@dataclass(frozen=True)
-class Call:
-    """A validated call, without its autograd inputs (q, k, v, rab). ``plans`` is the launchers'
-    cache of prepared launches for every call of this argument signature (shared by the calls of
-    one signature; not part of the record's value)."""
+class Call(NamedTuple):
+    """A validated call, without its autograd inputs (q, k, v, rab). Immutable; fields are read
+    by name. ``plans`` is the launchers' cache of prepared launches for every call of this
+    argument signature (one dict shared by the calls of a signature; None: prepare per call).
+    A named tuple: built on every call, where a frozen dataclass's field-by-field ``__init__``
+    costs several microseconds more on the host (docs/perf-log.md, session 28)."""
 
     problem: Problem
     seq_offsets_q: torch.Tensor
@@ -53,7 +53,7 @@ class Call:
     # Pre-quantized e4m3 inputs: the (1,) fp32 descales of q, k, v (None: 1).
     descales: tuple = (None, None, None)
     paged: PagedTables | None = None
-    plans: dict = field(default_factory=dict, compare=False, repr=False)
+    plans: dict | None = None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -203,7 +203,7 @@ def tile_counter(device) -> torch.Tensor:
     stream run one after another, so they share it. A CUDA-graph capture gets a fresh zeroed one
     per launch instead (the memset is captured too; the allocator reuses its memory only for
     later work in stream order), so replays never share a counter with other streams."""
-    if torch.cuda.is_current_stream_capturing():
+    if torch._C._cuda_isCurrentStreamCapturing():
         return torch.zeros(2, dtype=torch.int32, device=device)
     key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
     counter = _TILE_COUNTERS.get(key)
@@ -287,13 +287,17 @@ def _launch_prepared(prepared: Prepared, values: dict) -> None:
 
 
 def _plan(call: Call, key: tuple, build):
-    """``call.plans[key]``, made by ``build()`` the first time; plans made inside a CUDA-graph
-    capture are not kept (their filler tensors would hold values only when the graph replays)."""
-    plan = call.plans.get(key)
+    """``call.plans[key]``, made by ``build()`` the first time (every time for a call without a
+    plan cache); plans made inside a CUDA-graph capture are not kept (their filler tensors would
+    hold values only when the graph replays)."""
+    plans = call.plans
+    if plans is None:
+        return build()
+    plan = plans.get(key)
     if plan is None:
         plan = build()
         if not torch.cuda.is_current_stream_capturing():
-            call.plans[key] = plan
+            plans[key] = plan
     return plan
 
 
@@ -503,12 +507,13 @@ def forward(q, k, v, rab, call: Call, tiles: dict | None = None, out: torch.Tens
     whose parts add up inside the kernel). The launch is prepared once per argument signature
     (:class:`Prepared`)."""
     p = call.problem
+    device = q.device
     if fp8 is not None:
         path = "hopper"
     elif path is None:
-        path = kernel_path(q.device)
+        path = kernel_path(device)
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype if fp8 is None else fp8.out_dtype, device=q.device)
+        out = torch.empty(q.shape, dtype=q.dtype if fp8 is None else fp8.out_dtype, device=device)
     if call.seqused_q is not None:
         out.zero_()  # padding rows (past seqused_q) are never written by the kernel
     if q.shape[0] == 0 or call.max_seqlen_q == 0 or p.batch == 0 or k.shape[0] == 0:
@@ -517,7 +522,6 @@ def forward(q, k, v, rab, call: Call, tiles: dict | None = None, out: torch.Tens
     v = aligned_16(v) if fp8 is None else fp8.vt
     if rab is not None and (path == "hopper" or p.page_size):
         rab = pad_rab_rows(rab)  # TMA (and the paged sm80 key) need 16-byte aligned rows
-    device = q.device
     fp8_kind = None if fp8 is None else (fp8.out_dtype, fp8.scaled_p, fp8.two_direction)
     plan_key = ("fwd", path, rab_vec(rab) if rab is not None else 0, k.shape[0], splits, fp8_kind, call.alpha,
                 call.target_group_size)
@@ -779,14 +783,23 @@ def _beside(device):
         main.wait_event(side.join)
 
 
+_NO_SWITCH = contextlib.nullcontext()
+
+
 def _on_device(device):
-    """The device's context, or nothing when it is already current (switching costs ~2 us)."""
-    return contextlib.nullcontext() if device.index == torch.cuda.current_device() else torch.cuda.device(device)
+    """The device's context, or nothing when it is already current (switching costs ~2 us; the
+    raw query skips torch.cuda.current_device's lazy-init check, a call that runs every launch)."""
+    return _NO_SWITCH if device.index == torch._C._cuda_getDevice() else torch.cuda.device(device)
 
 
 def _gradient_buffers(q, k, v, seqused_q, seqused_k) -> tuple:
-    """dq, dk, dv shaped like q, k, v: zeros where seqused leaves rows the kernels do not write."""
+    """dq, dk, dv shaped like q, k, v: zeros where seqused leaves rows the kernels do not write.
+    Where the three have one shape they are views of one allocation: each torch.empty costs
+    ~13 us of host time on the H200 host (scripts/host_attribution.py, session 28)."""
     zero_q, zero_k = seqused_q is not None, seqused_k is not None
+    if zero_q == zero_k and q.shape == k.shape:
+        return (torch.zeros if zero_q else torch.empty)((3,) + tuple(q.shape), dtype=q.dtype,
+                                                        device=q.device).unbind(0)
     return ((torch.zeros if zero_q else torch.empty)(q.shape, dtype=q.dtype, device=q.device),
             (torch.zeros if zero_k else torch.empty)(k.shape, dtype=k.dtype, device=k.device),
             (torch.zeros if zero_k else torch.empty)(v.shape, dtype=v.dtype, device=v.device))
@@ -813,8 +826,9 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
     default tiles (benchmark sweeps). The launches are prepared once per argument signature
     (:class:`Prepared`)."""
     p = call.problem
+    device = q.device
     if path is None:
-        path = kernel_path(q.device)
+        path = kernel_path(device)
     if p.head_dim not in HEAD_DIMS:
         raise NotImplementedError(f"q.shape[2] (head dim): the backward kernels support {HEAD_DIMS}, got {p.head_dim}")
     dq, dk, dv = _gradient_buffers(q, k, v, call.seqused_q, call.seqused_k)
@@ -822,8 +836,7 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
         return dq.zero_(), dk.zero_(), dv.zero_(), (torch.zeros_like(rab) if call.has_drab else None)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    q, k, v, dout = (aligned_16(t) for t in (q, k, v, dout))
-    device = q.device
+    q, k, v, dout = aligned_16(q), aligned_16(k), aligned_16(v), aligned_16(dout)
     rab, drab, drab_view = _aligned_rab_and_drab(rab, call.has_drab)
     plan_key = ("bwd", path, rab is not None, q.shape[0], k.shape[0], call.has_drab, call.deterministic,
                 call.alpha, call.target_group_size)

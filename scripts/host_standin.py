@@ -8,6 +8,7 @@ rows of one run only.
 """
 
 import contextlib
+import functools
 import sys
 import time
 
@@ -16,7 +17,8 @@ import torch
 import hstu_cute.api as api
 import hstu_cute.launch as launch
 import hstu_cute.validation as validation
-from host_breakdown import AllocOnly  # the floor: an autograd node that only allocates
+from hstu_cute.bench import NullAttention as AllocOnly  # the floor: an autograd node that only allocates
+from hstu_cute.testing import call_record
 
 api._eager = lambda t: type(t) is torch.Tensor and not torch.compiler.is_compiling()
 launch.kernel_path = lambda device: "hopper"
@@ -28,9 +30,12 @@ launch._on_device = lambda device: contextlib.nullcontext()
 _counter = torch.zeros(2, dtype=torch.int32)
 launch.tile_counter = lambda device: _counter
 torch.cuda.is_current_stream_capturing = lambda: False
+torch._C._cuda_isCurrentStreamCapturing = lambda: False
+torch._C._cuda_getDevice = lambda: 0
 # Validation insists on CUDA tensors: it runs once per signature, on meta stand-ins.
 _validate = validation.validate
-validation.validate = lambda *a: _validate(*[x.to("meta") if isinstance(x, torch.Tensor) else x for x in a])
+validation.validate = functools.wraps(_validate)(
+    lambda *a: _validate(*[x.to("meta") if isinstance(x, torch.Tensor) else x for x in a]))
 
 B, N, H, D = 2, 114, 2, 64  # the tiny problem of scripts/host_breakdown.py
 q, k, v = (torch.randn(B * N, H, D, dtype=torch.bfloat16) for _ in range(3))
@@ -41,7 +46,7 @@ q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
 dout = torch.ones_like(q)
 args = (q, k, v, offsets, offsets, N, N, None, None, 1, (-1, 0), 1.0, None, False, False, None, None, None, None, -1,
         -1, None, None)
-p = validation.validate_memoized(*args)
+call, _ = call_record(q=q, k=k, v=v, **kw)
 
 
 def step():
@@ -59,9 +64,8 @@ def fp8_step(mode: int):
 
 ROWS = {
     "validate (memo hit)": lambda: validation.validate_memoized(*args),
-    "launch.forward": lambda: launch.forward(q, k, v, offsets, offsets, N, N, None, None, 1, 1.0, None, None, None, p),
-    "launch.backward": lambda: launch.backward(dout, q, k, v, offsets, offsets, N, N, None, None, 1, 1.0, None, False,
-                                               None, None, p),
+    "launch.forward": lambda: launch.forward(q, k, v, None, call),
+    "launch.backward": lambda: launch.backward(dout, q, k, v, None, call),
     "public forward": lambda: api.hstu_attn_varlen_func(q, k, v, **kw),
     "public forward, FP8 quant_mode 0": lambda: api.hstu_attn_varlen_func(q, k, v, **kw, quant_mode=0),
     "public forward, FP8 pre-quantized e4m3": lambda: api.hstu_attn_varlen_func(q8, k8, v8, **kw),
@@ -94,6 +98,7 @@ if __name__ == "__main__":
     else:
         launches = []
         launch._launch = lambda key, compiled, values: launches.append(launch.ordered(key, values))
+        launch._launch_prepared = lambda prepared, values: launches.append(values)
         for name, fn in ROWS.items():
             launches.clear()
             fn()

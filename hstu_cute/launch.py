@@ -858,9 +858,11 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
             values["mdRabAccum"] = torch.zeros((rab.shape[0], rab.shape[2], rab.shape[3]), dtype=torch.float32,
                                                device=device)
         values["mdRab"] = drab_out
+        # One stream: the dQ kernel beside the dK/dV kernel on a side stream took the same device
+        # time (0.99-1.02x, CUDA graphs, tiny to B8 N4096, scripts/side_stream_ab.py) and ~45-60
+        # us more host time per step (docs/perf-log.md, session 28).
         plan.first(values, device)
-        with _beside(device):
-            plan.second(values, device)
+        plan.second(values, device)
         if plan.kind == "wide":
             _sum_drab_heads(drab, drab_out)
     return dq, dk, dv, drab_view
@@ -868,8 +870,8 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
 
 class _BackwardPlan:
     """The prepared launches of a 16-bit backward: ``kind`` "fused" (one kernel), "wide" (the D256
-    dK/dV/drab kernel, then the dQ kernel beside it) or "pair" (the dK/dV kernel, then the dQ(+drab)
-    kernel beside it); ``sum_heads``: the pair's dQ kernel sums drab over heads into fp32."""
+    dK/dV/drab kernel, then the dQ kernel) or "pair" (the dK/dV kernel, then the dQ(+drab)
+    kernel); ``sum_heads``: the pair's dQ kernel sums drab over heads into fp32."""
 
     __slots__ = ("kind", "first", "second", "sum_heads")
 

@@ -13,6 +13,9 @@ fi
 if [[ $STAGES == *" attribution "* ]]; then
   timeout 100 python scripts/host_attribution.py > "$OUT/attribution.log" 2>&1; echo "attribution rc=$?"; cat "$OUT/attribution.log"
 fi
+if [[ $STAGES == *" primitives "* ]]; then
+  timeout 150 python scripts/host_primitives.py > "$OUT/primitives.log" 2>&1; echo "primitives rc=$?"; cat "$OUT/primitives.log"
+fi
 if [[ $STAGES == *" sides "* ]]; then
   timeout 200 python scripts/side_stream_ab.py > "$OUT/sides.log" 2>&1; echo "side stream A/B rc=$?"; cat "$OUT/sides.log"
 fi

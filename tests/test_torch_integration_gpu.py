@@ -173,7 +173,7 @@ def test_export_and_run(strict):
 
 
 def _graph_replays_like_eager(fn, inputs):
-    """Warm ``fn`` up off the capture (compile/load, cached fillers, the backward's side stream),
+    """Warm ``fn`` up off the capture (compile/load, cached fillers and prepared launches),
     capture it on ``inputs(0)``, then copy fresh inputs in and replay: bitwise equal to eager."""
     static = inputs(0)
     stream = torch.cuda.Stream()
@@ -201,8 +201,8 @@ def test_cuda_graph_capture_replay_forward(path):
 
 
 def test_cuda_graph_capture_replay_backward(path):
-    """The backward's two kernels (dK/dV, and dQ on a side stream forked from and joined into the
-    capturing stream) replay to the eager gradients, bitwise (deterministic=True)."""
+    """The backward's two kernels (dK/dV, then dQ) replay to the eager gradients, bitwise
+    (deterministic=True)."""
 
     def grads(q, k, v, offsets, targets, dout):
         out = hstu_attn_varlen_func(q, k, v, offsets, offsets, 128, 128, num_targets=targets, window_size=(-1, 0),

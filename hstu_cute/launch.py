@@ -838,11 +838,12 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
         dout = dout.contiguous()
     q, k, v, dout = aligned_16(q), aligned_16(k), aligned_16(v), aligned_16(dout)
     rab, drab, drab_view = _aligned_rab_and_drab(rab, call.has_drab)
-    plan_key = ("bwd", path, rab is not None, q.shape[0], k.shape[0], call.has_drab, call.deterministic,
+    kind = _backward_kind(call, path)
+    plan_key = ("bwd", path, kind, rab is not None, q.shape[0], k.shape[0], call.has_drab, call.deterministic,
                 call.alpha, call.target_group_size)
 
     def build():
-        return _backward_plan(call, device, path, rab is not None, q.shape[0], k.shape[0], tiles_dq, tiles_dkdv)
+        return _backward_plan(call, device, path, kind, rab is not None, q.shape[0], k.shape[0], tiles_dq, tiles_dkdv)
 
     plan = _plan(call, plan_key, build) if tiles_dq is None and tiles_dkdv is None else build()
     values = dict(mQ=q, mK=k, mV=v, mdO=dout, mdQ=dq, mdK=dk, mdV=dv, mRab=rab, **_call_tensors(call))
@@ -879,7 +880,19 @@ class _BackwardPlan:
         self.kind, self.first, self.second, self.sum_heads = kind, first, second, sum_heads
 
 
-def _backward_plan(call: Call, device, path: str, has_rab: bool, tokens_q: int, tokens_k: int, tiles_dq,
+def _backward_kind(call: Call, path: str) -> str:
+    """Which kernels a 16-bit backward runs (:class:`_BackwardPlan`); decided per call, outside
+    the cached plans (tests and sweeps move ``FUSED_MIN_SEQLEN_K``)."""
+    p = call.problem
+    if path == "hopper" and p.head_dim in HOPPER_WIDE_HEAD_DIMS:
+        return "wide"
+    if (path == "hopper" and not call.has_drab and not call.deterministic and p.head_dim in HOPPER_FUSED_HEAD_DIMS
+            and call.max_seqlen_k >= FUSED_MIN_SEQLEN_K):
+        return "fused"
+    return "pair"
+
+
+def _backward_plan(call: Call, device, path: str, kind: str, has_rab: bool, tokens_q: int, tokens_k: int, tiles_dq,
                    tiles_dkdv) -> _BackwardPlan:
     p = call.problem
     has_drab = call.has_drab
@@ -896,15 +909,13 @@ def _backward_plan(call: Call, device, path: str, has_rab: bool, tokens_q: int, 
     def over_queries(key):  # the dQ kernels walk query blocks, their tiles share K and V
         return Prepared(key, dict(base, num_m_blocks=-(-max_q // key.tile_m), **_walk_fixed(key, p, tokens_k, max_k)))
 
-    if path == "hopper" and p.head_dim in HOPPER_WIDE_HEAD_DIMS:
+    if kind == "wide":
         # drab of one rab head over several heads: fp32 atomics unless deterministic (_drab_over_heads)
         atomic_sum = has_drab and p.rab_heads == 1 and p.heads > 1 and not call.deterministic
         key_kv = _made(make_hopper_bwd_key, "wide", *common, tiles_dkdv, has_drab=has_drab, rab_sum_heads=atomic_sum)
         key_q = _made(make_hopper_bwd_key, "dq", *common, tiles_dq)
         return _BackwardPlan("wide", over_keys(key_kv), over_queries(key_q))
-    fused = (path == "hopper" and not has_drab and not call.deterministic
-             and p.head_dim in HOPPER_FUSED_HEAD_DIMS and max_k >= FUSED_MIN_SEQLEN_K)
-    if fused:
+    if kind == "fused":
         return _BackwardPlan("fused", over_keys(_made(make_hopper_bwd_key, "fused", *common, tiles_dkdv)))
     sum_heads = has_drab and p.rab_heads == 1 and p.heads > 1
     key_dq, key_dkdv = _made(make_bwd_keys, *common, has_drab, sum_heads)

@@ -55,7 +55,7 @@ def main(argv=None) -> None:
         "torch.empty (3, T, H, D) + unbind": lambda: torch.empty((3,) + tuple(q.shape), dtype=q.dtype,
                                                                   device=dev).unbind(0),
         "3 x torch.empty (T, H, D)": lambda: [torch.empty(q.shape, dtype=q.dtype, device=dev) for _ in range(3)],
-        "prepared forward launch (TVM-FFI call)": lambda: launch._launch_prepared(prepared, dict(values)),
+        "prepared forward launch (TVM-FFI call)": lambda: prepared(dict(values), dev),
         "launch.forward (validated call)": lambda: launch.forward(q, k, v, None, call),
         "launch.backward (validated call)": lambda: launch.backward(dout, q, k, v, None, call),
         "validate_memoized (hit)": lambda: validation.validate_memoized(*vargs),

@@ -28,7 +28,7 @@ if [[ $STAGES == *" headline "* ]]; then
 fi
 if [[ $STAGES == *" tests "* ]]; then
   t0=$(date +%s)
-  timeout 200 python -m hstu_cute warmup --workers "$(nproc)" > "$OUT/warmup.log" 2>&1; echo "warmup rc=$? $(( $(date +%s) - t0 ))s"
+  timeout 150 python -m hstu_cute warmup --workers "$(nproc)" > "$OUT/warmup.log" 2>&1; echo "warmup rc=$? $(( $(date +%s) - t0 ))s"
   timeout "${TESTS_S:-330}" python -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/gpu-tests.log" 2>&1; echo "gpu tests rc=$?"
   grep -E "FAILED|Error" "$OUT/gpu-tests.log" | head -n 20; tail -n 3 "$OUT/gpu-tests.log"
 fi

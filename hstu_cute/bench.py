@@ -462,7 +462,7 @@ def run_workload_bwd_fp8(w: Workload, mode: int, entry: str = "kernel", sets: in
         moved = sum(x.numel() * (x.element_size() + 1) for x in (kw["q"], kw["k"], kw["v"], dout))
         # the token-contiguous Q^T, K^T, dO^T, and the V^T a training forward's pass also writes
         moved += sum(x.numel() for x in (kw["q"], kw["k"], kw["v"], dout))
-        if mode == 1:  # its token-contiguous copies take a second read of each input
+        if recipe(mode).two_direction:  # its token-contiguous copies take a second read of each input
             moved += sum(x.numel() * x.element_size() for x in (kw["q"], kw["k"], kw["v"], dout))
         row.update(tflops=0.0, gbps=moved / ms / 1e6)
     return row

@@ -413,10 +413,13 @@ def _demo_key(args, arch: str):
 
     kind, _, _ = normalize_window(_mask_window(args.mask, args.window), args.max_len)
     if _demo_fp8(args):
+        from .fp8_recipe import recipe
+
+        fp8 = recipe(args.quant_mode)
         out_dtype = "bfloat16" if args.dtype == FP8_DEMO_DTYPE else args.dtype
         return make_hopper_fp8_fwd_key(arch, out_dtype, args.head_dim, kind, args.mask == "target",
-                                       bool(args.rab_heads), scaled_p=args.quant_mode > 0,
-                                       two_direction=args.quant_mode == 1)
+                                       bool(args.rab_heads), scaled_p=fp8.scaled_p,
+                                       two_direction=fp8.two_direction)
     if has_hopper_kernels(arch):  # what the API runs by default there
         return make_hopper_fwd_key(arch, args.dtype, args.head_dim, kind, args.mask == "target", bool(args.rab_heads))
     # Same choice as the API: 16-byte rab loads when every rab row is 16-byte aligned.

@@ -26,8 +26,14 @@ class QuantMode(enum.IntEnum):
     PER_TENSOR = 5
 
 
-#: quant_mode of a call whose inputs come quantized already (float8_e4m3fn q, k, v).
+#: quant_mode of a call the op does not quantize: 16-bit inputs without FP8, or inputs that come
+#: quantized already (float8_e4m3fn q, k, v).
 PRE_QUANTIZED = -1
+
+
+def is_quant_mode(value) -> bool:
+    """``value`` is a public ``quant_mode``: an int (not a bool) in -1..5."""
+    return isinstance(value, int) and not isinstance(value, bool) and PRE_QUANTIZED <= value <= max(QuantMode)
 
 
 class ScaleGroup(enum.Enum):

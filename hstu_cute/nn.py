@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fp8_recipe import is_quant_mode
 from .validation import fail
 from .variants import HEAD_DIMS
 
@@ -80,7 +81,7 @@ def _check_settings(alpha, window, scaling_seqlen, deterministic, quant_mode, ta
         fail(ValueError, "scaling_seqlen", "-1 (use max_seqlen) or an int >= 1", repr(scaling_seqlen))
     if not isinstance(deterministic, bool):
         fail(TypeError, "deterministic", "a bool", type(deterministic).__name__)
-    if not _is_int(quant_mode) or not -1 <= quant_mode <= 5:
+    if not _is_int(quant_mode) or not is_quant_mode(quant_mode):
         fail(ValueError, "quant_mode", "an int in -1..5 (-1: 16-bit)", repr(quant_mode))
     if not _is_int(target_group_size) or target_group_size < 1:
         fail(ValueError, "target_group_size", "an int >= 1", repr(target_group_size))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from . import masks
-from .fp8_recipe import PRE_QUANTIZED, Fp8Recipe, recipe
+from .fp8_recipe import PRE_QUANTIZED, Fp8Recipe, is_quant_mode, recipe
 from .variants import FP8_HEAD_DIMS, HEAD_DIMS, PAGE_SIZES
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -187,7 +187,7 @@ def validate(
         if not isinstance(t, torch.Tensor):
             fail(TypeError, name, "a torch.Tensor", type(t).__name__)
     _check_python_int("quant_mode", quant_mode)
-    if not -1 <= quant_mode <= 5:
+    if not is_quant_mode(quant_mode):
         fail(ValueError, "quant_mode", "an int in -1..5", quant_mode)
     _check_fp8(q, k, v, descale_q, descale_k, descale_v, descale_do, quant_mode)
     for name, t in (("q", q), ("k", k), ("v", v)):

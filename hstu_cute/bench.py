@@ -570,6 +570,18 @@ class NullAttention(torch.autograd.Function):
         return torch.empty_like(dout), torch.empty_like(dout), torch.empty_like(dout)
 
 
+def tiny_batch(requires_grad: bool, batch: int = 2, seqlen: int = 128, heads: int = 2, head_dim: int = 64,
+               device="cuda") -> tuple[list, dict]:
+    """([q, k, v], the public call's other keyword arguments) of the host measurements' tiny causal
+    bf16 problem (``bench --host``, scripts/host_*.py): full sequences, GPU work negligible."""
+    tokens = batch * seqlen
+    qkv = [torch.randn(tokens, heads, head_dim, device=device, dtype=torch.bfloat16, requires_grad=requires_grad)
+           for _ in range(3)]
+    offsets = torch.arange(0, tokens + 1, seqlen, device=device, dtype=torch.int32)
+    return qkv, dict(seq_offsets_q=offsets, seq_offsets_k=offsets, max_seqlen_q=seqlen, max_seqlen_k=seqlen,
+                     window_size=(-1, 0), alpha=1.0 / head_dim**0.5)
+
+
 def _host_lines(batch: int, seqlen: int, heads: int, head_dim: int) -> dict:
     """name -> (forward(), step()) on a tiny causal bf16 problem: the null node, SDPA cuDNN on the
     padded (B, H, N, D) batch, ours bf16 and FP8 quant_mode 2 (Hopper only), FlashAttention-4
@@ -578,15 +590,11 @@ def _host_lines(batch: int, seqlen: int, heads: int, head_dim: int) -> dict:
     from .arch import kernel_path
 
     dev = torch.device("cuda")
-    tokens = batch * seqlen
 
     def jagged(requires_grad):
-        return [torch.randn(tokens, heads, head_dim, device=dev, dtype=torch.bfloat16, requires_grad=requires_grad)
-                for _ in range(3)]
+        return tiny_batch(requires_grad, batch, seqlen, heads, head_dim)[0]
 
-    offsets = torch.arange(0, tokens + 1, seqlen, device=dev, dtype=torch.int32)
-    kw = dict(seq_offsets_q=offsets, seq_offsets_k=offsets, max_seqlen_q=seqlen, max_seqlen_k=seqlen,
-              window_size=(-1, 0), alpha=1.0 / head_dim**0.5)
+    _, kw = tiny_batch(False, batch, seqlen, heads, head_dim)
     lines = {}
 
     def add(name, fn, inputs, grad_inputs):

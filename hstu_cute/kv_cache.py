@@ -336,3 +336,56 @@ def _describe(x):
     if isinstance(x, torch.Tensor):
         return f"a tensor of shape {tuple(x.shape)}"
     return type(x).__name__
+
+
+# ---------------------------------------------------------------------------------------------
+# Page-table arithmetic of the paged launch (hstu_cute.launch.fwd)
+# ---------------------------------------------------------------------------------------------
+def cache_rows(kv_cache: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The cache (pages, 2, page_size, H, D) seen as (pages * 2 * page_size, H, D) rows, row
+    (page * 2 + kind) * page_size + r, as the kernels read it (validation checked that its strides
+    allow that view; no copy)."""
+    rows = kv_cache.shape[0] * 2 * page_size
+    return kv_cache.as_strided((rows, kv_cache.shape[3], kv_cache.shape[4]), (kv_cache.stride(2),
+                               kv_cache.stride(3), 1))
+
+
+def rab_among_new(rab: torch.Tensor, page_offsets, last_page_lens, page_size: int, new_len: int) -> torch.Tensor:
+    """(B, H_rab, W, W) rab among each sequence's new tokens, rab[b, h, C_b + i, C_b + j] for i, j
+    < W = roundup8(new_len) (C_b cached tokens, from the page tables on the device: no sync),
+    16-byte aligned rows: a TMA box or a 16-byte load can not start at column C_b of rab itself
+    (unaligned). One gather from rab's storage by element offset (any strides); the offsets of
+    positions past a sequence's new tokens are clamped into the storage, so they read some element
+    of rab (their keys are masked and their queries never stored)."""
+    cached = cached_lengths(page_offsets, last_page_lens, page_size)
+    width = -(-max(new_len, 1) // 8) * 8
+    s_b, s_h, s_r, s_c = rab.stride()
+    base, grid, extent = _rab_gather_geometry(rab, width)
+    # Offsets: the (b, h) slab's, the cached length's shift along the diagonal, the (i, j) grid's.
+    offsets = ((base + (cached * (s_r + s_c))[:, None, None, None]) + grid).clamp_(max=extent - 1)
+    return rab.as_strided((extent,), (1,)).take(offsets)
+
+
+_RAB_GATHER: dict = {}
+
+
+def _rab_gather_geometry(rab: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """((B, H_rab, 1, 1) slab offsets, (width, width) offsets of i, j, elements of rab's storage
+    span) for :func:`rab_among_new`, cached by rab's shape, strides, device and ``width``."""
+    key = (tuple(rab.shape), rab.stride(), rab.device, width)
+    geometry = _RAB_GATHER.get(key)
+    if geometry is None:
+        # Made inside a CUDA-graph capture its values exist only when the graph replays: not kept.
+        capturing = rab.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if len(_RAB_GATHER) > 64:
+            _RAB_GATHER.clear()
+        s_b, s_h, s_r, s_c = rab.stride()
+        extent = sum((n - 1) * st for n, st in zip(rab.shape, rab.stride())) + 1
+        base = (torch.arange(rab.shape[0], device=rab.device) * s_b)[:, None, None, None] + (
+            torch.arange(rab.shape[1], device=rab.device) * s_h)[None, :, None, None]
+        steps = torch.arange(width, device=rab.device)
+        grid = steps[:, None] * s_r + steps[None, :] * s_c
+        geometry = (base, grid, extent)
+        if not capturing:
+            _RAB_GATHER[key] = geometry
+    return geometry

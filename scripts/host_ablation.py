@@ -1,6 +1,6 @@
 """Where the host time of a training step goes, by ablation: the tiny step of ``bench --host``
 (B2 N128 H2 D64 bf16 causal) timed whole, then with one piece at a time replaced by nothing (the
-TVM-FFI kernel calls, the side stream, the gradient allocations, the backward launcher, the whole
+TVM-FFI kernel calls, the gradient allocations, the backward launcher, the whole
 backward), beside the null autograd.Function. Each row is min-max over interleaved repeats of
 ``--calls`` calls queued with no sync. Needs a GPU.
 
@@ -15,7 +15,7 @@ import contextlib
 import torch
 
 from hstu_cute import api, launch
-from hstu_cute.bench import NullAttention, host_us_per_call
+from hstu_cute.bench import NullAttention, host_us_per_call, tiny_batch
 
 
 def main(argv=None) -> None:
@@ -23,12 +23,7 @@ def main(argv=None) -> None:
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
-    B, N, H, D = 2, 128, 2, 64
-    dev = torch.device("cuda")
-    q, k, v = (torch.randn(B * N, H, D, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    offsets = torch.arange(0, B * N + 1, N, device=dev, dtype=torch.int32)
-    kw = dict(seq_offsets_q=offsets, seq_offsets_k=offsets, max_seqlen_q=N, max_seqlen_k=N, window_size=(-1, 0),
-              alpha=0.125)
+    (q, k, v), kw = tiny_batch(True)
     dout = torch.randn_like(q)
     grads = tuple(torch.empty_like(q) for _ in range(3)) + (None,)
 
@@ -42,20 +37,19 @@ def main(argv=None) -> None:
     def null_step():
         torch.autograd.grad(NullAttention.apply(q, k, v), (q, k, v), dout)
 
-    real = dict(launch_prepared=launch._launch_prepared, beside=launch._beside, backward=api.backward,
-                gradient_buffers=launch._gradient_buffers)
+    owners = dict(launch_prepared=(launch.prepared, "_launch_prepared"), backward=(api, "backward"),
+                  gradient_buffers=(launch.bwd, "_gradient_buffers"))
+    real = {name: getattr(*owners[name]) for name in owners}
 
     @contextlib.contextmanager
     def patched(**changes):
         for name, value in changes.items():
-            owner = api if name == "backward" else launch
-            setattr(owner, "_" + name if owner is launch else name, value)
+            setattr(*owners[name], value)
         try:
             yield
         finally:
             for name in changes:
-                owner = api if name == "backward" else launch
-                setattr(owner, "_" + name if owner is launch else name, real[name])
+                setattr(*owners[name], real[name])
 
     def no_launch(prepared, values):
         pass
@@ -64,7 +58,6 @@ def main(argv=None) -> None:
         "null autograd.Function step": (null_step, {}),
         "step": (step, {}),
         "step, no TVM-FFI kernel calls": (step, dict(launch_prepared=no_launch)),
-        "step, dQ kernel on the main stream": (step, dict(beside=lambda device: contextlib.nullcontext())),
         "step, gradients from a pool": (step, dict(gradient_buffers=lambda *a: grads[:3])),
         "step, backward launcher stubbed": (step, dict(backward=lambda *a, **k: grads)),
         "forward (no grad)": (forward, {}),

@@ -16,7 +16,7 @@ import time
 import torch
 
 from hstu_cute import api, launch
-from hstu_cute.bench import NullAttention
+from hstu_cute.bench import NullAttention, tiny_batch
 
 TOTALS: collections.Counter = collections.Counter()
 COUNTS: collections.Counter = collections.Counter()
@@ -39,12 +39,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=2000)
     args = ap.parse_args(argv)
-    B, N, H, D = 2, 128, 2, 64
-    dev = torch.device("cuda")
-    q, k, v = (torch.randn(B * N, H, D, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    offsets = torch.arange(0, B * N + 1, N, device=dev, dtype=torch.int32)
-    kw = dict(seq_offsets_q=offsets, seq_offsets_k=offsets, max_seqlen_q=N, max_seqlen_k=N, window_size=(-1, 0),
-              alpha=0.125)
+    (q, k, v), kw = tiny_batch(True)
     dout = torch.randn_like(q)
     marks = {}
 
@@ -71,33 +66,16 @@ def main(argv=None) -> None:
         step()
         null_step()
     torch.cuda.synchronize()
+    modules = (launch.buffers, launch.prepared, launch.fwd, launch.bwd, api)
     for name in ("forward", "backward", "_gradient_buffers", "aligned_16", "_aligned_rab_and_drab", "_plan",
                  "_launch_prepared", "tile_counter", "_on_device", "kernel_path", "_call_tensors"):
-        setattr(launch, name, timed(name, getattr(launch, name)))
-    api.forward, api.backward = launch.forward, launch.backward
+        wrapped = None
+        for module in modules:  # each module holds its own reference to what it imports
+            if hasattr(module, name):
+                wrapped = wrapped or timed(name, getattr(module, name))
+                setattr(module, name, wrapped)
     api.validate_memoized = timed("validate_memoized", api.validate_memoized)
     api._HstuAttnEager.backward = staticmethod(backward_node)
-    real_beside = launch._beside
-
-    def beside(device):
-        t0 = time.perf_counter_ns()
-        cm = real_beside(device)
-        cm.__enter__()
-        TOTALS["_beside enter"] += time.perf_counter_ns() - t0
-
-        class Exit:
-            def __enter__(self):
-                return None
-
-            def __exit__(self, *exc):
-                t1 = time.perf_counter_ns()
-                cm.__exit__(*exc)
-                TOTALS["_beside exit"] += time.perf_counter_ns() - t1
-                return False
-
-        return Exit()
-
-    launch._beside = beside
     public = timed("hstu_attn_varlen_func", api.hstu_attn_varlen_func)
     TOTALS.clear()
     COUNTS.clear()

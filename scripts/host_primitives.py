@@ -15,7 +15,8 @@ import time
 import torch
 
 from hstu_cute import api, launch, validation
-from hstu_cute.bench import NullAttention
+from hstu_cute.arch import kernel_path
+from hstu_cute.bench import NullAttention, tiny_batch
 
 
 def per_call(fn, calls: int, repeats: int = 5) -> float:
@@ -33,22 +34,19 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=2000)
     args = ap.parse_args(argv)
-    B, N, H, D = 2, 128, 2, 64
-    dev = torch.device("cuda")
-    q, k, v = (torch.randn(B * N, H, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    (q, k, v), kw = tiny_batch(False)
     qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
-    offsets = torch.arange(0, B * N + 1, N, device=dev, dtype=torch.int32)
-    kw = dict(seq_offsets_q=offsets, seq_offsets_k=offsets, max_seqlen_q=N, max_seqlen_k=N, window_size=(-1, 0),
-              alpha=0.125)
+    dev = q.device
+    offsets, N = kw["seq_offsets_q"], kw["max_seqlen_q"]
     vargs = (q, k, v, offsets, offsets, N, N, None, None, 1, (-1, 0), 0.125, None, False, False, None, None, None,
              None, -1, -1, None, None, None, None, None, None)
     p, plans = validation.validate_memoized(*vargs)
-    call = api.Call(p, offsets, offsets, N, N, alpha=0.125, plans=plans)
+    call = api.Call(p, offsets, offsets, N, N, alpha=kw["alpha"], plans=plans)
     out = launch.forward(q, k, v, None, call)
     dout = torch.randn_like(q)
     launch.backward(dout, q, k, v, None, call)
     (prepared, _), = [plan for key, plan in plans.items() if key[0] == "fwd"]
-    values = dict(mQ=q, mK=k, mV=v, mO=out, mRab=None, **launch._call_tensors(call))
+    values = dict(mQ=q, mK=k, mV=v, mO=out, mRab=None, **launch.prepared._call_tensors(call))
     torch.cuda.synchronize()
     rows = {
         "torch.empty (T, H, D)": lambda: torch.empty(q.shape, dtype=q.dtype, device=dev),
@@ -62,7 +60,7 @@ def main(argv=None) -> None:
         "Call(...) record": lambda: api.Call(p, offsets, offsets, N, N, None, None, None, None, 1, 0.125, False, False,
                                              (None, None, None), None, plans),
         "tile_counter": lambda: launch.tile_counter(dev),
-        "kernel_path": lambda: launch.kernel_path(dev),
+        "kernel_path": lambda: kernel_path(dev),
         "aligned_16": lambda: launch.aligned_16(q),
         "q.device": lambda: q.device,
         "public forward (no grad)": lambda: api.hstu_attn_varlen_func(q, k, v, **kw),

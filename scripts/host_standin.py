@@ -21,14 +21,22 @@ from hstu_cute.bench import NullAttention as AllocOnly  # the floor: an autograd
 from hstu_cute.testing import call_record
 
 api._eager = lambda t: type(t) is torch.Tensor and not torch.compiler.is_compiling()
-launch.kernel_path = lambda device: "hopper"
-launch.device_arch = lambda device: "sm_90a"
-launch.num_sms = lambda device: 132
-launch._compiled = lambda key: (lambda *args: None)
-launch._beside = lambda device: contextlib.nullcontext()
-launch._on_device = lambda device: contextlib.nullcontext()
 _counter = torch.zeros(2, dtype=torch.int32)
-launch.tile_counter = lambda device: _counter
+STUBS = dict(kernel_path=lambda device: "hopper", device_arch=lambda device: "sm_90a", num_sms=lambda device: 132,
+             _compiled=lambda key: (lambda *args: None), _beside=lambda device: contextlib.nullcontext(),
+             _on_device=lambda device: contextlib.nullcontext(), tile_counter=lambda device: _counter)
+LAUNCH_MODULES = (launch.buffers, launch.prepared, launch.fwd, launch.bwd, launch.fp8)
+
+
+def stub(name, value):
+    """``name`` replaced in every launch module that holds it (each imports its own reference)."""
+    for module in LAUNCH_MODULES:
+        if hasattr(module, name):
+            setattr(module, name, value)
+
+
+for _name, _value in STUBS.items():
+    stub(_name, _value)
 torch.cuda.is_current_stream_capturing = lambda: False
 torch._C._cuda_isCurrentStreamCapturing = lambda: False
 torch._C._cuda_getDevice = lambda: 0
@@ -37,7 +45,7 @@ _validate = validation.validate
 validation.validate = functools.wraps(_validate)(
     lambda *a: _validate(*[x.to("meta") if isinstance(x, torch.Tensor) else x for x in a]))
 
-B, N, H, D = 2, 114, 2, 64  # the tiny problem of scripts/host_breakdown.py
+B, N, H, D = 2, 114, 2, 64
 q, k, v = (torch.randn(B * N, H, D, dtype=torch.bfloat16) for _ in range(3))
 offsets = torch.tensor([0, N, B * N], dtype=torch.int32)
 kw = dict(seq_offsets_q=offsets, seq_offsets_k=offsets, max_seqlen_q=N, max_seqlen_k=N, window_size=(-1, 0))
@@ -97,8 +105,8 @@ if __name__ == "__main__":
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     else:
         launches = []
-        launch._launch = lambda key, compiled, values: launches.append(launch.ordered(key, values))
-        launch._launch_prepared = lambda prepared, values: launches.append(values)
+        stub("_launch", lambda key, compiled, values: launches.append(values))
+        stub("_launch_prepared", lambda prepared, values: launches.append(values))
         for name, fn in ROWS.items():
             launches.clear()
             fn()

@@ -144,7 +144,7 @@ FUSED_GRID = [
 @pytest.mark.parametrize("case", FUSED_GRID, ids=lambda c: f"mode{c[0]}-{c[1]}-{str(c[2])[6:]}-{c[3]}-{c[4]}")
 def test_fp8_backward_fused(case, monkeypatch):
     mode, mask, dtype, (mq, mk), lengths = case
-    monkeypatch.setattr(launch, "FP8_FUSED_BY_DEFAULT", True)
+    monkeypatch.setattr(launch.heuristics, "FP8_FUSED_BY_DEFAULT", True)
     assert fp8_backward_fused(128, recipe(mode), mk, False, False, False)
     seed = _seed("fused", case)
     b = random_jagged_batch(4, 2, 128, mq, mk, device="cuda", dtype=dtype, seed=seed, is_delta_q=mq < mk,
@@ -155,7 +155,7 @@ def test_fp8_backward_fused(case, monkeypatch):
 def test_fp8_backward_fused_edge_lengths(monkeypatch):
     """The fused kernel with lengths 0, 1, 17, 2100 (key blocks cut short: K^T's padding and the
     next sequence behind them), all-target sequences and an empty one."""
-    monkeypatch.setattr(launch, "FP8_FUSED_BY_DEFAULT", True)
+    monkeypatch.setattr(launch.heuristics, "FP8_FUSED_BY_DEFAULT", True)
     b = random_jagged_batch(5, 2, 128, 2100, device="cuda", seed=_seed("fused-edge"), lengths=[0, 1, 17, 2100, 40],
                             window_size=(-1, 0), num_targets=[0, 1, 17, 20, 40], target_group_size=2)
     check(b, 2, 0)

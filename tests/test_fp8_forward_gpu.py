@@ -246,8 +246,8 @@ def test_group_quantizer_launch_that_cannot_fit_raises(monkeypatch):
     """A cooperative launch larger than the GPU holds (here: asked for 4x its SMs) must raise, not
     skip the quantizer and leave its outputs unwritten; the GPU stays usable."""
     b = random_jagged_batch(2, 2, 128, 300, device="cuda", seed=5)
-    sms = launch.num_sms(torch.device("cuda"))
-    monkeypatch.setattr(launch, "num_sms", lambda device: 4 * sms)
+    sms = launch.fp8.num_sms(torch.device("cuda"))
+    monkeypatch.setattr(launch.fp8, "num_sms", lambda device: 4 * sms)
     with pytest.raises(Exception):
         launch.quantize_for(5, "forward", (b["q"], b["k"], b["v"]), (b["seq_offsets_q"],) * 3, (300,) * 3)
         torch.cuda.synchronize()

@@ -24,16 +24,17 @@ LENGTHS_Q = [130, 0, 7]
 def recorded(monkeypatch):
     """Launches recorded as (key, values) instead of run; device queries answered as on an H100."""
     calls = []
-    monkeypatch.setattr(launch, "kernel_path", lambda device: "hopper")
-    monkeypatch.setattr(launch, "device_arch", lambda device: "sm_90a")
-    monkeypatch.setattr(launch, "num_sms", lambda device: 132)
-    monkeypatch.setattr(launch, "_compiled", lambda key: None)
-    monkeypatch.setattr(launch, "_launch", lambda key, compiled, values: calls.append((key, dict(values))))
-    monkeypatch.setattr(launch, "_launch_prepared",
-                        lambda prepared, values: calls.append((prepared.key, {**prepared.fixed, **values})))
-    monkeypatch.setattr(launch, "_on_device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(launch, "_beside", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(launch, "tile_counter", lambda device: torch.zeros(2, dtype=torch.int32))
+    stubs = dict(
+        kernel_path=lambda device: "hopper", device_arch=lambda device: "sm_90a", num_sms=lambda device: 132,
+        _compiled=lambda key: None, _launch=lambda key, compiled, values: calls.append((key, dict(values))),
+        _launch_prepared=lambda prepared, values: calls.append((prepared.key, {**prepared.fixed, **values})),
+        _on_device=lambda device: contextlib.nullcontext(), _beside=lambda device: contextlib.nullcontext(),
+        tile_counter=lambda device: torch.zeros(2, dtype=torch.int32))
+    # Each launch module holds its own reference to what it imports: stub it where it is used.
+    for module in (launch.buffers, launch.prepared, launch.fwd, launch.bwd, launch.fp8):
+        for name, stub in stubs.items():
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, stub)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     return calls
 

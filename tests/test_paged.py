@@ -143,9 +143,9 @@ def test_key_block_parts_cover_each_block_once(count, parts):
 
 def test_cached_lengths_and_rab_among_new():
     """The launcher's C_b (validation.cached_lengths) and the rab among the new tokens
-    (launch.rab_among_new: rab[b, h, C_b + i, C_b + j] inside each sequence), against a direct
+    (kv_cache.rab_among_new: rab[b, h, C_b + i, C_b + j] inside each sequence), against a direct
     loop, for a strided rab and a sequence without pages."""
-    from hstu_cute import launch
+    from hstu_cute import kv_cache
 
     page_size = 16
     page_offsets = torch.tensor([0, 3, 3, 4, 6], dtype=torch.int32)
@@ -157,7 +157,7 @@ def test_cached_lengths_and_rab_among_new():
     base = torch.randn(4, 3, max_k + 2, max_k + 5)
     rab = base[:, ::2, :max_k, 1:max_k + 1]  # strided: every other head, an offset column
     for _ in range(2):  # the second call takes the cached geometry
-        got = launch.rab_among_new(rab, page_offsets, last_page_lens, page_size, max(new))
+        got = kv_cache.rab_among_new(rab, page_offsets, last_page_lens, page_size, max(new))
     assert got.shape == (4, 2, 16, 16)
     for b, (c, n) in enumerate(zip(cached.tolist(), new)):
         assert torch.equal(got[b, :, :n, :n], rab[b, :, c:c + n, c:c + n])

@@ -136,10 +136,10 @@ def test_split_keys_default_and_seqused(path):
                             paged["max_seqlen_q"], paged["max_seqlen_k"], None, None, 1, (-1, 0), 0.5, None, False,
                             False, None, None, None, None, -1, -1, None, None, paged["kv_cache"],
                             paged["page_offsets"], paged["page_ids"], paged["last_page_lens"])
-    from hstu_cute.arch import num_sms
+    from hstu_cute.arch import device_arch, num_sms
 
     device = paged["q"].device
-    key = launch.fwd_key(p, launch.device_arch(device), None, path=path)
+    key = launch.fwd_key(p, device_arch(device), None, path=path)
     assert launch.key_splits(p, key.tile_m, key.tile_n, paged["max_seqlen_q"], paged["max_seqlen_k"],
                              num_sms(device)) > 1
     _check(_run(paged, path), dense, seed)

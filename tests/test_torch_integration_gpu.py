@@ -145,7 +145,7 @@ def test_compile_reduce_overhead_first_call_trains(monkeypatch):
     from hstu_cute import launch
 
     for name in ("_FILLERS", "_FILLER_BASES", "_ONES"):
-        monkeypatch.setattr(launch, name, {})
+        monkeypatch.setattr(launch.buffers, name, {})
     attn = Attn()
     step = torch.compile(lambda *x: attn(*x).float().square().sum(), mode="reduce-overhead")
     for seed in range(3):
@@ -236,7 +236,7 @@ def fused_any_length(monkeypatch):
     """The fused D128 kernel for every key length (by default short sequences take the pair)."""
     from hstu_cute import launch
 
-    monkeypatch.setattr(launch, "FUSED_MIN_SEQLEN_K", 0)
+    monkeypatch.setattr(launch.heuristics, "FUSED_MIN_SEQLEN_K", 0)
 
 
 def _check_backward(b, has_drab, seed, deterministic=False, dtype=BF16):
@@ -290,7 +290,7 @@ def test_backward_d128_without_drab_matches_oracle(mask, rab, kernels, path, mon
     forces either): edge lengths, all-target sequences, delta_q, rab."""
     from hstu_cute import launch
 
-    monkeypatch.setattr(launch, "FUSED_MIN_SEQLEN_K", 0 if kernels == "fused" else 1 << 30)
+    monkeypatch.setattr(launch.heuristics, "FUSED_MIN_SEQLEN_K", 0 if kernels == "fused" else 1 << 30)
     m = dict(MASKS.get(mask, dict(window_size=(-1, 0), target_group_size=5)))
     lengths = [0, 1, 17, 300, 129, 64]
     if mask == "all-target g5":
@@ -399,14 +399,14 @@ def test_backward_d256_sm80_kernels_run(monkeypatch):
     from hstu_cute import launch
 
     keys = []
-    real_make = launch.make_bwd_keys
+    real_make = launch.bwd.make_bwd_keys
 
     def recording_make(*args):
         pair = real_make(*args)
         keys.extend(pair)
         return pair
 
-    monkeypatch.setattr(launch, "make_bwd_keys", recording_make)
+    monkeypatch.setattr(launch.bwd, "make_bwd_keys", recording_make)
     monkeypatch.setenv("HSTU_CUTE_ARCH", "sm80")
     arch._kernel_path.cache_clear()
     try:

@@ -61,7 +61,7 @@ def test_compiled_training_step_matches_oracle(path, with_rab, fused, monkeypatc
     from hstu_cute import launch
 
     if fused:
-        monkeypatch.setattr(launch, "FUSED_MIN_SEQLEN_K", 0)
+        monkeypatch.setattr(launch.heuristics, "FUSED_MIN_SEQLEN_K", 0)
     torch._dynamo.reset()
     dev = "cuda"
     lengths = list(LENGTHS)

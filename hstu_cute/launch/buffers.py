@@ -1,0 +1,267 @@
+"""Device buffers and streams the launchers keep between calls: 16-byte alignment of the
+operands, rab rows padded for TMA, cached int32 constants (fillers for absent seqused / contexts /
+targets, unit descales) outside torch's allocator, the tile counters and split-key arrival counts
+(one per device and stream, zero at launch and after), the gradient buffers, the FP8 backward's side
+stream and the device switch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+
+INT32_MAX = 2**31 - 1
+
+
+def aligned_16(t: torch.Tensor) -> torch.Tensor:
+    """The kernels load 16-byte vectors along D: token/head strides must be multiples of 16
+    bytes and the base pointer 16-byte aligned. Rare layouts that are not get one copy."""
+    vec = 16 // t.element_size()
+    if t.stride(0) % vec or t.stride(1) % vec or t.data_ptr() % 16:
+        t = t.contiguous()
+        if t.data_ptr() % 16:
+            t = t.clone()
+    return t
+
+
+def rab_vec(rab: torch.Tensor) -> int:
+    """Elements per rab load: 8 (16-byte cp.async) when every row starts 16-byte aligned, else 1
+    (scalar loads; e.g. max_seqlen_k not a multiple of 8 -- pad rab's last dim to avoid it)."""
+    aligned = rab.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in (rab.stride(0), rab.stride(1), rab.stride(2)))
+    return 8 if aligned else 1
+
+
+def pad_rab_rows(rab: torch.Tensor) -> torch.Tensor:
+    """rab with 16-byte aligned rows (what TMA and 16-byte loads need): ``rab`` itself when it
+    already has them, else a copy into a slab whose last dim is padded to a multiple of 8."""
+    if rab_vec(rab) == 8:
+        return rab
+    cols = rab.shape[3]
+    padded = torch.zeros(rab.shape[:3] + ((cols + 7) // 8 * 8,), dtype=rab.dtype, device=rab.device)
+    padded[..., :cols].copy_(rab)
+    return padded
+
+
+_FILLERS: dict = {}
+
+
+def _filler(batch: int, device: torch.device, value: int) -> torch.Tensor:
+    """Cached (batch,) int32 constant: stands in for absent seqused (no limit) or absent
+    contexts/targets (zero), so these need no kernel variants of their own."""
+    key = (batch, device, value)
+    t = _FILLERS.get(key)
+    if t is None:
+        if len(_FILLERS) > 64:
+            _FILLERS.clear()
+        t = constant_prefix(_FILLER_BASES, (device, value), batch, device,
+                            lambda n: torch.full((n,), value, dtype=torch.int32, device=device))
+        if not torch.cuda.is_current_stream_capturing():
+            _FILLERS[key] = t
+    return t
+
+
+_FILLER_BASES: dict = {}
+
+
+def constant_prefix(buffers: dict, key, length: int, device, values) -> torch.Tensor:
+    """The first ``length`` entries of a cached int32 constant ``values(n)`` (n entries made on
+    ``device``, copied device to device: no host sync): a view of one buffer per ``key`` in
+    ``buffers``, grown by doubling, outside torch's allocator (:func:`_outside_torch_pool`; the
+    buffers are never freed). Inside a CUDA-graph capture, or off CUDA, a fresh tensor (a buffer
+    filled there would hold its values only when the graph replays)."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return values(length)
+    buffer = buffers.get(key)
+    if buffer is None or buffer.shape[0] < length:
+        size = max(length, 2 * buffer.shape[0] if buffer is not None else 64)
+        buffer = buffers[key] = _outside_torch_pool((size,), torch.int32, device).copy_(values(size))
+    return buffer[:length]
+
+
+def _outside_torch_pool(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialized tensor in memory of its own (cudaMalloc, never freed), for cached device
+    state that outlives the call (tile counters, split-key arrival counts, constants):
+    torch.compile's cudagraph trees (mode="reduce-overhead") route the thread's allocations to
+    their pool while they warm up and reject a live tensor there that is not an output. A capture
+    itself gets fresh tensors instead (callers check)."""
+    assert dtype.itemsize == 4, dtype
+    if device.type != "cuda":
+        return torch.empty(shape, dtype=dtype, device=device)
+    from cuda.bindings import runtime as cudart
+
+    words = max(1, math.prod(shape))
+    with torch.cuda.device(device):
+        err, ptr = cudart.cudaMalloc(words * 4)
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise RuntimeError(f"cudaMalloc of {words * 4} bytes of cached device state failed: {err}")
+    return torch.as_tensor(_DeviceWords(int(ptr), words), device=device).view(dtype)[: math.prod(shape)].view(shape)
+
+
+_TILE_COUNTERS: dict = {}
+
+
+def tile_counter(device) -> torch.Tensor:
+    """The (2,) int32 tile counter of a kernel that claims its tiles (common.tile_scheduler.TileClaims):
+    zero at launch, and the kernel leaves it zero. One per (device, stream): launches on one
+    stream run one after another, so they share it. A CUDA-graph capture gets a fresh zeroed one
+    per launch instead (the memset is captured too; the allocator reuses its memory only for
+    later work in stream order), so replays never share a counter with other streams."""
+    if torch._C._cuda_isCurrentStreamCapturing():
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
+    counter = _TILE_COUNTERS.get(key)
+    if counter is None:
+        counter = _TILE_COUNTERS[key] = _new_tile_counter(device)
+    return counter
+
+
+_SPLIT_ARRIVALS: dict = {}
+
+
+def split_arrivals(device, count: int) -> torch.Tensor:
+    """At least ``count`` int32 arrival counts of the split-key forward, zero at launch (the
+    kernel leaves them zero): like :func:`tile_counter`, one buffer per (device, stream), grown
+    when a call needs more; a CUDA-graph capture gets a fresh zeroed one."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(count, dtype=torch.int32, device=device)
+    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
+    counts = _SPLIT_ARRIVALS.get(key)
+    if counts is None or counts.shape[0] < count:
+        # Grown by doubling (the old buffer is never freed); zeroed on this stream, ahead of the
+        # kernel that first uses it.
+        size = max(count, 2 * counts.shape[0] if counts is not None else 4096)
+        counts = _SPLIT_ARRIVALS[key] = _outside_torch_pool((size,), torch.int32, device).zero_()
+    return counts
+
+
+def _new_tile_counter(device) -> torch.Tensor:
+    """A zeroed counter in memory of its own (cudaMalloc, never freed), outside torch's caching
+    allocator: torch.compile's cudagraph trees route the current thread's allocations to their
+    pool while they warm up and reject a live tensor there that is not an output, and this one
+    outlives the call. Zeroed on the current stream, ahead of the kernel that first uses it."""
+    return _outside_torch_pool((2,), torch.int32, device).zero_()
+
+
+class _DeviceWords:
+    """``count`` int32 at ``ptr`` in device memory, seen by ``torch.as_tensor`` without a copy."""
+
+    def __init__(self, ptr: int, count: int):
+        self.__cuda_array_interface__ = {"shape": (count,), "typestr": "<i4", "data": (ptr, False), "version": 3,
+                                         "strides": None}
+
+
+_ONES: dict = {}
+
+
+def unit_descale(device) -> torch.Tensor:
+    """A cached (1,) fp32 one on ``device``: the descale of an FP8 operand given none."""
+    t = _ONES.get(device)
+    if t is None:
+        if torch.cuda.is_current_stream_capturing():
+            return torch.ones(1, dtype=torch.float32, device=device)
+        t = _ONES[device] = _outside_torch_pool((1,), torch.float32, device).fill_(1.0)
+    return t
+
+
+def unit_descale_table(device, batch: int, heads: int) -> torch.Tensor:
+    """Quant mode 0's descale table for the backward kernels: a zero-strided (B, 1, H) view of
+    :func:`unit_descale`."""
+    return unit_descale(device).view(1, 1, 1).expand(batch, 1, heads)
+
+
+class _SideStream:
+    """A device's side stream and the two events that fork it from, and join it back into, the
+    current stream. Reused across calls: a wait captures the event's state when it is issued, so
+    recording the event again later is safe (CUDA-graph capture included)."""
+
+    def __init__(self, device):
+        self.stream = torch.cuda.Stream(device)
+        self.fork = torch.cuda.Event()
+        self.join = torch.cuda.Event()
+
+
+_SIDE_STREAMS: dict[int, _SideStream] = {}
+
+
+@contextlib.contextmanager
+def _beside(device):
+    """Launches in the body go to a side stream forked from, and joined back into, the current
+    stream (CUDA-graph capture included): the dK/dV and dQ kernels are independent, so the second
+    fills the SMs the first leaves idle in its last wave. Events and stream are reused and the
+    stream is switched with ``torch.cuda.set_stream``: the ``wait_stream`` / ``torch.cuda.stream``
+    pair cost 23 us of CPU per call on the H100 host (scripts/host_breakdown.py)."""
+    side = _SIDE_STREAMS.get(device.index)
+    if side is None:
+        if torch.cuda.is_current_stream_capturing():
+            # No stream creation inside a CUDA-graph capture: this call runs in line.
+            yield
+            return
+        side = _SIDE_STREAMS[device.index] = _SideStream(device)
+    main = torch.cuda.current_stream(device)
+    side.fork.record(main)
+    side.stream.wait_event(side.fork)
+    torch.cuda.set_stream(side.stream)
+    try:
+        yield
+    finally:
+        torch.cuda.set_stream(main)
+        side.join.record(side.stream)
+        main.wait_event(side.join)
+
+
+_NO_SWITCH = contextlib.nullcontext()
+
+
+def _on_device(device):
+    """The device's context, or nothing when it is already current (switching costs ~2 us; the
+    raw query skips torch.cuda.current_device's lazy-init check, a call that runs every launch)."""
+    return _NO_SWITCH if device.index == torch._C._cuda_getDevice() else torch.cuda.device(device)
+
+
+def _gradient_buffers(q, k, v, seqused_q, seqused_k) -> tuple:
+    """dq, dk, dv shaped like q, k, v: zeros where seqused leaves rows the kernels do not write.
+    Where the three have one shape they are views of one allocation: each torch.empty costs
+    ~13 us of host time on the H200 host (scripts/host_attribution.py, session 28)."""
+    zero_q, zero_k = seqused_q is not None, seqused_k is not None
+    if zero_q == zero_k and q.shape == k.shape:
+        return (torch.zeros if zero_q else torch.empty)((3,) + tuple(q.shape), dtype=q.dtype,
+                                                        device=q.device).unbind(0)
+    return ((torch.zeros if zero_q else torch.empty)(q.shape, dtype=q.dtype, device=q.device),
+            (torch.zeros if zero_k else torch.empty)(k.shape, dtype=k.dtype, device=k.device),
+            (torch.zeros if zero_k else torch.empty)(v.shape, dtype=v.dtype, device=v.device))
+
+
+def _aligned_rab_and_drab(rab, has_drab: bool) -> tuple:
+    """(rab as the kernels read it, the drab they write, the drab to return): rab rows not
+    16-byte aligned (e.g. max_seqlen_k % 8 != 0) are read from a padded copy, and drab is then
+    returned as a view of a padded gradient. drab is None without ``has_drab``."""
+    if rab is None:
+        return None, None, None
+    cols = None
+    if rab_vec(rab) != 8:
+        cols = rab.shape[3]
+        rab = pad_rab_rows(rab)
+    drab = torch.zeros_like(rab) if has_drab else None
+    return rab, drab, (drab[..., :cols] if drab is not None and cols is not None else drab)
+
+
+def _drab_over_heads(rab, drab, heads: int, deterministic: bool) -> tuple:
+    """(where a kernel that writes drab per (query, key) tile of one head writes it, whether it
+    adds with fp32 atomics): ``drab`` itself, or for one rab head over several heads an fp32
+    (B, L_q, L_k) sum added to with atomics, or (``deterministic``) per-head drab (B, H, L_q, L_k)
+    summed afterwards in head order (:func:`_sum_drab_heads`)."""
+    if drab is None or rab.shape[1] != 1 or heads == 1:
+        return drab, False
+    B, _, Lq, Lk = rab.shape
+    if not deterministic:
+        return torch.zeros((B, Lq, Lk), dtype=torch.float32, device=rab.device), True
+    return torch.zeros((B, heads, Lq, Lk), dtype=rab.dtype, device=rab.device), False
+
+
+def _sum_drab_heads(drab, target) -> None:
+    """drab from the buffer :func:`_drab_over_heads` gave (nothing to do when it was drab)."""
+    if target is not drab:
+        drab[:, 0].copy_(target if target.dim() == 3 else target.float().sum(1))

@@ -1,0 +1,328 @@
+"""FP8: the quantizer launches of a call's recipe (:func:`quantize_for`, the slot quantizer),
+the FP8 forward's operands (:func:`prepare_fp8`, :func:`forward_fp8`) and the FP8 backward
+(:func:`backward_fp8`: dO's quantization, then the dK/dV kernel and the dQ kernel beside it, or the
+fused kernel).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..arch import device_arch, kernel_path, num_sms
+from ..call import Call
+from ..validation import DTYPE_NAMES, Problem
+from ..variants import (
+    FP8_BWD_HEAD_DIMS,
+    FP8_DTYPE,
+    FP8_FUSED_HEAD_DIMS,
+    make_hopper_fp8_bwd_key,
+    make_hopper_quant_slots_key,
+    make_hopper_vt_key,
+    vt_width,
+)
+from ..fp8_format import QUANT_MAX_SLOTS, SCALE_FLOOR
+from ..fp8_recipe import Fp8Recipe, ScaleGroup, quant_launches, recipe
+from ..quantize import num_blocks
+
+from .buffers import (
+    _aligned_rab_and_drab,
+    _beside,
+    _drab_over_heads,
+    _gradient_buffers,
+    _on_device,
+    _sum_drab_heads,
+    aligned_16,
+    tile_counter,
+    unit_descale,
+    unit_descale_table,
+)
+from .fwd import forward
+from .heuristics import _walk_fixed, fp8_backward_fused, fp8_fused_serves
+from .prepared import _compiled, _launch, _made, _nothing_to_do, _scalar_args, _sequence_args
+
+
+class Fp8Operands:
+    """What the FP8 forward reads besides e4m3 q and k: V^T (H, D, W) e4m3
+    (:func:`transposed_for_pv`), the (q, k, v) descales as (1,) fp32 device tensors (or, with
+    ``scaled_p``, (B, blocks, H) tables: quant modes 2-5; with ``two_direction`` too, mode 1's
+    (T, H), (T, H) and (B, blocks, H, 2, D) tables: :func:`quantize_for`),
+    and the output's dtype. ``kept``: for a training call, what the backward reads of q, k and v,
+    by its argument names (:func:`prepare_fp8`), else None."""
+
+    __slots__ = ("vt", "descales", "out_dtype", "scaled_p", "two_direction", "kept")
+
+    def __init__(self, vt: torch.Tensor, descales: tuple, out_dtype: torch.dtype, scaled_p: bool = False,
+                 two_direction: bool = False, kept: dict | None = None):
+        self.vt, self.descales, self.out_dtype = vt, descales, out_dtype
+        self.scaled_p, self.two_direction, self.kept = scaled_p, two_direction, kept
+
+
+def transposed_for_pv(v: torch.Tensor, seq_offsets: torch.Tensor) -> torch.Tensor:
+    """V^T (H, D, W) of e4m3 V (T, H, D) in one launch (:class:`hstu_cute.hopper.vt.VTransposeSm90`;
+    the pre-quantized entry: quant modes get V^T from their quantizer, :func:`quantize_for`): keys
+    contiguous, each sequence starting 16 tokens aligned, W = :func:`hstu_cute.fp8_format.vt_width`
+    (a shape that depends only on shapes: no sync, and it traces)."""
+    tokens, heads, head_dim = v.shape
+    vt = torch.empty((heads, head_dim, vt_width(tokens, seq_offsets.shape[0] - 1)), dtype=torch.float8_e4m3fn,
+                     device=v.device)
+    if tokens:
+        key = _made(make_hopper_vt_key, device_arch(v.device), FP8_DTYPE, head_dim)
+        with _on_device(v.device):
+            _launch(key, _compiled(key), dict(mV=v, mVt=vt, mOffsets=seq_offsets))
+    return vt
+
+
+# The slot quantizer's argument names, per slot (hstu_cute.kernel_args: its spec's order).
+_SLOT_ARGS = tuple(tuple(f"{name}{j}" for name in ("mX", "mOffsets", "mScale", "mO", "mVt", "num_blocks"))
+                   for j in range(QUANT_MAX_SLOTS))
+
+
+@functools.lru_cache(maxsize=None)
+def _quant_plan(mode: int, purpose: str) -> tuple:
+    """:func:`hstu_cute.fp8_recipe.quant_launches`, each launch with its key's slot tuple."""
+    return tuple((launch, tuple(slot[1:] for slot in launch)) for launch in quant_launches(mode, purpose))
+
+
+def quantize_for(mode, purpose: str, xs: tuple, offsets: tuple, max_seqlens: tuple) -> list[dict]:
+    """Quantize the 16-bit (T, H, D) tensors ``xs`` (q, k, v; or dO) with ``mode`` (a quant mode
+    0-5 or its :class:`~hstu_cute.fp8_recipe.Fp8Recipe`) for
+    ``purpose`` (:func:`hstu_cute.variants.quant_launches`: one launch of the slot quantizer,
+    :mod:`hstu_cute.hopper.quantize_slots`, mode 1 two) and return, per tensor, its copies by
+    name: ``"plain"`` (T, H, D) e4m3 and/or ``"transposed"`` V^T (H, D, W)
+    (:func:`transposed_for_pv`'s layout), each as ``(data, descale table)``. The table is (B,
+    blocks, H) for mode 2, a zero-strided (B, 1, H) view of the group's scale for modes 3-5;
+    mode 1's plain tables are (T, H) (per token), its transposed ones (B, blocks, H, 2, D): per
+    block and dim the scale, then its reciprocal; mode 0's are zero-strided (B, 1, H) views of a
+    cached one. Every shape depends only on shapes (no sync)."""
+    r = mode if isinstance(mode, Fp8Recipe) else recipe(mode)
+    x0 = xs[0]
+    device = x0.device
+    batch = offsets[0].shape[0] - 1
+    heads, head_dim = x0.shape[1], x0.shape[2]
+    blocks = [num_blocks(m) for m in max_seqlens]
+    empty = [batch == 0 or x.shape[0] == 0 for x in xs]
+    copies: list[dict] = [{} for _ in xs]
+    tables: dict = {}  # (tensor, role family) -> (the kernel's table, the copies' table)
+    cooperative = {}
+    if r.group is ScaleGroup.NONE:
+        ones = unit_descale_table(device, batch, heads)
+        for i in range(len(xs)):
+            tables[i, "unit"] = (None, ones)
+    if r.grouped:
+        # The blocks max each group's scale in here, every block of a group sees it (zero strides
+        # along the (B, blocks, H) dims it spans); the word after the tables counts the grid
+        # barrier's arrivals: one memset for all.
+        size, strides = r.group_table(batch, heads)
+        words = torch.zeros(len(xs) * size + 1, dtype=torch.float32, device=device)
+        cooperative = dict(mBarrier=words[-1:].view(torch.int32), num_sms=num_sms(device))
+        for i in range(len(xs)):
+            if empty[i]:
+                words[i * size:(i + 1) * size].fill_(SCALE_FLOOR)
+            tables[i, "group"] = (words.as_strided((batch, blocks[i], heads), strides, i * size),
+                                  words.as_strided((batch, 1, heads), strides, i * size))
+    arch = device_arch(device)
+    dtype = DTYPE_NAMES[x0.dtype]
+    aligned = [aligned_16(x) for x in xs]
+    for launch_slots, slot_specs in _quant_plan(r.mode, purpose):
+        values: dict = dict(cooperative)
+        for names, (i, role, plain, transposed) in zip(_SLOT_ARGS, launch_slots):
+            x = aligned[i]
+            family = r.table_family(role)
+            table, copies_table = tables.get((i, family)) or tables.setdefault(
+                (i, family), (_new_quant_table(family, x.shape[0], batch, blocks[i], heads, head_dim, empty[i],
+                                               device),) * 2)
+            out = vt = None
+            if plain:
+                out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=device)
+                copies[i]["plain"] = (out, copies_table)
+            if transposed:
+                vt = torch.empty((heads, head_dim, vt_width(x.shape[0], batch)), dtype=torch.float8_e4m3fn,
+                                 device=device)
+                copies[i]["transposed"] = (vt, copies_table)
+            values.update(zip(names, (x, offsets[i], table, out, vt, 0 if empty[i] else blocks[i])))
+        if not all(empty[i] for i, *_ in launch_slots):
+            key = _made(make_hopper_quant_slots_key, arch, dtype, head_dim, slot_specs)
+            with _on_device(device):
+                _launch(key, _compiled(key), values)
+    return copies
+
+
+def _new_quant_table(family: str, tokens: int, batch: int, blocks: int, heads: int, head_dim: int, empty: bool,
+                     device) -> torch.Tensor:
+    """A slot quantizer's scale table: (T, H) per token, (B, blocks, H, 2, D) per block and dim
+    (scale, then reciprocal), (B, blocks, H) per block; the floor scale where no block runs."""
+    shape = {"token": (tokens, heads), "column": (batch, blocks, heads, 2, head_dim)}.get(family, (batch, blocks, heads))
+    table = torch.empty(shape, dtype=torch.float32, device=device)
+    if empty:
+        table.fill_(SCALE_FLOOR)
+        if family == "column":
+            table[:, :, :, 1] = 1.0 / SCALE_FLOOR
+    return table
+
+
+def prepare_fp8(q, k, v, call: Call, training: bool = False) -> tuple[torch.Tensor, torch.Tensor, Fp8Operands]:
+    """(q8, k8, operands) of a validated FP8 call (its recipe: ``call.problem.recipe``):
+    pre-quantized e4m3 q, k, v with ``call.descales`` (None: 1), or 16-bit inputs quantized by the
+    recipe; plus V^T. What :func:`forward_fp8` does before the kernel (benchmarks time it alone).
+    ``training`` (quantizing recipes): ``operands.kept`` holds what the backward may take of q, k
+    and v (e4m3 q, k and their tables, e4m3 V, Q^T and K^T: :func:`kept_for_backward`), written by
+    the same passes. Raises NotImplementedError where no FP8 kernel runs (not sm90, or the sm80
+    path forced)."""
+    p = call.problem
+    r = p.recipe
+    device = q.device
+    path = kernel_path(device)
+    if path != "hopper":
+        arch = device_arch(device)
+        what = f"quant_mode={r.mode}" if r.quantizes else "pre-quantized float8_e4m3fn inputs"
+        raise NotImplementedError(
+            f"{what}: the FP8 kernels are Hopper-only (sm90); this call would run the {path} path on {arch} "
+            "(no silent 16-bit fallback: pass 16-bit inputs with quant_mode=-1)")
+    if not r.quantizes:
+        descales = tuple(d if d is not None else unit_descale(device) for d in call.descales)
+        return q, k, Fp8Operands(transposed_for_pv(v, call.seq_offsets_k), descales, p.out_dtype, False)
+    copies = quantize_for(r, "training" if training else "forward", (q, k, v),
+                          (call.seq_offsets_q, call.seq_offsets_k, call.seq_offsets_k),
+                          (call.max_seqlen_q, call.max_seqlen_k, call.max_seqlen_k))
+    (q8, dq), (k8, dk), (vt, dv) = copies[0]["plain"], copies[1]["plain"], copies[2]["transposed"]
+    kept = kept_for_backward(copies, r.two_direction) if training else None
+    if r.unit_descales:  # P cast, (1,) descales
+        return q8, k8, Fp8Operands(vt, (unit_descale(device),) * 3, p.out_dtype, False, kept=kept)
+    return q8, k8, Fp8Operands(vt, (dq, dk, dv), p.out_dtype, True, r.two_direction, kept)
+
+
+def kept_for_backward(copies: list[dict], two_direction: bool) -> dict:
+    """The backward kernels' arguments made of q, k and v (:func:`quantize_for`'s "training"
+    copies): e4m3 q, k, v, the token-contiguous Q^T and K^T, their descale tables (mode 1: the
+    copies' own per-(block, dim) tables)."""
+    (q8, dq), (qt, dqt) = copies[0]["plain"], copies[0]["transposed"]
+    (k8, dk), (kt, dkt) = copies[1]["plain"], copies[1]["transposed"]
+    v8, dv = copies[2]["plain"]
+    kept = dict(mQ=q8, mK=k8, mV=v8, mQt=qt, mKt=kt, mDescaleQ=dq, mDescaleK=dk, mDescaleV=dv)
+    if two_direction:
+        kept.update(mDescaleQt=dqt, mDescaleKt=dkt)
+    return kept
+
+
+def forward_fp8(q, k, v, rab, call: Call, tiles: dict | None = None, out: torch.Tensor | None = None,
+                keep_quantized: bool = False):
+    """The FP8 forward of a validated call (``call.problem.fp8``): :func:`prepare_fp8`, then the
+    Hopper FP8 kernel. With ``keep_quantized`` (a quantizing training call) returns ``(out,
+    kept)``, ``kept`` being what the backward may take of the forward's quantization, by the
+    backward's argument names (``operands.kept`` of :func:`prepare_fp8`;
+    :func:`fp8_backward_operands` takes it as ``quantized``)."""
+    q8, k8, fp8 = prepare_fp8(q, k, v, call, training=keep_quantized)
+    out = forward(q8, k8, None, rab, call, tiles=tiles, out=out, fp8=fp8)
+    return (out, fp8.kept) if keep_quantized else out
+
+
+def _walk_args(key, p: Problem, shared_tokens: int, max_seqlen: int, device) -> dict:
+    """:func:`_walk_fixed` and the tile counter of a kernel that claims its tiles."""
+    args = _walk_fixed(key, p, shared_tokens, max_seqlen)
+    if getattr(key, "dynamic_tiles", False):
+        args["mTileCounter"] = tile_counter(device)
+    return args
+
+
+def check_fp8_backward(p: Problem) -> None:
+    """NotImplementedError, naming the argument, for an FP8 training call no backward kernel
+    serves: raised before the forward runs, so that a training step fails before any work."""
+    if not p.recipe.quantizes:
+        raise NotImplementedError(
+            "q/k/v.requires_grad: pre-quantized float8_e4m3fn inputs are forward-only (FBGEMM's FP8 entry); "
+            "train with 16-bit inputs and quant_mode >= 0")
+    if p.head_dim not in FP8_BWD_HEAD_DIMS:
+        raise NotImplementedError(f"q.shape[2] (head dim) with quant_mode={p.quant_mode} and inputs that require "
+                                  f"grad: the FP8 backward supports {FP8_BWD_HEAD_DIMS}, got {p.head_dim}")
+
+
+def fp8_backward_operands(dout, q, k, v, call: Call, quantized: dict | None = None) -> dict:
+    """What the FP8 backward kernels read, by argument name: e4m3 q, k, v, dO, the
+    token-contiguous copies Q^T, K^T, dO^T, and their descale tables, quantized with ``mode`` on
+    the device by the call's recipe (:func:`quantize_for`; dO with q's groups). q, k and v come
+    from ``quantized`` (the forward's training copies, :func:`kept_for_backward`) when given, else
+    are quantized here as a training forward does (which also writes a V^T the backward does not
+    read); dO and dO^T take one launch (modes 3-5: two). Mode 1's token-contiguous copies are
+    scaled along tokens, with their own (B, blocks, H, 2, D) tables. Benchmarks time this apart
+    from the kernels."""
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    r = call.problem.recipe
+    two_direction = r.two_direction
+    if quantized is None:
+        quantized = kept_for_backward(
+            quantize_for(r, "training", (q, k, v), (call.seq_offsets_q, call.seq_offsets_k, call.seq_offsets_k),
+                         (call.max_seqlen_q, call.max_seqlen_k, call.max_seqlen_k)), two_direction)
+    (copies,) = quantize_for(r, "gradient", (dout,), (call.seq_offsets_q,), (call.max_seqlen_q,))
+    (do8, table_do), (dot, table_dot) = copies["plain"], copies["transposed"]
+    operands = dict(quantized, mdO=do8, mdOt=dot, mDescaleDO=table_do)
+    if two_direction:
+        operands["mDescaleDOt"] = table_dot
+    return operands
+
+
+def backward_fp8(dout, q, k, v, rab, call: Call, operands: dict | None = None, tiles: dict | None = None,
+                 kernels=("dkdv", "dq"), quantized: dict | None = None, fused: bool | None = None):
+    """The FP8 backward of a validated quant-mode call (:func:`check_fp8_backward`):
+    :func:`fp8_backward_operands` (or the given ``operands``), then the FP8 dK/dV kernel and the dQ
+    kernel beside it, or where :func:`fp8_backward_fused` (or ``fused``) says so the fused kernel
+    (:mod:`hstu_cute.hopper.bwd_fp8`). Returns ``(dq, dk, dv, drab)`` in the input dtype
+    (``drab`` shaped like rab with ``call.has_drab``, else None; the dQ kernel writes it from G in
+    fp32). The pair sums every gradient in a fixed order (bitwise reproducible), except drab of
+    one rab head over several heads, added with fp32 atomics unless ``deterministic`` (then
+    per-head drab summed afterwards); the fused kernel reduce-adds dQ in an order that varies.
+    ``quantized``: the forward's copies of q, k and v (:func:`forward_fp8` with ``keep_quantized``).
+    ``tiles`` (role -> the keys' tile fields) and ``kernels`` (the roles to launch) serve
+    benchmark sweeps."""
+    p = call.problem
+    r = p.recipe
+    has_drab, deterministic = call.has_drab, call.deterministic
+    max_seqlen_q, max_seqlen_k = call.max_seqlen_q, call.max_seqlen_k
+    check_fp8_backward(p)
+    device = q.device
+    if kernel_path(device) != "hopper":
+        raise NotImplementedError(f"quant_mode={r.mode} backward: the FP8 kernels are Hopper-only (sm90); "
+                                  f"got {device_arch(device)}")
+    dq, dk, dv = _gradient_buffers(q, k, v, call.seqused_q, call.seqused_k)
+    if _nothing_to_do(q, k, max_seqlen_q, p):
+        return dq.zero_(), dk.zero_(), dv.zero_(), (torch.zeros_like(rab) if has_drab else None)
+    if operands is None:
+        operands = fp8_backward_operands(dout, q, k, v, call, quantized)
+    rab, drab, drab_view = _aligned_rab_and_drab(rab, has_drab)
+    drab_out, atomic_sum = _drab_over_heads(rab, drab, p.heads, deterministic)
+    context_target = p.mask.has_context or p.mask.has_target
+    values = dict(operands, mdQ=dq, mdK=dk, mdV=dv, mRab=rab, mdRab=drab_out, num_sms=num_sms(device),
+                  **_sequence_args(call, device, context_target), **_scalar_args(call))
+    common = (device_arch(device), DTYPE_NAMES[p.dtype], p.head_dim, p.mask.kind, context_target, rab is not None)
+    tiles = tiles or {}
+    two_direction = r.two_direction
+    if fused is None:
+        fused = fp8_backward_fused(p.head_dim, r, max_seqlen_k, rab is not None, has_drab, deterministic)
+    elif fused and not fp8_fused_serves(p.head_dim, r, rab is not None, has_drab, deterministic):
+        raise ValueError(f"fused=True: the fused FP8 backward serves head dims {FP8_FUSED_HEAD_DIMS}, quant modes "
+                         f"0, 2-5, no rab or drab, not deterministic; got head dim {p.head_dim}, quant_mode="
+                         f"{r.mode}, rab={rab is not None}, has_drab={has_drab}, deterministic={deterministic}")
+    if fused:
+        key = _made(make_hopper_fp8_bwd_key, "fused", *common, tiles.get("fused"))
+        dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=device)
+        with _on_device(device):
+            _launch(key, _compiled(key), dict(values, mdQaccum=dq_accum, num_n_blocks=-(-max_seqlen_k // key.tile_n),
+                                              **_walk_args(key, p, q.shape[0], max_seqlen_q, device)))
+        return dq_accum.to(q.dtype), dk, dv, None
+    key_kv = _made(make_hopper_fp8_bwd_key, "dkdv", *common, tiles.get("dkdv"), two_direction=two_direction)
+    key_q = _made(make_hopper_fp8_bwd_key, "dq", *common, tiles.get("dq"), has_drab, atomic_sum,
+                  two_direction=two_direction)
+    with _on_device(device):
+        if "dkdv" in kernels:
+            # The walk counts dim_parts n-blocks per key block (D256: two CTAs, each with half of D).
+            n_blocks = key_kv.dim_parts * -(-max_seqlen_k // key_kv.tile_n)
+            _launch(key_kv, _compiled(key_kv), dict(values, num_n_blocks=n_blocks,
+                                                    **_walk_args(key_kv, p, q.shape[0], max_seqlen_q, device)))
+        if "dq" in kernels:
+            with _beside(device):
+                _launch(key_q, _compiled(key_q), dict(values, num_m_blocks=-(-max_seqlen_q // key_q.tile_m),
+                                                      **_walk_args(key_q, p, k.shape[0], max_seqlen_k, device)))
+    _sum_drab_heads(drab, drab_out)
+    return dq, dk, dv, drab_view

@@ -54,9 +54,7 @@ _BWD_SCHEMA = (f"(Tensor dout, Tensor q, Tensor k, Tensor v, {_OP_ARGS}, bool ha
 
 def _check_data(call: Call, q, k):
     if device_checks_enabled():
-        check_device_data(call.problem, call.seq_offsets_q, call.seq_offsets_k, call.max_seqlen_q,
-                          call.max_seqlen_k, q, k, call.num_contexts, call.num_targets, call.seqused_q,
-                          call.seqused_k, call.paged)
+        check_device_data(call, q, k)
 
 
 def _fwd_impl(q, k, v, *op_args):

@@ -357,10 +357,13 @@ def checked_cached_lengths(kv_cache, page_offsets, page_ids, last_page_lens) -> 
     return cached_lengths(offsets, last, page_size)
 
 
-def check_device_data(p: Problem, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, q, k,
-                      num_contexts, num_targets, seqused_q, seqused_k, paged=None):
-    """Checks that need the device's data (and a GPU sync): only with HSTU_CUTE_CHECK=1. ``paged``:
-    the cache's (kv_cache, page_offsets, page_ids, last_page_lens), whose tokens count as keys."""
+def check_device_data(call, q, k):
+    """Checks that need the device's data (and a GPU sync): only with HSTU_CUTE_CHECK=1. ``call``:
+    the call record (:class:`hstu_cute.call.Call`); a paged cache's tokens count as keys."""
+    seq_offsets_q, seq_offsets_k, seqused_q, seqused_k = (call.seq_offsets_q, call.seq_offsets_k, call.seqused_q,
+                                                          call.seqused_k)
+    max_seqlen_q, max_seqlen_k, num_contexts, num_targets, paged = (call.max_seqlen_q, call.max_seqlen_k,
+                                                                    call.num_contexts, call.num_targets, call.paged)
     cached = checked_cached_lengths(*paged) if paged is not None else None
     for name, off, total, max_len in (("seq_offsets_q", seq_offsets_q, q.shape[0], max_seqlen_q),
                                       ("seq_offsets_k", seq_offsets_k, k.shape[0], max_seqlen_k)):

@@ -15,6 +15,7 @@ import torch
 
 import hstu_cute
 from hstu_cute import api, arch, masks, validation, variants
+from hstu_cute.call import Call
 
 B, H, D, L = 2, 2, 64, 8  # two sequences of length <= 8
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -486,7 +487,8 @@ def _device_check(**over):
     a = dict(seq_offsets_q=_i32([0, 8, 14]), seq_offsets_k=_i32([0, 8, 14]), max_seqlen_q=L, max_seqlen_k=L,
              q=_t(16, H, D), k=_t(16, H, D), num_contexts=None, num_targets=None, seqused_q=None, seqused_k=None)
     a.update(over)
-    return validation.check_device_data(_problem(), **a)
+    q, k = a.pop("q"), a.pop("k")
+    return validation.check_device_data(Call(_problem(), **a), q, k)
 
 
 def test_device_data_valid_passes():

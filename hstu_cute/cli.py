@@ -716,11 +716,16 @@ def _bench_host(args, console, dev, name: str) -> int:
     for row in rows:
         table.add_row(row["line"], "%.0f-%.0f" % row["fwd_us"], "%.0f-%.0f" % row["step_us"])
     console.print(table)
-    if args.out:
-        with open(args.out, "a", encoding="utf-8") as fh:
-            for row in rows:
-                fh.write(json.dumps({"gpu": name, "workload": "host", **row}) + "\n")
+    _append_json_lines(args.out, rows, gpu=name, workload="host")
     return 0
+
+
+def _append_json_lines(path, rows: list[dict], **meta) -> None:
+    """One JSON line per row, ``meta`` first, appended to ``path`` (nothing without a path)."""
+    if path:
+        with open(path, "a", encoding="utf-8") as fh:
+            for row in rows:
+                fh.write(json.dumps({**meta, **row}, default=str) + "\n")
 
 
 def _bench_serving(args, console, dev, name: str) -> int:
@@ -747,10 +752,7 @@ def _bench_serving(args, console, dev, name: str) -> int:
                       f"{r['paged_over_contiguous']:.2f}", f"{r['recompute_over_paged']:.1f}",
                       f"{r['paged_tflops']:.0f}")
     console.print(table)
-    if args.out:
-        with open(args.out, "a", encoding="utf-8") as fh:
-            for r in rows:
-                fh.write(json.dumps({"gpu": name, "grid": "serving", **r}) + "\n")
+    _append_json_lines(args.out, rows, gpu=name, grid="serving")
     return 0
 
 

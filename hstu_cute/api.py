@@ -134,10 +134,17 @@ def _bwd_fp8_fake(dout, q, k, v, *args):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), drab
 
 
+_CALL_TENSORS = ("rab",) + SEQUENCE_NAMES  # the ops' tensor arguments besides q, k, v (and dout)
+
+
 def _fwd_fp8_setup_context(ctx, inputs, output):
+    # Runs while tracing too: it keeps the flat arguments (tensors saved, the rest by name) and
+    # builds no record (the op bodies do, on real tensors).
     q, k, v, *args = inputs
-    ctx.call, rab = _fwd_fp8_call(q, args)
-    ctx.save_for_backward(q, k, v, rab, *sequence_tensors(ctx.call))
+    *op_args, ctx.quant_mode, ctx.has_drab, ctx.deterministic = args[3:]
+    values = op_values(op_args)
+    ctx.save_for_backward(q, k, v, *(values[name] for name in _CALL_TENSORS))
+    ctx.op_scalars = {name: values[name] for name in OP_NAMES if name not in _CALL_TENSORS}
 
 
 def _bwd_fp8_through_op(dout, q, k, v, rab, call: Call):
@@ -147,11 +154,12 @@ def _bwd_fp8_through_op(dout, q, k, v, rab, call: Call):
 
 
 def _fwd_fp8_backward(ctx, dout):
-    q, k, v, rab, *sequences = ctx.saved_tensors
-    call = ctx.call
-    dq, dk, dv, drab = _bwd_fp8_through_op(dout, q, k, v, rab, call)
+    q, k, v, *saved = ctx.saved_tensors
+    values = dict(ctx.op_scalars, **dict(zip(_CALL_TENSORS, saved)))
+    dq, dk, dv, drab = torch.ops.hstu_cute.bwd_fp8(dout, q, k, v, *(values[name] for name in OP_NAMES),
+                                                   ctx.quant_mode, ctx.has_drab, ctx.deterministic)
     # One gradient per input of fwd_fp8: q, k, v, then none but drab for rab with has_drab.
-    grads = dict(zip(("q", "k", "v"), (dq, dk, dv)), rab=drab if call.has_drab else None)
+    grads = dict(zip(("q", "k", "v"), (dq, dk, dv)), rab=drab if ctx.has_drab else None)
     names = ("q", "k", "v", "descale_q", "descale_k", "descale_v", *OP_NAMES, "quant_mode", "has_drab",
              "deterministic")
     return tuple(grads.get(name) for name in names)
@@ -254,7 +262,7 @@ class _HstuAttnFunction(torch.autograd.Function):
 
 def _traced_op_arguments(tensors, scalars) -> tuple:
     """The ops' flat arguments of the traced function's rab and per-sequence tensors."""
-    return op_arguments_of(dict(zip(("rab",) + SEQUENCE_NAMES, tensors)), scalars)
+    return op_arguments_of(dict(zip(_CALL_TENSORS, tensors)), scalars)
 
 
 class _HstuAttnEager(torch.autograd.Function):

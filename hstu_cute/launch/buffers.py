@@ -223,12 +223,9 @@ def _on_device(device):
 
 def _gradient_buffers(q, k, v, seqused_q, seqused_k) -> tuple:
     """dq, dk, dv shaped like q, k, v: zeros where seqused leaves rows the kernels do not write.
-    Where the three have one shape they are views of one allocation: each torch.empty costs
-    ~13 us of host time on the H200 host (scripts/host_attribution.py, session 28)."""
+    Three allocations: views of one buffer would alias each other, which the ops' outputs must not
+    (compiled graphs assume fresh outputs)."""
     zero_q, zero_k = seqused_q is not None, seqused_k is not None
-    if zero_q == zero_k and q.shape == k.shape:
-        return (torch.zeros if zero_q else torch.empty)((3,) + tuple(q.shape), dtype=q.dtype,
-                                                        device=q.device).unbind(0)
     return ((torch.zeros if zero_q else torch.empty)(q.shape, dtype=q.dtype, device=q.device),
             (torch.zeros if zero_k else torch.empty)(k.shape, dtype=k.dtype, device=k.device),
             (torch.zeros if zero_k else torch.empty)(v.shape, dtype=v.dtype, device=v.device))

@@ -27,11 +27,7 @@ from ..fp8_recipe import Fp8Recipe
 #: against one): B1 N1024 H4 (8 key blocks) 25.5 vs 22.1 us lost, N2048 H2 28.7 vs 30.8 and N4096
 #: H1 34.7 vs 48.3 won.
 MIN_BLOCKS_PER_SPLIT = 4
-
-
 MIN_SPLITS = 4
-
-
 MAX_SPLITS = 8
 
 
@@ -55,15 +51,11 @@ def key_splits(p: Problem, tile_m: int, tile_n: int, max_seqlen_q: int, max_seql
 # 8 MB is best or near it on jagged batches (B128 N2048 forward 355 TF against 281 with one
 # section, Zipf B512 N1024 84 against 54 with one pair per section).
 L2_SECTION_BYTES = 8 * 2**20
-
-
 # Sections of kernels that claim their tiles hold at least this many pairs. H100 forward, full
 # batches, three interleaved repeats (docs/perf-log.md session 10): 16 pairs match the static
 # snake with one pair (B16 N2048 547-551 vs 547-555 TF, B8 N4096 649-664 vs 642-667) where the
 # 8 MB rule's 4-8 pairs lose (518-521, 586-602).
 CLAIM_MIN_PAIRS = 16
-
-
 # ... and at most this many: on jagged rows of short average length the 8 MB rule gives hundreds.
 # H100, forward / backward TF/s, rule vs 64 pairs (session 10): Zipf B512 N1024 105.7 / 103.4 vs
 # 117.5 / 107.2; short jagged u[1,256] B4096 92.1 / 79.7 vs 94.4 / 81.0; one section over all

@@ -13,17 +13,18 @@ import time
 
 import torch
 
-from hstu_cute import bench, launch, validation
+from hstu_cute import bench, launch
 from hstu_cute.quantize import QuantMode, quantize_batch
+from hstu_cute.testing import call_record
 
 
 def fp8_call(kw, offsets):
     quantized = quantize_batch(kw, QuantMode.PER_TENSOR)
     args, descales = tuple(x.data for x in quantized), tuple(x.scale for x in quantized)
-    p = validation.validate(*args, *offsets, None, None, 1, kw["window_size"], 1.0, None, False, False, *descales,
-                            None, -1, -1, None, None)
-    q8, k8, fp8 = launch.prepare_fp8(*args, *offsets, p, *descales)
-    return lambda: launch.forward(q8, k8, None, *offsets, None, None, 1, 1.0, None, None, None, p, fp8=fp8)
+    call, rab = call_record(**dict(kw, q=args[0], k=args[1], v=args[2]),
+                            **dict(zip(("descale_q", "descale_k", "descale_v"), descales)))
+    q8, k8, fp8 = launch.prepare_fp8(*args, call)
+    return lambda: launch.forward(q8, k8, None, rab, call, fp8=fp8)
 
 
 def bf16_call(kw, offsets):

@@ -1,21 +1,17 @@
 """Backward kernels vs the oracle's gradients (spec section 5: 5x rule). Development aid."""
 import sys, time, traceback
 import torch
-from hstu_cute import launch, reference, testing, validation
+from hstu_cute import launch, reference, testing
 
-launch.FUSED_MIN_SEQLEN_K = 0  # the fused D128 kernel at every key length here
+launch.heuristics.FUSED_MIN_SEQLEN_K = 0  # the fused D128 kernel at every key length here
 
 def case(name, dtype=torch.bfloat16, D=128, has_drab=False, seed=0, **kw):
     b = testing.random_jagged_batch(device="cuda", dtype=dtype, head_dim=D, seed=seed, **kw)
-    p = validation.validate(b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"], b["max_seqlen_k"],
-                     b["num_contexts"], b["num_targets"], b["target_group_size"], b["window_size"], b["alpha"], b["rab"],
-                     has_drab, b["is_delta_q"], None, None, None, None, -1, b["scaling_seqlen"], b["seqused_q"], b["seqused_k"])
+    call, rab = testing.call_record(**b, has_drab=has_drab)
     # dout from its own CPU generator: the same on every run and device (seed + 1: not the batch's draws)
     dout = (torch.rand(b["q"].shape, generator=torch.Generator().manual_seed(seed + 1)) * 2 - 1).to("cuda", dtype)
     t = time.time()
-    dq, dk, dv, drab = launch.backward(dout, b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"],
-                                    b["max_seqlen_k"], b["num_contexts"], b["num_targets"], b["target_group_size"], b["alpha"],
-                                    b["rab"], has_drab, b["seqused_q"], b["seqused_k"], p)
+    dq, dk, dv, drab = launch.backward(dout, b["q"], b["k"], b["v"], rab, call)
     torch.cuda.synchronize(); el = time.time() - t
     g32 = reference.reference_grads(**b, dout=dout, has_drab=has_drab)
     gsd = reference.reference_grads(**b, dout=dout, has_drab=has_drab, compute_dtype=None)
@@ -63,9 +59,9 @@ for c in cases:
         fails += 1; print("ERROR", c[0]); traceback.print_exc()
 # determinism
 b = testing.random_jagged_batch(4, 2, 64, 300, device="cuda", window_size=(-1, 0), rab_heads=1, seed=5)
-p = validation.validate(b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], 300, 300, None, None, 1, (-1, 0), 1.0, b["rab"], True, False, None, None, None, None, -1, -1, None, None)
+call, rab = testing.call_record(**b, has_drab=True, deterministic=True)
 dout = torch.randn(b["q"].shape, generator=torch.Generator().manual_seed(0)).to("cuda", b["q"].dtype)
-outs = [launch.backward(dout, b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], 300, 300, None, None, 1, 1.0, b["rab"], True, None, None, p, True) for _ in range(3)]
+outs = [launch.backward(dout, b["q"], b["k"], b["v"], rab, call) for _ in range(3)]
 same = all(torch.equal(x, y) for o in outs[1:] for x, y in zip(o, outs[0]))
 for o in outs[1:]:
     print("  run diffs:", [(nm, float((x.float() - y.float()).abs().max())) for nm, x, y in zip("dq dk dv drab".split(), o, outs[0])])
@@ -73,9 +69,9 @@ print("deterministic 3 runs bitwise (drab):", same)
 # without drab: deterministic=True takes the two-kernel path; the default (fused, dQ reduced by
 # TMA reduce-add) may differ in the last bits of dq only.
 b = testing.random_jagged_batch(4, 2, 128, 600, device="cuda", window_size=(-1, 0), seed=6)
-p = validation.validate(b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], 600, 600, None, None, 1, (-1, 0), 1.0, None, False, False, None, None, None, None, -1, -1, None, None)
+calls = {det: testing.call_record(**b, deterministic=det)[0] for det in (True, False)}
 dout = torch.randn(b["q"].shape, generator=torch.Generator().manual_seed(0)).to("cuda", b["q"].dtype)
-run = lambda det: launch.backward(dout, b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], 600, 600, None, None, 1, 1.0, None, False, None, None, p, det)
+run = lambda det: launch.backward(dout, b["q"], b["k"], b["v"], None, calls[det])
 det_outs = [run(True) for _ in range(3)]
 same_nodrab = all(torch.equal(x, y) for o in det_outs[1:] for x, y in zip(o[:3], det_outs[0][:3]))
 print("deterministic=True 3 runs bitwise (no drab):", same_nodrab)

@@ -6,7 +6,7 @@ import traceback
 
 import torch
 
-from hstu_cute import bench, launch, reference, testing, validation
+from hstu_cute import bench, launch, reference, testing
 
 CASES = {
     "causal d128": dict(head_dim=128, window_size=(-1, 0)),
@@ -33,17 +33,10 @@ for path in ("hopper", "ampere"):
                 b["v"][offs[i] + used[i]:offs[i + 1]] = float("nan")
                 b["k"][offs[i] + used[i]:offs[i + 1]] = float("nan")
         try:
-            p = validation.validate(
-                b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"], b["max_seqlen_k"],
-                b["num_contexts"], b["num_targets"], b["target_group_size"], b["window_size"], b["alpha"], b["rab"],
-                False, b["is_delta_q"], None, None, None, None, -1, b["scaling_seqlen"], b["seqused_q"],
-                b["seqused_k"],
-            )
+            call, rab = testing.call_record(**b)
             out = torch.full_like(b["q"], float("nan"))
             t = time.time()
-            launch.forward(b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"],
-                        b["max_seqlen_k"], b["num_contexts"], b["num_targets"], b["target_group_size"], b["alpha"],
-                        b["rab"], b["seqused_q"], b["seqused_k"], p, out=out, path=path)
+            launch.forward(b["q"], b["k"], b["v"], rab, call, out=out, path=path)
             torch.cuda.synchronize()
             dt = time.time() - t
             ref32 = reference.hstu_attn_reference(**b)

@@ -131,19 +131,19 @@ if "fusedvspair" in modes:
             for det in (False, True):
                 emit(bench.run_workload_bwd(wl, deterministic=det))
 if "fusedthreshold" in modes:
-    # Around launch.FUSED_MIN_SEQLEN_K: the fused kernel (forced) against the pair.
+    # Around launch.heuristics.FUSED_MIN_SEQLEN_K: the fused kernel (forced) against the pair.
     from hstu_cute import launch
 
-    default_min = launch.FUSED_MIN_SEQLEN_K
+    default_min = launch.heuristics.FUSED_MIN_SEQLEN_K
     for wl in (bench.Workload("full B16 N2048", 16, 2048), bench.Workload("full B32 N1024", 32, 1024),
                bench.Workload("uniform90 B16 N2048", 16, 2048, lengths="uniform90"),
                bench.Workload("full B64 N512", 64, 512)):
-        launch.FUSED_MIN_SEQLEN_K = 0
+        launch.heuristics.FUSED_MIN_SEQLEN_K = 0
         row = bench.run_workload_bwd(wl)
         row["tiles"] += " fused (forced)"
         emit(row)
         emit(bench.run_workload_bwd(wl, deterministic=True))
-    launch.FUSED_MIN_SEQLEN_K = default_min
+    launch.heuristics.FUSED_MIN_SEQLEN_K = default_min
 if "fp16" in modes:
     # fp16 forward and backward (precise SiLU: ex2 + reciprocal) with the SDPA lines.
     for d in (128, 64, 256):

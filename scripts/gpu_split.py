@@ -1,6 +1,6 @@
 """Split keys on the GPU: serving workloads with few query tiles, each call with the launcher's
-parts (launch.key_splits) and with one part, paged and on contiguous keys, in the same run; one
-JSON line per workload (``--out``). HSTU_CUTE_ARCH=sm80 times the sm80 kernels (on any GPU)."""
+parts (launch.heuristics.key_splits) and with one part, paged and on contiguous keys, in the same
+run; one JSON line per workload (``--out``). HSTU_CUTE_ARCH=sm80 times the sm80 kernels (on any GPU)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from hstu_cute import launch, validation
+from hstu_cute import arch, launch, validation
 from hstu_cute.bench import time_flushed
 from hstu_cute.bench_serving import ServingWorkload, _graphed, _pairs, make_serving_inputs, serving_calls
 
@@ -29,22 +29,26 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     parser.add_argument("--reps", type=int, default=30)
     args = parser.parse_args()
-    default_splits = launch.key_splits
+    default_splits = launch.fwd.key_splits
     for w in WORKLOADS:
         x = make_serving_inputs(w)
-        calls = serving_calls(w, x)
         row = dict(workload=w.name, page_size=w.page_size, gpu=torch.cuda.get_device_name())
-        p = validation.problem_of_op_args(x["q_new"], x["offsets_new"], w.new, w.cached + w.new, None,
-                                                 x["num_targets"], -1, 0, None, True, w.new)
+        p, _ = validation.problem_of_op_args(x["q_new"], x["offsets_new"], w.new, w.cached + w.new, None,
+                                             x["num_targets"], -1, 0, None, True, w.new)
         device = x["q_new"].device
-        row["path"] = launch.kernel_path(device)
-        key = launch.fwd_key(p, launch.device_arch(device), None, path=row["path"])
-        row["splits"] = default_splits(p, key.tile_m, key.tile_n, w.new, w.cached + w.new, launch.num_sms(device))
+        row["path"] = arch.kernel_path(device)
+        key = launch.fwd_key(p, arch.device_arch(device), None, path=row["path"])
+        row["splits"] = default_splits(p, key.tile_m, key.tile_n, w.new, w.cached + w.new, arch.num_sms(device))
         flops = 4 * w.heads * w.head_dim * _pairs(w) * w.users
         with torch.no_grad():
             outs = {}
             for label, chooser in (("split", default_splits), ("one", lambda *a: 1)):
-                launch.key_splits = chooser
+                launch.fwd.key_splits = chooser
+                # Fresh call records (empty plan caches): a prepared launch keeps the parts it was
+                # built with, and the public call and serving_calls take memoized ones per signature.
+                validation._VALIDATED.clear()
+                validation._PROBLEMS.clear()
+                calls = serving_calls(w, x)
                 for name in ("paged", "contiguous"):
                     outs[(label, name)] = calls[name]().float()
                     ms, _ = time_flushed([calls[name]], reps=args.reps)
@@ -58,7 +62,7 @@ def main() -> int:
                         calls[name]()
                     row[f"{name}_{label}_host_us"] = round((time.perf_counter() - start) / 50 * 1e6, 1)
                     torch.cuda.synchronize()
-            launch.key_splits = default_splits
+            launch.fwd.key_splits = default_splits
         ref = outs[("one", "contiguous")]
         row["max_rel_diff_split_vs_one"] = max(
             ((outs[(l, n)] - ref).abs().max() / ref.abs().max()).item() for l, n in outs)

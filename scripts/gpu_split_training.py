@@ -1,9 +1,9 @@
 """Split keys in a training step (H100): autograd forward + backward of the public call, and the
-forward alone, for small causal batches, with the launcher's parts (launch.key_splits) and with
-splits off (``launch.MIN_SPLITS = 10**9``), interleaved in the same run.
+forward alone, for small causal batches, with the launcher's parts (launch.heuristics.key_splits) and
+with splits off (``launch.heuristics.MIN_SPLITS = 10**9``), interleaved in the same run.
 
 bf16, D128, causal, alpha = 1/sqrt(128), full-length sequences, 3 input sets rotated. Per row:
-the forward's parts as the launcher chose them (recorded from ``launch.key_splits`` during the
+the forward's parts as the launcher chose them (recorded from ``launch.fwd.key_splits`` during the
 calls), median ms of the training step and of the forward alone (CUDA events, L2 flushed before
 each sample, launches queued with no host sync inside the loop, ``--reps`` samples per setting in
 two interleaved halves), the forward's device time from CUDA-graph replays (L2 flushed), and the
@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from hstu_cute import hstu_attn_varlen_func, launch
+from hstu_cute import arch, hstu_attn_varlen_func, launch, validation
 from hstu_cute.bench import Workload, _flush_l2, make_inputs
 from hstu_cute.bench_serving import _graphed
 
@@ -66,9 +66,9 @@ class Splits:
     """Sets MIN_SPLITS for a setting and records the parts key_splits returns."""
 
     def __init__(self):
-        self.default_min, self.choose = launch.MIN_SPLITS, launch.key_splits
+        self.default_min, self.choose = launch.heuristics.MIN_SPLITS, launch.fwd.key_splits
         self.seen: set[int] = set()
-        launch.key_splits = self._record
+        launch.fwd.key_splits = self._record
 
     def _record(self, *args):
         parts = self.choose(*args)
@@ -76,10 +76,13 @@ class Splits:
         return parts
 
     def use(self, setting: str):
-        launch.MIN_SPLITS = self.default_min if setting == "split" else 10**9
+        launch.heuristics.MIN_SPLITS = self.default_min if setting == "split" else 10**9
+        # Fresh call records (empty plan caches) for the public call: a prepared forward keeps
+        # the parts it was built with.
+        validation._VALIDATED.clear()
 
     def restore(self):
-        launch.MIN_SPLITS, launch.key_splits = self.default_min, self.choose
+        launch.heuristics.MIN_SPLITS, launch.fwd.key_splits = self.default_min, self.choose
 
 
 def inputs(w: Workload, seed: int) -> dict:
@@ -159,8 +162,8 @@ def main() -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     dev = torch.cuda.get_device_name()
-    print(f"{dev}, {launch.num_sms(torch.device('cuda'))} SMs, torch {torch.__version__}, "
-          f"MIN_SPLITS {launch.MIN_SPLITS}, MAX_SPLITS {launch.MAX_SPLITS}", flush=True)
+    print(f"{dev}, {arch.num_sms(torch.device('cuda'))} SMs, torch {torch.__version__}, "
+          f"MIN_SPLITS {launch.heuristics.MIN_SPLITS}, MAX_SPLITS {launch.heuristics.MAX_SPLITS}", flush=True)
     splits = Splits()
     rows = []
     try:

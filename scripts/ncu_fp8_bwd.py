@@ -10,19 +10,16 @@ import sys
 
 import torch
 
-from hstu_cute import bench, launch, validation
+from hstu_cute import bench, launch
+from hstu_cute.testing import call_record
 
 MODE = int(sys.argv[1]) if len(sys.argv) > 1 else 2
 FUSED = len(sys.argv) > 2 and sys.argv[2] == "fused"
 w = bench.Workload("full B8 N4096 D128", 8, 4096, head_dim=128)
 kw = {k: v for k, v in bench.make_inputs(w).items() if not k.startswith("_")}
-p = validation.validate(kw["q"], kw["k"], kw["v"], kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"],
-                        kw["max_seqlen_k"], None, None, 1, kw["window_size"], 1.0, None, False, False, None, None, None,
-                        None, MODE, -1, None, None)
+call, rab = call_record(**kw, quant_mode=MODE)
 dout = (torch.rand_like(kw["q"]) - 0.5) * 0.02
-offsets = (kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"], kw["max_seqlen_k"])
-operands = launch.fp8_backward_operands(dout, kw["q"], kw["k"], kw["v"], *offsets, MODE)
+operands = launch.fp8_backward_operands(dout, kw["q"], kw["k"], kw["v"], call)
 for _ in range(3):
-    launch.backward_fp8(dout, kw["q"], kw["k"], kw["v"], *offsets, None, None, 1, 1.0, None, None, None, p,
-                        operands=operands, fused=FUSED)
+    launch.backward_fp8(dout, kw["q"], kw["k"], kw["v"], rab, call, operands=operands, fused=FUSED)
 torch.cuda.synchronize()

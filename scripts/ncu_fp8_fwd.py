@@ -10,22 +10,22 @@ import sys
 
 import torch
 
-from hstu_cute import bench, launch, validation
+from hstu_cute import bench, launch
 from hstu_cute.quantize import QuantMode, quantize_batch
+from hstu_cute.testing import call_record
 
 D = int(sys.argv[1]) if len(sys.argv) > 1 else 128
 SCALED = len(sys.argv) > 2 and sys.argv[2] == "scaled"
 w = bench.Workload(f"full B8 N4096 D{D}", 8, 4096, head_dim=D)
 kw = {k: v for k, v in bench.make_inputs(w).items() if not k.startswith("_")}
-offsets = (kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"], kw["max_seqlen_k"])
 if SCALED:
     args, descales, mode = (kw["q"], kw["k"], kw["v"]), (None, None, None), int(QuantMode.PER_BLOCK)
 else:
     quantized = quantize_batch(kw, QuantMode.PER_TENSOR)
     args, descales, mode = tuple(x.data for x in quantized), tuple(x.scale for x in quantized), -1
-p = validation.validate(*args, *offsets, None, None, 1, kw["window_size"], 1.0, None, False, False, *descales, None,
-                        mode, -1, None, None)
-q8, k8, fp8 = launch.prepare_fp8(*args, *offsets, p, *descales)
+call, rab = call_record(**dict(kw, q=args[0], k=args[1], v=args[2]), quant_mode=mode,
+                        **dict(zip(("descale_q", "descale_k", "descale_v"), descales)))
+q8, k8, fp8 = launch.prepare_fp8(*args, call)
 for _ in range(3):
-    launch.forward(q8, k8, None, *offsets, None, None, 1, 1.0, None, None, None, p, fp8=fp8)
+    launch.forward(q8, k8, None, rab, call, fp8=fp8)
 torch.cuda.synchronize()

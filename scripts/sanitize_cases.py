@@ -13,7 +13,7 @@ import torch
 
 from hstu_cute import arch, hstu_attn_varlen_func, launch, testing
 
-launch.FUSED_MIN_SEQLEN_K = 0
+launch.heuristics.FUSED_MIN_SEQLEN_K = 0
 
 CASES = {
     "none": dict(window_size=(-1, -1)),

@@ -48,15 +48,16 @@ for name, kw in CASES.items():
 # The fused FP8 kernel (opt-in; D128, modes 0 and 2-5, no rab, keys of at least FUSED_MIN_SEQLEN_K
 # tokens): lengths from 1 to 2100, so key blocks end inside K^T's padding and the next sequence.
 from hstu_cute import launch  # noqa: E402
+from hstu_cute.fp8_recipe import recipe  # noqa: E402
 
-launch.FP8_FUSED_BY_DEFAULT = True
+launch.heuristics.FP8_FUSED_BY_DEFAULT = True
 for name, kw in CASES.items():
     if "rab" in name:
         continue
     b = testing.random_jagged_batch(3, 2, 128, 2100, device="cuda", seed=8, lengths=[2100, 1, 1500],
                                     **{k: v for k, v in kw.items() if k != "max_seqlen_k"})
     rest = {k: v for k, v in b.items() if k not in ("q", "k", "v")}
-    if not launch.fp8_backward_fused(128, 2, rest["max_seqlen_k"], False, False, False):
+    if not launch.fp8_backward_fused(128, recipe(2), rest["max_seqlen_k"], False, False, False):
         continue
     for mode in (0, 2, 4):
         q, k, v = (b[n].detach().clone().requires_grad_() for n in "qkv")

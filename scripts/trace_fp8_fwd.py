@@ -20,8 +20,9 @@ import os
 
 import torch
 
-from hstu_cute import bench, launch, validation
+from hstu_cute import bench, launch
 from hstu_cute.quantize import QuantMode, quantize_batch
+from hstu_cute.testing import call_record
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--es", action="store_true")
@@ -29,17 +30,16 @@ args = ap.parse_args()
 M = int(os.environ["HSTU_CUTE_EXP_TRACE"])
 w = bench.Workload("full B8 N4096 D128", 8, 4096, head_dim=128)
 kw = {k: v for k, v in bench.make_inputs(w).items() if not k.startswith("_")}
-offsets = (kw["seq_offsets_q"], kw["seq_offsets_k"], kw["max_seqlen_q"], kw["max_seqlen_k"])
 quantized = quantize_batch(kw, QuantMode.PER_TENSOR)
 qargs, descales = tuple(x.data for x in quantized), tuple(x.scale for x in quantized)
-p = validation.validate(*qargs, *offsets, None, None, 1, kw["window_size"], 1.0, None, False, False, *descales, None,
-                        -1, -1, None, None)
-q8, k8, fp8 = launch.prepare_fp8(*qargs, *offsets, p, *descales)
+call, rab = call_record(**dict(kw, q=qargs[0], k=qargs[1], v=qargs[2]),
+                        **dict(zip(("descale_q", "descale_k", "descale_v"), descales)))
+q8, k8, fp8 = launch.prepare_fp8(*qargs, call)
 tiles = None
 if args.es:
     from hstu_cute import variants
     tiles = dict(variants.default_hopper_fp8_fwd_tiles(128, False), early_silu=True)
-run = lambda: launch.forward(q8, k8, None, *offsets, None, None, 1, 1.0, None, None, None, p, fp8=fp8, tiles=tiles)
+run = lambda: launch.forward(q8, k8, None, rab, call, fp8=fp8, tiles=tiles)
 for _ in range(3):
     out = run()
 torch.cuda.synchronize()

@@ -13,7 +13,7 @@ import os
 #: the Hopper kernels (TMA + WGMMA) need the arch-specific ``sm_90a``.
 SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_87", "sm_89", "sm_90a")
 
-_AMPERE_NAMES = ("sm80", "sm86", "sm89", "ampere")
+_AMPERE_NAMES = ("sm80", "sm86", "sm87", "sm89", "ampere")
 _HOPPER_NAMES = ("sm90", "sm90a", "hopper")
 
 
@@ -66,12 +66,35 @@ def num_sms(device) -> int:
     return _sms_of_index(_index(device))
 
 
+def forced_path() -> str | None:
+    """The kernel family ``HSTU_CUTE_ARCH`` forces: 'ampere' for an sm80-class name, 'hopper' for
+    an sm90 one, None when unset. It takes ``--arch``'s names (``sm_80``, ``sm_86``, ``sm_89``,
+    ``sm_90a``) and the short aliases (``sm80``, ``sm90``, ``ampere``, ``hopper``); anything else is
+    a ``ValueError`` naming the variable (raised by validation at a call's first use, and shown
+    by ``info``)."""
+    return _forced_path(os.environ.get("HSTU_CUTE_ARCH", ""))
+
+
+@functools.lru_cache(maxsize=16)
+def _forced_path(setting: str) -> str | None:
+    forced = setting.strip().lower().replace("_", "")
+    if not forced:
+        return None
+    if forced in _AMPERE_NAMES:
+        return "ampere"
+    if forced in _HOPPER_NAMES:
+        return "hopper"
+    raise ValueError(f"HSTU_CUTE_ARCH: expected one of sm_80, sm_86, sm_89, sm_90a (or the aliases sm80, sm90); "
+                     f"got {forced!r}")
+
+
 def kernel_path(device) -> str:
     """Which kernel family serves this device: 'hopper' (TMA + WGMMA) on sm90, 'ampere'
     (mma.sync) on sm80-sm89.
 
-    ``HSTU_CUTE_ARCH`` forces a path: 'sm80' (the mma.sync kernels, on any sm80+ GPU) or 'sm90'
-    (the Hopper kernels; only on a compute capability 9.x device).
+    ``HSTU_CUTE_ARCH`` forces a path (:func:`forced_path`): an sm80-class arch (the mma.sync
+    kernels, on any sm80+ GPU) or sm90 (the Hopper kernels; only on a compute capability 9.x
+    device).
     """
     # One lookup per call: the environment may change between calls (tests, notebooks).
     return _kernel_path(os.environ.get("HSTU_CUTE_ARCH", ""), _index(device))
@@ -81,13 +104,11 @@ def kernel_path(device) -> str:
 def _kernel_path(setting: str, index: int) -> str:
     import torch
 
-    forced = setting.strip().lower().replace("_", "")
-    if forced and forced not in _AMPERE_NAMES + _HOPPER_NAMES:
-        raise ValueError(f"HSTU_CUTE_ARCH: expected one of sm80, sm90; got {forced!r}")
-    if forced in _AMPERE_NAMES:
+    forced = _forced_path(setting)
+    if forced == "ampere":
         return "ampere"
     major, minor = torch.cuda.get_device_capability(index)
-    if forced in _HOPPER_NAMES:
+    if forced == "hopper":
         if major != 9:
             raise NotImplementedError(
                 f"HSTU_CUTE_ARCH=sm90 selects the Hopper (TMA + WGMMA) kernels, which need compute capability "

@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any
 
-from .arch import SUPPORTED_ARCHS, check_arch
+from .arch import SUPPORTED_ARCHS, check_arch, forced_path
 from .fp8_format import BUILT_QUANT_MODES
 from .variants import DTYPES, HEAD_DIMS
 from .warmup import describe_variant, strip_ansi
@@ -189,6 +189,10 @@ def cmd_info(args, console) -> int:
         t.add_row("cubin arch", device_arch(dev))
     for env in ("HSTU_CUTE_ARCH", "HSTU_CUTE_CHECK", "CUTE_DSL_ARCH"):
         t.add_row(env, os.environ.get(env, "(unset)"))
+    try:
+        forced_path()
+    except ValueError as exc:
+        t.add_row("HSTU_CUTE_ARCH", f"[red]ValueError[/]: {_esc(exc)}")
 
     cache = default_cache()
     entries = cache.entries()

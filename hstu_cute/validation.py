@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from . import masks
+from .arch import forced_path
 from .fp8_recipe import PRE_QUANTIZED, Fp8Recipe, is_quant_mode, recipe
 from .variants import FP8_HEAD_DIMS, HEAD_DIMS, PAGE_SIZES
 
@@ -203,6 +204,10 @@ def validate(
     if head_dim not in HEAD_DIMS:
         fail(ValueError, "q.shape[2] (head dim)", f"one of {HEAD_DIMS}", head_dim)
     fp8 = is_fp8_call(q.dtype, quant_mode)
+    if forced_path() == "ampere" and fp8:  # also a ValueError for an invalid HSTU_CUTE_ARCH
+        what = f"quant_mode={quant_mode}" if quant_mode != PRE_QUANTIZED else "float8_e4m3fn inputs"
+        raise NotImplementedError(f"{what}: HSTU_CUTE_ARCH={os.environ.get('HSTU_CUTE_ARCH')} forces the sm80 "
+                                  "(mma.sync) kernels, which have no FP8; the FP8 kernels are Hopper-only (sm90)")
     if fp8 and head_dim not in FP8_HEAD_DIMS:
         raise NotImplementedError(f"q.shape[2] (head dim): the FP8 forward supports {FP8_HEAD_DIMS}, got {head_dim}")
     if k.shape[1] != heads:

@@ -568,3 +568,28 @@ def test_validate_memoized_never_caches_a_failure():
     for _ in range(2):
         with pytest.raises(TypeError, match="q: expected dtype"):
             validation.validate_memoized(*_meta_args(q=bad_dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# HSTU_CUTE_ARCH at validation: one vocabulary with --arch, checked at a call's first use
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["sm_80", "sm80", "ampere", "sm_86"])
+@pytest.mark.parametrize("fp8", ["quant_mode", "e4m3 inputs"])
+def test_fp8_with_forced_sm80_path_is_not_implemented_on_meta(value, fp8, monkeypatch):
+    monkeypatch.setenv("HSTU_CUTE_ARCH", value)
+    if fp8 == "quant_mode":
+        args = _meta_args(quant_mode=2)
+    else:
+        e4m3 = torch.empty(10, 2, 64, dtype=torch.float8_e4m3fn, device="meta")
+        args = _meta_args(q=e4m3, k=e4m3, v=e4m3)
+    with pytest.raises(NotImplementedError, match=f"HSTU_CUTE_ARCH={value} forces the sm80"):
+        validation.validate(*args)
+    monkeypatch.setenv("HSTU_CUTE_ARCH", "sm_90a")
+    validation.validate(*args)  # the Hopper path (or none forced) takes the call
+
+
+@pytest.mark.parametrize("value", ["sm75", "blackwell", "sm_100"])
+def test_invalid_forced_path_raises_at_validation(value, monkeypatch):
+    monkeypatch.setenv("HSTU_CUTE_ARCH", value)
+    with pytest.raises(ValueError, match="HSTU_CUTE_ARCH: expected one of sm_80, sm_86, sm_89, sm_90a"):
+        validation.validate(*_meta_args())

@@ -67,6 +67,11 @@ def test_info(tmp_path):
         assert text in out, f"{text!r} missing from:\n{out}"
 
 
+def test_info_names_an_invalid_forced_path(tmp_path):
+    out = run_cli("info", cache_dir=tmp_path, extra_env={"HSTU_CUTE_ARCH": "sm75"})
+    assert "ValueError" in out and "HSTU_CUTE_ARCH: expected one of sm_80" in out, out
+
+
 def test_help_lists_commands(tmp_path):
     out = run_cli("--help", cache_dir=tmp_path)
     for cmd in ("info", "warmup", "demo", "bench"):

@@ -29,7 +29,7 @@ from typing import Any
 
 from .arch import SUPPORTED_ARCHS, check_arch, forced_path
 from .fp8_format import BUILT_QUANT_MODES
-from .variants import DTYPES, HEAD_DIMS
+from .variants import DTYPES, FP8_DTYPE, HEAD_DIMS
 from .warmup import describe_variant, strip_ansi
 
 #: Mask families of the ``--mask`` options ('target': causal with contexts and targets).
@@ -224,8 +224,44 @@ def cmd_info(args, console) -> int:
 # ---------------------------------------------------------------------------------------------
 # warmup
 # ---------------------------------------------------------------------------------------------
+#: Kernel families of ``warmup --family``: the 16-bit kernels on contiguous keys, the paged-cache
+#: forwards, the FP8 kernels (forward, backward, V^T) and the FP8 quantizers.
+FAMILIES = ("dense", "paged", "fp8", "quantizers")
+#: ``warmup --dtype``: the 16-bit dtypes select the 16-bit kernels, float8_e4m3fn the FP8 ones.
+WARMUP_DTYPES = DTYPES + (FP8_DTYPE,)
+
+
+#: Kernels without a mask or rab (the FP8 quantizers, V^T): every mask and rab filter keeps them.
+_MASKLESS = ("hopper_fwd_quant_slots", "hopper_fwd_vt")
+
+
+def key_family(key) -> str:
+    """The :data:`FAMILIES` entry of a compile key."""
+    name = key.kernel_name
+    if name.endswith("_paged"):
+        return "paged"
+    if name == "hopper_fwd_quant_slots":
+        return "quantizers"
+    if "_fp8" in name or name == "hopper_fwd_vt":
+        return "fp8"
+    return "dense"
+
+
+def _dtype_matches(key, dtypes: tuple) -> bool:
+    """``key`` is one of the dtypes' kernels: 16-bit kernels by their dtype; FP8 kernels and
+    quantizers with float8_e4m3fn, and by their 16-bit side (output or input) when 16-bit dtypes
+    are named too."""
+    if key_family(key) in ("dense", "paged"):
+        return key.dtype in dtypes
+    if FP8_DTYPE not in dtypes:
+        return False
+    sixteen = [d for d in dtypes if d != FP8_DTYPE]
+    side = getattr(key, "out_dtype", key.dtype) if key.dtype == FP8_DTYPE else key.dtype
+    return not sixteen or side == FP8_DTYPE or side in sixteen
+
+
 def select_keys(arch: str, dtypes=None, head_dims=None, masks_=None, rab: str = "all", limit=None,
-                kernels: str = "all") -> list:
+                kernels: str = "all", families=None) -> list:
     """The shipped forward and backward variants for ``arch`` (:func:`hstu_cute.variants.shipped_keys`:
     the Hopper kernels too on sm_90a) filtered like the ``warmup`` options. ``arch`` must be a
     supported arch (:func:`hstu_cute.arch.check_arch`, ``ValueError`` otherwise)."""
@@ -233,18 +269,22 @@ def select_keys(arch: str, dtypes=None, head_dims=None, masks_=None, rab: str = 
     from .variants import shipped_keys
 
     check_arch(arch, name="arch")
-    keys = shipped_keys(arch, tuple(dtypes or DTYPES), tuple(head_dims or HEAD_DIMS))
+    keys = shipped_keys(arch, DTYPES, tuple(head_dims or HEAD_DIMS))
+    if dtypes:
+        keys = [k for k in keys if _dtype_matches(k, tuple(dtypes))]
+    if families:
+        keys = [k for k in keys if key_family(k) in families]
     if masks_:
         wanted = {
             {"none": (MaskKind.NONE, False), "local": (MaskKind.LOCAL, False), "causal": (MaskKind.CAUSAL, False),
              "target": (MaskKind.CAUSAL, True)}[m]
             for m in masks_
         }
-        keys = [k for k in keys if (MaskKind(k.mask_kind), k.has_context) in wanted]
+        keys = [k for k in keys if k.kernel_name in _MASKLESS or (MaskKind(k.mask_kind), k.has_context) in wanted]
     if rab == "none":
-        keys = [k for k in keys if not k.has_rab]
+        keys = [k for k in keys if k.kernel_name in _MASKLESS or not k.has_rab]
     elif rab == "only":
-        keys = [k for k in keys if k.has_rab]
+        keys = [k for k in keys if k.kernel_name in _MASKLESS or k.has_rab]
     if kernels != "all":
         # kernel_name: "ampere_fwd", "hopper_fwd", "ampere_bwd_dq", "ampere_bwd_dkdv"
         keys = [k for k in keys if k.kernel_name.split("_")[1] == kernels]
@@ -300,9 +340,16 @@ def cmd_warmup(args, console) -> int:
         except ValueError as exc:
             return _error(args, str(exc))
     keys = select_keys(arch, args.dtype, args.head_dim, args.mask, "none" if args.no_rab else args.rab, args.limit,
-                       args.kernels)
+                       args.kernels, args.family)
     if not keys:
         console.print("[yellow]No variant matches these options[/]; nothing to compile.")
+        return 0
+    if args.dry_run:
+        from .warmup import describe_variant
+
+        for key in keys:
+            console.print(_esc(describe_variant(key)), highlight=False)
+        console.print(f"{len(keys)} variants for {arch} would compile (--dry-run: nothing compiled).")
         return 0
     workers = args.workers if args.workers is not None else (os.cpu_count() or 1)
     workers = min(workers, len(keys))
@@ -887,8 +934,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"target cubin arch, one of {_archs()} (default: this GPU's arch, else sm_80)")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help=f"compile processes; 1 compiles in this process (default: the CPU count, {cpus} here)")
-    p.add_argument("--dtype", action="append", choices=DTYPES,
-                   help=f"only this dtype; repeatable (default: all of {', '.join(DTYPES)})")
+    p.add_argument("--dtype", action="append", choices=WARMUP_DTYPES,
+                   help="only this dtype's kernels; repeatable; float8_e4m3fn = the FP8 kernels and quantizers "
+                        f"(default: all of {', '.join(WARMUP_DTYPES)})")
+    p.add_argument("--family", action="append", choices=FAMILIES,
+                   help="only this kernel family; repeatable: dense (16-bit, contiguous keys), paged (the paged KV "
+                        f"cache forward), fp8 (FP8 forward, backward, V^T), quantizers (default: all of "
+                        f"{', '.join(FAMILIES)})")
     p.add_argument("--head-dim", action="append", type=int, choices=HEAD_DIMS,
                    help=f"only this head dim; repeatable (default: all of {', '.join(map(str, HEAD_DIMS))})")
     p.add_argument("--mask", action="append", choices=MASKS,
@@ -900,9 +952,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-rab", action="store_true", help="same as --rab none")
     p.add_argument("--limit", type=int, default=None, metavar="N",
                    help="at most this many variants, after the filters (default: no limit)")
-    p.add_argument("--kernels", choices=("all", "fwd", "bwd"), default="all",
+    p.add_argument("--direction", "--kernels", dest="kernels", choices=("all", "fwd", "bwd"), default="all",
                    help="forward (fwd), backward (bwd) or both (all); on sm_90a the Hopper kernels as well as "
                         "the sm80 ones")
+    p.add_argument("--dry-run", action="store_true", help="list the variants that would compile, compile nothing")
     p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failed compiles")
     p.set_defaults(func=cmd_warmup)
 

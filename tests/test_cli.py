@@ -171,12 +171,39 @@ def test_warmup_select_keys_filters():
     assert len(select_keys("sm_90a", kernels="fwd")) == 96 + 64 + 144 + 3 + 72 + 32 + 32 + 32 + 32 + 64
     # + the FP8 pair and drab dQ kernels, for quant modes 0, 2-5 and for mode 1, and the fused FP8 kernel
     assert len(select_keys("sm_90a", kernels="bwd")) == 192 + 96 + 16 + 32 + 16 + 2 * (64 + 32 + 48) + 8
+    # --dtype bfloat16 selects the 16-bit kernels only; the FP8 ones come with float8_e4m3fn (their
+    # 16-bit side narrowed by the 16-bit dtypes named beside it)
     keys = select_keys("sm_90a", ["bfloat16"], [128], ["causal"], "none", kernels="fwd")
     assert [k.kernel_name for k in keys] == (["ampere_fwd"] * 2 + ["ampere_fwd_paged"] * 2 + ["hopper_fwd"] * 2
-                                             + ["hopper_fwd_fp8"] * 3 + ["hopper_fwd_paged"] * 2)
-    assert [k.split_keys for k in keys if k.kernel_name != "hopper_fwd_fp8"] == [False, True] * 4
-    assert [(k.scaled_p, k.two_direction) for k in keys[6:9]] == [(False, False), (True, False), (True, True)]
+                                             + ["hopper_fwd_paged"] * 2)
+    assert [k.split_keys for k in keys] == [False, True] * 4
+    fp8 = select_keys("sm_90a", ["bfloat16", "float8_e4m3fn"], [128], ["causal"], "none", kernels="fwd")
+    # (the quantizers and V^T have no mask or rab: mask and rab filters keep them)
+    assert [k.kernel_name for k in fp8 if k not in keys] == (["hopper_fwd_fp8"] * 3 + ["hopper_fwd_vt"]
+                                                             + ["hopper_fwd_quant_slots"] * 12)
+    assert [(k.scaled_p, k.two_direction) for k in fp8 if k.kernel_name == "hopper_fwd_fp8"] == [
+        (False, False), (True, False), (True, True)]
+    assert all(k.out_dtype == "bfloat16" for k in fp8 if k.kernel_name == "hopper_fwd_fp8")
+    assert len(select_keys("sm_90a", ["float8_e4m3fn"])) == 144 + 3 + 72 + 2 * (64 + 32 + 48) + 8
+    assert select_keys("sm_80", ["float8_e4m3fn"]) == []
+    # --family narrows to one kernel family; families partition the shipped set
+    from hstu_cute.cli import FAMILIES
+
+    assert sum(len(select_keys("sm_90a", families=[f])) for f in FAMILIES) == len(select_keys("sm_90a"))
+    assert {k.kernel_name for k in select_keys("sm_90a", families=["quantizers"])} == {"hopper_fwd_quant_slots"}
+    assert {k.kernel_name for k in select_keys("sm_90a", families=["paged"])} == {"ampere_fwd_paged",
+                                                                                 "hopper_fwd_paged"}
     assert not any(k.kernel_name == "hopper_fwd" for k in select_keys("sm_89"))
+
+
+def test_warmup_dry_run_lists_without_compiling(tmp_path):
+    out = run_cli("warmup", "--arch", "sm_90a", "--head-dim", "128", "--mask", "causal", "--dtype", "bfloat16",
+                  "--family", "dense", "--direction", "fwd", "--no-rab", "--dry-run", cache_dir=tmp_path)
+    assert "hopper_fwd" in out and "fp8" not in out and "paged" not in out, out
+    assert "4 variants for sm_90a would compile (--dry-run: nothing compiled)" in out, out
+    assert not list(tmp_path.rglob("*.o"))
+    none = run_cli("warmup", "--arch", "sm_80", "--dtype", "float8_e4m3fn", "--dry-run", cache_dir=tmp_path)
+    assert "No variant matches these options" in none
 
 
 def test_key_variant_parses_every_key_class():
@@ -450,7 +477,7 @@ def test_every_help_shows_defaults(tmp_path, cmd):
     sub = build_parser()._subparsers._group_actions[0].choices[cmd]
     fmt = sub._get_formatter()
     options = [a for a in sub._actions if a.help != argparse.SUPPRESS and a.nargs != 0]  # not -h, not flags
-    assert len(options) == {"info": 0, "warmup": 8, "demo": 14, "bench": 3}[cmd]
+    assert len(options) == {"info": 0, "warmup": 9, "demo": 14, "bench": 3}[cmd]
     for action in options:  # every option that takes a value says its default
         assert "(default: " in fmt._expand_help(action), (action.option_strings, fmt._expand_help(action))
     out = run_cli(cmd, "--help", cache_dir=tmp_path, timeout=120)  # the real command line too

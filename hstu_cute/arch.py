@@ -75,8 +75,8 @@ def forced_path() -> str | None:
     return _forced_path(os.environ.get("HSTU_CUTE_ARCH", ""))
 
 
-@functools.lru_cache(maxsize=16)
 def _forced_path(setting: str) -> str | None:
+    # Not cached: validation calls it while torch.compile traces, and Dynamo warns on lru_cache.
     forced = setting.strip().lower().replace("_", "")
     if not forced:
         return None

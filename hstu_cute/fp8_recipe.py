@@ -116,10 +116,6 @@ class Fp8Recipe:
             return role
         return "group" if self.grouped else "block"
 
-    def launches(self, purpose: str) -> tuple:
-        """:func:`quant_launches` of this recipe."""
-        return quant_launches(self.mode, purpose)
-
 
 @functools.lru_cache(maxsize=None)
 def recipe(quant_mode: int) -> Fp8Recipe:

@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# Issue 40 in one device call: the host table, where the host time goes, the side-stream A/B,
-# the recsys training steps and the headline (STAGES picks: host attribution sides recsys
-# headline tests). Logs under $OUT.
+# Issue 40 in one device call: the host table, where the host time goes, the recsys training
+# steps and the headline (STAGES picks: host attribution primitives recsys headline tests). Logs under $OUT.
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
 export HSTU_CUTE_CACHE_DIR="${HSTU_CUTE_CACHE_DIR:-/tmp/hstu-cute-cache}"
-STAGES=" ${STAGES:-host attribution sides recsys headline} "
+STAGES=" ${STAGES:-host attribution recsys headline} "
 git rev-parse --short HEAD > "$OUT/commit.txt" 2>/dev/null
 if [[ $STAGES == *" host "* ]]; then
   timeout 150 python -m hstu_cute bench --host --out "$OUT/host.jsonl" > "$OUT/host.log" 2>&1; echo "host rc=$?"; cat "$OUT/host.log"
@@ -15,9 +14,6 @@ if [[ $STAGES == *" attribution "* ]]; then
 fi
 if [[ $STAGES == *" primitives "* ]]; then
   timeout 150 python scripts/host_primitives.py > "$OUT/primitives.log" 2>&1; echo "primitives rc=$?"; cat "$OUT/primitives.log"
-fi
-if [[ $STAGES == *" sides "* ]]; then
-  timeout 200 python scripts/side_stream_ab.py > "$OUT/sides.log" 2>&1; echo "side stream A/B rc=$?"; cat "$OUT/sides.log"
 fi
 if [[ $STAGES == *" recsys "* ]]; then
   timeout 200 python -m hstu_cute bench --grid recsys --out "$OUT/recsys.jsonl" > "$OUT/recsys.log" 2>&1; echo "recsys rc=$?"

@@ -245,6 +245,12 @@ def _aligned_rab_and_drab(rab, has_drab: bool) -> tuple:
     return rab, drab, (drab[..., :cols] if drab is not None and cols is not None else drab)
 
 
+def _drab_sums_atomically(has_drab: bool, rab_heads: int, heads: int, deterministic: bool) -> bool:
+    """drab of one rab head over several heads is added with fp32 atomics unless ``deterministic``
+    (the kernel keys that write it take this flag as ``rab_sum_heads``)."""
+    return has_drab and rab_heads == 1 and heads > 1 and not deterministic
+
+
 def _drab_over_heads(rab, drab, heads: int, deterministic: bool) -> tuple:
     """(where a kernel that writes drab per (query, key) tile of one head writes it, whether it
     adds with fp32 atomics): ``drab`` itself, or for one rab head over several heads an fp32
@@ -253,7 +259,7 @@ def _drab_over_heads(rab, drab, heads: int, deterministic: bool) -> tuple:
     if drab is None or rab.shape[1] != 1 or heads == 1:
         return drab, False
     B, _, Lq, Lk = rab.shape
-    if not deterministic:
+    if _drab_sums_atomically(True, 1, heads, deterministic):
         return torch.zeros((B, Lq, Lk), dtype=torch.float32, device=rab.device), True
     return torch.zeros((B, heads, Lq, Lk), dtype=rab.dtype, device=rab.device), False
 

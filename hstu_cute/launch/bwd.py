@@ -16,6 +16,7 @@ from ..variants import HEAD_DIMS, make_bwd_keys, make_hopper_bwd_key
 from .buffers import (
     _aligned_rab_and_drab,
     _drab_over_heads,
+    _drab_sums_atomically,
     _gradient_buffers,
     _on_device,
     _sum_drab_heads,
@@ -75,7 +76,7 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
                                                device=device)
         values["mdRab"] = drab_out
         # One stream: the dQ kernel beside the dK/dV kernel on a side stream took the same device
-        # time (0.99-1.02x, CUDA graphs, tiny to B8 N4096, scripts/side_stream_ab.py) and ~45-60
+        # time (0.99-1.02x, CUDA graphs, tiny to B8 N4096, scripts/side_stream_ab.py at e7fc17c) and ~45-60
         # us more host time per step (docs/perf-log.md, session 28).
         plan.first(values, device)
         plan.second(values, device)
@@ -113,8 +114,7 @@ def _backward_plan(call: Call, device, path: str, kind: str, has_rab: bool, toke
         return Prepared(key, dict(base, num_m_blocks=-(-max_q // key.tile_m), **_walk_fixed(key, p, tokens_k, max_k)))
 
     if kind == "wide":
-        # drab of one rab head over several heads: fp32 atomics unless deterministic (_drab_over_heads)
-        atomic_sum = has_drab and p.rab_heads == 1 and p.heads > 1 and not call.deterministic
+        atomic_sum = _drab_sums_atomically(has_drab, p.rab_heads, p.heads, call.deterministic)
         key_kv = _made(make_hopper_bwd_key, "wide", *common, tiles_dkdv, has_drab=has_drab, rab_sum_heads=atomic_sum)
         key_q = _made(make_hopper_bwd_key, "dq", *common, tiles_dq)
         return _BackwardPlan("wide", over_keys(key_kv), over_queries(key_q))

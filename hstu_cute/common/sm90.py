@@ -193,7 +193,7 @@ def sm90_smem_layout(dtype, rows: int, cols: int, stages: int | None = None):
     """Row-major (rows, cols[, stages]) smem tile in the swizzled WGMMA / TMA layout."""
     import cutlass.utils.hopper_helpers as sm90_helpers
     from cutlass.cute.nvgpu import warpgroup
-    from cutlass.utils import LayoutEnum
+    from cutlass.tensor_utils import LayoutEnum
 
     atom = warpgroup.make_smem_layout_atom(sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype)
     if stages is None:

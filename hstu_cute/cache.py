@@ -14,8 +14,9 @@ Lookup order
 ------------
 1. **Memory**: one ``dict.get`` keyed by the dataclass itself. No digest, no file I/O, no tracing.
 2. **Disk**: ``<cache_dir>/<fingerprint>/<kernel_name>/<digest>.o`` (exported with
-   ``export_to_c``) and ``<digest>.json`` (sidecar: key repr, sha256 and size of the ``.o``,
-   DSL / tvm-ffi / Python versions, arch, fingerprint). The ``.o`` is loaded with
+   ``export_to_c``) and ``<digest>.json`` (sidecar: key repr and module, sha256 and size of the
+   ``.o``, DSL / tvm-ffi / Python versions, arch, fingerprint), where ``<fingerprint>`` is the
+   key's kernel family's (below). The ``.o`` is loaded with
    ``cutlass.cute.runtime.load_module(path, enable_tvm_ffi=True)`` and the function exported
    under :data:`EXPORT_FUNCTION_NAME` is taken from it. Entries are verified (sidecar parses,
    versions/fingerprint/arch/key match, sha256 and size match) *before* loading; a corrupt or
@@ -38,9 +39,23 @@ cold compile (Hopper fwd D128 causal, 2 cores).
 Disk errors (read-only directory, full disk, permissions) never fail a call: the cache warns
 once and carries on in memory (entries that already exist on disk are still loaded).
 
-The fingerprint hashes every ``.py`` file of the ``hstu_cute`` package plus the
-nvidia-cutlass-dsl, apache-tvm-ffi and Python versions, so any source or toolchain change starts
-a new directory. The digest of a key also covers the GPU arch of the entry (``key.arch`` when
+Fingerprints
+------------
+Each kernel family (``kernel_name``) has its own fingerprint (:func:`family_fingerprint`): a
+hash of exactly the files its modules are built from, of :data:`CACHE_FORMAT` and of the
+nvidia-cutlass-dsl, apache-tvm-ffi and Python versions. The files are derived from the code
+(:mod:`hstu_cute.fingerprints`): the builder that ``compile.KERNELS`` maps the family to names
+its kernel modules (``hopper_fwd`` -> ``hopper/fwd.py``), and the set is those modules,
+``compile.py`` and its module-level imports (``kernel_args.py``), the key class's module
+(``variants.py``), and everything these import from the package, transitively (``hopper/base.py``,
+the ``common/`` modules the kernel uses, ``masks.py``, ``fp8_format.py``, ...). So editing
+``cli.py`` or a launcher invalidates nothing, editing ``hopper/fwd.py`` only the Hopper
+forward families, editing ``common/silu.py`` the families whose kernels import it. Families
+built from the same files share a fingerprint directory (``<fp>/hopper_fwd``,
+``<fp>/hopper_fwd_paged``, ...); each directory's marker file lists its files. A
+``kernel_name`` that ``compile.KERNELS`` does not know (a test's or a user's own kernel) gets
+:func:`source_fingerprint`, the hash of every ``.py`` of the package. Directories of other
+fingerprints are left alone (never loaded; :meth:`ModuleCache.prune` deletes them). The digest of a key also covers the GPU arch of the entry (``key.arch`` when
 the key has such a str field, else ``CUTE_DSL_ARCH`` / the DSL's detected arch), so machines of
 different archs can share one cache directory.
 
@@ -90,6 +105,7 @@ __all__ = [
     "key_payload",
     "reset_default_cache",
     "runtime_versions",
+    "family_fingerprint",
     "source_fingerprint",
 ]
 
@@ -99,14 +115,14 @@ log = logging.getLogger(__name__)
 #: Each ``.o`` is loaded into its own execution engine, so one fixed name is enough.
 EXPORT_FUNCTION_NAME = "hstu_cute_entry"
 
-#: Bumped when the layout of the directory or of the sidecar changes.
-CACHE_FORMAT = 1
+#: Bumped when the layout of the directory or of the sidecar changes (2: one fingerprint per
+#: kernel family; the sidecar names the key's module).
+CACHE_FORMAT = 2
 
 ENV_DIR = "HSTU_CUTE_CACHE_DIR"
 ENV_ENABLE = "HSTU_CUTE_CACHE"
 
 _FALSE_STRINGS = frozenset({"0", "false", "no", "off"})
-_FINGERPRINT_LEN = 16
 _FP_MARKER = ".hstu_cute_fingerprint"  # in each fingerprint directory; clear() looks for it
 _DIGEST_LEN = 32
 _PACKAGE_ROOT = Path(__file__).resolve().parent
@@ -136,24 +152,51 @@ def runtime_versions() -> dict[str, str]:
     }
 
 
+def _fp():
+    """:mod:`hstu_cute.fingerprints`, imported on first use (stdlib only; this module stays
+    importable on its own)."""
+    from . import fingerprints
+
+    return fingerprints
+
+
+def _fingerprint_header() -> dict[str, str]:
+    return {"hstu_cute-cache-format": str(CACHE_FORMAT), **runtime_versions()}
+
+
 @functools.lru_cache(maxsize=1)
 def source_fingerprint() -> str:
-    """Hash of every ``.py`` file in the package (sorted relative paths + bytes) and of
-    :func:`runtime_versions`. Computed once per process, on first use."""
-    h = hashlib.sha256()
-    h.update(f"hstu_cute-cache-format={CACHE_FORMAT}\0".encode())
-    for name, version in sorted(runtime_versions().items()):
-        h.update(f"{name}={version}\0".encode())
-    for src in sorted(_PACKAGE_ROOT.rglob("*.py")):
-        if not src.is_file():
-            continue
-        rel = src.relative_to(_PACKAGE_ROOT).as_posix().encode()
-        data = src.read_bytes()
-        h.update(len(rel).to_bytes(8, "little"))
-        h.update(rel)
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
-    return h.hexdigest()[:_FINGERPRINT_LEN]
+    """Hash of every ``.py`` file in the package (sorted relative paths + bytes), of the cache
+    format and of :func:`runtime_versions`: the fingerprint of keys whose ``kernel_name`` is no
+    family of ``compile.KERNELS`` (a user's or a test's own kernel). Computed once per process."""
+    return _fp().fingerprint_of(
+        _fp().package_sources(_PACKAGE_ROOT), _fingerprint_header(), _PACKAGE_ROOT)
+
+
+@functools.lru_cache(maxsize=None)
+def _family_fingerprint(kernel_name: str, key_module: str | None, root: Path) -> str:
+    sources = _fp().family_sources(kernel_name, key_module, root)
+    if sources is None:
+        return source_fingerprint() if root == _PACKAGE_ROOT else _fp().fingerprint_of(
+            _fp().package_sources(root), _fingerprint_header(), root)
+    return _fp().fingerprint_of(sources, _fingerprint_header(), root)
+
+
+def family_fingerprint(kernel_name: str, key_module: str | None = None, root: Path | None = None) -> str:
+    """The fingerprint of the modules of ``kernel_name``: the files they are built from
+    (:func:`hstu_cute.fingerprints.family_sources`: the kernel modules, what they import from
+    the package, the compile step and argument spec, the key's module ``key_module``, default
+    :mod:`hstu_cute.variants`), the cache format and :func:`runtime_versions`. A name that
+    ``compile.KERNELS`` does not know gets :func:`source_fingerprint`. Cached per process
+    (:func:`clear_fingerprint_caches`); ``root`` defaults to this package (tests pass a copy)."""
+    return _family_fingerprint(kernel_name, key_module, Path(root).resolve() if root is not None else _PACKAGE_ROOT)
+
+
+def clear_fingerprint_caches() -> None:
+    """Forget every fingerprint computed in this process (tests that edit package files)."""
+    source_fingerprint.cache_clear()
+    _family_fingerprint.cache_clear()
+    _fp().clear_caches()
 
 
 def _detect_arch() -> str:
@@ -364,6 +407,8 @@ class _Entry(NamedTuple):
     obj: Path
     meta: Path
     lock: Path
+    fingerprint: str = ""  # of the key's family; "" (tests building entries by hand): the dir's name
+    key_module: str | None = None  # type(key).__module__
 
 
 class _Corrupt(Exception):
@@ -389,7 +434,8 @@ class ModuleCache:
     Args:
         cache_dir: root directory; default :func:`default_cache_dir` (reads the env).
         enabled: disk layer on/off; default :func:`cache_enabled_from_env`.
-        fingerprint_override: use this string instead of :func:`source_fingerprint` (tests).
+        fingerprint_override: use this string as every key's fingerprint instead of
+            :meth:`fingerprint_for`'s (tests).
         arch: arch the entries are for (part of the digest); default ``CUTE_DSL_ARCH`` or the
             DSL's detection, resolved on the first disk access.
         lock_timeout: seconds to wait for another process's compile before compiling anyway.
@@ -411,6 +457,8 @@ class ModuleCache:
         ):
             raise ValueError(f"fingerprint_override {fingerprint_override!r} is not a safe name")
         self._fingerprint = fingerprint_override
+        self._override = fingerprint_override
+        self._family_fps: dict[tuple[str, str | None], str] = {}
         self._arch = arch
         self.lock_timeout = float(lock_timeout)
         self._mem: dict[Any, Any] = {}
@@ -450,9 +498,29 @@ class ModuleCache:
 
     @property
     def fingerprint(self) -> str:
+        """The fingerprint of keys the package does not know (:func:`source_fingerprint`, every
+        ``.py`` of the package), or the override. The package's kernel families each have their
+        own: :meth:`fingerprint_for`, :meth:`family_fingerprints`."""
         if self._fingerprint is None:
             self._fingerprint = source_fingerprint()
         return self._fingerprint
+
+    def fingerprint_for(self, key: Any) -> str:
+        """The fingerprint ``key``'s entry is filed under: :func:`family_fingerprint` of its
+        ``kernel_name`` and class module (or the override)."""
+        return self._fingerprint_for_name(_kernel_name(key), type(key).__module__)
+
+    def _fingerprint_for_name(self, kernel_name: str, key_module: str | None) -> str:
+        if self._override is not None:
+            return self._override
+        fp = self._family_fps.get((kernel_name, key_module))
+        if fp is None:
+            fp = self._family_fps[(kernel_name, key_module)] = family_fingerprint(kernel_name, key_module)
+        return fp
+
+    def family_fingerprints(self) -> dict[str, str]:
+        """``{kernel_name: fingerprint}`` of the package's kernel families (``compile.KERNELS``)."""
+        return {name: self._fingerprint_for_name(name, None) for name in _fp().compile_families()}
 
     @property
     def arch(self) -> str:
@@ -464,9 +532,10 @@ class ModuleCache:
         """Root directory (the fingerprint directories live under it)."""
         return self._root
 
-    def fingerprint_dir(self) -> Path:
-        """``cache_dir() / fingerprint``: where this process's entries live."""
-        return self._root / self.fingerprint
+    def fingerprint_dir(self, key: Any = None) -> Path:
+        """``cache_dir() / fingerprint_for(key)``: where ``key``'s kernel family keeps its
+        entries (without a key: the directory of :attr:`fingerprint`)."""
+        return self._root / (self.fingerprint if key is None else self.fingerprint_for(key))
 
     def entry_arch(self, key: Any) -> str:
         """The arch of ``key``'s entry: ``key.arch`` when the key has one (a non-empty str),
@@ -486,19 +555,48 @@ class ModuleCache:
     def timings(self) -> dict[Any, EntryTiming]:
         return dict(self._timings)
 
-    def entries(self) -> list[dict[str, Any]]:
-        """Disk entries of the current fingerprint, sorted by kernel name then key.
+    def _kernel_dirs(self) -> Iterator[tuple[Path, Path, bool]]:
+        """``(fingerprint_dir, kernel_dir, current)`` for every kernel directory under a
+        fingerprint directory (one with the marker file). ``current``: the directory's name is
+        the fingerprint this cache files that kernel under now (key module from a sidecar)."""
+        try:
+            fp_dirs = sorted(p for p in self._root.iterdir() if (p / _FP_MARKER).is_file())
+        except OSError:
+            return
+        for fp_dir in fp_dirs:
+            try:
+                kernel_dirs = sorted(p for p in fp_dir.iterdir() if p.is_dir())
+            except OSError:
+                continue
+            for kdir in kernel_dirs:
+                yield fp_dir, kdir, fp_dir.name == self._dir_fingerprint(kdir)
 
-        Each is ``dict(kernel_name, key, size, path, mtime, digest, arch, compile_s, valid)``;
-        ``key`` is the key's repr from the sidecar (None if the sidecar is missing/garbled).
+    def _dir_fingerprint(self, kdir: Path) -> str:
+        name, module = kdir.name, None
+        try:
+            metas = sorted(p for p in kdir.glob("*.json") if not p.name.startswith("."))
+        except OSError:
+            metas = []
+        for meta_path in metas:
+            meta = self._read_meta(meta_path)
+            if meta and isinstance(meta.get("kernel_name"), str):
+                name = meta["kernel_name"]
+                module = meta.get("key_module") if isinstance(meta.get("key_module"), str) else None
+                break
+        return self._fingerprint_for_name(name, module)
+
+    def entries(self, *, all_fingerprints: bool = False) -> list[dict[str, Any]]:
+        """Disk entries of the current fingerprints (each kernel family's own: those this cache
+        would load), or of every fingerprint directory; sorted by kernel name then key.
+
+        Each is ``dict(kernel_name, key, size, path, mtime, digest, arch, compile_s, valid,
+        fingerprint, current)``; ``key`` is the key's repr from the sidecar (None if the sidecar
+        is missing/garbled).
         """
         out: list[dict[str, Any]] = []
-        base = self.fingerprint_dir()
-        try:
-            kernel_dirs = sorted(p for p in base.iterdir() if p.is_dir())
-        except OSError:
-            return out
-        for kdir in kernel_dirs:
+        for fp_dir, kdir, current in self._kernel_dirs():
+            if not (current or all_fingerprints):
+                continue
             try:
                 objs = sorted(p for p in kdir.glob("*.o") if not p.name.startswith("."))
             except OSError:
@@ -521,9 +619,11 @@ class ModuleCache:
                         "arch": (meta or {}).get("arch"),
                         "compile_s": (meta or {}).get("compile_s"),
                         "valid": valid,
+                        "fingerprint": fp_dir.name,
+                        "current": current,
                     }
                 )
-        out.sort(key=lambda e: (e["kernel_name"], e["key"] or "", e["digest"]))
+        out.sort(key=lambda e: (e["kernel_name"], e["key"] or "", e["digest"], e["fingerprint"]))
         return out
 
     def clear_memory(self) -> None:
@@ -533,24 +633,39 @@ class ModuleCache:
             self._timings.clear()
 
     def clear(self, *, all_fingerprints: bool = False) -> int:
-        """Clear memory and delete the disk entries of the current fingerprint (or of every
-        fingerprint directory under :meth:`cache_dir`, recognised by their marker file). Only
-        files this cache writes (``*.o``, ``*.json``, ``*.lock``, temp files, the marker) are
-        deleted, then empty directories; returns how many files."""
+        """Clear memory and delete the disk entries of the current fingerprints (the kernel
+        directories :meth:`entries` lists), or every fingerprint directory under
+        :meth:`cache_dir` (recognised by their marker file). Only files this cache writes
+        (``*.o``, ``*.json``, ``*.lock``, temp files, the marker) are deleted, then empty
+        directories; returns how many files."""
         self.clear_memory()
         if all_fingerprints:
             try:
                 dirs = [p for p in self._root.iterdir() if (p / _FP_MARKER).is_file()]
             except OSError:
                 dirs = []
-            cur = self.fingerprint_dir()
-            if cur.is_dir() and cur not in dirs:
-                dirs.append(cur)
-        else:
-            dirs = [self.fingerprint_dir()]
+            return sum(_remove_tree_files(d) for d in dirs)
+        return self._remove_kernel_dirs(current=True)
+
+    def prune(self) -> int:
+        """Delete the entries of fingerprints that are no longer current (left by older sources
+        or toolchains); returns how many files. Not safe while a process of *other* sources
+        uses the same directory (its current entries are stale to this one)."""
+        return self._remove_kernel_dirs(current=False)
+
+    def _remove_kernel_dirs(self, *, current: bool) -> int:
         removed = 0
-        for d in dirs:
-            removed += _remove_tree_files(d)
+        fp_dirs = set()
+        for fp_dir, kdir, is_current in list(self._kernel_dirs()):
+            fp_dirs.add(fp_dir)
+            if is_current == current:
+                removed += _remove_tree_files(kdir)
+        for fp_dir in fp_dirs:  # a fingerprint directory left without kernels goes too
+            try:
+                if not any(p.is_dir() for p in fp_dir.iterdir()):
+                    removed += _remove_tree_files(fp_dir)
+            except OSError:
+                pass
         return removed
 
     # -- slow path --------------------------------------------------------------------------------
@@ -559,10 +674,12 @@ class ModuleCache:
         arch = self.entry_arch(key)
         payload = key_payload(key, arch)
         digest = hashlib.sha256(payload.encode()).hexdigest()[:_DIGEST_LEN]
-        kdir = self._root / self.fingerprint / _safe_component(_kernel_name(key))
+        fingerprint = self.fingerprint_for(key)
+        kdir = self._root / fingerprint / _safe_component(_kernel_name(key))
         return _Entry(
             digest, arch, repr(key), payload, kdir,
-            kdir / f"{digest}.o", kdir / f"{digest}.json", kdir / f"{digest}.lock",
+            kdir / f"{digest}.o", kdir / f"{digest}.json", kdir / f"{digest}.lock", fingerprint,
+            type(key).__module__,
         )
 
     def _get_slow(self, key: Any, build: Callable[[], Any]) -> Any:
@@ -665,8 +782,9 @@ class ModuleCache:
             raise _Stale(f"format {meta.get('format')!r} != {CACHE_FORMAT}")
         if meta["versions"] != runtime_versions():
             raise _Stale(f"versions {meta['versions']} != {runtime_versions()}")
-        if meta.get("fingerprint") != self.fingerprint:
-            raise _Stale(f"fingerprint {meta.get('fingerprint')!r} != {self.fingerprint!r}")
+        fingerprint = entry.fingerprint or entry.dir.parent.name
+        if meta.get("fingerprint") != fingerprint:
+            raise _Stale(f"fingerprint {meta.get('fingerprint')!r} != {fingerprint!r}")
         if meta.get("arch") != entry.arch:
             raise _Stale(f"arch {meta.get('arch')!r} != {entry.arch!r}")
         if meta.get("function_name") != EXPORT_FUNCTION_NAME:
@@ -767,13 +885,14 @@ class ModuleCache:
                 "format": CACHE_FORMAT,
                 "kernel_name": _kernel_name(key),
                 "key_type": type(key).__qualname__,
+                "key_module": type(key).__module__,
                 "key": entry.key_repr,
                 "digest": digest,
                 "payload": entry.payload,
                 "function_name": EXPORT_FUNCTION_NAME,
                 "sha256": hashlib.sha256(data).hexdigest(),
                 "size": len(data),
-                "fingerprint": self.fingerprint,
+                "fingerprint": entry.fingerprint or entry.dir.parent.name,
                 "arch": entry.arch,
                 "versions": runtime_versions(),
                 "compile_s": round(compile_s, 6),
@@ -879,11 +998,22 @@ class ModuleCache:
             entry.dir.mkdir(parents=True, exist_ok=True)
             marker = entry.dir.parent / _FP_MARKER
             if not marker.exists():
-                marker.write_text(json.dumps({"fingerprint": self.fingerprint, **runtime_versions()}))
+                marker.write_text(json.dumps({"fingerprint": entry.dir.parent.name, **runtime_versions(),
+                                              "sources": self._marker_sources(entry)}))
             return os.open(entry.lock, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             self._disk_error(exc)
             raise _DiskError(str(exc)) from exc
+
+    def _marker_sources(self, entry: _Entry) -> Any:
+        """The files the fingerprint of ``entry``'s directory hashes (for people reading it)."""
+        if self._override is not None:
+            return None
+        try:
+            sources = _fp().family_sources(entry.dir.name, entry.key_module, _PACKAGE_ROOT)
+        except Exception:  # informative only
+            return None
+        return list(sources) if sources is not None else "every .py of the package"
 
     def _disk_error(self, exc: OSError) -> None:
         self.stats.disk_errors += 1

@@ -195,13 +195,24 @@ def cmd_info(args, console) -> int:
         t.add_row("HSTU_CUTE_ARCH", f"[red]ValueError[/]: {_esc(exc)}")
 
     cache = default_cache()
-    entries = cache.entries()
+    every = cache.entries(all_fingerprints=True)
+    entries = [e for e in every if e["current"]]
+    stale = [e for e in every if not e["current"]]
     t.add_row("cache dir", str(cache.cache_dir()))
     t.add_row("disk caching", ("enabled" if cache.disk_enabled else "[yellow]disabled[/] (HSTU_CUTE_CACHE=0)")
               + f", HSTU_CUTE_CACHE={os.environ.get('HSTU_CUTE_CACHE', '(unset)')}")
-    t.add_row("cache fingerprint", f"{cache.fingerprint} (package sources + DSL/tvm-ffi/Python versions)")
+    families: dict[str, list[str]] = {}
+    for name, fp in cache.family_fingerprints().items():
+        families.setdefault(fp, []).append(name)
+    t.add_row("cache fingerprints", f"{len(families)} for the {sum(map(len, families.values()))} kernel families "
+              "(each: the files its kernels are built from + DSL/tvm-ffi/Python versions)\n"
+              + "\n".join(f"{fp}  {', '.join(names)}" for fp, names in families.items()))
     t.add_row("cached entries", f"{len(entries)} ({sum(e['size'] for e in entries) / 2**20:.1f} MiB) "
-                                f"in {cache.fingerprint_dir()}")
+                                f"in {cache.cache_dir()}/<fingerprint>/<kernel>")
+    if stale:
+        t.add_row("other fingerprints", f"{len(stale)} entries ({sum(e['size'] for e in stale) / 2**20:.1f} MiB) "
+                                        "of other sources or toolchains (never loaded; "
+                                        "hstu_cute.cache.default_cache().prune() deletes them)")
     console.print(t)
 
     if entries:
@@ -216,7 +227,7 @@ def cmd_info(args, console) -> int:
                        _fmt_s(e["compile_s"]), "yes" if e["valid"] else "[red]no[/]")
         console.print(et)
     else:
-        console.print("No cached modules for this fingerprint yet: [bold]python -m hstu_cute warmup[/] "
+        console.print("No cached modules for the current fingerprints yet: [bold]python -m hstu_cute warmup[/] "
                       "precompiles them (no GPU needed).")
     return 0
 
@@ -355,7 +366,7 @@ def cmd_warmup(args, console) -> int:
     workers = min(workers, len(keys))
     cache = default_cache()
     console.print(f"Precompiling [bold]{len(keys)}[/] kernel variants for [bold]{arch}[/] with {workers} "
-                  f"worker process{'es' if workers != 1 else ''} into {cache.fingerprint_dir()} "
+                  f"worker process{'es' if workers != 1 else ''} into {cache.cache_dir()} "
                   f"(disk caching {'on' if cache.disk_enabled else 'OFF: kept in memory of this process only'}; "
                   "no GPU needed)")
     t0 = time.perf_counter()

@@ -67,6 +67,27 @@ def test_info(tmp_path):
         assert text in out, f"{text!r} missing from:\n{out}"
 
 
+def test_info_lists_family_fingerprints_and_other_entries(tmp_path):
+    """info names each kernel family's fingerprint, and counts the entries of other fingerprints
+    (older sources) apart from the current ones."""
+    import json
+
+    from hstu_cute.cache import family_fingerprint
+
+    current = family_fingerprint("hopper_fwd", "hstu_cute.variants")
+    for fp, digest in ((current, "a"), ("0123456789abcdef", "old")):
+        kdir = tmp_path / fp / "hopper_fwd"
+        kdir.mkdir(parents=True)
+        (tmp_path / fp / ".hstu_cute_fingerprint").write_text("{}")
+        (kdir / f"{digest}.o").write_bytes(b"obj")
+        (kdir / f"{digest}.json").write_text(json.dumps({"kernel_name": "hopper_fwd", "size": 3,
+                                                          "key_module": "hstu_cute.variants"}))
+    out = run_cli("info", cache_dir=tmp_path)
+    assert re.search(rf"{current}\s+hopper_fwd, hopper_fwd_paged, hopper_fwd_fp8", out), out
+    assert re.search(r"cached entries\s*│?\s*1 ", out), out
+    assert re.search(r"other fingerprints\s*│?\s*1 entries", out), out
+
+
 def test_info_names_an_invalid_forced_path(tmp_path):
     out = run_cli("info", cache_dir=tmp_path, extra_env={"HSTU_CUTE_ARCH": "sm75"})
     assert "ValueError" in out and "HSTU_CUTE_ARCH: expected one of sm_80" in out, out

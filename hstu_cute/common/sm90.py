@@ -148,27 +148,17 @@ def store_acc_16bit_sw128_64cols(acc: cute.Tensor, sX: cute.Tensor, tid_in_wg: I
         cute.autovec_copy(src, dst)
 
 @cute.jit
-def store_acc_rows(rOut: cute.Tensor, tOg: cute.Tensor, tOc_rc: cute.Tensor, row_limit: Int32):
-    """Store a WGMMA-layout register tile to global memory, two adjacent columns per store,
-    skipping the thread's rows at and past ``row_limit`` (``tOc_rc``: tile coordinates seen as
-    (rows, cols))."""
-    rc = cute.make_tensor(rOut.iterator, wgmma_acc_rows_cols(rOut.layout))
-    g_rc = cute.make_tensor(tOg.iterator, wgmma_acc_rows_cols(tOg.layout))
-    for i in cutlass.range_constexpr(cute.size(rc.shape[0])):
+def copy_acc_rows(src: cute.Tensor, dst: cute.Tensor, tOc_rc: cute.Tensor, row_limit: Int32):
+    """Copy a WGMMA-layout tile between registers and its global-memory partition (either way:
+    both sides share the accumulator layout), two adjacent columns per access, skipping the
+    thread's rows at and past ``row_limit`` (``tOc_rc``: tile coordinates seen as (rows, cols))."""
+    src_rc = cute.make_tensor(src.iterator, wgmma_acc_rows_cols(src.layout))
+    dst_rc = cute.make_tensor(dst.iterator, wgmma_acc_rows_cols(dst.layout))
+    for i in cutlass.range_constexpr(cute.size(src_rc.shape[0])):
         if tOc_rc[i, 0][0] < row_limit:
             # One copy per row: autovec_copy splits it into the column pairs (what a row's
             # registers and global addresses have in common), as a copy per pair did.
-            cute.autovec_copy(rc[i, None], g_rc[i, None])
-
-@cute.jit
-def load_acc_rows(tOg: cute.Tensor, rDst: cute.Tensor, tOc_rc: cute.Tensor, row_limit: Int32):
-    """The inverse of :func:`store_acc_rows`: a WGMMA-layout register tile from global memory,
-    the thread's rows at and past ``row_limit`` left as they are."""
-    rc = cute.make_tensor(rDst.iterator, wgmma_acc_rows_cols(rDst.layout))
-    g_rc = cute.make_tensor(tOg.iterator, wgmma_acc_rows_cols(tOg.layout))
-    for i in cutlass.range_constexpr(cute.size(rc.shape[0])):
-        if tOc_rc[i, 0][0] < row_limit:
-            cute.autovec_copy(g_rc[i, None], rc[i, None])
+            cute.autovec_copy(src_rc[i, None], dst_rc[i, None])
 
 
 @cute.jit

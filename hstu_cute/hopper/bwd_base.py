@@ -13,10 +13,10 @@ from .. import masks
 from ..common.mask_apply import KERNEL_OPS
 from ..common.sm90 import (
     advanced,
+    copy_acc_rows,
     red_add_f32,
     sm90_tma_atom_tokens,
     sm90_tma_atom_rab,
-    store_acc_rows,
     wgmma_acc_rows_cols,
 )
 from ..fp8_format import vt_column_start
@@ -37,7 +37,7 @@ def store_dk_dv(thr_mma, acc_dK, acc_dV, mdK, mdV, dtype: cutlass.Constexpr, til
         rOut.store(acc.load().to(dtype))
         gOut = cute.local_tile(cute.domain_offset((k_start, 0), mOut[None, head, None]), (tile_n, head_dim),
                                (n_block, dim_block))
-        store_acc_rows(rOut, thr_mma.partition_C(gOut), tKcK_rc, k_rows)
+        copy_acc_rows(rOut, thr_mma.partition_C(gOut), tKcK_rc, k_rows)
 
 
 @cute.jit
@@ -50,7 +50,7 @@ def store_dq(thr_mma, acc_dQ, mdQ, dtype: cutlass.Constexpr, tile_m: cutlass.Con
     gOut = cute.local_tile(cute.domain_offset((q_start, 0), mdQ[None, head, None]), (tile_m, head_dim), (m_block, 0))
     tQc = thr_mma.partition_C(cute.make_identity_tensor((tile_m, head_dim)))
     tQc_rc = cute.make_tensor(tQc.iterator, wgmma_acc_rows_cols(tQc.layout))
-    store_acc_rows(rOut, thr_mma.partition_C(gOut), tQc_rc, seq.seqlen_q - m_block * tile_m)
+    copy_acc_rows(rOut, thr_mma.partition_C(gOut), tQc_rc, seq.seqlen_q - m_block * tile_m)
 
 
 class HstuBackwardSm90Base(HstuSm90Base):

@@ -31,14 +31,13 @@ from .base import HstuSm90Base, StagedEpilogue, store_rows_staged
 from ..common.sm90 import (
     acc_coords,
     advanced,
-    load_acc_rows,
+    copy_acc_rows,
     rows_zero_copy,
     shared_storage,
     sm90_smem_layout,
     sm90_tma_atom_rab,
     sm90_tma_atom_tokens,
     smem_tensors,
-    store_acc_rows,
     transposed_view,
     trivial_mma,
     wgmma,
@@ -824,7 +823,7 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
         rO.store((acc_O.load() * inv_scale).to(self.out_dtype))
         gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, head, None]), (self.tile_m, self.head_dim),
                              (m_block, 0))
-        store_acc_rows(rO, thr_mma_pv.partition_C(gO), tOcO_rc, rows)
+        copy_acc_rows(rO, thr_mma_pv.partition_C(gO), tOcO_rc, rows)
 
     @cute.jit
     def store_split_tile(self, acc_O, mO, thr_mma_pv, tOcO_rc, inv_scale: Float32, head: Int32, q_start: Int32,
@@ -845,7 +844,7 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
         mine.store(acc_O.load() * inv_scale)
         tPgP = thr_mma_pv.partition_C(cute.local_tile(cute.domain_offset((q_start + part * part_rows, 0), partials),
                                                       tile_shape, (m_block, 0)))
-        store_acc_rows(mine, tPgP, tOcO_rc, rows)
+        copy_acc_rows(mine, tPgP, tOcO_rc, rows)
         cute.arch.fence_acq_rel_gpu()
         cute.arch.barrier(barrier_id=NamedBarrier.SPLIT_WG0 + wg, number_of_threads=128)
         slot = ((batch * self.heads + head) * self.m_blocks + m_block) * 2 + wg
@@ -862,12 +861,12 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
                 theirs = cute.make_rmem_tensor(acc_O.layout, Float32)
                 tPgP = thr_mma_pv.partition_C(cute.local_tile(
                     cute.domain_offset((q_start + p * part_rows, 0), partials), tile_shape, (m_block, 0)))
-                load_acc_rows(tPgP, theirs, tOcO_rc, rows)
+                copy_acc_rows(tPgP, theirs, tOcO_rc, rows)
                 total.store(total.load() + theirs.load())
             rO = cute.make_rmem_tensor(acc_O.layout, out_dtype)
             rO.store(total.load().to(out_dtype))
             gO = cute.local_tile(cute.domain_offset((q_start, 0), mO[None, head, None]), tile_shape, (m_block, 0))
-            store_acc_rows(rO, thr_mma_pv.partition_C(gO), tOcO_rc, rows)
+            copy_acc_rows(rO, thr_mma_pv.partition_C(gO), tOcO_rc, rows)
             if tid_in_wg == 0:
                 mArrivals[slot] = Int32(0)
 

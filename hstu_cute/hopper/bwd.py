@@ -13,7 +13,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .. import masks
 from ..common.barriers import NamedBarrier
-from ..common.mask_apply import KERNEL_OPS, apply_mask_key_major, apply_mask_rows_cols
+from ..common.mask_apply import KERNEL_OPS, apply_mask_rows_cols
 from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import silu_and_grad
 from ..common.sm90 import (
@@ -276,11 +276,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
                 zero_smem_rows_past(zero_copy, (sK,), (self.tile_n, D), tid_in_wg, wg, k_rows)
         for m_block in cutlass.range(m_lo, m_hi, unroll=1):
             if masks.tile_nonempty(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
-                pipe_q.consumer_wait(q_state)
-                q_rows = seq.seqlen_q - m_block * self.tile_m
-                if q_rows < self.tile_m:
-                    zero_smem_rows_past(zero_copy, (sQ[None, None, q_state.index], sdO[None, None, q_state.index]),
-                                        (self.tile_m, D), tidx % 128, wg, q_rows)
+                q_rows = self.wait_query_stage(pipe_q, q_state, seq, m_block, (sQ, sdO), zero_copy, tid_in_wg, wg)
                 acc_S = cute.make_rmem_tensor(shape_S, Float32)
                 acc_dP = cute.make_rmem_tensor(shape_S, Float32)
                 wgmma(tiled_mma_s, acc_S, tSrK, tSrQ[None, None, None, q_state.index], True, -1)
@@ -292,11 +288,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
                     acc_S.store(acc_S.load() + rRab.load().to(Float32))
                 warpgroup.wait_group(0)
                 silu_and_grad(acc_S, acc_dP, alpha, inv_scale, self.fast_silu, self.unscaled_grad)
-                row_first = seq.row_offset + m_block * self.tile_m
-                is_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n,
-                                             KERNEL_OPS) & (q_rows >= self.tile_m)
-                if not is_full:
-                    apply_mask_key_major(acc_S, acc_dP, tScS, spec, seq, row_first, col0, q_rows)
+                self.mask_key_major(acc_S, acc_dP, tScS, seq, m_block, n_block, col0, q_rows)
                 rP = wg_mma_d.make_fragment_A(wg_mma_d.partition_shape_A((self.tile_n, self.tile_m)))
                 rP.store(cute.make_tensor(acc_S.iterator, wgmma_acc_as_operand_a(acc_S.layout)).load().to(self.dtype))
                 rG = wg_mma_d.make_fragment_A(wg_mma_d.partition_shape_A((self.tile_n, self.tile_m)))

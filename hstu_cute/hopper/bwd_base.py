@@ -10,7 +10,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from .. import masks
-from ..common.mask_apply import KERNEL_OPS
+from ..common.mask_apply import KERNEL_OPS, apply_mask_key_major
 from ..common.sm90 import (
     advanced,
     copy_acc_rows,
@@ -18,6 +18,7 @@ from ..common.sm90 import (
     sm90_tma_atom_tokens,
     sm90_tma_atom_rab,
     wgmma_acc_rows_cols,
+    zero_smem_rows_past,
 )
 from ..fp8_format import vt_column_start
 from .base import HstuSm90Base
@@ -77,6 +78,33 @@ class HstuBackwardSm90Base(HstuSm90Base):
         if sRab_layout is not None:
             tma_atom_rab, tma_rab = sm90_tma_atom_rab(mRab, sRab_layout, self.tile_m, self.tile_n)
         return tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab, tma_rab
+
+    @cute.jit
+    def wait_query_stage(self, pipe_q, q_state, seq, m_block: Int32, rings, zero_copy, tid_in_wg: Int32, wg: Int32,
+                         zero_more=None) -> Int32:
+        """Wait for ``m_block``'s stage (``q_state``) of the (``tile_m``, D) smem ``rings`` (Q and
+        dO) and zero its rows past the sequence (TMA read the next sequence there: its P and G are
+        0, but 0 * NaN is NaN), and what ``zero_more(stage, q_rows)`` zeroes with them. Returns the
+        m-block's rows inside the sequence."""
+        pipe_q.consumer_wait(q_state)
+        q_rows = seq.seqlen_q - m_block * self.tile_m
+        if q_rows < self.tile_m:
+            zero_smem_rows_past(zero_copy, tuple(ring[None, None, q_state.index] for ring in rings),
+                                (self.tile_m, self.head_dim), tid_in_wg, wg, q_rows)
+            if const_expr(zero_more is not None):
+                zero_more(q_state.index, q_rows)
+        return q_rows
+
+    @cute.jit
+    def mask_key_major(self, acc_S, acc_dP, tScS, seq, m_block: Int32, n_block: Int32, col0: Int32, q_rows: Int32):
+        """Mask a key-major pair (S^T, dP^T) of the tile (``m_block``, ``n_block``), whose keys
+        start at ``col0``, unless the mask allows all of it and its ``tile_m`` queries lie inside
+        the sequence."""
+        row_first = seq.row_offset + m_block * self.tile_m
+        is_full = masks.tile_is_full(self.mask, seq, m_block, n_block, self.tile_m, self.tile_n,
+                                     KERNEL_OPS) & (q_rows >= self.tile_m)
+        if not is_full:
+            apply_mask_key_major(acc_S, acc_dP, tScS, self.mask, seq, row_first, col0, q_rows)
 
     def drab_slab(self, mdRab, batch: Int32, head: Int32):
         """drab's (L_q, L_k) slab of sequence ``batch`` and ``head``: its rab head's (rab with one

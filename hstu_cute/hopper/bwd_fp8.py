@@ -51,7 +51,7 @@ from ..common.fp8 import (
     words_to_operand_a,
     zero_smem_cols_past,
 )
-from ..common.mask_apply import KERNEL_OPS, apply_mask_key_major, apply_mask_rows_cols
+from ..common.mask_apply import KERNEL_OPS, apply_mask_rows_cols
 from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import scale_scores_by_tokens, silu_and_grad_token_scaled, silu_and_grad_unscaled
 from ..common.sm90 import (
@@ -68,7 +68,6 @@ from ..common.sm90 import (
     trivial_mma,
     wgmma,
     wgmma_acc_rows_cols,
-    zero_smem_rows_past,
 )
 from ..common.tile_scheduler import SectionWalk
 from ..fp8_format import BLOCK_TOKENS, P_AMAX_FLOOR
@@ -457,18 +456,18 @@ class HstuBackwardDkDvFp8Sm90(StagedEpilogue, HstuBackwardDkDvSm90):
         if const_expr(self.fuse_dq):
             if k_rows < self.tile_n:
                 zero_smem_cols_past(self.zero_keys, sKt, (D, self.tile_n), tid_in_wg, wg, k_rows)
+
+        def zero_transposed_cols_past(stage, q_rows):
+            # Q^T and dO^T hold the stage's queries as columns.
+            for ring in (sQt, sdOt):
+                zero_smem_cols_past(self.zero_cols, ring[None, None, stage], (self.dims, self.tile_m), tid_in_wg, wg,
+                                    q_rows)
+
         for m_block in cutlass.range(m_lo, m_hi, unroll=1):
             if masks.tile_nonempty(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
-                pipe_q.consumer_wait(q_state)
+                q_rows = self.wait_query_stage(pipe_q, q_state, seq, m_block, (sQ, sdO), self.zero_rows, tid_in_wg, wg,
+                                               zero_transposed_cols_past)
                 stage = q_state.index
-                q_rows = seq.seqlen_q - m_block * self.tile_m
-                if q_rows < self.tile_m:
-                    zero_smem_rows_past(self.zero_rows, (sQ[None, None, stage], sdO[None, None, stage]),
-                                        (self.tile_m, D), tid_in_wg, wg, q_rows)
-                    zero_smem_cols_past(self.zero_cols, sQt[None, None, stage], (self.dims, self.tile_m), tid_in_wg,
-                                        wg, q_rows)
-                    zero_smem_cols_past(self.zero_cols, sdOt[None, None, stage], (self.dims, self.tile_m), tid_in_wg,
-                                        wg, q_rows)
                 if const_expr(self.two_direction):
                     q_block = column_block(self.descales[5], m_block * self.tile_m)
                     moving = (q_block_prev >= 0) & (q_block != q_block_prev)
@@ -492,11 +491,7 @@ class HstuBackwardDkDvFp8Sm90(StagedEpilogue, HstuBackwardDkDvSm90):
                     p_and_g(self, acc_S, acc_dP, stage_of(tSsRabT, stage), shape_S, alpha, tokens=tokens)
                 else:
                     p_and_g(self, acc_S, acc_dP, stage_of(tSsRabT, stage), shape_S, alpha, qk_descales=(dq, dk))
-                row_first = seq.row_offset + m_block * self.tile_m
-                is_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n,
-                                             KERNEL_OPS) & (q_rows >= self.tile_m)
-                if not is_full:
-                    apply_mask_key_major(acc_S, acc_dP, tScS, spec, seq, row_first, col0, q_rows)
+                self.mask_key_major(acc_S, acc_dP, tScS, seq, m_block, n_block, col0, q_rows)
                 if const_expr(self.two_direction):
                     p_words = scaled_fp8_words(acc_S, Float32(1.0), Float32(P_AMAX_FLOOR), p_scale, p_rescale)
                     g_words = scaled_fp8_words(acc_dP, Float32(1.0), Float32(G_AMAX_FLOOR), g_scale, g_rescale)

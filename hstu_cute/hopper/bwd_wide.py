@@ -11,7 +11,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from .. import masks
 from ..common.barriers import NamedBarrier
-from ..common.mask_apply import KERNEL_OPS, apply_mask_key_major
+from ..common.mask_apply import KERNEL_OPS
 from ..common.seqinfo import ScoreScalars, SequenceArgs
 from ..common.silu import silu_and_grad
 from ..common.sm90 import (
@@ -26,7 +26,6 @@ from ..common.sm90 import (
     transposed_view,
     trivial_mma,
     wgmma,
-    zero_smem_rows_past,
 )
 from .base import SMEM_LIMIT
 from .bwd_base import HstuBackwardSm90Base, KeyBlockProducer, store_dk_dv
@@ -207,12 +206,8 @@ class HstuBackwardWideSm90(KeyBlockProducer, HstuBackwardSm90Base):
         blocks_done = Int32(0)
         for m_block in cutlass.range(m_lo, m_hi, unroll=1):
             if masks.tile_nonempty(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
-                pipe_q.consumer_wait(q_state)
+                q_rows = self.wait_query_stage(pipe_q, q_state, seq, m_block, (sQ, sdO), zero_copy, tid_in_wg, wg)
                 stage = q_state.index
-                q_rows = seq.seqlen_q - m_block * self.tile_m
-                if q_rows < self.tile_m:
-                    zero_smem_rows_past(zero_copy, (sQ[None, None, stage], sdO[None, None, stage]),
-                                        (self.tile_m, D), tid_in_wg, wg, q_rows)
                 acc_S = cute.make_rmem_tensor(shape_S, Float32)
                 acc_dP = cute.make_rmem_tensor(shape_S, Float32)
                 wgmma(tiled_mma_s, acc_S, tSrK, tSrQ[None, None, None, stage], True, -1)
@@ -223,11 +218,7 @@ class HstuBackwardWideSm90(KeyBlockProducer, HstuBackwardSm90Base):
                     acc_S.store(acc_S.load() + rRab.load().to(Float32))
                 warpgroup.wait_group(0)
                 silu_and_grad(acc_S, acc_dP, alpha, inv_scale, self.fast_silu, self.unscaled_grad)
-                row_first = seq.row_offset + m_block * self.tile_m
-                is_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n,
-                                             KERNEL_OPS) & (q_rows >= self.tile_m)
-                if not is_full:
-                    apply_mask_key_major(acc_S, acc_dP, tScS, spec, seq, row_first, col0, q_rows)
+                self.mask_key_major(acc_S, acc_dP, tScS, seq, m_block, n_block, col0, q_rows)
                 if const_expr(self.has_drab):
                     self.write_drab(acc_dP, tSgdRab[None, None, None, m_block], tScS,
                                     drab_rows - m_block * self.tile_m, drab_cols, g_scale, True)

@@ -146,7 +146,6 @@ class HstuForwardSm80(Sm80Kernel):
             # No method call on a name inside the runtime branches and loops below (it would be
             # carried through them).
             n_count, block_at = blocks.count, blocks.at
-            in_cache = blocks.in_cache if const_expr(self.paged) else None
             row_first = seq.row_offset + m_block * self.tile_m
 
             gQ, gO, gK, gV = self._head_tiles(head, (mQ, q_start, self.tile_m, m_block),
@@ -208,36 +207,20 @@ class HstuForwardSm80(Sm80Kernel):
                 tSsRab = smem_copy_rab.partition_S(sRab)
             tScS = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
 
+            kv_loads = (gmem_copy_qkv, ((tKgK, tKsK), (tVgV, tVsV)), tKVcKV, seqlen_k, blocks, cache)
+            rab_loads = (gmem_copy_rab, tRgR, tRsR, tRcR, rab_new, rab_row_limit, rab_cols)
+
             # ---- prologue ----
             # Rows past the sequence are not loaded: their outputs are never stored.
             self.load_rows(gmem_copy_qkv, tQgQ, tQsQ, tQcQ, seqlen_q - m_block * self.tile_m, False)
             cute.arch.cp_async_commit_group()
             for stage in cutlass.range_constexpr(self.num_stages):
                 if n_count - 1 - stage >= 0:
-                    i_pre = n_count - 1 - stage
-                    seg_pre, n_pre = block_at(i_pre)
-                    if const_expr(self.paged):
-                        cached = in_cache(i_pre)
-                        self.load_paged_kv(gmem_copy_qkv, cache, 0, cached, tKgK, tKsK, tKVcKV, n_pre, stage,
-                                           seg_pre.seqlen_k, False)
-                        if const_expr(self.has_rab):
-                            self.load_paged_rab(gmem_copy_rab, tRgR, tRsR, tRcR, rab_new, cached, n_pre, stage,
-                                                rab_row_limit, rab_cols)
-                    else:
-                        self.load_kv(gmem_copy_qkv, tKgK, tKsK, tKVcKV, n_pre, stage, seqlen_k, stage == 0, False)
-                        if const_expr(self.has_rab):
-                            self.load_rab_block(gmem_copy_rab, tRgR, tRsR, tRcR, n_pre, stage, rab_row_limit,
-                                                rab_cols)
+                    self.load_key_block(0, n_count - 1 - stage, stage, stage == 0, kv_loads, rab_loads)
                 cute.arch.cp_async_commit_group()
                 if const_expr(stage < self.num_stages - 1):
                     if n_count - 1 - stage >= 0:
-                        i_pre = n_count - 1 - stage
-                        seg_pre, n_pre = block_at(i_pre)
-                        if const_expr(self.paged):
-                            self.load_paged_kv(gmem_copy_qkv, cache, 1, in_cache(i_pre), tVgV, tVsV, tKVcKV, n_pre,
-                                               stage, seg_pre.seqlen_k, True)
-                        else:
-                            self.load_kv(gmem_copy_qkv, tVgV, tVsV, tKVcKV, n_pre, stage, seqlen_k, stage == 0, True)
+                        self.load_key_block(1, n_count - 1 - stage, stage, stage == 0, kv_loads, rab_loads)
                     cute.arch.cp_async_commit_group()
 
             # ---- main loop over non-empty n-blocks, last to first ----
@@ -250,14 +233,8 @@ class HstuForwardSm80(Sm80Kernel):
                 cute.arch.cp_async_wait_group(self.num_stages * 2 - 2)
                 cute.arch.barrier()
                 if idx - (self.num_stages - 1) >= 0:
-                    i_next = idx - (self.num_stages - 1)
-                    seg_next, n_next = block_at(i_next)
-                    if const_expr(self.paged):
-                        self.load_paged_kv(gmem_copy_qkv, cache, 1, in_cache(i_next), tVgV, tVsV, tKVcKV, n_next,
-                                           write_stage, seg_next.seqlen_k, True)
-                    else:
-                        self.load_kv(gmem_copy_qkv, tVgV, tVsV, tKVcKV, n_next, write_stage, seqlen_k,
-                                     self.num_stages == 1, True)
+                    self.load_key_block(1, idx - (self.num_stages - 1), write_stage, self.num_stages == 1, kv_loads,
+                                        rab_loads)
                 cute.arch.cp_async_commit_group()
 
                 acc_S = scores_init(
@@ -281,20 +258,7 @@ class HstuForwardSm80(Sm80Kernel):
                 cute.arch.cp_async_wait_group(self.num_stages * 2 - 2)
                 cute.arch.barrier()
                 if idx - self.num_stages >= 0:
-                    i_next = idx - self.num_stages
-                    seg_next, n_next = block_at(i_next)
-                    if const_expr(self.paged):
-                        cached = in_cache(i_next)
-                        self.load_paged_kv(gmem_copy_qkv, cache, 0, cached, tKgK, tKsK, tKVcKV, n_next, write_stage,
-                                           seg_next.seqlen_k, False)
-                        if const_expr(self.has_rab):
-                            self.load_paged_rab(gmem_copy_rab, tRgR, tRsR, tRcR, rab_new, cached, n_next,
-                                                write_stage, rab_row_limit, rab_cols)
-                    else:
-                        self.load_kv(gmem_copy_qkv, tKgK, tKsK, tKVcKV, n_next, write_stage, seqlen_k, False, False)
-                        if const_expr(self.has_rab):
-                            self.load_rab_block(gmem_copy_rab, tRgR, tRsR, tRcR, n_next, write_stage, rab_row_limit,
-                                                rab_cols)
+                    self.load_key_block(0, idx - self.num_stages, write_stage, False, kv_loads, rab_loads)
                 cute.arch.cp_async_commit_group()
 
                 gemm_rs(tiled_mma, acc_O, acc_to_operand_a(rP), tOrVt, tOsVt[None, None, None, read_stage], smem_copy_v)
@@ -351,6 +315,29 @@ class HstuForwardSm80(Sm80Kernel):
     # ------------------------------------------------------------------------------------------
     # cp.async tile loads
     # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def load_key_block(self, kind: cutlass.Constexpr[int], i: Int32, stage, may_cross_end: cutlass.Constexpr[bool],
+                       kv_loads, rab_loads):
+        """K (``kind`` 0, with its rab) or V (1) of the ``i``-th visited key block into ``stage``.
+        ``kv_loads``: the copy, (K, V) partitions, their coordinates, seqlen_k, the tile's
+        KeyBlocks and the paged cache view; ``rab_loads``: rab's copy, partitions and bounds.
+        ``may_cross_end``: see :meth:`load_kv` (paged blocks check the end at run time)."""
+        gmem_copy, tiles, tXcX, seqlen_k, blocks, cache = kv_loads
+        tXgX, tXsX = tiles[kind]
+        gmem_copy_rab, tRgR, tRsR, tRcR, rab_new, rab_row_limit, rab_cols = rab_loads
+        seg, n_block = blocks.at(i)
+        if const_expr(self.paged):
+            cached = blocks.in_cache(i)
+            self.load_paged_kv(gmem_copy, cache, kind, cached, tXgX, tXsX, tXcX, n_block, stage, seg.seqlen_k,
+                               kind == 1)
+            if const_expr(kind == 0 and self.has_rab):
+                self.load_paged_rab(gmem_copy_rab, tRgR, tRsR, tRcR, rab_new, cached, n_block, stage, rab_row_limit,
+                                    rab_cols)
+        else:
+            self.load_kv(gmem_copy, tXgX, tXsX, tXcX, n_block, stage, seqlen_k, may_cross_end, kind == 1)
+            if const_expr(kind == 0 and self.has_rab):
+                self.load_rab_block(gmem_copy_rab, tRgR, tRsR, tRcR, n_block, stage, rab_row_limit, rab_cols)
+
     @cute.jit
     def load_kv(
         self, gmem_copy, tXgX, tXsX, tXcX, n_block: Int32, stage: Int32, seqlen_k: Int32,

@@ -38,7 +38,16 @@ from ..common.sm90 import (
 )
 from ..common.tile_scheduler import SectionWalk
 from ..fp8_format import vt_column_start
-from .bwd_base import HstuBackwardSm90Base, KeyBlockProducer, store_dk_dv, store_dq, transposed_tiles
+from .bwd_base import (
+    HstuBackwardSm90Base,
+    KeyBlockProducer,
+    load_ring_stage,
+    rab_tiles,
+    store_dk_dv,
+    store_dq,
+    token_tiles,
+    transposed_tiles,
+)
 
 
 class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
@@ -182,8 +191,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
     def produce(self, loads, walk, seqinfo, claims):
         states = ()
         if const_expr(self.persistent):
-            states = (pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
-                      pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages))
+            states = self.pipeline_states(pipeline.PipelineUserType.Producer)
         self.for_each_tile(walk, seqinfo, self.produce_tile, loads, states, claims=claims, producer=True)
 
     def produce_tile(self, *args):
@@ -226,8 +234,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
             sdQ_wg = sdQ[None, None, wg]
             tdQsdQ = thr_mma_dq.partition_C(sdQ_wg)
 
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        kv_state, q_state = self.pipeline_states(pipeline.PipelineUserType.Consumer)
         # Counts m-blocks over all of this CTA's tiles: its parity picks the sdS buffer and the
         # dQ owner, and the alternating barrier ids must keep alternating across tiles.
         blocks_done = Int32(0)
@@ -473,8 +480,7 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
     def produce(self, loads, walk, seqinfo, claims):
         states = ()
         if const_expr(self.persistent):
-            states = (pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
-                      pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages))
+            states = self.pipeline_states(pipeline.PipelineUserType.Producer)
         self.for_each_tile(walk, seqinfo, self.produce_query_block, loads, states, claims=claims, producer=True)
 
     @cute.jit
@@ -488,54 +494,32 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         the first K/V: the previous m-block's consumers hold sQ/sdO until their last GEMM, and
         a K/V stage frees up earlier."""
         D = self.head_dim
-        one = cute.make_layout(1)
         q_after_kv = q_state is not None
         if const_expr(not q_after_kv):
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+            q_state, kv_state = self.pipeline_states(pipeline.PipelineUserType.Producer)
         n_lo, hole_lo, hole_size, n_count = sched
         if n_count > 0:
-            gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_q[None, None, head]), (self.tile_m, D),
-                                 (m_block, 0))
-            gdO = cute.local_tile(cute.domain_offset((q_start, 0), tma_do[None, None, head]), (self.tile_m, D),
-                                  (m_block, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, one, cute.group_modes(sQ, 0, 2),
-                                               cute.group_modes(gQ, 0, 2))
-            tOsO, tOgO = cpasync.tma_partition(tma_atom_do, 0, one, cute.group_modes(sdO, 0, 2),
-                                               cute.group_modes(gdO, 0, 2))
-            gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_k[None, None, head]), (self.tile_n, D),
-                                 (None, 0))
-            gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_v[None, None, head]), (self.tile_n, D),
-                                 (None, 0))
-            tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, one, cute.group_modes(sK, 0, 2),
-                                               cute.group_modes(gK, 0, 2))
-            tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, one, cute.group_modes(sV, 0, 2),
-                                               cute.group_modes(gV, 0, 2))
-            tRsR = tRgR = None
+            tQsQ, tQgQ = token_tiles(tma_atom_q, tma_q, sQ, q_start, head, (self.tile_m, D), (m_block, 0))
+            tOsO, tOgO = token_tiles(tma_atom_do, tma_do, sdO, q_start, head, (self.tile_m, D), (m_block, 0))
+            tKsK, tKgK = token_tiles(tma_atom_k, tma_k, sK, k_start, head, (self.tile_n, D), (None, 0))
+            tVsV, tVgV = token_tiles(tma_atom_v, tma_v, sV, k_start, head, (self.tile_n, D), (None, 0))
+            # What each n-block loads into the ring.
+            copies = [(tma_atom_k, tKgK, tKsK), (tma_atom_v, tVgV, tVsV)]
             if const_expr(self.has_rab):
-                rab_head = cutlass.select_(mRab.shape[1] > 1, head, Int32(0))
-                gRab = cute.local_tile(cute.domain_offset((seq.row_offset, 0), tma_rab[None, None, rab_head, batch]),
+                tRsR, tRgR = rab_tiles(tma_atom_rab, tma_rab, sRab, mRab, seq, head, batch,
                                        (self.tile_m, self.tile_n), (m_block, None))
-                tRsR, tRgR = cpasync.tma_partition(tma_atom_rab, 0, one, cute.group_modes(sRab, 0, 2),
-                                                   cute.group_modes(gRab, 0, 2))
+                copies.append((tma_atom_rab, tRgR, tRsR))
             transposed = self.transposed_k_loads
             if const_expr(transposed is not None):
                 atom_kt, tma_kt, sKt = transposed
                 tKtsKt, tKtgKt = transposed_tiles(atom_kt, tma_kt, sKt, head, vt_column_start(k_start, batch), D,
                                                   self.tile_n)
+                copies.append((atom_kt, tKtgKt, tKtsKt))
             if const_expr(not q_after_kv):
                 self.load_q(tma_atom_q, tQgQ, tQsQ, tma_atom_do, tOgO, tOsO, pipe_q, q_state)
             for it in cutlass.range(n_count, unroll=1):
                 n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
-                pipe_kv.producer_acquire(kv_state)
-                bar = pipe_kv.producer_get_barrier(kv_state)
-                cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, kv_state.index], tma_bar_ptr=bar)
-                cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, kv_state.index], tma_bar_ptr=bar)
-                if const_expr(self.has_rab):
-                    cute.copy(tma_atom_rab, tRgR[None, n_block], tRsR[None, kv_state.index], tma_bar_ptr=bar)
-                if const_expr(transposed is not None):
-                    cute.copy(atom_kt, tKtgKt[None, n_block], tKtsKt[None, kv_state.index], tma_bar_ptr=bar)
-                kv_state = advanced(kv_state)
+                kv_state = load_ring_stage(pipe_kv, kv_state, n_block, copies)
                 if const_expr(q_after_kv):
                     if it == 0:
                         self.load_q(tma_atom_q, tQgQ, tQsQ, tma_atom_do, tOgO, tOsO, pipe_q, q_state)
@@ -556,8 +540,7 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         block_args = (tidx, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, alpha, inv_scale)
         states = ()
         if const_expr(self.persistent):
-            states = (pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
-                      pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages))
+            states = self.pipeline_states(pipeline.PipelineUserType.Consumer)
         self.for_each_tile(walk, seqinfo, self.consume_query_block, block_args, states, claims=claims)
 
     @cute.jit
@@ -589,8 +572,7 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         row_first = seq.row_offset + m_block * self.tile_m
 
         if const_expr(not persistent):
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            q_state, kv_state = self.pipeline_states(pipeline.PipelineUserType.Consumer)
         if n_count > 0:
             pipe_q.consumer_wait(q_state)
             for it in cutlass.range(n_count, unroll=1):

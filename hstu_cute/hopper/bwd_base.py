@@ -106,6 +106,11 @@ class HstuBackwardSm90Base(HstuSm90Base):
         if not is_full:
             apply_mask_key_major(acc_S, acc_dP, tScS, self.mask, seq, row_first, col0, q_rows)
 
+    def pipeline_states(self, user_type):
+        """Fresh states of the two pipelines: the 1-stage one of the tiles the CTA owns, then
+        the ``num_stages`` ring of those it walks."""
+        return (pipeline.make_pipeline_state(user_type, 1), pipeline.make_pipeline_state(user_type, self.num_stages))
+
     def drab_slab(self, mdRab, batch: Int32, head: Int32):
         """drab's (L_q, L_k) slab of sequence ``batch`` and ``head``: its rab head's (rab with one
         head), or with ``rab_sum_heads`` the fp32 sum over heads every head adds into."""
@@ -146,6 +151,34 @@ def transposed_tiles(tma_atom, tma_xt, sXt, head: Int32, column0: Int32, rows: c
                                  cute.group_modes(gXt, 0, 2))
 
 
+def token_tiles(tma_atom, tma_x, sX, start: Int32, head: Int32, tile, block):
+    """(smem, global) TMA partitions of the ``tile``-shaped tiles of a (T, D, H) token tensor's
+    ``head``, its rows from the sequence's ``start``; ``block``: the tile coordinate (None in a
+    mode: all of them)."""
+    gX = cute.local_tile(cute.domain_offset((start, 0), tma_x[None, None, head]), tile, block)
+    return cpasync.tma_partition(tma_atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2),
+                                 cute.group_modes(gX, 0, 2))
+
+
+def rab_tiles(tma_atom_rab, tma_rab, sRab, mRab, seq, head: Int32, batch: Int32, tile, block):
+    """(smem, global) TMA partitions of rab's tiles of sequence ``batch`` and ``head`` (rab's
+    only head when it has one), rows in whole-sequence coordinates (delta_q)."""
+    rab_head = cutlass.select_(mRab.shape[1] > 1, head, Int32(0))
+    gRab = cute.local_tile(cute.domain_offset((seq.row_offset, 0), tma_rab[None, None, rab_head, batch]), tile, block)
+    return cpasync.tma_partition(tma_atom_rab, 0, cute.make_layout(1), cute.group_modes(sRab, 0, 2),
+                                 cute.group_modes(gRab, 0, 2))
+
+
+def load_ring_stage(pipe, state, block: Int32, copies):
+    """TMA loads of tile ``block`` of each (atom, global partitions, smem ring partitions) of
+    ``copies`` into the stage of ``state``, on its barrier. Returns the advanced state."""
+    pipe.producer_acquire(state)
+    bar = pipe.producer_get_barrier(state)
+    for atom, tXgX, tXsX in copies:
+        cute.copy(atom, tXgX[None, block], tXsX[None, state.index], tma_bar_ptr=bar)
+    return advanced(state)
+
+
 class KeyBlockProducer:
     """The producer of the dK/dV kernels: K and V of one n-block (1-stage pipeline ``pipe_kv``),
     then Q, dO (and rab) of every m-block that sees it into the ring ``pipe_q``; the FP8 kernel
@@ -180,27 +213,19 @@ class KeyBlockProducer:
         m-block, and a Q/dO stage frees up earlier. ``dim_part``: which ``D / dim_parts`` dims of
         the transposed copies the CTA's dK and dV take."""
         D = self.head_dim
-        one = cute.make_layout(1)
         kv_after_q = kv_state is not None
         if const_expr(not kv_after_q):
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_k[None, None, head]), (self.tile_n, D), (n_block, 0))
-        gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_v[None, None, head]), (self.tile_n, D), (n_block, 0))
-        tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-        gQ = cute.local_tile(cute.domain_offset((q_start, 0), tma_q[None, None, head]), (self.tile_m, D), (None, 0))
-        gdO = cute.local_tile(cute.domain_offset((q_start, 0), tma_do[None, None, head]), (self.tile_m, D), (None, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        tOsO, tOgO = cpasync.tma_partition(tma_atom_do, 0, one, cute.group_modes(sdO, 0, 2),
-                                           cute.group_modes(gdO, 0, 2))
-        tRsR = tRgR = None
+            kv_state, q_state = self.pipeline_states(pipeline.PipelineUserType.Producer)
+        tKsK, tKgK = token_tiles(tma_atom_k, tma_k, sK, k_start, head, (self.tile_n, D), (n_block, 0))
+        tVsV, tVgV = token_tiles(tma_atom_v, tma_v, sV, k_start, head, (self.tile_n, D), (n_block, 0))
+        tQsQ, tQgQ = token_tiles(tma_atom_q, tma_q, sQ, q_start, head, (self.tile_m, D), (None, 0))
+        tOsO, tOgO = token_tiles(tma_atom_do, tma_do, sdO, q_start, head, (self.tile_m, D), (None, 0))
+        # What each m-block loads into the ring.
+        copies = [(tma_atom_q, tQgQ, tQsQ), (tma_atom_do, tOgO, tOsO)]
         if const_expr(self.has_rab):
-            rab_head = cutlass.select_(mRab.shape[1] > 1, head, Int32(0))
-            gRab = cute.local_tile(cute.domain_offset((seq.row_offset, 0), tma_rab[None, None, rab_head, batch]),
-                                   (self.tile_m, self.tile_n), (None, n_block))
-            tRsR, tRgR = cpasync.tma_partition(tma_atom_rab, 0, one, cute.group_modes(sRab, 0, 2),
-                                               cute.group_modes(gRab, 0, 2))
+            tRsR, tRgR = rab_tiles(tma_atom_rab, tma_rab, sRab, mRab, seq, head, batch, (self.tile_m, self.tile_n),
+                                   (None, n_block))
+            copies.append((tma_atom_rab, tRgR, tRsR))
         transposed = self.transposed_q_loads
         if const_expr(transposed is not None):
             atom_qt, tma_qt, atom_dot, tma_dot, sQt, sdOt = transposed
@@ -208,6 +233,7 @@ class KeyBlockProducer:
             dims = D // self.dim_parts
             tQtsQt, tQtgQt = transposed_tiles(atom_qt, tma_qt, sQt, head, column0, dims, self.tile_m, dim_part)
             tOtsOt, tOtgOt = transposed_tiles(atom_dot, tma_dot, sdOt, head, column0, dims, self.tile_m, dim_part)
+            copies += [(atom_qt, tQtgQt, tQtsQt), (atom_dot, tOtgOt, tOtsOt)]
         kt = None
         if const_expr(self.transposed_k_load is not None):
             atom_kt, tma_kt, sKt = self.transposed_k_load
@@ -219,16 +245,7 @@ class KeyBlockProducer:
             self.load_kv(tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state, kt)
         for m_block in cutlass.range(m_lo, m_hi, unroll=1):
             if masks.tile_nonempty(self.mask, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
-                pipe_q.producer_acquire(q_state)
-                bar = pipe_q.producer_get_barrier(q_state)
-                cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, q_state.index], tma_bar_ptr=bar)
-                cute.copy(tma_atom_do, tOgO[None, m_block], tOsO[None, q_state.index], tma_bar_ptr=bar)
-                if const_expr(self.has_rab):
-                    cute.copy(tma_atom_rab, tRgR[None, m_block], tRsR[None, q_state.index], tma_bar_ptr=bar)
-                if const_expr(transposed is not None):
-                    cute.copy(atom_qt, tQtgQt[None, m_block], tQtsQt[None, q_state.index], tma_bar_ptr=bar)
-                    cute.copy(atom_dot, tOtgOt[None, m_block], tOtsOt[None, q_state.index], tma_bar_ptr=bar)
-                q_state = advanced(q_state)
+                q_state = load_ring_stage(pipe_q, q_state, m_block, copies)
                 if const_expr(kv_after_q):
                     if kv_pending != 0:
                         self.load_kv(tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state, kt)

@@ -383,8 +383,7 @@ class HstuBackwardDkDvFp8Sm90(StagedEpilogue, HstuBackwardDkDvSm90):
         if const_expr(self.has_rab):
             sRabT = transposed_view(sRab, (self.tile_n, self.tile_m, self.num_stages))
             tSsRabT = thr_mma_s.partition_C(sRabT)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        kv_state, q_state = self.pipeline_states(pipeline.PipelineUserType.Consumer)
         dq_parts = None
         if const_expr(self.fuse_dq):
             sKt, sG, sdQ, sGScales, tma_atom_dq, tma_dq = fused
@@ -673,8 +672,7 @@ class HstuBackwardDqFp8Sm90(StagedEpilogue, HstuBackwardDqSm90):
                           scalars.alpha, scalars.inv_scale, epilogue)
             states = ()
             if const_expr(self.persistent):
-                states = (pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
-                          pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages))
+                states = self.pipeline_states(pipeline.PipelineUserType.Consumer)
             self.for_each_tile(walk, seqinfo, self.consume_query_block_fp8, block_args, states, claims=claims)
             if const_expr(epilogue is not None):
                 # The last TMA stores must have read their tiles before the CTA's smem goes away.
@@ -734,8 +732,7 @@ class HstuBackwardDqFp8Sm90(StagedEpilogue, HstuBackwardDqSm90):
             drab_cols = cutlass.min(seq.seqlen_k, mdRab_seq.shape[1])
 
         if const_expr(not persistent):
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            q_state, kv_state = self.pipeline_states(pipeline.PipelineUserType.Consumer)
         if n_count > 0:
             pipe_q.consumer_wait(q_state)
             for it in cutlass.range(n_count, unroll=1):

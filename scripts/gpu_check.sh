@@ -3,7 +3,8 @@
 # -> serving (paged and split-key calls beside their same-run lines).
 # Usage on the GPU machine: [STAGES="warmup tests sanitizer smoke perf serving"] scripts/gpu_check.sh [perf modes]
 # (perf modes: scripts/gpu_perf.py's, default all). Logs under $OUT (or ./gpu-out). STAGES picks a
-# subset, so a long check can be split over two calls within one device command's time limit.
+# subset, so a long check can be split over two calls within one device command's time limit;
+# GPU_TESTS picks test files, WARMUP_ARGS narrows the warmup (its filters).
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
 export HSTU_CUTE_CACHE_DIR="${HSTU_CUTE_CACHE_DIR:-/tmp/hstu-cute-cache}"
@@ -11,11 +12,11 @@ STAGES=" ${STAGES:-warmup tests sanitizer smoke perf serving} "
 status=()
 if [[ $STAGES == *" warmup "* ]]; then
   t0=$(date +%s)
-  python -m hstu_cute warmup --workers "$(nproc)" > "$OUT/warmup.log" 2>&1; status+=("warmup rc=$? $(( $(date +%s) - t0 ))s")
+  timeout "${WARMUP_TIMEOUT:-400}" python -m hstu_cute warmup --workers "$(nproc)" ${WARMUP_ARGS:-} > "$OUT/warmup.log" 2>&1; status+=("warmup rc=$? $(( $(date +%s) - t0 ))s")
 fi
 if [[ $STAGES == *" tests "* ]]; then
   t0=$(date +%s)
-  timeout "${GPU_TESTS_TIMEOUT:-300}" python -m pytest -q -m gpu tests -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1; rc=$?
+  timeout "${GPU_TESTS_TIMEOUT:-300}" python -m pytest -q -m gpu ${GPU_TESTS:-tests} -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1; rc=$?
   status+=("gpu tests rc=$rc $(( $(date +%s) - t0 ))s: $(tail -n 1 "$OUT/gpu-tests.log")")
   grep -E "FAILED|Error" "$OUT/gpu-tests.log" | head -n 20
 fi

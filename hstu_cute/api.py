@@ -393,11 +393,14 @@ def hstu_attn_varlen_func(
         deterministic: keyword-only bool; bitwise reproducible backward (selects the dK/dV + dQ
             kernel pair over the fused Hopper kernel, and sums drab over heads in a fixed order).
         kv_cache: keyword-only ``(num_pages, 2, page_size, H, D)`` paged KV cache in q's dtype
-            (``[:, 0]`` keys, ``[:, 1]`` values; page_size in {16, 32, 64, 128}), or None. With it,
-            sequence ``b``'s keys are its ``C_b`` cached tokens followed by its new rows of k/v,
-            and its queries (the new tokens) are aligned to the end, as with ``is_delta_q``.
-            Inference only; the causal family of masks. See docs/operator.md, "Paged KV cache",
-            and :class:`hstu_cute.kv_cache.PagedKVCache`.
+            (``[:, 0]`` keys, ``[:, 1]`` values; page_size in {16, 32, 64, 128}), or None. With it
+            (FBGEMM's meaning), sequence ``b``'s keys are its ``C_b`` cached tokens, the new
+            history already appended, followed by its ``num_targets[b]`` targets; q, k and v share
+            one layout at ``seq_offsets_q`` (new history, then targets) and only the targets' rows
+            of k/v are read; ``seq_offsets_k`` counts each sequence's keys, ``C_b + t_b``
+            (FBGEMM's ``cu_seqlens_k``). The queries are aligned to the end. Inference only; the
+            causal family of masks. See docs/operator.md, "Paged KV cache", and
+            :class:`hstu_cute.kv_cache.PagedKVCache`.
         page_offsets: keyword-only ``(B+1,)`` int32: sequence ``b`` owns the pages
             ``page_ids[page_offsets[b]:page_offsets[b+1]]``, in order.
         page_ids: keyword-only 1-D int32 page ids (entries past ``page_offsets[B]`` are ignored).

@@ -3,7 +3,8 @@ paged KV cache, beside the two ways to get the same rows without one, timed in t
 
 Per workload (users x (cached + new) tokens, the last ``targets`` new tokens targets, D128 bf16 H4):
 
-* ``paged``: ``hstu_attn_varlen_func`` with the cache (``kv_cache`` and its page tables);
+* ``paged``: ``hstu_attn_varlen_func`` with the cache (``kv_cache`` and its page tables), in
+  FBGEMM's meaning: the pages hold the old and the new history, k / v give the targets;
 * ``contiguous``: the same kernel family on the same data laid out contiguously (each user's cached
   keys followed by the new ones, delta_q): what the paged call costs over contiguous keys;
 * ``recompute``: the causal forward over each user's whole history (every row recomputed), what
@@ -54,8 +55,9 @@ def _pairs(w: ServingWorkload) -> int:
 
 
 def make_serving_inputs(w: ServingWorkload, device="cuda", seed=0) -> dict:
-    """The three calls' inputs on the same data: the cache (pages in a shuffled order), the new
-    tokens, and the contiguous whole histories."""
+    """The three calls' inputs on the same data: the cache (pages in a shuffled order) holding
+    every token but the targets (the new history appended), the new tokens, and the contiguous
+    whole histories."""
     gen = torch.Generator().manual_seed(seed)
     H, D, dtype = w.heads, w.head_dim, torch.bfloat16
     whole = w.cached + w.new
@@ -66,15 +68,16 @@ def make_serving_inputs(w: ServingWorkload, device="cuda", seed=0) -> dict:
     k_full, v_full = rnd(w.users * whole, H, D), rnd(w.users * whole, H, D)
     q_new = rnd(w.users * w.new, H, D)
     q_full = rnd(w.users * whole, H, D)
-    pages = -(-w.cached // w.page_size)
+    in_cache = w.cached + w.new - w.targets
+    pages = -(-in_cache // w.page_size)
     order = torch.randperm(w.users * pages, generator=gen).to(device=device, dtype=torch.int32)
     kv_cache = torch.empty(w.users * pages, 2, w.page_size, H, D, dtype=dtype, device=device)
-    cached_k = k_full.view(w.users, whole, H, D)[:, :w.cached]
-    cached_v = v_full.view(w.users, whole, H, D)[:, :w.cached]
+    cached_k = k_full.view(w.users, whole, H, D)[:, :in_cache]
+    cached_v = v_full.view(w.users, whole, H, D)[:, :in_cache]
     padded = pages * w.page_size
     for kind, src in ((0, cached_k), (1, cached_v)):
         rows = torch.zeros(w.users, padded, H, D, dtype=dtype, device=device)
-        rows[:, :w.cached] = src
+        rows[:, :in_cache] = src
         kv_cache[order.long(), kind] = rows.view(w.users * pages, w.page_size, H, D)
     new_k = k_full.view(w.users, whole, H, D)[:, w.cached:].reshape(-1, H, D)
     new_v = v_full.view(w.users, whole, H, D)[:, w.cached:].reshape(-1, H, D)
@@ -86,7 +89,7 @@ def make_serving_inputs(w: ServingWorkload, device="cuda", seed=0) -> dict:
         q_new=q_new, k_new=new_k.contiguous(), v_new=new_v.contiguous(), q_full=q_full, k_full=k_full, v_full=v_full,
         offsets_new=offsets(w.new), offsets_full=offsets(whole), kv_cache=kv_cache,
         page_offsets=offsets(pages), page_ids=order,
-        last_page_lens=torch.full((w.users,), w.cached - (pages - 1) * w.page_size, dtype=torch.int32,
+        last_page_lens=torch.full((w.users,), in_cache - (pages - 1) * w.page_size, dtype=torch.int32,
                                   device=device),
         num_targets=torch.full((w.users,), w.targets, dtype=torch.int32, device=device),
     )
@@ -99,7 +102,7 @@ def serving_calls(w: ServingWorkload, x: dict) -> dict:
     common = dict(window_size=(-1, 0), num_targets=x["num_targets"], scaling_seqlen=w.new)
 
     def paged():
-        return hstu_attn_varlen_func(x["q_new"], x["k_new"], x["v_new"], x["offsets_new"], x["offsets_new"], w.new,
+        return hstu_attn_varlen_func(x["q_new"], x["k_new"], x["v_new"], x["offsets_new"], x["offsets_full"], w.new,
                                      whole, kv_cache=x["kv_cache"], page_offsets=x["page_offsets"],
                                      page_ids=x["page_ids"], last_page_lens=x["last_page_lens"], **common)
 

@@ -66,16 +66,21 @@ def gather_history(kv_cache, page_offsets, page_ids, last_page_lens):
             torch.tensor(offsets, dtype=torch.int32, device=kv_cache.device))
 
 
-def concat_history(kv_cache, page_offsets, page_ids, last_page_lens, k, v, seq_offsets_k):
-    """Per sequence, its cached tokens followed by its new rows ``k[seq_offsets_k[b]:
-    seq_offsets_k[b+1]]`` (and ``v``): ``(k_full, v_full, offsets_full)``. For tests and the oracle."""
+def concat_history(kv_cache, page_offsets, page_ids, last_page_lens, k, v, seq_offsets, num_targets=None):
+    """The keys and values of a paged call, dense (docs/operator.md, "Paged KV cache"): per
+    sequence its cached tokens followed by its targets, the last ``num_targets[b]`` of its rows
+    ``k[seq_offsets[b]:seq_offsets[b+1]]`` (and ``v``; None: no targets, the cache alone).
+    Returns ``(k_full, v_full, offsets_full)``; ``offsets_full`` is the call's ``seq_offsets_k``.
+    For tests and the oracle (host loops)."""
     old_k, old_v, old_offsets = gather_history(kv_cache, page_offsets, page_ids, last_page_lens)
-    old, new = old_offsets.tolist(), seq_offsets_k.tolist()
+    old, rows = old_offsets.tolist(), seq_offsets.tolist()
+    targets = num_targets.tolist() if num_targets is not None else [0] * (len(rows) - 1)
     ks, vs, offsets = [], [], [0]
-    for b in range(len(new) - 1):
-        ks += [old_k[old[b]:old[b + 1]], k[new[b]:new[b + 1]].to(old_k.dtype)]
-        vs += [old_v[old[b]:old[b + 1]], v[new[b]:new[b + 1]].to(old_v.dtype)]
-        offsets.append(offsets[-1] + old[b + 1] - old[b] + new[b + 1] - new[b])
+    for b in range(len(rows) - 1):
+        first = rows[b + 1] - min(max(targets[b], 0), rows[b + 1] - rows[b])
+        ks += [old_k[old[b]:old[b + 1]], k[first:rows[b + 1]].to(old_k.dtype)]
+        vs += [old_v[old[b]:old[b + 1]], v[first:rows[b + 1]].to(old_v.dtype)]
+        offsets.append(offsets[-1] + old[b + 1] - old[b] + rows[b + 1] - first)
     return (torch.cat([old_k[:0], *ks]), torch.cat([old_v[:0], *vs]),
             torch.tensor(offsets, dtype=torch.int32, device=kv_cache.device))
 
@@ -249,9 +254,14 @@ class PagedKVCache:
         pages.index_put_((page, torch.zeros_like(page), row), keys)
         pages.index_put_((page, torch.ones_like(page), row), values)
 
-    def append(self, seq_ids, seq_offsets, keys, values):
+    def append(self, seq_ids, seq_offsets, keys, values, num_targets=None):
         """``reserve`` then ``write`` for every layer: keys/values are (num_layers, T, H, D), or
-        (T, H, D) when num_layers == 1. Returns the slots' previous lengths (B,) int32."""
+        (T, H, D) when num_layers == 1. Returns the slots' previous lengths (B,) int32.
+
+        ``num_targets`` ((B,) int32, or None): the last ``num_targets[b]`` rows of each sequence
+        are targets, scored but never cached; only the rows before them (the new history) are
+        appended. A serving step appends its batch this way, then attends the same q / k / v to
+        the cache (FBGEMM's meaning: the pages hold the new history, k / v give the targets)."""
         ids = self._check_ids(seq_ids)
         self._check_vector("seq_offsets", seq_offsets, ids.shape[0] + 1)
         if self.num_layers == 1 and isinstance(keys, torch.Tensor) and keys.dim() == 3:
@@ -260,7 +270,12 @@ class PagedKVCache:
             values = values[None]
         self._check_rows("keys", keys, (self.num_layers, None))
         self._check_rows("values", values, tuple(keys.shape[:2]))
-        start_lens = self.reserve(seq_ids, seq_offsets[1:] - seq_offsets[:-1])
+        new_lens = seq_offsets[1:] - seq_offsets[:-1]
+        if num_targets is not None:
+            self._check_vector("num_targets", num_targets, ids.shape[0])
+            # write() drops the rows past the reserved length: the targets.
+            new_lens = (new_lens - num_targets).clamp(min=0)
+        start_lens = self.reserve(seq_ids, new_lens)
         for i in range(self.num_layers):
             self.write(i, seq_ids, seq_offsets, keys[i], values[i], start_lens)
         return start_lens
@@ -341,6 +356,17 @@ def _describe(x):
 # ---------------------------------------------------------------------------------------------
 # Page-table arithmetic of the paged launch (hstu_cute.launch.fwd)
 # ---------------------------------------------------------------------------------------------
+def key_offsets(cached_lens: torch.Tensor, num_targets: torch.Tensor | None = None) -> torch.Tensor:
+    """(B+1,) int32 ``seq_offsets_k`` of a paged call (FBGEMM's ``cu_seqlens_k``): the running sum
+    of each sequence's keys, its cached tokens plus its targets, on the device (no sync; it
+    captures in a CUDA graph). ``cached_lens``: :meth:`PagedKVCache.lookup`'s last value, after
+    the new history was appended."""
+    keys = cached_lens if num_targets is None else cached_lens + num_targets
+    offsets = torch.zeros(keys.shape[0] + 1, dtype=torch.int32, device=keys.device)
+    torch.cumsum(keys, 0, dtype=torch.int32, out=offsets[1:])
+    return offsets
+
+
 def cache_rows(kv_cache: torch.Tensor, page_size: int) -> torch.Tensor:
     """The cache (pages, 2, page_size, H, D) seen as (pages * 2 * page_size, H, D) rows, row
     (page * 2 + kind) * page_size + r, as the kernels read it (validation checked that its strides
@@ -350,19 +376,35 @@ def cache_rows(kv_cache: torch.Tensor, page_size: int) -> torch.Tensor:
                                kv_cache.stride(3), 1))
 
 
-def rab_among_new(rab: torch.Tensor, page_offsets, last_page_lens, page_size: int, new_len: int) -> torch.Tensor:
-    """(B, H_rab, W, W) rab among each sequence's new tokens, rab[b, h, C_b + i, C_b + j] for i, j
-    < W = roundup8(new_len) (C_b cached tokens, from the page tables on the device: no sync),
-    16-byte aligned rows: a TMA box or a 16-byte load can not start at column C_b of rab itself
-    (unaligned). One gather from rab's storage by element offset (any strides); the offsets of
-    positions past a sequence's new tokens are clamped into the storage, so they read some element
-    of rab (their keys are masked and their queries never stored)."""
+def target_key_rows(seq_offsets_q: torch.Tensor, num_targets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a paged call's kernels read keys from k / v: ``(offsets, targets)``, ``(B+1,)`` and
+    ``(B,)`` int32 on the device (no sync). Sequence b's keys past its cache are its ``t_b``
+    targets, the last ``t_b`` of its query rows (k and v share q's layout), so its key rows start at
+    ``offsets[b] = seq_offsets_q[b+1] - t_b`` and ``targets`` (the kernels' seqused_k) stops them
+    after ``t_b``; ``offsets`` is non-decreasing because ``t_b`` is clamped into ``[0, n_b]``."""
+    new = torch.diff(seq_offsets_q)
+    if num_targets is None:
+        return seq_offsets_q, torch.zeros_like(new)
+    targets = torch.minimum(num_targets.clamp(min=0), new)
+    return torch.cat((seq_offsets_q[1:] - targets, seq_offsets_q[-1:])), targets
+
+
+def rab_among_new(rab: torch.Tensor, page_offsets, last_page_lens, page_size: int, seq_offsets_q, targets,
+                  width: int) -> torch.Tensor:
+    """(B, H_rab, W, W) rab of each sequence's queries against its target keys, ``rab[b, h, S_b + i,
+    C_b + j]`` for i, j < W = roundup8(width): ``C_b`` cached tokens (from the page tables on the
+    device: no sync), ``S_b = C_b + t_b - n_b`` the whole-sequence row of its query 0 (``targets``:
+    :func:`target_key_rows`'), 16-byte aligned rows: a TMA box or a 16-byte load can not start at
+    column C_b of rab itself (unaligned). One gather from rab's storage by element offset (any
+    strides); offsets past a sequence's rows are clamped into the storage, so they read some
+    element of rab (their keys are masked and their queries never stored)."""
     cached = cached_lengths(page_offsets, last_page_lens, page_size)
-    width = -(-max(new_len, 1) // 8) * 8
+    row0 = cached + targets - torch.diff(seq_offsets_q)
+    width = -(-max(width, 1) // 8) * 8
     s_b, s_h, s_r, s_c = rab.stride()
     base, grid, extent = _rab_gather_geometry(rab, width)
-    # Offsets: the (b, h) slab's, the cached length's shift along the diagonal, the (i, j) grid's.
-    offsets = ((base + (cached * (s_r + s_c))[:, None, None, None]) + grid).clamp_(max=extent - 1)
+    # Offsets: the (b, h) slab's, query 0's row and the first target column, the (i, j) grid's.
+    offsets = ((base + (row0 * s_r + cached * s_c)[:, None, None, None]) + grid).clamp_(min=0, max=extent - 1)
     return rab.as_strided((extent,), (1,)).take(offsets)
 
 

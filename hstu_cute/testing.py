@@ -205,21 +205,29 @@ def random_paged_batch(
     spare_pages: int = 3,
     seed: int = 0,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A serving batch: sequence b has ``cached_lens[b]`` tokens in a paged KV cache and
-    ``new_lens[b]`` new ones. Returns ``(paged, dense)`` keyword dicts: ``paged`` for
-    ``hstu_attn_varlen_func`` (q/k/v the new tokens, the cache and its page tables); ``dense`` for
-    the oracle on the same whole sequences (k/v the cached tokens followed by the new ones,
-    ``is_delta_q``). The cache is built from the dense keys, not the other way round, so the
-    oracle does not depend on any page-gathering code.
+    """A serving batch in FBGEMM's meaning (docs/operator.md, "Paged KV cache"): sequence b had
+    ``cached_lens[b]`` tokens and gets ``new_lens[b]`` new ones, the last ``num_targets[b]`` of them
+    targets (0 without), the others new history, already appended to the cache. Returns ``(paged,
+    dense)`` keyword dicts: ``paged`` for ``hstu_attn_varlen_func`` (q/k/v the new tokens, the cache
+    and its page tables, ``seq_offsets_k`` counting cached + target keys); ``dense`` for the oracle
+    on the same whole sequences (k/v every token, ``is_delta_q``). The cache is built from the dense
+    keys, not the other way round, so the oracle does not depend on any page-gathering code.
 
     Pages are assigned in a shuffled order among ``spare_pages`` extra ones; every cache row that
-    holds no token (spare pages, rows past a last page's length) is NaN, so a kernel that reads
-    one shows it. ``num_contexts`` / ``num_targets`` count whole-sequence tokens (targets must be
-    new tokens)."""
+    holds no token (spare pages, rows past a last page's length) is NaN, and so are the k/v rows of
+    the new history (FBGEMM reads those keys from the cache only): a kernel that reads one shows it.
+    ``num_contexts`` count whole-sequence tokens."""
     gen = torch.Generator().manual_seed(seed)
     B, H, D = len(cached_lens), num_heads, head_dim
-    cached, new = [int(c) for c in cached_lens], [int(n) for n in new_lens]
-    whole = [c + n for c, n in zip(cached, new)]
+    new = [int(n) for n in new_lens]
+    targets = [int(t) for t in num_targets] if num_targets is not None else [0] * B
+    for name, vals, limit in (("num_contexts", num_contexts, [int(c) + n for c, n in zip(cached_lens, new)]),
+                              ("num_targets", num_targets, new)):
+        if vals is not None and any(not 0 <= x <= lim for x, lim in zip(vals, limit)):
+            raise ValueError(f"{name} must lie in [0, {list(limit)}], got {list(vals)}")
+    # What the cache holds: the old history and the new one (every new token but the targets).
+    cached = [int(c) + n - t for c, n, t in zip(cached_lens, new, targets)]
+    whole = [c + t for c, t in zip(cached, targets)]
     max_q, max_k = max(new + [1]), max(whole + [1])
     k_full = _uniform((sum(whole), H, D), gen, dtype, "cpu", False)
     v_full = _uniform((sum(whole), H, D), gen, dtype, "cpu", False)
@@ -237,12 +245,10 @@ def random_paged_batch(
             kv_cache[page, 1, :count] = v_full[rows]
             page_ids.append(page)
         last_page_lens.append(cached[b] - (pages[b] - 1) * page_size if pages[b] else 1)
-        k_new.append(k_full[start + cached[b]: start + whole[b]])
-        v_new.append(v_full[start + cached[b]: start + whole[b]])
+        history = torch.full((new[b] - targets[b], H, D), float("nan"), dtype=dtype)
+        k_new += [history, k_full[start + cached[b]: start + whole[b]]]
+        v_new += [history, v_full[start + cached[b]: start + whole[b]]]
         start += whole[b]
-    for name, vals, limit in (("num_contexts", num_contexts, whole), ("num_targets", num_targets, new)):
-        if vals is not None and any(not 0 <= x <= lim for x, lim in zip(vals, limit)):
-            raise ValueError(f"{name} must lie in [0, {list(limit)}], got {list(vals)}")
 
     def i32(vals):
         return None if vals is None else torch.tensor(list(vals), dtype=torch.int32, device=device)
@@ -250,15 +256,14 @@ def random_paged_batch(
     rab = None
     if rab_heads is not None:
         rab = _uniform((B, rab_heads, max_k, max_k), gen, dtype, device, False)
-    common = dict(q=q, seq_offsets_q=_offsets(new, device), max_seqlen_q=max_q, max_seqlen_k=max_k,
-                  num_contexts=i32(num_contexts), num_targets=i32(num_targets), target_group_size=target_group_size,
-                  window_size=(-1, 0), alpha=alpha, rab=rab)
-    paged = dict(common, k=torch.cat(k_new).to(device), v=torch.cat(v_new).to(device),
-                 seq_offsets_k=_offsets(new, device), kv_cache=kv_cache.to(device),
-                 page_offsets=_offsets(pages, device), page_ids=i32(page_ids + [0] * (len(page_ids) == 0)),
-                 last_page_lens=i32(last_page_lens))
-    dense = dict(common, k=k_full.to(device), v=v_full.to(device), seq_offsets_k=_offsets(whole, device),
-                 is_delta_q=True)
+    common = dict(q=q, seq_offsets_q=_offsets(new, device), seq_offsets_k=_offsets(whole, device), max_seqlen_q=max_q,
+                  max_seqlen_k=max_k, num_contexts=i32(num_contexts), num_targets=i32(num_targets),
+                  target_group_size=target_group_size, window_size=(-1, 0), alpha=alpha, rab=rab)
+    empty = torch.empty((0, H, D), dtype=dtype)
+    paged = dict(common, k=torch.cat([empty] + k_new).to(device), v=torch.cat([empty] + v_new).to(device),
+                 kv_cache=kv_cache.to(device), page_offsets=_offsets(pages, device),
+                 page_ids=i32(page_ids + [0] * (len(page_ids) == 0)), last_page_lens=i32(last_page_lens))
+    dense = dict(common, k=k_full.to(device), v=v_full.to(device), is_delta_q=True)
     return paged, dense
 
 

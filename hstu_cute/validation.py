@@ -250,6 +250,14 @@ def validate(
     if page_size and fp8:
         raise NotImplementedError("kv_cache: the paged KV cache serves bf16/fp16 calls; FP8 inputs or a quant_mode "
                                   "with a cache are not built")
+    if page_size:
+        if k.shape[0] != q.shape[0]:
+            fail(ValueError, "k.shape[0]", f"{q.shape[0]} (q's rows: with a paged KV cache, k and v share q's "
+                 "layout and only each sequence's target rows are read)", k.shape[0])
+        for name, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+            if t is not None:
+                raise NotImplementedError(f"{name}: not with a paged KV cache (the page tables give the lengths); "
+                                          "pass None")
     # A cache puts the queries at the end of their keys (delta_q alignment) whatever is_delta_q says.
     is_delta_q = is_delta_q or bool(page_size)
     if max_seqlen_q < max_seqlen_k and not is_delta_q:
@@ -364,44 +372,70 @@ def checked_cached_lengths(kv_cache, page_offsets, page_ids, last_page_lens) -> 
 
 def check_device_data(call, q, k):
     """Checks that need the device's data (and a GPU sync): only with HSTU_CUTE_CHECK=1. ``call``:
-    the call record (:class:`hstu_cute.call.Call`); a paged cache's tokens count as keys."""
+    the call record (:class:`hstu_cute.call.Call`). With a paged cache, ``seq_offsets_k`` counts
+    each sequence's keys (cached + targets, FBGEMM's ``cu_seqlens_k``), which must agree with the
+    page tables (:func:`_check_paged_data`)."""
     seq_offsets_q, seq_offsets_k, seqused_q, seqused_k = (call.seq_offsets_q, call.seq_offsets_k, call.seqused_q,
                                                           call.seqused_k)
     max_seqlen_q, max_seqlen_k, num_contexts, num_targets, paged = (call.max_seqlen_q, call.max_seqlen_k,
                                                                     call.num_contexts, call.num_targets, call.paged)
-    cached = checked_cached_lengths(*paged) if paged is not None else None
-    for name, off, total, max_len in (("seq_offsets_q", seq_offsets_q, q.shape[0], max_seqlen_q),
-                                      ("seq_offsets_k", seq_offsets_k, k.shape[0], max_seqlen_k)):
-        o = off.to("cpu", torch.int64)
-        if int(o[0]) != 0:
-            fail(ValueError, f"{name}[0]", 0, int(o[0]))
-        lens = o[1:] - o[:-1]
-        if bool((lens < 0).any()):
-            fail(ValueError, name, "non-decreasing offsets", o.tolist()[:16])
-        if int(o[-1]) > total:
-            fail(ValueError, f"{name}[-1]", f"<= {total} (tokens in the tensor)", int(o[-1]))
-        if lens.numel() and int(lens.max()) > max_len:
-            fail(ValueError, name.replace("seq_offsets", "max_seqlen"),
-                  f">= the longest sequence ({int(lens.max())})", max_len)
-    lens_k = (seq_offsets_k[1:] - seq_offsets_k[:-1]).cpu()
-    for name, t, ref in (("seqused_q", seqused_q, (seq_offsets_q[1:] - seq_offsets_q[:-1]).cpu()),
-                         ("seqused_k", seqused_k, lens_k)):
+    if paged is not None:
+        _check_paged_data(call, q)
+        return
+    lens_q = _offsets_on_host("seq_offsets_q", seq_offsets_q, q.shape[0], max_seqlen_q, "max_seqlen_q")
+    lens_k = _offsets_on_host("seq_offsets_k", seq_offsets_k, k.shape[0], max_seqlen_k, "max_seqlen_k")
+    for name, t, ref in (("seqused_q", seqused_q, lens_q), ("seqused_k", seqused_k, lens_k)):
         if t is not None and bool(((t.cpu() < 0) | (t.cpu() > ref)).any()):
             fail(ValueError, name, "0 <= seqused <= offset difference per sequence", t.cpu().tolist()[:16])
-    if cached is not None:
-        total_k = cached + (seqused_k.cpu() if seqused_k is not None else lens_k)
-        if total_k.numel() and int(total_k.max()) > max_seqlen_k:
-            fail(ValueError, "max_seqlen_k", f">= the longest cached + new key sequence ({int(total_k.max())})",
-                 max_seqlen_k)
     if num_contexts is not None or num_targets is not None:
         valid_k = seqused_k.cpu() if seqused_k is not None else lens_k
-        if cached is not None:
-            valid_k = valid_k + cached
         c = num_contexts.cpu() if num_contexts is not None else torch.zeros_like(valid_k)
         t = num_targets.cpu() if num_targets is not None else torch.zeros_like(valid_k)
         if bool(((c < 0) | (t < 0) | (c + t > valid_k)).any()):
             fail(ValueError, "num_contexts/num_targets", "0 <= c, 0 <= t, c + t <= length per sequence",
                   f"c={c.tolist()[:16]} t={t.tolist()[:16]}")
+
+
+def _offsets_on_host(name: str, offsets: torch.Tensor, total: int | None, max_len: int, max_name: str):
+    """(B,) int64 lengths of checked offsets: from 0, non-decreasing, within ``total`` rows (None:
+    unbounded), none longer than ``max_len``."""
+    o = offsets.to("cpu", torch.int64)
+    if int(o[0]) != 0:
+        fail(ValueError, f"{name}[0]", 0, int(o[0]))
+    lens = o[1:] - o[:-1]
+    if bool((lens < 0).any()):
+        fail(ValueError, name, "non-decreasing offsets", o.tolist()[:16])
+    if total is not None and int(o[-1]) > total:
+        fail(ValueError, f"{name}[-1]", f"<= {total} (tokens in the tensor)", int(o[-1]))
+    if lens.numel() and int(lens.max()) > max_len:
+        fail(ValueError, max_name, f">= the longest sequence ({int(lens.max())})", max_len)
+    return lens
+
+
+def _check_paged_data(call, q) -> None:
+    """The paged call's data (docs/operator.md, "Paged KV cache"): the page tables
+    (:func:`checked_cached_lengths`); n_b query rows per sequence, t_b <= n_b of them targets, the
+    n_b - t_b new-history ones already in the cache (n_b - t_b <= C_b); ``seq_offsets_k`` counting
+    C_b + t_b keys per sequence; contexts within the keys."""
+    cached = checked_cached_lengths(*call.paged)
+    new = _offsets_on_host("seq_offsets_q", call.seq_offsets_q, q.shape[0], call.max_seqlen_q, "max_seqlen_q")
+    t = call.num_targets.cpu().long() if call.num_targets is not None else torch.zeros_like(new)
+    if bool(((t < 0) | (t > new)).any()):
+        fail(ValueError, "num_targets", "0 <= num_targets <= the sequence's query rows (targets are new rows)",
+             t.tolist()[:16])
+    if bool((new - t > cached).any()):
+        fail(ValueError, "kv_cache / page tables", "each sequence's new history (its query rows that are not "
+             "targets) already in the cache: query rows - targets <= cached tokens (append the history first)",
+             f"history {(new - t).tolist()[:16]}, cached {cached.tolist()[:16]}")
+    keys = _offsets_on_host("seq_offsets_k", call.seq_offsets_k, None, call.max_seqlen_k, "max_seqlen_k")
+    if not torch.equal(keys, cached + t):
+        fail(ValueError, "seq_offsets_k", "each sequence's keys: cached tokens + targets (FBGEMM's cu_seqlens_k)",
+             f"lengths {keys.tolist()[:16]} for cached + targets {(cached + t).tolist()[:16]}")
+    if call.num_contexts is not None:
+        c = call.num_contexts.cpu().long()
+        if bool(((c < 0) | (c + t > keys)).any()):
+            fail(ValueError, "num_contexts/num_targets", "0 <= c, c + t <= keys per sequence",
+                 f"c={c.tolist()[:16]} t={t.tolist()[:16]}")
 
 
 _VALIDATED: dict = {}

@@ -229,12 +229,15 @@ def test_concat_history():
     k = torch.randn((6, HEADS, HEAD_DIM), generator=gen).to(cache.dtype)
     v = torch.randn((6, HEADS, HEAD_DIM), generator=gen).to(cache.dtype)
     new_offsets = torch.tensor([0, 2, 6, 6], dtype=torch.int32)  # slot 2 gets no new rows
+    # Slot 0's last row and slot 1's last three are targets; the other new rows are history.
     k_full, v_full, offsets = concat_history(cache.layer(0), page_offsets, page_ids, last_page_lens,
-                                             k, v, new_offsets)
-    assert offsets.dtype == torch.int32 and offsets.tolist() == [0, 20, 24, 27]
+                                             k, v, new_offsets, torch.tensor([1, 3, 0], dtype=torch.int32))
+    assert offsets.dtype == torch.int32 and offsets.tolist() == [0, 19, 22, 25]
     old_k, old_v = model.rows[0][:, 0], model.rows[2][:, 0]
-    assert torch.equal(k_full, torch.cat([old_k[0], k[:2], k[2:6], old_v[0]]))
-    assert torch.equal(v_full, torch.cat([old_k[1], v[:2], v[2:6], old_v[1]]))
+    assert torch.equal(k_full, torch.cat([old_k[0], k[1:2], k[3:6], old_v[0]]))
+    assert torch.equal(v_full, torch.cat([old_k[1], v[1:2], v[3:6], old_v[1]]))
+    _, _, cache_only = concat_history(cache.layer(0), page_offsets, page_ids, last_page_lens, k, v, new_offsets)
+    assert cache_only.tolist() == [0, 18, 18, 21]
 
 
 def test_gather_history_ignores_trailing_page_ids():

@@ -34,6 +34,8 @@ def test_meta_call_has_the_output_shape(batch):
     (dict(window_size=(-1, -1), num_targets=None), NotImplementedError, "causal family"),
     (dict(window_size=(8, 0), num_targets=None), NotImplementedError, "causal family"),
     (dict(has_drab=True, rab="rab"), NotImplementedError, "inference-only"),
+    (dict(seqused_q=torch.ones(4, dtype=torch.int32)), NotImplementedError, "seqused_q: not with a paged KV cache"),
+    (dict(k="short", v="short"), ValueError, r"k.shape\[0\]: expected 25 \(q's rows: with a paged KV cache"),
 ])
 def test_bad_arguments_name_themselves(batch, change, exc, match):
     paged, _ = batch
@@ -41,6 +43,9 @@ def test_bad_arguments_name_themselves(batch, change, exc, match):
     for k, v in change.items():
         if isinstance(v, torch.Tensor):
             v = v.to("meta")
+        if isinstance(v, str) and v == "short":
+            args[k] = args[k][:-1]
+            continue
         if isinstance(v, str) and v == "rab":
             v = torch.zeros(4, 2, paged["max_seqlen_k"], paged["max_seqlen_k"], dtype=paged["q"].dtype, device="meta")
             args["rab"] = v
@@ -79,7 +84,8 @@ def test_requires_grad_and_fp8_are_refused(batch):
 def test_device_data_checks(batch):
     paged, _ = batch
     tables = (paged["kv_cache"], paged["page_offsets"], paged["page_ids"], paged["last_page_lens"])
-    assert validation.checked_cached_lengths(*tables).tolist() == [0, 17, 40, 64]
+    # The cache holds the old history and the new one: cached + new - targets.
+    assert validation.checked_cached_lengths(*tables).tolist() == [2, 22, 54, 64]
     bad_ids = paged["page_ids"].clone()
     bad_ids[1] = paged["kv_cache"].shape[0]
     with pytest.raises(ValueError, match=r"page_ids: expected page ids in \[0, "):
@@ -99,6 +105,35 @@ def test_device_data_checks(batch):
         validation.checked_cached_lengths(tables[0], offsets, tables[2], tables[3])
 
 
+def test_paged_data_checks_name_the_argument(batch):
+    """HSTU_CUTE_CHECK=1's checks of a paged call's data (validation._check_paged_data): the batch
+    passes; targets past the query rows, history missing from the cache and key offsets that do not
+    count cached + target keys are refused by name."""
+    import types
+
+    paged, _ = batch
+
+    def call(**change):
+        fields = dict(seq_offsets_q=paged["seq_offsets_q"], seq_offsets_k=paged["seq_offsets_k"],
+                      max_seqlen_q=paged["max_seqlen_q"], max_seqlen_k=paged["max_seqlen_k"],
+                      num_contexts=None, num_targets=paged["num_targets"], seqused_q=None, seqused_k=None,
+                      paged=(paged["kv_cache"], paged["page_offsets"], paged["page_ids"], paged["last_page_lens"]))
+        return types.SimpleNamespace(**dict(fields, **change))
+
+    validation.check_device_data(call(), paged["q"], paged["k"])
+    too_many = paged["num_targets"].clone()
+    too_many[0] = 4  # 3 query rows
+    with pytest.raises(ValueError, match="num_targets: expected 0 <= num_targets <= the sequence's query rows"):
+        validation.check_device_data(call(num_targets=too_many), paged["q"], paged["k"])
+    with pytest.raises(ValueError, match="new history .* already in the cache"):
+        # Sequence 0: 10 query rows, no targets, 2 cached tokens.
+        validation.check_device_data(call(num_targets=None, seq_offsets_q=torch.tensor([0, 10, 15, 31, 32],
+                                                                                       dtype=torch.int32)),
+                                     torch.empty(32, 2, 32), paged["k"])
+    with pytest.raises(ValueError, match="seq_offsets_k: expected each sequence's keys: cached tokens \\+ targets"):
+        validation.check_device_data(call(seq_offsets_k=paged["seq_offsets_q"]), paged["q"], paged["k"])
+
+
 def _segments_allowed(spec, seq, cached):
     """M(r, j) rebuilt from the two key segments of common.key_blocks (cache: whole coordinates
     cut at the cached length; new: everything shifted by it), for every query and key."""
@@ -112,14 +147,17 @@ def _segments_allowed(spec, seq, cached):
     return torch.where(keys < cached, in_cache, in_new & (keys >= cached))
 
 
-@pytest.mark.parametrize("cached,new,ctx,tgt,group", [(0, 5, 0, 0, 1), (37, 9, 4, 3, 1), (40, 12, 45, 6, 2),
-                                                       (128, 64, 0, 64, 11), (5, 1, 3, 1, 1)])
+@pytest.mark.parametrize("cached,new,ctx,tgt,group", [(0, 5, 0, 5, 1), (37, 9, 4, 3, 1), (40, 12, 45, 6, 2),
+                                                       (128, 64, 0, 64, 11), (5, 1, 3, 1, 1), (20, 8, 0, 0, 1),
+                                                       (70, 70, 10, 0, 1), (64, 100, 0, 40, 3)])
 def test_key_segments_partition_the_mask(cached, new, ctx, tgt, group):
-    """The shift invariance the paged kernels rely on: the cache segment and the shifted new
-    segment together give exactly the whole sequence's delta_q mask."""
+    """The shift invariance the paged kernels rely on: the cache segment (``cached`` tokens, the
+    new history included) and the shifted target segment together give exactly the whole
+    sequence's delta_q mask, also for the history queries that sit inside the cache (negative
+    rows in the target segment)."""
     pytest.importorskip("cutlass")
     spec = masks.MaskSpec(masks.MaskKind.CAUSAL, True, True, True)
-    whole = cached + new
+    whole = cached + tgt
     seq = masks.seq_mask_from_lengths(spec, new, whole, num_context=ctx, num_target=tgt, group_size=group)
     expected = masks.dense_mask(spec, seq)
     assert torch.equal(_segments_allowed(spec, seq, cached), expected)
@@ -141,10 +179,11 @@ def test_key_block_parts_cover_each_block_once(count, parts):
     assert covered == list(range(count))
 
 
-def test_cached_lengths_and_rab_among_new():
-    """The launcher's C_b (validation.cached_lengths) and the rab among the new tokens
-    (kv_cache.rab_among_new: rab[b, h, C_b + i, C_b + j] inside each sequence), against a direct
-    loop, for a strided rab and a sequence without pages."""
+def test_cached_lengths_target_rows_and_rab_among_new():
+    """The launcher's C_b (validation.cached_lengths), the target key rows (kv_cache.target_key_rows)
+    and the rab of the queries against the targets (kv_cache.rab_among_new: rab[b, h, S_b + i,
+    C_b + j], S_b = C_b + t_b - n_b inside each sequence), against a direct loop, for a strided rab,
+    a sequence without pages and one without targets."""
     from hstu_cute import kv_cache
 
     page_size = 16
@@ -152,12 +191,35 @@ def test_cached_lengths_and_rab_among_new():
     last_page_lens = torch.tensor([5, 1, 16, 9], dtype=torch.int32)
     cached = validation.cached_lengths(page_offsets, last_page_lens, page_size)
     assert cached.tolist() == [37, 0, 16, 25]
-    new = [6, 11, 3, 8]
-    max_k = max(c + n for c, n in zip(cached.tolist(), new))
+    new, tgt = [6, 11, 3, 8], [2, 11, 0, 8]
+    seq_offsets_q = torch.tensor([0, 6, 17, 20, 28], dtype=torch.int32)
+    offsets, targets = kv_cache.target_key_rows(seq_offsets_q, torch.tensor(tgt, dtype=torch.int32))
+    assert offsets.tolist() == [4, 6, 20, 20, 28] and targets.tolist() == tgt
+    assert kv_cache.target_key_rows(seq_offsets_q, None)[1].tolist() == [0, 0, 0, 0]
+    max_k = max(c + t for c, t in zip(cached.tolist(), tgt))
     base = torch.randn(4, 3, max_k + 2, max_k + 5)
     rab = base[:, ::2, :max_k, 1:max_k + 1]  # strided: every other head, an offset column
     for _ in range(2):  # the second call takes the cached geometry
-        got = kv_cache.rab_among_new(rab, page_offsets, last_page_lens, page_size, max(new))
+        got = kv_cache.rab_among_new(rab, page_offsets, last_page_lens, page_size, seq_offsets_q, targets, max(new))
     assert got.shape == (4, 2, 16, 16)
-    for b, (c, n) in enumerate(zip(cached.tolist(), new)):
-        assert torch.equal(got[b, :, :n, :n], rab[b, :, c:c + n, c:c + n])
+    for b, (c, n, t) in enumerate(zip(cached.tolist(), new, tgt)):
+        s = c + t - n
+        assert torch.equal(got[b, :, :n, :t], rab[b, :, s:s + n, c:c + t])
+
+
+def test_key_offsets_and_append_without_targets():
+    """kv_cache.key_offsets counts cached + target keys; PagedKVCache.append with num_targets
+    caches only each sequence's rows before its targets."""
+    from hstu_cute import kv_cache
+
+    cached = torch.tensor([5, 0, 7], dtype=torch.int32)
+    assert kv_cache.key_offsets(cached, torch.tensor([1, 2, 0], dtype=torch.int32)).tolist() == [0, 6, 8, 15]
+    assert kv_cache.key_offsets(cached).tolist() == [0, 5, 5, 12]
+    cache = kv_cache.PagedKVCache(1, 8, 16, 1, 16, dtype=torch.float32, device="cpu", max_sequences=2)
+    rows = torch.arange(10, dtype=torch.float32)[:, None, None].expand(10, 1, 16).contiguous()
+    ids = torch.tensor([0, 1])
+    cache.append(ids, torch.tensor([0, 4, 10], dtype=torch.int32), rows, -rows,
+                 num_targets=torch.tensor([1, 3], dtype=torch.int32))
+    keys, values, offsets = kv_cache.gather_history(cache.layer(0), *cache.lookup(ids)[:3])
+    assert offsets.tolist() == [0, 3, 6]
+    assert keys[:, 0, 0].tolist() == [0, 1, 2, 4, 5, 6] and values[:, 0, 0].tolist() == [0, -1, -2, -4, -5, -6]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hstu_cute import hstu_attn_varlen_func, launch, reference, validation
-from hstu_cute.kv_cache import PagedKVCache
+from hstu_cute.kv_cache import PagedKVCache, key_offsets
 from hstu_cute.call import Call
 from hstu_cute.testing import call_record, random_paged_batch
 
@@ -184,37 +184,46 @@ def test_paged_bad_tables_stay_in_bounds(path):
 
 
 def test_serving_step_under_cuda_graph(path):
-    """Three requests of two users through PagedKVCache: append the history, then serve the new
-    tokens from the cache in a captured CUDA graph (no host sync), each checked against the dense
-    oracle on the whole history."""
+    """Three requests of two users through PagedKVCache in FBGEMM's order: grow the history, append
+    the request's new history (its tokens but the targets), then serve the request's tokens from
+    the cache in a captured CUDA graph (no host sync), each checked against the dense oracle on the
+    whole sequence. The new-history rows of k / v are NaN in the graph's inputs: keys come from
+    the pages, so a kernel that reads them fails."""
     torch.manual_seed(0)
     H, D, dtype, page_size = 2, 128, torch.bfloat16, 32
     cache = PagedKVCache(1, 64, page_size, H, D, dtype=dtype, device="cuda", max_sequences=4)
     users = torch.tensor([0, 3], device="cuda")
     history_k = [torch.empty(0, H, D, dtype=dtype, device="cuda") for _ in range(2)]
     history_v = [torch.empty(0, H, D, dtype=dtype, device="cuda") for _ in range(2)]
-    new = 48
+    new, tgt = 48, 16
     offsets = torch.tensor([0, new, 2 * new], dtype=torch.int32, device="cuda")
+    targets = torch.full((2,), tgt, dtype=torch.int32, device="cuda")
     static = {name: torch.empty(2 * new, H, D, dtype=dtype, device="cuda") for name in ("q", "k", "v")}
-    max_k = 4 * 128 + new
+    max_k = 1024  # user 1 ends with 530 + 3 * 32 history tokens and 16 targets
     graph, out = None, None
     for request, grown in enumerate((100, 37, 128)):
-        # Grow each user's history (outside the graph), then serve `new` fresh tokens.
+        # Grow each user's history (outside the graph), then take `new` fresh tokens, `tgt` targets.
         lens = torch.tensor([0, grown, 2 * grown], dtype=torch.int32, device="cuda")
         hk = torch.rand(2 * grown, H, D, device="cuda").to(dtype) * 2 - 1
         hv = torch.rand(2 * grown, H, D, device="cuda").to(dtype) * 2 - 1
         cache.append(users, lens, hk, hv)
+        fresh = {name: torch.rand_like(t, dtype=torch.float32).to(dtype) * 2 - 1 for name, t in static.items()}
+        cache.append(users, offsets, fresh["k"], fresh["v"], num_targets=targets)
         for u in range(2):
-            history_k[u] = torch.cat([history_k[u], hk[u * grown:(u + 1) * grown]])
-            history_v[u] = torch.cat([history_v[u], hv[u * grown:(u + 1) * grown]])
-        for t in static.values():
-            t.copy_(torch.rand_like(t, dtype=torch.float32).to(dtype) * 2 - 1)
+            rows = slice(u * new, u * new + new - tgt)
+            history_k[u] = torch.cat([history_k[u], hk[u * grown:(u + 1) * grown], fresh["k"][rows]])
+            history_v[u] = torch.cat([history_v[u], hv[u * grown:(u + 1) * grown], fresh["v"][rows]])
+            for name in ("k", "v"):
+                fresh[name][rows] = float("nan")
+        for name, t in static.items():
+            t.copy_(fresh[name])
 
         def step():
-            page_offsets, page_ids, last_page_lens, _ = cache.lookup(users)
-            return hstu_attn_varlen_func(static["q"], static["k"], static["v"], offsets, offsets, new, max_k,
-                                         window_size=(-1, 0), kv_cache=cache.layer(0), page_offsets=page_offsets,
-                                         page_ids=page_ids, last_page_lens=last_page_lens, scaling_seqlen=new)
+            page_offsets, page_ids, last_page_lens, cached = cache.lookup(users)
+            return hstu_attn_varlen_func(static["q"], static["k"], static["v"], offsets, key_offsets(cached, targets),
+                                         new, max_k, num_targets=targets, window_size=(-1, 0),
+                                         kv_cache=cache.layer(0), page_offsets=page_offsets, page_ids=page_ids,
+                                         last_page_lens=last_page_lens, scaling_seqlen=new)
 
         with torch.no_grad():
             if graph is None:
@@ -225,10 +234,12 @@ def test_serving_step_under_cuda_graph(path):
                     out = step()
             graph.replay()
         torch.cuda.synchronize()
-        k_full = torch.cat([torch.cat([history_k[u], static["k"][u * new:(u + 1) * new]]) for u in range(2)])
-        v_full = torch.cat([torch.cat([history_v[u], static["v"][u * new:(u + 1) * new]]) for u in range(2)])
-        whole = history_k[0].shape[0] + new
+        tg = [slice(u * new + new - tgt, (u + 1) * new) for u in range(2)]
+        k_full = torch.cat([torch.cat([history_k[u], static["k"][tg[u]]]) for u in range(2)])
+        v_full = torch.cat([torch.cat([history_v[u], static["v"][tg[u]]]) for u in range(2)])
+        whole = [history_k[u].shape[0] + tgt for u in range(2)]
         dense = dict(q=static["q"], k=k_full, v=v_full, seq_offsets_q=offsets,
-                     seq_offsets_k=torch.tensor([0, whole, 2 * whole], dtype=torch.int32, device="cuda"),
-                     max_seqlen_q=new, max_seqlen_k=max_k, window_size=(-1, 0), is_delta_q=True, scaling_seqlen=new)
+                     seq_offsets_k=torch.tensor([0, whole[0], whole[0] + whole[1]], dtype=torch.int32, device="cuda"),
+                     max_seqlen_q=new, max_seqlen_k=max_k, num_targets=targets, window_size=(-1, 0),
+                     is_delta_q=True, scaling_seqlen=new)
         _check(out, dense, request)

@@ -389,11 +389,12 @@ class HstuForwardSm80(Sm80Kernel):
 
     def _new_segment_rab(self, mRabNew, batch: Int32, head: Int32, new_seq, m_block: Int32, thr_copy_rab):
         """The new segment's rab: (its tiles' partition for the rab copy, their row limit, their
-        column limit before the block offset), from the rab among the new tokens in the segment's
-        coordinates."""
-        row_first = new_seq.row_offset + m_block * self.tile_m
-        gRab_new = self._rab_tiles(self._rab_slab(mRabNew, batch, head), new_seq.row_offset, (m_block, None))
-        row_limit = cutlass.min(new_seq.row_offset + new_seq.seqlen_q, mRabNew.shape[2]) - row_first
+        column limit before the block offset), from the rab among the new tokens: rows by query
+        index (the gather applied the row offset; history queries sit before the target keys, at
+        negative segment rows that no load may address)."""
+        row_first = m_block * self.tile_m
+        gRab_new = self._rab_tiles(self._rab_slab(mRabNew, batch, head), Int32(0), (m_block, None))
+        row_limit = cutlass.min(new_seq.seqlen_q, mRabNew.shape[2]) - row_first
         return thr_copy_rab.partition_S(gRab_new), row_limit, cutlass.min(new_seq.seqlen_k, mRabNew.shape[3])
 
     @cute.jit

@@ -1,14 +1,17 @@
 """The key blocks of one query tile, and the paged KV cache as the kernels see it.
 
 Without a cache a tile's keys are the non-empty n-blocks of :func:`masks.n_block_schedule` over
-one key sequence. With a paged cache (docs/operator.md, "Paged KV cache") sequence b's keys are
-its C cached tokens, read from pages, followed by its n new ones, read from k/v; the queries are
-the new tokens, aligned to the end. The key blocks then come in two segments, each tiled from its
-own start so that no block mixes the two sources:
+one key sequence. With a paged cache (docs/operator.md, "Paged KV cache"; FBGEMM's meaning) sequence
+b's keys are its C cached tokens (the new history included), read from pages, followed by its t
+targets, read from k/v (the launcher points the key offsets and seqused_k at the target rows); the
+n queries (new history, then targets) are aligned to the end, so the first n - t sit inside the
+cache. The key blocks then come in two segments, each tiled from its own start so that no block
+mixes the two sources:
 
 * the cache segment: whole-sequence coordinates with the key range cut at C (blocks of keys
   ``[n * tile_n, (n + 1) * tile_n)``; the last one crosses C and is masked past it);
-* the new segment: every coordinate shifted by C (blocks of keys ``[C + n * tile_n, ...)``).
+* the new segment: every coordinate shifted by C (blocks of keys ``[C + n * tile_n, ...)``); the
+  history queries' rows are negative there, before every key, and see none of it.
 
 Both are plain :class:`masks.SeqMask` values: the mask rules depend only on differences of
 positions and on the context / history / target boundaries, which shift along (masks.row_intervals),
@@ -47,7 +50,7 @@ class PagedArgs(NamedTuple):
     mPageIds: Any  # (P,) int32; entries past page_offsets[B] are ignored
     mLastPageLens: Any  # (B,) int32
     log2_page_size: Any  # Int32
-    mRabNew: Any = None  # (B, H_rab, L_new, L_new): rab[b, h, C_b + i, C_b + j] (with rab only)
+    mRabNew: Any = None  # (B, H_rab, W, W): rab[b, h, S_b + i, C_b + j], S_b query 0's row (with rab only)
 
 
 class PageSpan(NamedTuple):

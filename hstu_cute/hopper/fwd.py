@@ -454,13 +454,12 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
             boxes.append((atom, tBgB, (tBsK, tBsV)))
         rab_loads_new = None
         if const_expr(self.has_rab):
-            # The new segment's rab: its own tensor, in the segment's coordinates.
+            # The new segment's rab: its own tensor, rows by query index (the gather applied the
+            # row offset: history queries sit before the target keys, at negative segment rows).
             tma_atom_rab_new, tma_rab_new = rab_new
             rab_head = cutlass.select_(mRab.shape[1] > 1, head, Int32(0))
-            gRab_new = cute.local_tile(
-                cute.domain_offset((blocks.seq.row_offset, 0), tma_rab_new[None, None, rab_head, batch]),
-                (self.tile_m, self.tile_n), (m_block, None),
-            )
+            gRab_new = cute.local_tile(tma_rab_new[None, None, rab_head, batch], (self.tile_m, self.tile_n),
+                                       (m_block, None))
             _, tRgR_new = cpasync.tma_partition(tma_atom_rab_new, 0, no_mcast, cute.group_modes(sRab, 0, 2),
                                                 cute.group_modes(gRab_new, 0, 2))
             rab_loads_new = (tma_atom_rab_new, tRgR_new)

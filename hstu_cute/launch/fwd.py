@@ -12,7 +12,7 @@ from ..validation import Problem
 
 from .buffers import _on_device, aligned_16, pad_rab_rows, rab_vec, split_arrivals
 from .heuristics import _walk_fixed, key_splits
-from ..kv_cache import cache_rows, rab_among_new
+from ..kv_cache import cache_rows, rab_among_new, target_key_rows
 from .prepared import Prepared, _call_tensors, _plan, _scalar_args, _sequence_args, fp8_fwd_key, fwd_key
 
 
@@ -62,9 +62,12 @@ def forward(q, k, v, rab, call: Call, tiles: dict | None = None, out: torch.Tens
                       mArrivals=split_arrivals(device, p.batch * p.heads * -(-call.max_seqlen_q // key.tile_m) * 2))
     if p.page_size:
         values.update(_paged_args(p, call.paged))
+        # Keys past the cache: the targets' rows of k / v (call.seq_offsets_k counts keys, not rows).
+        values["mOffsetsK"], targets = target_key_rows(call.seq_offsets_q, call.num_targets)
+        values["mSeqUsedK"] = targets
         if rab is not None:
             values["mRabNew"] = rab_among_new(rab, call.paged.page_offsets, call.paged.last_page_lens, p.page_size,
-                                              call.max_seqlen_q)
+                                              call.seq_offsets_q, targets, call.max_seqlen_q)
     # The launch goes to the current device's current stream (TVM-FFI env stream); switching
     # devices costs ~10 us, so only do it when q lives elsewhere.
     with _on_device(device):

@@ -240,6 +240,10 @@ def validate(
         raise NotImplementedError(
             f"seq_offsets_q: expected at most {MAX_GRID_BATCH} sequences per call (launch grid limit), got {batch}")
 
+    if isinstance(max_seqlen_q, torch.Tensor) or max_seqlen_q is None:
+        # FBGEMM's current order puts seqused_q (a tensor or None) in this place.
+        fail(TypeError, "max_seqlen_q", "a Python int (a positional call in FBGEMM's current order, with seqused_q "
+             "here, goes to hstu_cute.integrations.fbgemm.hstu_attn_varlen_func)", type(max_seqlen_q).__name__)
     _check_python_int("max_seqlen_q", max_seqlen_q, 0)
     _check_python_int("max_seqlen_k", max_seqlen_k, 0)
     if max_seqlen_q > max_seqlen_k:

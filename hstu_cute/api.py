@@ -43,7 +43,7 @@ __all__ = ["hstu_attn_varlen_func", "fwd_op", "bwd_op", "fwd_fp8_op", "bwd_fp8_o
 # shapes without compiling or launching anything). Eager calls skip the dispatcher and call the
 # same launchers directly (see _eager), as quack does: going through torch.ops costs ~50-70 us
 # per call on the 2-core CPU machine vs ~5 us for the direct call (scripts/measure_dispatch.py,
-# docs/perf-log.md "custom op dispatch"). The ops take the call flat (hstu_cute.call.OP_FIELDS);
+# docs/dev/perf-log.md "custom op dispatch"). The ops take the call flat (hstu_cute.call.OP_FIELDS);
 # their bodies turn it back into the call record.
 # ---------------------------------------------------------------------------------------------
 _OP_ARGS = op_schema_args()
@@ -339,6 +339,7 @@ def hstu_attn_varlen_func(
     seqused_q=None, seqused_k=None,
     deterministic=False,
     kv_cache=None, page_offsets=None, page_ids=None, last_page_lens=None,
+    func=None,
 ):
     """HSTU attention over a jagged batch (FBGEMM-compatible arguments).
 
@@ -407,6 +408,9 @@ def hstu_attn_varlen_func(
         last_page_lens: keyword-only ``(B,)`` int32 tokens in each sequence's last page, in
             ``[1, page_size]`` (ignored for a sequence without pages):
             ``C_b = (pages - 1) * page_size + last_page_lens[b]``.
+        func: keyword-only arbitrary mask, ``(1, n_func, T_q + 256)`` int32 per-row key intervals
+            (FBGEMM's layout; docs/operator.md, "Arbitrary masks"), or None. Validated, then
+            ``NotImplementedError``: its kernels are not built yet (the oracle computes it).
 
     Returns:
         ``out``: a new ``(T_q, H, D)`` tensor in q's dtype. Under autograd the backward returns
@@ -429,7 +433,7 @@ def hstu_attn_varlen_func(
     args = (q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
             target_group_size, window_size, alpha, rab, has_drab, is_delta_q, descale_q, descale_k, descale_v,
             descale_do, quant_mode, scaling_seqlen, seqused_q, seqused_k, kv_cache, page_offsets, page_ids,
-            last_page_lens)
+            last_page_lens, func)
     p, plans = validate_memoized(*args) if eager else (validate(*args), None)
     paged = PagedTables(kv_cache, page_offsets, page_ids, last_page_lens) if p.page_size else None
     call = Call(p, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets, seqused_q,

@@ -207,7 +207,7 @@ def time_graphed(fns, reps: int = 30) -> tuple[float, float, str]:
     """(median ms, IQR ms, "graph") of CUDA-graph replays of each of ``fns`` (each captured once,
     after a call outside capture): the device time of a sequence of short launches that Python
     issues more slowly than the GPU runs them (the quantizers alone: 59 us of device time timed
-    as 77-273 us when queued from Python, docs/perf-log.md session 21). Where capture fails, the
+    as 77-273 us when queued from Python, docs/dev/perf-log.md session 21). Where capture fails, the
     queued timing of :func:`time_cuda`, marked "queued"."""
     for fn in fns:
         fn()

@@ -35,7 +35,7 @@ class Call(NamedTuple):
     by name. ``plans`` is the launchers' cache of prepared launches for every call of this
     argument signature (one dict shared by the calls of a signature; None: prepare per call).
     A named tuple: built on every call, where a frozen dataclass's field-by-field ``__init__``
-    costs several microseconds more on the host (docs/perf-log.md, session 28)."""
+    costs several microseconds more on the host (docs/dev/perf-log.md, session 28)."""
 
     problem: Problem
     seq_offsets_q: torch.Tensor

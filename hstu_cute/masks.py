@@ -358,3 +358,33 @@ def dense_mask(spec: MaskSpec, seq: SeqMask, device=None):
     i = torch.arange(int(seq.seqlen_q), device=device).unsqueeze(1)
     j = torch.arange(int(seq.seqlen_k), device=device).unsqueeze(0)
     return torch.broadcast_to(allowed(spec, seq, i + seq.row_offset, j), (int(seq.seqlen_q), int(seq.seqlen_k)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Arbitrary masks (FBGEMM's ``func``): per-row key intervals, replacing the mask families above.
+# ---------------------------------------------------------------------------------------------
+#: Rows of padding a ``func`` tensor carries past the last query row (FBGEMM's layout): kernels
+#: read the intervals of a whole query tile without bounds checks.
+FUNC_ROW_PADDING = 256
+
+
+def func_row_allows(func_rows, j):
+    """Whether key ``j`` is allowed for each query row of ``func_rows``, an ``(n_func, rows, ...)``
+    stack of one sequence's interval bounds (``n_func`` odd; per-sequence key positions): row i
+    allows ``[0, f[0, i])`` and ``[f[2m-1, i], f[2m, i])`` for ``m = 1 .. (n_func-1)/2``. Broadcasts
+    over ``j`` (torch tensors or Python ints)."""
+    keep = j < func_rows[0]
+    for m in range(1, (len(func_rows) - 1) // 2 + 1):
+        keep = keep | ((j >= func_rows[2 * m - 1]) & (j < func_rows[2 * m]))
+    return keep
+
+
+def func_dense_mask(func, row_start: int, seqlen_q: int, seqlen_k: int, device=None):
+    """(seqlen_q, seqlen_k) bool of a sequence under a ``func`` mask ``(1, n_func, rows)`` whose
+    query rows start at global row ``row_start`` (rows index the jagged q, not delta_q positions);
+    keys past ``seqlen_k`` are masked by construction."""
+    import torch
+
+    rows = func[0, :, row_start:row_start + seqlen_q].to(device=device, dtype=torch.int64)[:, :, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    return func_row_allows(rows, j).expand(seqlen_q, seqlen_k)

@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from .masks import MaskSpec, dense_mask, normalize_window, seq_mask_from_lengths
+from .masks import MaskSpec, dense_mask, func_dense_mask, normalize_window, seq_mask_from_lengths
 
 __all__ = [
     "hstu_attn_reference",
@@ -74,8 +74,13 @@ def hstu_attn_reference(
     compute_dtype: torch.dtype | None = torch.float32,
     has_drab: bool = False,
     p_round=None,
+    func: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """HSTU attention forward, spec section 2, differentiable w.r.t. q, k, v and rab.
+
+    ``func``: an arbitrary mask ``(1, n_func, T_q + 256)`` int32 of per-row key intervals
+    (FBGEMM's layout; :func:`hstu_cute.masks.func_dense_mask`), replacing the window, context and
+    target masks (which must then be off).
 
     Returns ``out`` of shape ``(T_q, H, D)``: in ``compute_dtype`` for the upcast variant, in the
     input dtype for the same-dtype variant (``compute_dtype`` None or equal to ``q.dtype``).
@@ -128,6 +133,9 @@ def hstu_attn_reference(
     if int(target_group_size) < 1:
         raise ValueError(f"target_group_size must be >= 1, got {target_group_size}")
 
+    if func is not None and (tuple(window_size) != (-1, -1) or num_contexts is not None or num_targets is not None):
+        raise ValueError("func replaces the other masks: pass window_size=(-1, -1), num_contexts=None, "
+                         "num_targets=None with it")
     kind, wl, wr = normalize_window(window_size, max_seqlen_k)
     spec = MaskSpec(
         kind,
@@ -184,7 +192,10 @@ def hstu_attn_reference(
         if Lq > 0:
             seq = seq_mask_from_lengths(spec, Lq, Lk, wl, wr, c, t, int(target_group_size))
             # (Lq, Lk) bool; expand because dense_mask gives (1, Lk) for MaskKind.NONE.
-            mask = dense_mask(spec, seq, device=device).expand(Lq, Lk)
+            if func is None:
+                mask = dense_mask(spec, seq, device=device).expand(Lq, Lk)
+            else:
+                mask = func_dense_mask(func, sq, Lq, Lk, device=device)
             row0 = seq.row_offset  # key-coordinate row of query 0
 
             qb = q[sq : sq + Lq].to(acc_dtype).transpose(0, 1)  # (H, Lq, D)
@@ -477,6 +488,9 @@ def hstu_attn_fp8_grad_emulation(q, k, v, dout, seq_offsets_q, seq_offsets_k, ma
     offs_q, offs_k = seq_offsets_q.tolist(), seq_offsets_k.tolist()
     ctx = None if num_contexts is None else num_contexts.tolist()
     tgt = None if num_targets is None else num_targets.tolist()
+    if func is not None and (tuple(window_size) != (-1, -1) or num_contexts is not None or num_targets is not None):
+        raise ValueError("func replaces the other masks: pass window_size=(-1, -1), num_contexts=None, "
+                         "num_targets=None with it")
     kind, wl, wr = normalize_window(window_size, max_seqlen_k)
     spec = MaskSpec(kind, has_context=ctx is not None, has_target=tgt is not None, is_delta_q=bool(is_delta_q))
     S = scaling_seqlen if scaling_seqlen != -1 else max(max_seqlen_q, 1)

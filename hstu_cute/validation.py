@@ -182,7 +182,7 @@ def validate(
     q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
     target_group_size, window_size, alpha, rab, has_drab, is_delta_q, descale_q, descale_k, descale_v,
     descale_do, quant_mode, scaling_seqlen, seqused_q, seqused_k, kv_cache=None, page_offsets=None,
-    page_ids=None, last_page_lens=None,
+    page_ids=None, last_page_lens=None, func=None,
 ) -> Problem:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -330,6 +330,9 @@ def validate(
             fail(ValueError, "rab.device", f"{device} (same as q)", rab.device)
         rab_heads = rab.shape[1]
 
+    if func is not None:
+        _check_func(func, q, window_size, num_contexts, num_targets, page_size)
+
     # Last, so that every other check can be exercised on CPU tensors. Meta tensors (shapes only:
     # the ops' fake implementations run, nothing is launched) serve tracing on machines without CUDA.
     if device.type != "cuda" and device.type != "meta":
@@ -337,6 +340,33 @@ def validate(
               device)
     mask = masks.MaskSpec(kind, has_context, has_target, is_delta_q)
     return Problem(batch, heads, head_dim, q.dtype, mask, wl, wr, scale_seqlen, rab_heads, quant_mode, page_size)
+
+
+def _check_func(func, q, window_size, num_contexts, num_targets, page_size) -> None:
+    """An arbitrary ``func`` mask (docs/operator.md, "Arbitrary masks"): ``(1, n_func, T_q + 256)``
+    int32 on q's device, ``n_func`` odd, last dim contiguous, with no other mask. The kernels for it
+    are not built yet: a valid one raises NotImplementedError after these checks."""
+    if not isinstance(func, torch.Tensor):
+        fail(TypeError, "func", "a torch.Tensor or None", type(func).__name__)
+    if func.dtype != torch.int32:
+        fail(TypeError, "func.dtype", "torch.int32", func.dtype)
+    rows = q.shape[0] + masks.FUNC_ROW_PADDING
+    if func.dim() != 3 or func.shape[0] != 1 or func.shape[1] % 2 != 1 or func.shape[2] < rows:
+        fail(ValueError, "func", f"shape (1, n_func, >= {rows}) with n_func odd (q's rows + "
+             f"{masks.FUNC_ROW_PADDING} of padding)", tuple(func.shape))
+    if func.stride(-1) != 1 and func.shape[-1] > 1:
+        fail(ValueError, "func.stride(-1)", "1 (last dim contiguous)", func.stride(-1))
+    if func.device != q.device:
+        fail(ValueError, "func.device", f"{q.device} (same as q)", func.device)
+    if tuple(window_size) != (-1, -1) or num_contexts is not None or num_targets is not None:
+        fail(ValueError, "func", "no other mask: window_size=(-1, -1), num_contexts=None, num_targets=None (func "
+             "replaces them)", f"window_size={tuple(window_size)}, num_contexts "
+             f"{'given' if num_contexts is not None else 'None'}, num_targets "
+             f"{'given' if num_targets is not None else 'None'}")
+    if page_size:
+        raise NotImplementedError("func: not with a paged KV cache")
+    raise NotImplementedError("func: the kernels for arbitrary (per-row interval) masks are not built yet; the "
+                              "oracle (hstu_cute.reference.hstu_attn_reference(func=...)) computes them")
 
 
 def cached_lengths(page_offsets: torch.Tensor, last_page_lens: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -132,7 +132,7 @@ class AmpereFwdKey(_Variant):
 
 def default_fwd_tiles(head_dim: int) -> dict:
     """(tile_m, tile_n, num_warps, num_stages) per head dim; smem stays <= 99 KB (Ada's limit)
-    without rab. Chosen by the benchmark sweep recorded in docs/perf-log.md."""
+    without rab. Chosen by the benchmark sweep recorded in docs/dev/perf-log.md."""
     if head_dim <= 64:
         # B8 N4096 causal on the H100: 246.9 TF at 128x128 vs 237.3 at 128x64; ptxas -O2 287/272
         # vs -O3 250/257 (interleaved pairs).
@@ -240,7 +240,7 @@ class HopperFwdKey(_Variant):
     fast_silu: bool = True
     intra_wg_overlap: bool = True
     pingpong: bool = True
-    # Persistent CTAs walk LPT-ordered tiles in a snake order (docs/perf-log.md 2026-11-21: a
+    # Persistent CTAs walk LPT-ordered tiles in a snake order (docs/dev/perf-log.md 2026-11-21: a
     # plain stride lost to one tile per CTA, 465 vs 533 TF; the snake order won, D256 612 vs 544).
     persistent: bool = True
     ptxas_opt: int = 3
@@ -425,7 +425,7 @@ def default_hopper_fp8_fwd_tiles(head_dim: int, has_rab: bool, scaled_p: bool = 
                                  two_direction: bool = False) -> dict:
     """FP8 tiles: K and V^T tiles are half the bytes of 16-bit ones, so the smem plan of
     :func:`default_hopper_fwd_tiles` fits with a second Q stage even beside rab. D256 (H100, B8
-    N4096, TF/s, same runs, docs/perf-log.md session 17): 128-key tiles (2 stages) beside the
+    N4096, TF/s, same runs, docs/dev/perf-log.md session 17): 128-key tiles (2 stages) beside the
     128-register O accumulator, causal P cast 1095-1108 against 1022-1045 with 64-key tiles (3
     stages), scaled P 1008-1028 against 818-839; contexts + targets 808-818 / 727-731 against
     763-772 / 591-595; local windows even or better. With rab ptxas spills at 128 keys and they
@@ -478,7 +478,7 @@ class HopperBwdKey(_BwdVariant):
 
 
 HOPPER_BWD_ROLES = ("fused", "dkdv", "dq", "wide")
-# Persistent dK/dV and dQ kernels (H100 B8 N4096 causal, docs/perf-log.md session 6): D128 pair
+# Persistent dK/dV and dQ kernels (H100 B8 N4096 causal, docs/dev/perf-log.md session 6): D128 pair
 # 437.6 vs 422.4 TF, D64 322-324 vs 304-306; the fused kernel stays one CTA per n-block (a tile
 # loop slows its m-block loop: 402-418 vs 443-448).
 _BWD_TILES = {"dkdv": dict(tile_m=64, tile_n=128, persistent=True, dynamic_tiles=True),
@@ -495,12 +495,12 @@ HOPPER_WIDE_HEAD_DIMS = (256,)
 # Hopper wide kernel ship all four, the other Hopper roles (no drab) the first two.
 _BWD_RAB = ((False, False, False), (True, False, False), (True, True, False), (True, True, True))
 # Head dims where the fused kernel is the default (no drab, not deterministic, keys of at least
-# FUSED_MIN_SEQLEN_K tokens). H200, B8 N4096 causal bf16, same run (docs/perf-log.md
+# FUSED_MIN_SEQLEN_K tokens). H200, B8 N4096 causal bf16, same run (docs/dev/perf-log.md
 # 2026-11-21): D128 fused 431 vs pair 404 TF; D64 fused 252 vs pair 280 (at D64 the per-m-block
 # barriers and dQ reduce are not hidden by the GEMMs).
 HOPPER_FUSED_HEAD_DIMS = (128,)
 # At D128 the fused kernel runs for key sequences of at least this many tokens, the pair below.
-# H100, D128 bf16 causal backward, same runs (docs/perf-log.md session 7), TF/s pair vs fused:
+# H100, D128 bf16 causal backward, same runs (docs/dev/perf-log.md session 7), TF/s pair vs fused:
 # B64 N512 177 vs 133, B32 N1024 266 vs 183, B16 N2048 386 vs 318 (uniform lengths 359 vs 308):
 # the fused kernel's one CTA per n-block walks few m-blocks there. At N4096 the fused kernel
 # is ahead on zipf lengths (352 vs 265), context + targets (390 vs 359) and without a mask (532

@@ -135,7 +135,7 @@ def test_one_sm90a_variant_compiles(tmp_cache, compile_tally):
 @pytest.mark.slow
 def test_fp8_early_silu_variants_compile(tmp_cache, compile_tally):
     """The P-cast FP8 forward with its SiLU ahead of the mask (``early_silu``) ships at D256 without
-    rab only (it measured even at D128 and slower at D64: docs/perf-log.md session 23); the other
+    rab only (it measured even at D128 and slower at D64: docs/dev/perf-log.md session 23); the other
     head dims, with and without rab, stay buildable for the tile sweep (``:es``), and the flag is
     refused for scaled P."""
     base = [k for k in shipped_hopper_fp8_fwd_keys() if k.kernel_name == "hopper_fwd_fp8" and not k.scaled_p

@@ -65,9 +65,36 @@ def test_mixed_orders_fail_by_name():
         hstu_cute.hstu_attn_varlen_func(q, k, v, off, off, used, used, 17, 17, -1)
     with pytest.raises(TypeError, match="max_seqlen_q: expected a Python int"):
         hstu_cute.hstu_attn_varlen_func(q, k, v, off, off, None, None, 17, 17)
-    with pytest.raises(NotImplementedError, match="func: arbitrary"):
-        fbgemm.hstu_attn_varlen_func(q, k, v, off, off, None, None, 17, 17, -1, None, None,
-                                     func=torch.empty(1, 3, 22 + 256, dtype=torch.int32, device="meta"))
+
+
+@pytest.mark.parametrize("func, exc, match", [
+    (torch.empty(1, 3, 22 + 256, dtype=torch.int32), NotImplementedError, "func: the kernels for arbitrary"),
+    (torch.empty(1, 1, 22 + 256, dtype=torch.int32), NotImplementedError, "func: the kernels for arbitrary"),
+    (torch.empty(1, 2, 22 + 256, dtype=torch.int32), ValueError, r"func: expected shape \(1, n_func, >= 278\)"),
+    (torch.empty(1, 3, 22 + 255, dtype=torch.int32), ValueError, r"func: expected shape \(1, n_func, >= 278\)"),
+    (torch.empty(2, 3, 22 + 256, dtype=torch.int32), ValueError, "func: expected shape"),
+    (torch.empty(1, 3, 22 + 256, dtype=torch.int64), TypeError, "func.dtype: expected torch.int32"),
+    ("func", TypeError, "func: expected a torch.Tensor or None"),
+])
+def test_func_is_checked_then_refused(func, exc, match):
+    """func (FBGEMM's arbitrary mask) is validated by name; a valid one is refused until its
+    kernels exist (never silently ignored)."""
+    (q, k, v), off = _jagged([5, 17])
+    if isinstance(func, torch.Tensor):
+        func = func.to("meta")
+    with pytest.raises(exc, match=match):
+        fbgemm.hstu_attn_varlen_func(q, k, v, off, off, None, None, 17, 17, -1, None, None, func=func)
+
+
+def test_func_with_another_mask_is_an_error():
+    (q, k, v), off = _jagged([5, 17])
+    func = torch.empty(1, 3, 22 + 256, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match=r"func: expected no other mask.*window_size=\(-1, 0\)"):
+        fbgemm.hstu_attn_varlen_func(q, k, v, off, off, None, None, 17, 17, -1, None, None, 1, (-1, 0), func=func)
+    targets = torch.ones(2, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match="func: expected no other mask"):
+        hstu_cute.hstu_attn_varlen_func(q, k, v, off, off, 17, 17, num_targets=targets, window_size=(-1, 0),
+                                        func=func)
 
 
 def test_paged_call_has_fbgemms_meaning():

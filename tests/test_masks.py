@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from hstu_cute import masks
 from hstu_cute.masks import (
     MaskKind,
     MaskSpec,
@@ -378,3 +379,49 @@ def test_in_row_intervals_matches_in_intervals_in_tile_coordinates():
                 for j in range(16):
                     want = in_intervals(j, *shifted)
                     assert in_row_intervals(spec, j, *shifted) == want, (cfg, i, col0, j)
+
+
+# ---------------------------------------------------------------------------------------------
+# Arbitrary (func) masks: FBGEMM's per-row key intervals
+# ---------------------------------------------------------------------------------------------
+def _func_allowed_loop(f, row, j):
+    """FBGEMM's definition, element by element: [0, f0) or any [f(2m-1), f(2m))."""
+    if j < f[0][row]:
+        return True
+    return any(f[2 * m - 1][row] <= j < f[2 * m][row] for m in range(1, (len(f) - 1) // 2 + 1))
+
+
+@pytest.mark.parametrize("n_func", [1, 3, 5])
+def test_func_dense_mask_matches_a_direct_loop(n_func):
+    gen = torch.Generator().manual_seed(n_func)
+    lengths = [0, 1, 17, 40]
+    starts = [0, 0, 1, 18]
+    total = sum(lengths)
+    func = torch.randint(-3, 45, (1, n_func, total + masks.FUNC_ROW_PADDING), generator=gen, dtype=torch.int32)
+    for start, length in zip(starts, lengths):
+        for seqlen_k in (length, length + 5):
+            got = masks.func_dense_mask(func, start, length, seqlen_k)
+            f = func[0].tolist()
+            want = torch.tensor([[_func_allowed_loop(f, start + i, j) for j in range(seqlen_k)] for i in range(length)],
+                                dtype=torch.bool).reshape(length, seqlen_k)
+            assert torch.equal(got, want)
+
+
+def test_func_encoding_causal_gives_the_causal_oracle():
+    """A func mask that spells causal ([0, i + 1) per row, the other intervals empty) gives the
+    causal oracle exactly; one that differs in one row does not."""
+    from hstu_cute.reference import hstu_attn_reference
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = [5, 17, 1, 30]
+    offsets = torch.tensor([0, 5, 22, 23, 53], dtype=torch.int32)
+    q, k, v = (torch.randn(53, 2, 16, generator=gen) for _ in range(3))
+    rows = torch.cat([torch.arange(n) + 1 for n in lengths] + [torch.zeros(masks.FUNC_ROW_PADDING, dtype=torch.int64)])
+    func = torch.stack([rows, torch.zeros_like(rows), torch.zeros_like(rows)])[None].to(torch.int32)
+    causal = hstu_attn_reference(q, k, v, offsets, offsets, 30, 30, window_size=(-1, 0))
+    encoded = hstu_attn_reference(q, k, v, offsets, offsets, 30, 30, func=func)
+    assert torch.equal(causal, encoded)
+    func[0, 1, 7], func[0, 2, 7] = 10, 12  # row 7 (sequence 1, query 2) also sees keys 10, 11
+    assert not torch.equal(causal, hstu_attn_reference(q, k, v, offsets, offsets, 30, 30, func=func))
+    with pytest.raises(ValueError, match="func replaces the other masks"):
+        hstu_attn_reference(q, k, v, offsets, offsets, 30, 30, window_size=(-1, 0), func=func)

@@ -54,7 +54,7 @@ def silu_e4m3x4(h0: Float32, h1: Float32, h2: Float32, h3: Float32) -> Uint32:
     MUFU per value, the fp32 -> e4m3x2 conversions writing the word's halves. The f16x2 form it
     replaced took as many MUFU ops (``tanh.approx.f16x2`` is two MUFU.TANH.F16 in SASS, then a byte
     permute to pair them) and two conversions more per four values: 354 instructions per n-block
-    against 323, 4-7 % slower at D64-D256 (docs/perf-log.md, session 22). A huge score saturates to
+    against 323, 4-7 % slower at D64-D256 (docs/dev/perf-log.md, session 22). A huge score saturates to
     +-448 in the e4m3 conversion; a hugely negative one gives h - h = 0 (tanh.approx is -1
     there), never inf - inf."""
     return _asm(

@@ -62,7 +62,7 @@ class HstuBackwardWideSm90(KeyBlockProducer, HstuBackwardSm90Base):
     warpgroups wrote sP/sdS; 7 (with one sP/sdS buffer, when rab's ring takes the smem of the
     second) before either overwrites them.
 
-    Why no dQ here (docs/perf-log.md 2026-11-21, H100, B8 N4096 causal): adding dQ = G K into
+    Why no dQ here (docs/dev/perf-log.md 2026-11-21, H100, B8 N4096 causal): adding dQ = G K into
     fp32 with red.global from this kernel ran at 165-242 TF; its 64 KB of atomics per m-block
     (64 keys per CTA: twice D128's per FLOP) saturate L2. The same kernel without them runs at
     512, and beside the dQ kernel (which recomputes S and dP) the pair reaches 356.

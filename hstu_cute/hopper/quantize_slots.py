@@ -9,7 +9,7 @@ purpose, is :func:`hstu_cute.fp8_recipe.quant_launches`: a training call's forwa
 v with both copies (the backward's Q^T, K^T and e4m3 V come from the same pass), the backward
 then quantizes dO alone.
 
-Why: each launch costs the host ~15 us (H100 host, docs/perf-log.md session 18), and a mode-0 or
+Why: each launch costs the host ~15 us (H100 host, docs/dev/perf-log.md session 18), and a mode-0 or
 mode-2 training step made 8 quantizer launches (3 in the forward, 5 in the backward) with one
 tensor per launch where slots make 2. H100, B8 N4096 H4 D128 causal, same lease (session 21):
 mode-2 training step 0.945 ms against 1.026, mode 5 1.039 against 1.976; host time of a tiny
@@ -38,7 +38,7 @@ def ctas_per_sm(head_dim: int) -> int:
     """Persistent CTAs per SM of a cooperative ("group") launch, 256 threads each, also the
     launch's minimum CTAs per SM (ptxas keeps the registers within it): a thread holds D / 2
     elements; D <= 128 fits two CTAs in 128 registers, D256 takes up to 255 (one). H100, mode 5
-    at D128 (ncu, docs/perf-log.md session 25): 86 us with two CTAs, 107 with three and 139 with
+    at D128 (ncu, docs/dev/perf-log.md session 25): 86 us with two CTAs, 107 with three and 139 with
     four (ptxas spills at 85 and 64 registers). A cooperative launch larger than the GPU holds
     fails instead of starting."""
     return 2 if head_dim <= 128 else 1

@@ -73,19 +73,16 @@ def hstu_attn_varlen_func(
     """FBGEMM's current ``hstu_attn_varlen_func`` (module docstring): ``cu_seqlens_*`` are
     :func:`hstu_cute.hstu_attn_varlen_func`'s ``seq_offsets_*``, ``scaling_seqlen`` its divisor
     (-1: ``max_seqlen_q``), ``seqused_*`` its valid prefixes. Returns ``out`` (T_q, H, D); with
-    ``has_drab`` the backward gives rab's gradient. ``func`` (arbitrary per-row key intervals)
-    raises ``NotImplementedError``: not built yet."""
+    ``has_drab`` the backward gives rab's gradient. ``func`` (arbitrary per-row key intervals) is
+    validated, then raises ``NotImplementedError``: its kernels are not built yet."""
     _check_order(seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, scaling_seqlen)
-    if func is not None:
-        raise NotImplementedError("func: arbitrary (per-row interval) masks are not built yet; express the mask with "
-                                  "window_size, num_contexts and num_targets, or pass func=None")
     return api.hstu_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
         target_group_size, window_size, alpha, rab, has_drab,
         is_delta_q=kv_cache is None and max_seqlen_q != max_seqlen_k,
         quant_mode=-1 if quant_mode is None else quant_mode, scaling_seqlen=scaling_seqlen, seqused_q=seqused_q,
         seqused_k=seqused_k, kv_cache=kv_cache, page_offsets=page_offsets, page_ids=page_ids,
-        last_page_lens=last_page_lens)
+        last_page_lens=last_page_lens, func=func)
 
 
 def hstu_attn_qkvpacked_func(

@@ -19,7 +19,7 @@ from ..fp8_recipe import Fp8Recipe
 
 #: Split keys: at least this many key blocks per part (each part pays a pipeline fill and an fp32
 #: partial output), between these many parts. H100, device time (CUDA graph), 16-bit D128
-#: (scripts/sweep_splits.py, docs/perf-log.md session 15): one user x (4096 + 256) 59.7 us with one
+#: (scripts/sweep_splits.py, docs/dev/perf-log.md session 15): one user x (4096 + 256) 59.7 us with one
 #: part, 37.1 / 36.6 / 37.8 with 4 / 8 / 12, but 16 parts ran 33-187 us across runs (erratic, not
 #: understood); x (16384 + 256) 199.7 -> 56.6 with 8; 2 parts over 16 users lost (0.8x); more
 #: CTAs than SMs lost badly (8 users x 8 parts 118 us against 52 with 4). At least 4 blocks per part
@@ -47,12 +47,12 @@ def key_splits(p: Problem, tile_m: int, tile_n: int, max_seqlen_q: int, max_seql
 
 
 # The part of the H100's 50 MB L2 that one section of a kernel's tile walk may fill with the
-# operands its tiles share (common.tile_scheduler.SectionWalk). H100 sweep, session 9 (docs/perf-log.md):
+# operands its tiles share (common.tile_scheduler.SectionWalk). H100 sweep, session 9 (docs/dev/perf-log.md):
 # 8 MB is best or near it on jagged batches (B128 N2048 forward 355 TF against 281 with one
 # section, Zipf B512 N1024 84 against 54 with one pair per section).
 L2_SECTION_BYTES = 8 * 2**20
 # Sections of kernels that claim their tiles hold at least this many pairs. H100 forward, full
-# batches, three interleaved repeats (docs/perf-log.md session 10): 16 pairs match the static
+# batches, three interleaved repeats (docs/dev/perf-log.md session 10): 16 pairs match the static
 # snake with one pair (B16 N2048 547-551 vs 547-555 TF, B8 N4096 649-664 vs 642-667) where the
 # 8 MB rule's 4-8 pairs lose (518-521, 586-602).
 CLAIM_MIN_PAIRS = 16
@@ -106,7 +106,7 @@ def _backward_kind(call: Call, path: str) -> str:
 
 # The fused FP8 backward (dK, dV and dQ's reduce-adds in one kernel) runs only when asked for
 # (``backward_fp8(fused=True)``, or this flag): slower than the pair where it exists. H100, B8
-# N4096 H4 D128 causal, quant mode 2, kernels alone, same runs (docs/perf-log.md, session 19):
+# N4096 H4 D128 causal, quant mode 2, kernels alone, same runs (docs/dev/perf-log.md, session 19):
 # 0.753-0.763 ms against the pair's 0.664-0.666 (bf16 backward 0.705-0.718).
 FP8_FUSED_BY_DEFAULT = False
 

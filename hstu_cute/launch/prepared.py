@@ -91,7 +91,7 @@ class Prepared:
     """A compiled kernel with its runtime arguments laid out once for every call of one argument
     signature (:attr:`hstu_cute.call.Call.plans`): ``fixed`` (scalars, fillers, block counts,
     the tile walk) sit in place, a call fills in its tensors by name. A repeated call then costs
-    a list copy and the TVM-FFI call (the prepared launches of a step: docs/perf-log.md, session
+    a list copy and the TVM-FFI call (the prepared launches of a step: docs/dev/perf-log.md, session
     28)."""
 
     __slots__ = ("key", "fn", "fixed", "args", "index", "claims_tiles")

@@ -3,7 +3,7 @@
 # D128 causal kernels, run the quantizer tests, ncu the mode-5 forward quantizer (DRAM bytes, L2
 # hits: the second read of each tensor should come from L2), time kernel5 / quant5 / mode5 beside
 # bf16, then the host time per FP8 call. Logs under $OUT. Usage: bash scripts/gpu_group_quant.sh [D ...]
-# (session 25 measured it against the former two-launch quantizer: docs/perf-log.md).
+# (session 25 measured it against the former two-launch quantizer: docs/dev/perf-log.md).
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
 export HSTU_CUTE_CACHE_DIR="${HSTU_CUTE_CACHE_DIR:-/tmp/hstu-cute-cache}" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

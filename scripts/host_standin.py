@@ -1,6 +1,6 @@
 """Host time of the eager path on a machine without a GPU: CPU tensors, with the kernel launches,
 streams and device queries stubbed, so only our Python and PyTorch's autograd are timed (the CPU
-stand-in rows of docs/perf-log.md, session 9). The H100 host reads 2-5x these numbers; compare
+stand-in rows of docs/dev/perf-log.md, session 9). The H100 host reads 2-5x these numbers; compare
 rows of one run only.
 
     python scripts/host_standin.py            # us per call: validate, launchers, public call, step

@@ -1,6 +1,6 @@
 """Instructions per iteration of a kernel's innermost GEMM loop, from its SASS, on a machine
 without a GPU: the static stand-in for ncu's executed-instruction counts when a kernel is
-issue-bound (the FP8 backward kernels, docs/perf-log.md session 19). Each matching shipped
+issue-bound (the FP8 backward kernels, docs/dev/perf-log.md session 19). Each matching shipped
 variant is compiled on fake tensors with its cubin kept, disassembled with ``cuobjdump -sass``
 (CUDA toolkit; on PyPI in ``nvidia-cuda-cuobjdump``: ``--tools DIR`` names its bin folder), and
 the smallest loop (a backward branch) holding a GMMA instruction is counted by opcode along its

@@ -1,7 +1,7 @@
 """Device time of a training step (autograd forward + backward of the public call) replayed from a
 CUDA graph, bf16 beside FP8 quant modes, B8 N4096 H4 causal: what the step costs the GPU once the
 host is out of the way (``bench``'s training-step rows queue launches from Python, and at D128 the
-FP8 step's host time is close to its device time, docs/perf-log.md sessions 24-27). Captured with
+FP8 step's host time is close to its device time, docs/dev/perf-log.md sessions 24-27). Captured with
 torch.cuda.graph after warm-up calls; the L2 is not flushed between replays (both lines alike).
 
     python scripts/step_device_time.py [--dims 128 256] [--modes -1 2 5]

@@ -7,7 +7,7 @@ and leave as e4m3(x * (1 / scale)), 8 bytes per 16-byte input vector. q, k and v
 D128, 32 MiB each in bf16, 96 MiB together: more than the L2) run one after the other, timed as
 CUDA-graph replays beside PyTorch's amax, cast and clone of the same three tensors; the amax and
 every output byte are checked against PyTorch. A probe (not a shipped kernel): it writes the
-plain copy only (no V^T) and assumes contiguous tensors. docs/perf-log.md, session 27: 85-89 us
+plain copy only (no V^T) and assumes contiguous tensors. docs/dev/perf-log.md, session 27: 85-89 us
 with the cast, the shipped cooperative quantizer's time.
 
     python scripts/stream_quant_probe.py [--chunks 16384 32768] [--stages 4 6] [--compile-only]

@@ -60,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (mode reduce-overhead)")
     parser.add_argument("--quant-mode", type=int, default=-1, choices=range(-1, 6),
-                        help="FP8 quant_mode of the attention; -1 = bf16 (FP8 training: Hopper, modes 0 and 2-5)")
+                        help="FP8 quant_mode of the attention; -1 = bf16 (FP8 training: Hopper, modes 0-5, head dims 64/128/256)")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per step and rank")
     parser.add_argument("--max-len", type=int, default=64, help="longest sequence; also the attention divisor S")
     parser.add_argument("--vocab", type=int, default=256, help="number of item ids")

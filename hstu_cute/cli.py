@@ -983,8 +983,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of q, k, v (and rab); float8_e4m3fn: pre-quantized e4m3 inputs with descales "
                         "(Hopper FP8 forward, bf16 out and rab)")
     p.add_argument("--quant-mode", type=int, default=-1, choices=BUILT_QUANT_MODES,
-                   help="FP8 quantization inside the operator (Hopper FP8 forward): -1 off, 0 cast, 2 per block, "
-                        "3 per (sequence, head), 4 per sequence, 5 per tensor")
+                   help="FP8 quantization inside the operator (Hopper FP8 forward): -1 off, 0 cast, 1 two-direction "
+                        "(per-token and per-(block, dim) scales), 2 per block, 3 per (sequence, head), "
+                        "4 per sequence, 5 per tensor")
     p.add_argument("--mask", default="causal", choices=MASKS,
                    help="none, local (see --window), causal, or target (causal with contexts and targets)")
     p.add_argument("--window", type=_parse_window, default=(128, 0), metavar="LEFT,RIGHT",

@@ -4,7 +4,8 @@ Hopper forward variant for sm_90a, on a machine without a GPU.
 ``hstu_cute.warmup`` compiles each key of ``shipped_keys("sm_80")`` with
 ``hstu_cute.compile.build`` in worker processes (one per CI core) into a module cache; each
 variant must produce a module, exported to disk. Runs by default (CI must run it) and takes
-a few minutes on 2 cores; ``pytest -m "not slow"`` skips it for a quick local run.
+20-55 minutes on 2 cores when nothing is cached; ``pytest -m "not slow"`` skips it for a quick
+local run.
 
 The cache is a fresh temporary directory, unless ``HSTU_CUTE_TEST_CACHE_DIR`` names a lasting one
 (``.ci/run`` does): then a variant whose entry is there under its current fingerprint (same key,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .fp8_format import QUANT_MAX_SLOTS
+from .masks import MaskKind
 
 
 def dsl_dtype(name: str):
@@ -223,6 +224,10 @@ def _has_target(key) -> bool:
     return key.has_target
 
 
+def _has_func(key) -> bool:
+    return key.mask_kind == int(MaskKind.FUNC)
+
+
 def _has_rab(key) -> bool:
     return key.has_rab
 
@@ -250,6 +255,7 @@ _SEQUENCES = (
     Arg("mSeqUsedK", _int_vec("batch")),
     Arg("mNumContexts", _int_vec("batch"), _has_context),
     Arg("mNumTargets", _int_vec("batch"), _has_target),
+    Arg("mFunc", _slab(3, 1, elem="Int32"), _has_func),  # (1, n_func, T_q + 256) int32
 )
 _SCALARS = (
     Arg("alpha", _f32),

@@ -28,6 +28,8 @@ class MaskKind(enum.IntEnum):
     NONE = 0
     LOCAL = 1
     CAUSAL = 2
+    # FBGEMM's arbitrary mask: per-row key intervals read from a ``func`` tensor (SeqMask.func).
+    FUNC = 3
 
 
 class TileClass(enum.IntEnum):
@@ -100,6 +102,9 @@ class SeqMask:
     # Key-coordinate position of query 0: seqlen_k - seqlen_q for delta_q (bottom-right
     # alignment), else 0. A runtime value in kernels, so delta_q needs no kernel variant.
     row_offset: Any = 0
+    # MaskKind.FUNC: the sequence's interval bounds, ``func.bound(i, r)`` for key-coordinate row
+    # ``r`` and bound ``i`` in 0..2 (:func:`row_intervals`); None for the other kinds.
+    func: Any = None
 
 
 def _is_tensor(x) -> bool:
@@ -148,6 +153,11 @@ def row_intervals(spec: MaskSpec, seq: SeqMask, r, ops: Ops = GENERIC_OPS):
         return seq.seqlen_k, 1, 0
     if spec.kind == MaskKind.LOCAL:
         return 0, r - seq.window_left, r + seq.window_right
+    if spec.kind == MaskKind.FUNC:
+        # [0, f0) and [f1, f2): the kernels' two intervals hold n_func <= 3 (n_func 1 reads f0 as
+        # f1 and f2, an empty second interval).
+        f = seq.func
+        return f.bound(0, r), f.bound(1, r), f.bound(2, r) - 1
     lo_end, hi_start, hi_end = r + 1, 1, 0
     if spec.has_target:
         h_end = seq.history_end
@@ -173,8 +183,8 @@ def in_row_intervals(spec: MaskSpec, j, lo_end, hi_start, hi_end, seqlen_k):
     and ``[0, 0)`` for local; ``[hi_start, hi_end]`` is ``[1, 0]`` unless local or causal with
     targets. Kernels evaluate it per accumulator element: the causal D128 forward lost 4
     instructions per element (LLVM cannot prove ``1 - col0 > -col0`` empty)."""
-    keep_lo = spec.kind == MaskKind.CAUSAL
-    keep_hi = spec.kind == MaskKind.LOCAL or spec.has_target
+    keep_lo = spec.kind in (MaskKind.CAUSAL, MaskKind.FUNC)
+    keep_hi = spec.kind in (MaskKind.LOCAL, MaskKind.FUNC) or spec.has_target
     if keep_lo and keep_hi:
         return in_intervals(j, lo_end, hi_start, hi_end, seqlen_k)
     in_col_range = j < seqlen_k
@@ -253,6 +263,10 @@ def tile_is_full(spec: MaskSpec, seq: SeqMask, m_block, n_block, tile_m, tile_n,
     j_first = n_block * tile_n
     j_last = j_first + tile_n - 1
     full = j_last < seq.seqlen_k
+    if spec.kind == MaskKind.FUNC:
+        # Per-row intervals: every tile is masked per element (no per-tile bound without a
+        # reduction over the tile's rows).
+        return False
     if spec.kind == MaskKind.LOCAL:
         full = full & (j_first >= r_last - seq.window_left) & (j_last <= r_first + seq.window_right)
     elif spec.kind == MaskKind.CAUSAL:

@@ -9,6 +9,7 @@ answers, per batch index, where the sequence starts, how long it is and what its
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import cutlass
@@ -24,6 +25,23 @@ class SequenceArgs(NamedTuple):
     mSeqUsedK: Any  # (B,) int32
     mNumContexts: Any  # (B,) int32 or None
     mNumTargets: Any  # (B,) int32 or None
+    mFunc: Any = None  # (1, n_func, T_q + 256) int32 per-row key intervals (MaskKind.FUNC only)
+
+
+@dataclasses.dataclass
+class FuncRows:
+    """A sequence's ``func`` intervals as :func:`masks.row_intervals` reads them: bound ``i`` of
+    key-coordinate row ``r`` is ``mFunc[0, min(i, n_func - 1), base + r]``, ``base`` the global q
+    row of key-coordinate row 0 (q_start - row_offset: func rows index the jagged q). Rows up to a
+    tile past the sequence read the tensor's 256 rows of padding (FBGEMM's layout). A dataclass:
+    the DSL carries it through dynamic loops field by field, inside a SeqMask."""
+
+    mFunc: Any
+    base: Any
+
+    def bound(self, i: int, r):
+        last = self.mFunc.shape[1] - 1
+        return self.mFunc[0, cutlass.min(Int32(i), last), self.base + r]
 
 
 class ScoreScalars(NamedTuple):
@@ -99,10 +117,15 @@ class SequenceInfo:
         return sequence_bounds(s.mOffsetsQ, s.mOffsetsK, s.mSeqUsedQ, s.mSeqUsedK, self.tokens_q, self.tokens_k, batch)
 
     def mask(self, batch, seqlen_q, seqlen_k) -> masks.SeqMask:
-        """The runtime mask of sequence ``batch`` (reads its context and target counts)."""
+        """The runtime mask of sequence ``batch`` (reads its context and target counts; a FUNC
+        mask also its first query row)."""
         c = self.scalars
-        return sequence_mask(self.spec, seqlen_q, seqlen_k, self.seqs.mNumContexts, self.seqs.mNumTargets, batch,
-                             c.window_left, c.window_right, c.group_size, c.is_delta_q)
+        seq = sequence_mask(self.spec, seqlen_q, seqlen_k, self.seqs.mNumContexts, self.seqs.mNumTargets, batch,
+                            c.window_left, c.window_right, c.group_size, c.is_delta_q)
+        if const_expr(self.spec.kind == masks.MaskKind.FUNC):
+            q_start, _ = clamp_range(self.seqs.mOffsetsQ[batch], self.seqs.mOffsetsQ[batch + 1], self.tokens_q)
+            seq = self.with_func(q_start, seq)
+        return seq
 
     def to_words(self, q_start, k_start, seq) -> tuple:
         return (q_start, k_start, seq.seqlen_q, seq.seqlen_k, seq.num_context, seq.history_end)
@@ -111,8 +134,8 @@ class SequenceInfo:
         """``(q_start, k_start, seq)`` from :meth:`to_words`' words."""
         q_start, k_start, seqlen_q, seqlen_k, num_context, history_end = words
         c = self.scalars
-        return q_start, k_start, sequence_mask_of(seqlen_q, seqlen_k, num_context, history_end, c.window_left,
-                                                  c.window_right, c.group_size, c.is_delta_q)
+        return q_start, k_start, self.with_func(q_start, sequence_mask_of(
+            seqlen_q, seqlen_k, num_context, history_end, c.window_left, c.window_right, c.group_size, c.is_delta_q))
 
     def at(self, batch, cached_len=None):
         """``cached_len``: a paged cache's tokens ahead of the sequence's keys (common.key_blocks):
@@ -121,3 +144,9 @@ class SequenceInfo:
         if cached_len is not None:
             seqlen_k = seqlen_k + cached_len
         return q_start, k_start, self.mask(batch, seqlen_q, seqlen_k)
+
+    def with_func(self, q_start, seq: masks.SeqMask) -> masks.SeqMask:
+        """``seq`` with its :class:`FuncRows` (MaskKind.FUNC; other kinds unchanged)."""
+        if const_expr(self.spec.kind == masks.MaskKind.FUNC):
+            seq.func = FuncRows(self.seqs.mFunc, q_start - seq.row_offset)
+        return seq

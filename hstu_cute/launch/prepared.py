@@ -37,7 +37,7 @@ def _sequence_args(call: Call, device, context_target: bool) -> dict:
         mOffsetsQ=call.seq_offsets_q, mOffsetsK=call.seq_offsets_k,
         mSeqUsedQ=call.seqused_q if call.seqused_q is not None else _filler(batch, device, INT32_MAX),
         mSeqUsedK=call.seqused_k if call.seqused_k is not None else _filler(batch, device, INT32_MAX),
-        mNumContexts=num_contexts, mNumTargets=num_targets,
+        mNumContexts=num_contexts, mNumTargets=num_targets, mFunc=call.func,
     )
 
 
@@ -46,7 +46,7 @@ def _call_tensors(call: Call) -> dict:
     launch has their fillers in place)."""
     values = {"mOffsetsQ": call.seq_offsets_q, "mOffsetsK": call.seq_offsets_k}
     for name, t in (("mSeqUsedQ", call.seqused_q), ("mSeqUsedK", call.seqused_k),
-                    ("mNumContexts", call.num_contexts), ("mNumTargets", call.num_targets)):
+                    ("mNumContexts", call.num_contexts), ("mNumTargets", call.num_targets), ("mFunc", call.func)):
         if t is not None:
             values[name] = t
     return values

@@ -42,7 +42,7 @@ __all__ = ["hstu_attn_varlen_func", "fwd_op", "bwd_op", "fwd_fp8_op", "bwd_fp8_o
 # torch.compile and torch.export trace these ops (their fake implementations give the output
 # shapes without compiling or launching anything). Eager calls skip the dispatcher and call the
 # same launchers directly (see _eager), as quack does: going through torch.ops costs ~50-70 us
-# per call on the 2-core CPU machine vs ~5 us for the direct call (scripts/measure_dispatch.py,
+# per call on the 2-core CPU machine vs ~5 us for the direct call (tools/host.py dispatch,
 # docs/dev/perf-log.md "custom op dispatch"). The ops take the call flat (hstu_cute.call.OP_FIELDS);
 # their bodies turn it back into the call record.
 # ---------------------------------------------------------------------------------------------
@@ -294,7 +294,7 @@ class _HstuAttnFp8Eager(torch.autograd.Function):
     """Autograd of eager FP8 training calls (quant modes 0-5): the launchers called directly, as
     :class:`_HstuAttnEager` does for 16-bit. Through the dispatcher (fwd_fp8's registered
     autograd) a tiny training step cost 1749 us of host time against 599 for bf16 (H100 host,
-    scripts/host_fp8_step.py): each custom-op call spent ~0.7 ms in torch's op machinery."""
+    tools/host.py profile --step): each custom-op call spent ~0.7 ms in torch's op machinery."""
 
     @staticmethod
     def forward(ctx, call, q, k, v, rab):

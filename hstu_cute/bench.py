@@ -573,7 +573,7 @@ class NullAttention(torch.autograd.Function):
 def tiny_batch(requires_grad: bool, batch: int = 2, seqlen: int = 128, heads: int = 2, head_dim: int = 64,
                device="cuda") -> tuple[list, dict]:
     """([q, k, v], the public call's other keyword arguments) of the host measurements' tiny causal
-    bf16 problem (``bench --host``, scripts/host_*.py): full sequences, GPU work negligible."""
+    bf16 problem (``bench --host``, tools/host.py): full sequences, GPU work negligible."""
     tokens = batch * seqlen
     qkv = [torch.randn(tokens, heads, head_dim, device=device, dtype=torch.bfloat16, requires_grad=requires_grad)
            for _ in range(3)]

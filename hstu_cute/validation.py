@@ -515,8 +515,8 @@ def _signature_of(args: tuple) -> tuple:
 def validate_memoized(*args) -> tuple[Problem, dict]:
     """:func:`validate`, run once per argument signature (eager calls: plain tensors with concrete
     shapes), with the signature's cache of prepared launches (:attr:`hstu_cute.call.Call.plans`).
-    A repeated signature skips the ~15 us of checks (H100 host, scripts/host_breakdown.py);
-    failures are never memoized, so a bad call raises every time."""
+    A repeated signature skips the ~15 us of checks (H100 host, the host_breakdown.py probe, last
+    at 22440db); failures are never memoized, so a bad call raises every time."""
     try:
         signature = _signature_of(args)
         entry = _VALIDATED.get(signature)

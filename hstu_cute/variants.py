@@ -551,7 +551,7 @@ class HopperFp8BwdKey(HopperBwdKey):
 FP8_BWD_HEAD_DIMS = (64, 128, 256)
 # A dK/dV tile is one quantizer block of keys (128), its m-blocks and the dQ kernel's n-blocks lie
 # inside one block: the descales are scalars per GEMM. H100 B8 N4096 D128 causal mode 2, each
-# kernel alone (session 16, scripts/gpu_fp8_bwd.py sweep): dQ with 128-key blocks 0.261 ms against
+# kernel alone (session 16, tools/gpu_fp8_bwd.py sweep): dQ with 128-key blocks 0.261 ms against
 # 0.298 with 64; dK/dV with 3 stages 0.411 against 0.416 with 2 (noise: kept 2).
 _FP8_BWD_TILES = {"dkdv": dict(tile_m=64, tile_n=128, persistent=True, dynamic_tiles=True),
                   "dq": dict(tile_m=128, tile_n=128, persistent=True, dynamic_tiles=True),

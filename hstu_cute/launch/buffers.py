@@ -192,7 +192,8 @@ def _beside(device):
     stream (CUDA-graph capture included): the dK/dV and dQ kernels are independent, so the second
     fills the SMs the first leaves idle in its last wave. Events and stream are reused and the
     stream is switched with ``torch.cuda.set_stream``: the ``wait_stream`` / ``torch.cuda.stream``
-    pair cost 23 us of CPU per call on the H100 host (scripts/host_breakdown.py)."""
+    pair cost 23 us of CPU per call on the H100 host (the host_breakdown.py probe, last at
+    22440db)."""
     side = _SIDE_STREAMS.get(device.index)
     if side is None:
         if torch.cuda.is_current_stream_capturing():

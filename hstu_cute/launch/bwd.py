@@ -76,8 +76,8 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
                                                device=device)
         values["mdRab"] = drab_out
         # One stream: the dQ kernel beside the dK/dV kernel on a side stream took the same device
-        # time (0.99-1.02x, CUDA graphs, tiny to B8 N4096, scripts/side_stream_ab.py at e7fc17c) and ~45-60
-        # us more host time per step (docs/dev/perf-log.md, session 28).
+        # time (0.99-1.02x, CUDA graphs, tiny to B8 N4096, the side_stream_ab.py probe at e7fc17c) and
+        # ~45-60 us more host time per step (docs/dev/perf-log.md, session 28).
         plan.first(values, device)
         plan.second(values, device)
         if plan.kind == "wide":

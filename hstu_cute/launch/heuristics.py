@@ -18,14 +18,14 @@ from ..fp8_recipe import Fp8Recipe
 
 
 #: Split keys: at least this many key blocks per part (each part pays a pipeline fill and an fp32
-#: partial output), between these many parts. H100, device time (CUDA graph), 16-bit D128
-#: (scripts/sweep_splits.py, docs/dev/perf-log.md session 15): one user x (4096 + 256) 59.7 us with one
-#: part, 37.1 / 36.6 / 37.8 with 4 / 8 / 12, but 16 parts ran 33-187 us across runs (erratic, not
-#: understood); x (16384 + 256) 199.7 -> 56.6 with 8; 2 parts over 16 users lost (0.8x); more
-#: CTAs than SMs lost badly (8 users x 8 parts 118 us against 52 with 4). At least 4 blocks per part
-#: (session 16, scripts/gpu_split_training.py, causal training forwards, H100 graph time, 4 parts
-#: against one): B1 N1024 H4 (8 key blocks) 25.5 vs 22.1 us lost, N2048 H2 28.7 vs 30.8 and N4096
-#: H1 34.7 vs 48.3 won.
+#: partial output), between these many parts. H100, device time (CUDA graph), 16-bit D128 (the
+#: sweep_splits.py probe, last at b196058; docs/dev/perf-log.md session 15): one user x (4096 + 256)
+#: 59.7 us with one part, 37.1 / 36.6 / 37.8 with 4 / 8 / 12, but 16 parts ran 33-187 us across runs
+#: (erratic, not understood); x (16384 + 256) 199.7 -> 56.6 with 8; 2 parts over 16 users lost
+#: (0.8x); more CTAs than SMs lost badly (8 users x 8 parts 118 us against 52 with 4). At least 4
+#: blocks per part (session 16, the gpu_split_training.py probe, last at 59f9d9b: causal training
+#: forwards, H100 graph time, 4 parts against one): B1 N1024 H4 (8 key blocks) 25.5 vs 22.1 us lost,
+#: N2048 H2 28.7 vs 30.8 and N4096 H1 34.7 vs 48.3 won.
 MIN_BLOCKS_PER_SPLIT = 4
 MIN_SPLITS = 4
 MAX_SPLITS = 8

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The one GPU call: precompile (parallel) -> GPU tests -> compute-sanitizer -> backward smoke -> benchmark
+# -> serving (paged and split-key calls beside their same-run lines).
+# Usage on the GPU machine: [STAGES="warmup tests sanitizer smoke perf serving"] tools/gpu_check.sh [perf modes]
+# (perf modes: tools/gpu_perf.py's, default all). Logs under $OUT (or ./gpu-out). STAGES picks a
+# subset, so a long check can be split over two calls within one device command's time limit;
+# GPU_TESTS picks test files, WARMUP_ARGS narrows the warmup (its filters).
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then  # usage: the comment block above
+  sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "$0"; exit 0
+fi
+set -uo pipefail
+OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
+export HSTU_CUTE_CACHE_DIR="${HSTU_CUTE_CACHE_DIR:-/tmp/hstu-cute-cache}"
+STAGES=" ${STAGES:-warmup tests sanitizer smoke perf serving} "
+status=()
+if [[ $STAGES == *" warmup "* ]]; then
+  t0=$(date +%s)
+  timeout "${WARMUP_TIMEOUT:-400}" python -m hstu_cute warmup --workers "$(nproc)" ${WARMUP_ARGS:-} > "$OUT/warmup.log" 2>&1; status+=("warmup rc=$? $(( $(date +%s) - t0 ))s")
+fi
+if [[ $STAGES == *" tests "* ]]; then
+  t0=$(date +%s)
+  timeout "${GPU_TESTS_TIMEOUT:-300}" python -m pytest -q -m gpu ${GPU_TESTS:-tests} -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1; rc=$?
+  status+=("gpu tests rc=$rc $(( $(date +%s) - t0 ))s: $(tail -n 1 "$OUT/gpu-tests.log")")
+  grep -E "FAILED|Error" "$OUT/gpu-tests.log" | head -n 20
+fi
+if [[ $STAGES == *" sanitizer "* ]]; then
+  t0=$(date +%s)
+  timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 python tools/sanitize.py cases > "$OUT/sanitizer.log" 2>&1; rc=$?
+  status+=("compute-sanitizer memcheck rc=$rc $(( $(date +%s) - t0 ))s: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -n 1)")
+  t0=$(date +%s)
+  timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 python tools/sanitize.py fp8 > "$OUT/sanitizer-fp8.log" 2>&1; rc=$?
+  status+=("compute-sanitizer memcheck (FP8) rc=$rc $(( $(date +%s) - t0 ))s: $(grep -E 'ERROR SUMMARY|skipped' "$OUT/sanitizer-fp8.log" | tail -n 1)")
+  t0=$(date +%s)
+  timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 python tools/sanitize.py fp8-bwd > "$OUT/sanitizer-fp8-bwd.log" 2>&1; rc=$?
+  status+=("compute-sanitizer memcheck (FP8 backward) rc=$rc $(( $(date +%s) - t0 ))s: $(grep -E 'ERROR SUMMARY|skipped' "$OUT/sanitizer-fp8-bwd.log" | tail -n 1)")
+fi
+if [[ $STAGES == *" smoke "* ]]; then
+  python tools/gpu_bwd_smoke.py > "$OUT/bwd-smoke.log" 2>&1; status+=("backward smoke rc=$?: $(tail -n 1 "$OUT/bwd-smoke.log")")
+fi
+if [[ $STAGES == *" perf "* ]]; then
+  python tools/gpu_perf.py "${1:-all}" > "$OUT/perf.log" 2>&1; status+=("perf rc=$?")
+  sed -n '/=== summary ===/,$p' "$OUT/perf.log"
+fi
+if [[ $STAGES == *" serving "* ]]; then
+  python tools/gpu_serving.py --page-sizes 16 32 --out "$OUT/serving.jsonl" > "$OUT/serving.log" 2>&1
+  status+=("serving grid rc=$?: $OUT/serving.jsonl")
+  python tools/gpu_split.py --out "$OUT/split.jsonl" > "$OUT/split.log" 2>&1
+  status+=("split keys rc=$?: $OUT/split.jsonl")
+fi
+echo "=== gpu_check ==="
+printf '%s\n' "${status[@]}"

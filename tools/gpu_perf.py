@@ -1,0 +1,221 @@
+"""Timing run on the GPU: reference lines, the headline shape with a tile sweep, the grid.
+Writes JSON lines to $OUT/perf.jsonl (or ./perf.jsonl) and prints a short table last.
+
+    python tools/gpu_perf.py [MODES]     # comma-separated; tools/gpu_check.sh passes "all"
+
+Modes: headline (default), grid, bwd, ptxas, sweep (forward tiles), all (= those five); and the
+experiments kept for reruns: hopper, bwdsweep, bwdpersist, fusedpersist, dqpersist, bwdquick,
+fusedvspair, fusedthreshold, fp16, timing, bwd256, bwd256sm80 (read the code for what each times).
+"""
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("modes", nargs="?", default="headline", help="comma-separated modes (default: headline)")
+    args = parser.parse_args(argv)
+    import json
+    import os
+
+    import torch
+
+    from hstu_cute import bench
+
+    out_dir = os.environ.get("OUT", ".")
+    rows = []
+
+    def emit(row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        with open(os.path.join(out_dir, "perf.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    emit({"ref": "gemm_bf16_8192", "tflops": bench.gemm_tflops(), "device": torch.cuda.get_device_name()})
+    modes = set(args.modes.split(","))
+    if "all" in modes:
+        modes |= {"ptxas", "sweep", "headline", "grid", "bwd"}
+    SWEEP = {
+        64: ((128, 64, 4, 2), (128, 128, 4, 2), (64, 128, 4, 2), (128, 128, 8, 2), (64, 64, 4, 2)),
+        128: ((128, 64, 4, 2), (128, 32, 4, 2), (64, 64, 4, 2)),
+        256: ((64, 64, 4, 1), (64, 64, 4, 2), (128, 64, 8, 1), (64, 32, 4, 2), (128, 32, 8, 2)),
+    }
+    if "ptxas" in modes:
+        from hstu_cute.variants import default_fwd_tiles
+        for d in (64, 128, 256):
+            w = bench.replace(bench.headline(), name=f"full B8 N4096 D{d}", head_dim=d, sdpa=False)
+            for rep in range(2):  # interleaved, twice: the difference must beat the run-to-run spread
+                for opt in (3, 2):
+                    tiles = dict(default_fwd_tiles(d), lpt_grid=True, ptxas_opt=opt)
+                    emit(bench.run_workload(w, tiles))
+    if "sweep" in modes:
+        for d, configs in SWEEP.items():
+            w = bench.replace(bench.headline(), name=f"full B8 N4096 D{d}", head_dim=d, sdpa=False)
+            for tm, tn, nw, st in configs:
+                tiles = dict(tile_m=tm, tile_n=tn, num_warps=nw, num_stages=st, lpt_grid=True)
+                try:
+                    emit(bench.run_workload(w, tiles))
+                except Exception as e:  # a config may not fit smem/registers
+                    emit({"workload": w.name, "tiles": tiles, "error": repr(e)[:300]})
+    if "hopper" in modes:
+        # Hopper forward defaults vs one tile per CTA, interleaved (the spread between repeats is the
+        # noise), the Ampere path and cuDNN in the same run.
+        from hstu_cute.variants import default_hopper_fwd_tiles
+
+        head = bench.headline()
+        for d in (128, 256, 64):
+            w = bench.replace(head, name=f"full B8 N4096 D{d}", head_dim=d)
+            emit(bench.run_workload(w, path="hopper"))
+            w = bench.replace(w, sdpa=False)
+            for rep in range(2):
+                emit(bench.run_workload(w, dict(default_hopper_fwd_tiles(d, False), persistent=False),
+                                        path="hopper"))
+                emit(bench.run_workload(w, path="hopper"))
+        emit(bench.run_workload(bench.replace(head, sdpa=False), path="ampere"))
+        short = bench.Workload("uniform90 B1024 N256", 1024, 256, lengths="uniform90", sdpa=True)
+        emit(bench.run_workload(short, path="hopper"))
+        emit(bench.run_workload(bench.replace(short, sdpa=False), path="ampere"))
+    if "headline" in modes:
+        emit(bench.run_workload(bench.headline()))
+    if "grid" in modes:
+        for w in bench.default_grid():
+            emit(bench.run_workload(w))
+    if "bwdsweep" in modes:
+        w = bench.replace(bench.headline(), sdpa=False)
+        t = dict(tile_m=64, tile_n=128)
+        configs = [None, dict(t, ptxas_opt=2), dict(t, num_stages=1)]
+        for rep in range(2):
+            for tkv in configs:
+                try:
+                    emit(bench.run_workload_bwd(w, tiles_dkdv=tkv))
+                except Exception as e:
+                    emit({"workload": w.name + " bwd", "tiles": f"dkdv {tkv}", "error": repr(e)[:300]})
+        q = torch.randn(8 * 4096, 4, 128, device="cuda", dtype=torch.bfloat16)
+        ms, _ = bench.time_cuda([lambda: torch.zeros(q.shape, dtype=torch.float32, device="cuda").to(q.dtype)])
+        print(f"fp32 dQ accumulator zero + cast, B8 N4096 H4 D128: {ms * 1e3:.1f} us", flush=True)
+    if "bwdpersist" in modes:
+        # The dK/dV kernel of the pair, persistent (the default: one CTA per SM walking the n-blocks)
+        # against one CTA per n-block; the fused D128 default beside them.
+        t = dict(tile_m=64, tile_n=128)
+        emit(bench.run_workload_bwd(bench.headline()))
+        for d in (128, 64, 32):
+            w = bench.replace(bench.headline(), name=f"full B8 N4096 D{d}", head_dim=d, sdpa=False)
+            for tkv in (None, dict(t, persistent=False)):
+                emit(bench.run_workload_bwd(w, tiles_dkdv=tkv, deterministic=d == 128))
+        emit(bench.run_workload_bwd(bench.headline()))
+    if "fusedpersist" in modes:
+        # The fused D128 kernel: one CTA per n-block (default) against persistent.
+        t = dict(tile_m=64, tile_n=128)
+        w = bench.replace(bench.headline(), sdpa=False)
+        for rep in range(2):
+            emit(bench.run_workload_bwd(bench.headline()))
+            emit(bench.run_workload_bwd(w, tiles_dkdv=dict(t, persistent=True)))
+    if "dqpersist" in modes:
+        # The pair's dQ kernel persistent (one CTA per SM walking the m-blocks) against one CTA per m-block.
+        w = bench.replace(bench.headline(), sdpa=False)
+        cases = [(w, dict(tile_m=128, tile_n=64), True),
+                 (bench.replace(w, name="full B8 N4096 D64", head_dim=64), dict(tile_m=128, tile_n=64), False),
+                 (bench.replace(w, name="full B8 N4096 D256", head_dim=256), dict(tile_m=128, tile_n=48, num_stages=2),
+                  False)]
+        for rep in range(2):
+            emit(bench.run_workload_bwd(bench.headline()))
+            for wl, tq, det in cases:
+                for pers in (False, True):
+                    emit(bench.run_workload_bwd(wl, tiles_dq=dict(tq, persistent=pers), deterministic=det))
+    if "bwdquick" in modes:
+        # One line each: D128 default (with the SDPA lines), D128 deterministic pair, D64, D32.
+        w = bench.replace(bench.headline(), sdpa=False)
+        emit(bench.run_workload_bwd(bench.headline()))
+        emit(bench.run_workload_bwd(w, deterministic=True))
+        for d in (64, 32):
+            emit(bench.run_workload_bwd(bench.replace(w, name=f"full B8 N4096 D{d}", head_dim=d)))
+    if "fusedvspair" in modes:
+        # The fused D128 kernel against the deterministic pair over shapes, interleaved twice.
+        shapes = [bench.replace(bench.headline(), sdpa=False),
+                  bench.Workload("noncausal B8 N4096", 8, 4096, window=(-1, -1)),
+                  bench.Workload("uniform90 B1024 N256", 1024, 256, lengths="uniform90"),
+                  bench.Workload("zipf1.2 B64 N4096", 64, 4096, lengths="zipf"),
+                  bench.Workload("full B32 N1024", 32, 1024),
+                  bench.Workload("ctx8+tgt64 g1 B8 N4096", 8, 4096, contexts=8, targets=64, group=1)]
+        for rep in range(2):
+            for wl in shapes:
+                for det in (False, True):
+                    emit(bench.run_workload_bwd(wl, deterministic=det))
+    if "fusedthreshold" in modes:
+        # Around launch.heuristics.FUSED_MIN_SEQLEN_K: the fused kernel (forced) against the pair.
+        from hstu_cute import launch
+
+        default_min = launch.heuristics.FUSED_MIN_SEQLEN_K
+        for wl in (bench.Workload("full B16 N2048", 16, 2048), bench.Workload("full B32 N1024", 32, 1024),
+                   bench.Workload("uniform90 B16 N2048", 16, 2048, lengths="uniform90"),
+                   bench.Workload("full B64 N512", 64, 512)):
+            launch.heuristics.FUSED_MIN_SEQLEN_K = 0
+            row = bench.run_workload_bwd(wl)
+            row["tiles"] += " fused (forced)"
+            emit(row)
+            emit(bench.run_workload_bwd(wl, deterministic=True))
+        launch.heuristics.FUSED_MIN_SEQLEN_K = default_min
+    if "fp16" in modes:
+        # fp16 forward and backward (precise SiLU: ex2 + reciprocal) with the SDPA lines.
+        for d in (128, 64, 256):
+            w = bench.replace(bench.headline(), name=f"fp16 B8 N4096 D{d}", head_dim=d, dtype="float16")
+            emit(bench.run_workload(w, path="hopper"))
+            emit(bench.run_workload_bwd(w))
+    if "bwd" in modes:
+        for w in (bench.headline(), bench.replace(bench.headline(), name="full B8 N4096 D64", head_dim=64),
+                  bench.Workload("rab H_rab=1 B8 N2048", 8, 2048, rab_heads=1)):
+            emit(bench.run_workload_bwd(w))
+            if torch.cuda.get_device_capability()[0] == 9:
+                emit(bench.run_workload_bwd(bench.replace(w, sdpa=False), deterministic=True))
+                emit(bench.run_workload_bwd(bench.replace(w, sdpa=False), path="ampere"))
+        emit(bench.run_workload_bwd(bench.replace(bench.headline(), sdpa=False)))
+    if "timing" in modes:
+        # The two timing methods side by side (bench.SYNC_EACH_CALL): per-call synchronization adds the
+        # host launch time of every call to its sample.
+        for sync_each in (True, False, True, False):
+            bench.SYNC_EACH_CALL = sync_each
+            row = bench.run_workload_bwd(bench.headline())
+            row["tiles"] += " sync-each-call" if sync_each else " queued"
+            emit(row)
+        bench.SYNC_EACH_CALL = False
+    if "bwd256" in modes:
+        d256 = bench.replace(bench.headline(), name="full B8 N4096 D256", head_dim=256)
+        for w in (d256, d256, bench.Workload("rab H_rab=1 B8 N2048 D256", 8, 2048, head_dim=256, rab_heads=1),
+                  bench.Workload("rab H_rab=H B8 N2048 D256", 8, 2048, head_dim=256, rab_heads=4)):
+            try:
+                emit(bench.run_workload_bwd(w))
+            except Exception as e:
+                emit({"workload": w.name + " bwd", "tiles": "-", "error": repr(e)[:300]})
+    if "bwd256sm80" in modes:
+        # The sm80 D256 backward: defaults, then the 4-warp register-resident dQ kernel (spills only
+        # for fp16 with drab summed over heads) for comparison.
+        d256 = bench.replace(bench.headline(), name="full B8 N4096 D256", head_dim=256, sdpa=False)
+        rab1 = bench.Workload("rab H_rab=1 B8 N2048 D256", 8, 2048, head_dim=256, rab_heads=1)
+        for tiles_dq in (None, dict(tile_m=64, tile_n=32, num_warps=4, warps_d=1, ptxas_opt=2)):
+            for w in (d256, rab1):
+                try:
+                    emit(bench.run_workload_bwd(w, tiles_dq=tiles_dq, path="ampere"))
+                except Exception as e:
+                    emit({"workload": w.name + " bwd", "tiles": str(tiles_dq), "error": repr(e)[:300]})
+    emit({"host_overhead": bench.host_overhead_us()})
+
+    print("\n=== summary ===")
+    for r in rows:
+        if "workload" in r and "tflops" in r:
+            extra = ""
+            if r.get("sdpa_flash"):
+                extra = f"  sdpa flash {r['sdpa_flash']:.0f}  cudnn {r['sdpa_cudnn'] or 0:.0f}"
+            print(f"{r['workload']:28s} {r.get('path', ''):7s} {str(r['tiles']):60s} {r['tflops']:7.1f} TF ({r['flops']}) {r['ms']:.3f} ms{extra}")
+        elif "ref" in r:
+            print(f"{r['ref']:28s} {r['tflops']:.0f} TF")
+        elif "host_overhead" in r:
+            print("host overhead", r["host_overhead"])
+        elif "error" in r:
+            print(f"{r['workload']:28s} {r['tiles']} ERROR {r['error'][:100]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

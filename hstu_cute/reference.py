@@ -488,9 +488,6 @@ def hstu_attn_fp8_grad_emulation(q, k, v, dout, seq_offsets_q, seq_offsets_k, ma
     offs_q, offs_k = seq_offsets_q.tolist(), seq_offsets_k.tolist()
     ctx = None if num_contexts is None else num_contexts.tolist()
     tgt = None if num_targets is None else num_targets.tolist()
-    if func is not None and (tuple(window_size) != (-1, -1) or num_contexts is not None or num_targets is not None):
-        raise ValueError("func replaces the other masks: pass window_size=(-1, -1), num_contexts=None, "
-                         "num_targets=None with it")
     kind, wl, wr = normalize_window(window_size, max_seqlen_k)
     spec = MaskSpec(kind, has_context=ctx is not None, has_target=tgt is not None, is_delta_q=bool(is_delta_q))
     S = scaling_seqlen if scaling_seqlen != -1 else max(max_seqlen_q, 1)

@@ -11,7 +11,7 @@ FLOP counts (the peers' convention, docs/operator.md):
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 

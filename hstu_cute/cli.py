@@ -505,8 +505,6 @@ def _rab_text(rab_heads: int) -> str:
 
 
 def cmd_demo(args, console) -> int:
-    import torch
-
     if args.mask != "local" and args.window != (128, 0):
         console.print("[yellow]note[/]: --window only applies to --mask local; ignored")
     if args.rab_heads not in (0, 1, args.heads):

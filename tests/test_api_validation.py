@@ -478,8 +478,6 @@ def test_device_arch(cap, expected, capability):
 # HSTU_CUTE_CHECK=1: checks on the device data (run here on CPU tensors directly)
 # ---------------------------------------------------------------------------------------------
 def _problem():
-    from hstu_cute import masks
-
     return validation.Problem(B, H, D, BF16, masks.MaskSpec(masks.MaskKind.CAUSAL, True, True), L, 0, L, 0)
 
 

@@ -14,7 +14,7 @@ import zlib
 import pytest
 import torch
 
-from hstu_cute import hstu_attn_varlen_func, launch, reference, validation, variants
+from hstu_cute import hstu_attn_varlen_func, launch, reference, variants
 from hstu_cute.testing import call_record, random_jagged_batch
 
 pytestmark = [

@@ -256,6 +256,8 @@ _SEQUENCES = (
     Arg("mNumContexts", _int_vec("batch"), _has_context),
     Arg("mNumTargets", _int_vec("batch"), _has_target),
     Arg("mFunc", _slab(3, 1, elem="Int32"), _has_func),  # (1, n_func, T_q + 256) int32
+    # (B, blocks, 2) int32: per 64 query rows, the first and past-the-last key any row allows
+    Arg("mFuncBlocks", _slab(3, 1, elem="Int32"), _has_func),
 )
 _SCALARS = (
     Arg("alpha", _f32),

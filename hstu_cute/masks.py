@@ -230,6 +230,10 @@ def n_block_range(spec: MaskSpec, seq: SeqMask, m_block, tile_m, tile_n, ops: Op
     if spec.kind == MaskKind.LOCAL:
         n_lo = ops.max(r_first - seq.window_left, 0) // tile_n
         n_hi = ops.min(n_total, (r_last + seq.window_right) // tile_n + 1)
+    elif spec.kind == MaskKind.FUNC:
+        lo, hi = seq.func.key_range(m_block, tile_m)
+        n_lo = ops.max(lo, 0) // tile_n
+        n_hi = ops.min(n_total, (hi + tile_n - 1) // tile_n)
     elif spec.kind == MaskKind.CAUSAL:
         n_hi = ops.min(n_total, r_last // tile_n + 1)
         if spec.has_context:
@@ -380,6 +384,9 @@ def dense_mask(spec: MaskSpec, seq: SeqMask, device=None):
 #: Rows of padding a ``func`` tensor carries past the last query row (FBGEMM's layout): kernels
 #: read the intervals of a whole query tile without bounds checks.
 FUNC_ROW_PADDING = 256
+#: Query rows per entry of a func call's key-range table (``func_key_ranges``): every kernel's
+#: query tile is a multiple of it.
+FUNC_BLOCK_ROWS = 64
 
 
 def func_row_allows(func_rows, j):
@@ -402,3 +409,35 @@ def func_dense_mask(func, row_start: int, seqlen_q: int, seqlen_k: int, device=N
     rows = func[0, :, row_start:row_start + seqlen_q].to(device=device, dtype=torch.int64)[:, :, None]
     j = torch.arange(seqlen_k, device=device)[None, :]
     return func_row_allows(rows, j).expand(seqlen_q, seqlen_k)
+
+
+def func_key_ranges(func, seq_offsets_q, max_seqlen_q: int):
+    """(B, blocks, 2) int32 on ``func``'s device, without a sync: for each sequence and each
+    :data:`FUNC_BLOCK_ROWS` of its query rows, the first key any of those rows allows and one past
+    the last (``[big, 0)`` where none does), over ``func``'s intervals (:func:`func_row_allows`).
+    ``blocks`` covers ``max_seqlen_q`` rounded up to 256 rows (the tallest query tile), so a tile
+    never reads past the table. The kernels skip the key blocks outside a tile's range."""
+    import torch
+
+    device = func.device
+    batch = seq_offsets_q.shape[0] - 1
+    blocks = -(-max(max_seqlen_q, 1) // 256) * (256 // FUNC_BLOCK_ROWS)
+    big = torch.iinfo(torch.int32).max // 2
+    n_func = func.shape[1]
+    total = func.shape[2] - FUNC_ROW_PADDING
+    f = func[0, :, :total].to(torch.int64)
+    start = torch.where(f[0] > 0, 0, big)
+    end = f[0].clamp(min=0)
+    for m in range(1, (n_func - 1) // 2 + 1):
+        live = f[2 * m] > f[2 * m - 1]
+        start = torch.minimum(start, torch.where(live, f[2 * m - 1].clamp(min=0), big))
+        end = torch.maximum(end, torch.where(live, f[2 * m], 0))
+    rows = torch.arange(total, device=device)
+    seq = (torch.searchsorted(seq_offsets_q[1:].to(torch.int64), rows, right=True)).clamp(max=max(batch - 1, 0))
+    local = rows - seq_offsets_q.to(torch.int64)[seq]
+    index = seq * blocks + (local // FUNC_BLOCK_ROWS).clamp(max=blocks - 1)
+    table_lo = torch.full((max(batch, 1) * blocks,), big, dtype=torch.int64, device=device)
+    table_hi = torch.zeros((max(batch, 1) * blocks,), dtype=torch.int64, device=device)
+    table_lo.scatter_reduce_(0, index, start, "amin")
+    table_hi.scatter_reduce_(0, index, end, "amax")
+    return torch.stack((table_lo, table_hi), dim=1).view(max(batch, 1), blocks, 2)[:batch].to(torch.int32)

@@ -26,6 +26,7 @@ class SequenceArgs(NamedTuple):
     mNumContexts: Any  # (B,) int32 or None
     mNumTargets: Any  # (B,) int32 or None
     mFunc: Any = None  # (1, n_func, T_q + 256) int32 per-row key intervals (MaskKind.FUNC only)
+    mFuncBlocks: Any = None  # (B, blocks, 2) int32 key range per FUNC_BLOCK_ROWS query rows (FUNC only)
 
 
 @dataclasses.dataclass
@@ -38,10 +39,25 @@ class FuncRows:
 
     mFunc: Any
     base: Any
+    mBlocks: Any  # (B, blocks, 2): per masks.FUNC_BLOCK_ROWS query rows, [first key, past-the-last key)
+    batch: Any
 
     def bound(self, i: int, r):
         last = self.mFunc.shape[1] - 1
         return self.mFunc[0, cutlass.min(Int32(i), last), self.base + r]
+
+    def key_range(self, m_block, tile_m: int):
+        """[lo, hi): the keys any row of query tile ``m_block`` (``tile_m`` rows, a multiple of
+        masks.FUNC_BLOCK_ROWS) allows, from the launcher's per-block table."""
+        assert tile_m % masks.FUNC_BLOCK_ROWS == 0, tile_m
+        per_tile = tile_m // masks.FUNC_BLOCK_ROWS
+        first = m_block * per_tile
+        lo = self.mBlocks[self.batch, first, 0]
+        hi = self.mBlocks[self.batch, first, 1]
+        for j in range(1, per_tile):
+            lo = cutlass.min(lo, self.mBlocks[self.batch, first + j, 0])
+            hi = cutlass.max(hi, self.mBlocks[self.batch, first + j, 1])
+        return lo, hi
 
 
 class ScoreScalars(NamedTuple):
@@ -124,17 +140,17 @@ class SequenceInfo:
                             c.window_left, c.window_right, c.group_size, c.is_delta_q)
         if const_expr(self.spec.kind == masks.MaskKind.FUNC):
             q_start, _ = clamp_range(self.seqs.mOffsetsQ[batch], self.seqs.mOffsetsQ[batch + 1], self.tokens_q)
-            seq = self.with_func(q_start, seq)
+            seq = self.with_func(q_start, batch, seq)
         return seq
 
     def to_words(self, q_start, k_start, seq) -> tuple:
         return (q_start, k_start, seq.seqlen_q, seq.seqlen_k, seq.num_context, seq.history_end)
 
-    def from_words(self, words):
-        """``(q_start, k_start, seq)`` from :meth:`to_words`' words."""
+    def from_words(self, words, batch):
+        """``(q_start, k_start, seq)`` of sequence ``batch`` from :meth:`to_words`' words."""
         q_start, k_start, seqlen_q, seqlen_k, num_context, history_end = words
         c = self.scalars
-        return q_start, k_start, self.with_func(q_start, sequence_mask_of(
+        return q_start, k_start, self.with_func(q_start, batch, sequence_mask_of(
             seqlen_q, seqlen_k, num_context, history_end, c.window_left, c.window_right, c.group_size, c.is_delta_q))
 
     def at(self, batch, cached_len=None):
@@ -145,8 +161,8 @@ class SequenceInfo:
             seqlen_k = seqlen_k + cached_len
         return q_start, k_start, self.mask(batch, seqlen_q, seqlen_k)
 
-    def with_func(self, q_start, seq: masks.SeqMask) -> masks.SeqMask:
+    def with_func(self, q_start, batch, seq: masks.SeqMask) -> masks.SeqMask:
         """``seq`` with its :class:`FuncRows` (MaskKind.FUNC; other kinds unchanged)."""
         if const_expr(self.spec.kind == masks.MaskKind.FUNC):
-            seq.func = FuncRows(self.seqs.mFunc, q_start - seq.row_offset)
+            seq.func = FuncRows(self.seqs.mFunc, q_start - seq.row_offset, self.seqs.mFuncBlocks, batch)
         return seq

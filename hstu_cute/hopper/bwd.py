@@ -98,7 +98,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
 
     @cute.jit
     def __call__(self, mQ, mK, mV, mdO, mdK, mdV, mdQaccum, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK,
-                 mNumContexts, mNumTargets, mFunc, mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
+                 mNumContexts, mNumTargets, mFunc, mFuncBlocks, mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
                  num_n_blocks, num_sms, bh_per_section, mTileCounter, stream):
         D = self.head_dim
         self.sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, None)
@@ -133,7 +133,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
         if const_expr(self.persistent):
             num_ctas = cutlass.min(num_ctas, num_sms)
         self.launch(*loads, tma_atom_dq, tma_dq, mQ, mK, mdK, mdV,
-                    SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc), mRab,
+                    SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks), mRab,
                     ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_n_blocks,
                     bh_per_section, mTileCounter,
                     statics=dict(sK_layout=self.sK_layout, sQ_layout=self.sQ_layout, sRab_layout=self.sRab_layout,
@@ -404,7 +404,7 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         assert tile_m % 64 == 0 and tile_n % 16 == 0
 
     @cute.jit
-    def __call__(self, mQ, mK, mV, mdO, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc,
+    def __call__(self, mQ, mK, mV, mdO, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks,
                  mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks, num_sms,
                  bh_per_section, mTileCounter, stream):
         D = self.head_dim
@@ -432,7 +432,7 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         # The producer takes Q, dO once and K, V per n-block: the atoms in that order.
         k_v, q_do, rab = loads[0:4], loads[4:8], loads[8:10]
         self.launch(*q_do, *k_v, *rab, mQ, mK, mdQ,
-                    SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc), mRab,
+                    SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks), mRab,
                     ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_m_blocks,
                     bh_per_section, mTileCounter,
                     statics=dict(sQ_layout=self.sQ_layout, sK_layout=self.sK_layout, sRab_layout=self.sRab_layout,

@@ -14,6 +14,7 @@ from ..cache import default_cache
 from ..compile import build
 from ..call import Call
 from ..kernel_args import ordered, slots
+from ..masks import func_key_ranges
 from ..validation import DTYPE_NAMES, Problem, fail
 from ..variants import (
     make_fwd_key,
@@ -49,6 +50,8 @@ def _call_tensors(call: Call) -> dict:
                     ("mNumContexts", call.num_contexts), ("mNumTargets", call.num_targets), ("mFunc", call.func)):
         if t is not None:
             values[name] = t
+    if call.func is not None:  # the key ranges of the func's rows, per 64 query rows (no sync)
+        values["mFuncBlocks"] = func_key_ranges(call.func, call.seq_offsets_q, call.max_seqlen_q)
     return values
 
 

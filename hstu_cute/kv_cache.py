@@ -376,35 +376,37 @@ def cache_rows(kv_cache: torch.Tensor, page_size: int) -> torch.Tensor:
                                kv_cache.stride(3), 1))
 
 
-def target_key_rows(seq_offsets_q: torch.Tensor, num_targets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where a paged call's kernels read keys from k / v: ``(offsets, targets)``, ``(B+1,)`` and
-    ``(B,)`` int32 on the device (no sync). Sequence b's keys past its cache are its ``t_b``
-    targets, the last ``t_b`` of its query rows (k and v share q's layout), so its key rows start at
-    ``offsets[b] = seq_offsets_q[b+1] - t_b`` and ``targets`` (the kernels' seqused_k) stops them
-    after ``t_b``; ``offsets`` is non-decreasing because ``t_b`` is clamped into ``[0, n_b]``."""
+def target_key_rows(seq_offsets_q: torch.Tensor, num_targets: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where a paged call's kernels read keys from k / v: ``(offsets, targets, history)``, ``(B+1,)``,
+    ``(B,)`` and ``(B,)`` int32 on the device (no sync). Sequence b's keys past its cache are its
+    ``t_b`` targets, the last ``t_b`` of its query rows (k and v share q's layout), so its key rows
+    start at ``offsets[b] = seq_offsets_q[b+1] - t_b`` and ``targets`` (the kernels' seqused_k)
+    stops them after ``t_b``; ``offsets`` is non-decreasing because ``t_b`` is clamped into
+    ``[0, n_b]``. ``history``: the ``n_b - t_b`` query rows before the targets (already cached)."""
     new = torch.diff(seq_offsets_q)
     if num_targets is None:
-        return seq_offsets_q, torch.zeros_like(new)
+        return seq_offsets_q, torch.zeros_like(new), new
     targets = torch.minimum(num_targets.clamp(min=0), new)
-    return torch.cat((seq_offsets_q[1:] - targets, seq_offsets_q[-1:])), targets
+    return torch.cat((seq_offsets_q[1:] - targets, seq_offsets_q[-1:])), targets, new - targets
 
 
-def rab_among_new(rab: torch.Tensor, page_offsets, last_page_lens, page_size: int, seq_offsets_q, targets,
-                  width: int) -> torch.Tensor:
+def rab_among_new(rab: torch.Tensor, page_offsets, last_page_lens, page_size: int, history, width: int
+                  ) -> torch.Tensor:
     """(B, H_rab, W, W) rab of each sequence's queries against its target keys, ``rab[b, h, S_b + i,
     C_b + j]`` for i, j < W = roundup8(width): ``C_b`` cached tokens (from the page tables on the
-    device: no sync), ``S_b = C_b + t_b - n_b`` the whole-sequence row of its query 0 (``targets``:
-    :func:`target_key_rows`'), 16-byte aligned rows: a TMA box or a 16-byte load can not start at
-    column C_b of rab itself (unaligned). One gather from rab's storage by element offset (any
-    strides); offsets past a sequence's rows are clamped into the storage, so they read some
-    element of rab (their keys are masked and their queries never stored)."""
+    device: no sync), ``S_b = C_b - history[b]`` the whole-sequence row of its query 0
+    (``history``: :func:`target_key_rows`'), 16-byte aligned rows: a TMA box or a 16-byte load can
+    not start at column C_b of rab itself (unaligned). One gather from rab's storage by element
+    offset (any strides); offsets past a sequence's rows are clamped into the storage, so they read
+    some element of rab (their keys are masked and their queries never stored)."""
     cached = cached_lengths(page_offsets, last_page_lens, page_size)
-    row0 = cached + targets - torch.diff(seq_offsets_q)
     width = -(-max(width, 1) // 8) * 8
     s_b, s_h, s_r, s_c = rab.stride()
     base, grid, extent = _rab_gather_geometry(rab, width)
     # Offsets: the (b, h) slab's, query 0's row and the first target column, the (i, j) grid's.
-    offsets = ((base + (row0 * s_r + cached * s_c)[:, None, None, None]) + grid).clamp_(min=0, max=extent - 1)
+    offsets = ((base + ((cached - history) * s_r + cached * s_c)[:, None, None, None]) + grid).clamp_(
+        min=0, max=extent - 1)
     return rab.as_strided((extent,), (1,)).take(offsets)
 
 

@@ -193,14 +193,14 @@ def test_cached_lengths_target_rows_and_rab_among_new():
     assert cached.tolist() == [37, 0, 16, 25]
     new, tgt = [6, 11, 3, 8], [2, 11, 0, 8]
     seq_offsets_q = torch.tensor([0, 6, 17, 20, 28], dtype=torch.int32)
-    offsets, targets = kv_cache.target_key_rows(seq_offsets_q, torch.tensor(tgt, dtype=torch.int32))
-    assert offsets.tolist() == [4, 6, 20, 20, 28] and targets.tolist() == tgt
-    assert kv_cache.target_key_rows(seq_offsets_q, None)[1].tolist() == [0, 0, 0, 0]
+    offsets, targets, history = kv_cache.target_key_rows(seq_offsets_q, torch.tensor(tgt, dtype=torch.int32))
+    assert offsets.tolist() == [4, 6, 20, 20, 28] and targets.tolist() == tgt and history.tolist() == [4, 0, 3, 0]
+    assert [t.tolist() for t in kv_cache.target_key_rows(seq_offsets_q, None)[1:]] == [[0, 0, 0, 0], new]
     max_k = max(c + t for c, t in zip(cached.tolist(), tgt))
     base = torch.randn(4, 3, max_k + 2, max_k + 5)
     rab = base[:, ::2, :max_k, 1:max_k + 1]  # strided: every other head, an offset column
     for _ in range(2):  # the second call takes the cached geometry
-        got = kv_cache.rab_among_new(rab, page_offsets, last_page_lens, page_size, seq_offsets_q, targets, max(new))
+        got = kv_cache.rab_among_new(rab, page_offsets, last_page_lens, page_size, history, max(new))
     assert got.shape == (4, 2, 16, 16)
     for b, (c, n, t) in enumerate(zip(cached.tolist(), new, tgt)):
         s = c + t - n

@@ -29,8 +29,6 @@ or the other way round), never runs with the arguments reinterpreted.
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from .. import api
@@ -43,15 +41,13 @@ _ORDER_HINT = ("FBGEMM's current order is (q, k, v, cu_seqlens_q, cu_seqlens_k, 
                "seq_offsets_k, max_seqlen_q, max_seqlen_k, ...)")
 
 
-def _check_order(seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, scaling_seqlen) -> None:
+def _check_order(seqused_q, seqused_k) -> None:
+    """Our order into this entry puts max_seqlen_q / max_seqlen_k (ints) on seqused_q / seqused_k:
+    refused here with the hint. The other arguments' types are validation's (which hints for the
+    opposite mix-up at max_seqlen_q)."""
     for name, value in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
         if value is not None and not isinstance(value, torch.Tensor):
             fail(TypeError, name, f"a (B,) int32 tensor or None ({_ORDER_HINT})", type(value).__name__)
-    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k),
-                        ("scaling_seqlen", scaling_seqlen)):
-        if isinstance(value, torch.Tensor) or value is None or isinstance(value, bool) or not isinstance(
-                value, (numbers.Integral, torch.SymInt)):
-            fail(TypeError, name, f"a Python int ({_ORDER_HINT})", type(value).__name__)
 
 
 def hstu_attn_varlen_func(
@@ -75,7 +71,7 @@ def hstu_attn_varlen_func(
     (-1: ``max_seqlen_q``), ``seqused_*`` its valid prefixes. Returns ``out`` (T_q, H, D); with
     ``has_drab`` the backward gives rab's gradient. ``func`` (arbitrary per-row key intervals) is
     validated, then raises ``NotImplementedError``: its kernels are not built yet."""
-    _check_order(seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, scaling_seqlen)
+    _check_order(seqused_q, seqused_k)
     return api.hstu_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
         target_group_size, window_size, alpha, rab, has_drab,

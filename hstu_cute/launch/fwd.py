@@ -63,11 +63,10 @@ def forward(q, k, v, rab, call: Call, tiles: dict | None = None, out: torch.Tens
     if p.page_size:
         values.update(_paged_args(p, call.paged))
         # Keys past the cache: the targets' rows of k / v (call.seq_offsets_k counts keys, not rows).
-        values["mOffsetsK"], targets = target_key_rows(call.seq_offsets_q, call.num_targets)
-        values["mSeqUsedK"] = targets
+        values["mOffsetsK"], values["mSeqUsedK"], history = target_key_rows(call.seq_offsets_q, call.num_targets)
         if rab is not None:
             values["mRabNew"] = rab_among_new(rab, call.paged.page_offsets, call.paged.last_page_lens, p.page_size,
-                                              call.seq_offsets_q, targets, call.max_seqlen_q)
+                                              history, call.max_seqlen_q)
     # The launch goes to the current device's current stream (TVM-FFI env stream); switching
     # devices costs ~10 us, so only do it when q lives elsewhere.
     with _on_device(device):

@@ -268,9 +268,8 @@ def tile_is_full(spec: MaskSpec, seq: SeqMask, m_block, n_block, tile_m, tile_n,
     j_last = j_first + tile_n - 1
     full = j_last < seq.seqlen_k
     if spec.kind == MaskKind.FUNC:
-        # Per-row intervals: every tile is masked per element (no per-tile bound without a
-        # reduction over the tile's rows).
-        return False
+        common_end, common2_lo, common2_hi = seq.func.common_keys(m_block, tile_m)
+        return full & ((j_last < common_end) | ((j_first >= common2_lo) & (j_last < common2_hi)))
     if spec.kind == MaskKind.LOCAL:
         full = full & (j_first >= r_last - seq.window_left) & (j_last <= r_first + seq.window_right)
     elif spec.kind == MaskKind.CAUSAL:
@@ -411,17 +410,34 @@ def func_dense_mask(func, row_start: int, seqlen_q: int, seqlen_k: int, device=N
     return func_row_allows(rows, j).expand(seqlen_q, seqlen_k)
 
 
+#: Columns of a func call's per-block table (``func_key_ranges``).
+FUNC_TABLE_COLUMNS = ("key_lo", "key_hi", "common_end", "common2_lo", "common2_hi")
+
+
+def func_table_blocks(max_seqlen_q: int) -> int:
+    """Entries per sequence of a func table: ``max_seqlen_q`` rounded up to 256 rows (the tallest
+    query tile) in :data:`FUNC_BLOCK_ROWS`."""
+    return -(-max(max_seqlen_q, 1) // 256) * (256 // FUNC_BLOCK_ROWS)
+
+
 def func_key_ranges(func, seq_offsets_q, max_seqlen_q: int):
-    """(B, blocks, 2) int32 on ``func``'s device, without a sync: for each sequence and each
-    :data:`FUNC_BLOCK_ROWS` of its query rows, the first key any of those rows allows and one past
-    the last (``[big, 0)`` where none does), over ``func``'s intervals (:func:`func_row_allows`).
+    """(B, blocks, 5) int32 on ``func``'s device, without a sync: for each sequence and each
+    :data:`FUNC_BLOCK_ROWS` of its query rows (:data:`FUNC_TABLE_COLUMNS`):
+
+    * ``[key_lo, key_hi)``: the first key any of those rows allows and one past the last (``[big,
+      0)`` where none does), over ``func``'s intervals (:func:`func_row_allows`);
+    * ``[0, common_end)`` and ``[common2_lo, common2_hi)``: keys every one of those rows allows
+      through its first, resp. second interval (empty for n_func 1).
+
     ``blocks`` covers ``max_seqlen_q`` rounded up to 256 rows (the tallest query tile), so a tile
-    never reads past the table. The kernels skip the key blocks outside a tile's range."""
+    never reads past the table. The kernels skip the key blocks outside ``[key_lo, key_hi)`` and
+    apply no mask to a tile inside a common interval: causal spelled as func then masks only the
+    diagonal tiles, as the causal kernels do."""
     import torch
 
     device = func.device
     batch = seq_offsets_q.shape[0] - 1
-    blocks = -(-max(max_seqlen_q, 1) // 256) * (256 // FUNC_BLOCK_ROWS)
+    blocks = func_table_blocks(max_seqlen_q)
     big = torch.iinfo(torch.int32).max // 2
     n_func = func.shape[1]
     total = func.shape[2] - FUNC_ROW_PADDING
@@ -436,8 +452,15 @@ def func_key_ranges(func, seq_offsets_q, max_seqlen_q: int):
     seq = (torch.searchsorted(seq_offsets_q[1:].to(torch.int64), rows, right=True)).clamp(max=max(batch - 1, 0))
     local = rows - seq_offsets_q.to(torch.int64)[seq]
     index = seq * blocks + (local // FUNC_BLOCK_ROWS).clamp(max=blocks - 1)
-    table_lo = torch.full((max(batch, 1) * blocks,), big, dtype=torch.int64, device=device)
-    table_hi = torch.zeros((max(batch, 1) * blocks,), dtype=torch.int64, device=device)
-    table_lo.scatter_reduce_(0, index, start, "amin")
-    table_hi.scatter_reduce_(0, index, end, "amax")
-    return torch.stack((table_lo, table_hi), dim=1).view(max(batch, 1), blocks, 2)[:batch].to(torch.int32)
+    size = max(batch, 1) * blocks
+    columns = []
+    for values, reduce, empty in ((start, "amin", big), (end, "amax", 0), (f[0], "amin", big),
+                                  (f[1] if n_func >= 3 else None, "amax", -big),
+                                  (f[2] if n_func >= 3 else None, "amin", big)):
+        column = torch.full((size,), empty, dtype=torch.int64, device=device)
+        if values is None:  # n_func 1: no second interval, the common one empty
+            column.fill_(big if reduce == "amax" else -big)
+        else:
+            column.scatter_reduce_(0, index, values.clamp(-big, big), reduce)
+        columns.append(column)
+    return torch.stack(columns, dim=1).view(max(batch, 1), blocks, len(columns))[:batch].to(torch.int32)

@@ -126,6 +126,7 @@ def _one_key_per_family():
     keys["hopper_fwd_vt"] = variants.make_hopper_vt_key("sm_90a", variants.FP8_DTYPE, 128)
     keys["hopper_fwd_quant_slots"] = variants.make_hopper_quant_slots_key("sm_90a", "bfloat16", 128,
                                                                           variants.shipped_quant_slots()[-1])
+    keys["func_table"] = variants.make_func_table_key("sm_90a", 3)
     return keys
 
 

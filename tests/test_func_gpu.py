@@ -104,3 +104,25 @@ def test_func_spelling_causal_equals_causal(path):
         causal = hstu_attn_varlen_func(**b, window_size=(-1, 0))
         encoded = hstu_attn_varlen_func(**b, func=func)
     assert (causal.float() - encoded.float()).abs().max() <= 1e-2 * causal.float().abs().max()
+
+
+@pytest.mark.parametrize("n_func", [1, 3])
+def test_func_table_kernel_matches_definition(n_func):
+    """The one-launch table (hstu_cute.ampere.func_table) equals masks.func_key_ranges, its
+    definition, entry for entry: bounds out of range, empty intervals, empty and 1-row sequences,
+    entries past a sequence's rows; the table starts poisoned."""
+    from hstu_cute.launch.prepared import func_table
+
+    gen = torch.Generator().manual_seed(n_func)
+    lengths = [0, 1, 70, 200, 64, 1111]
+    offsets = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    func = torch.randint(-50, 1200, (1, n_func, sum(lengths) + masks.FUNC_ROW_PADDING), generator=gen,
+                         dtype=torch.int32)
+    func[0, :, 5:9] = torch.tensor([1 << 30, -(1 << 30), 3])[:n_func, None]  # huge bounds are clamped alike
+    expected = masks.func_key_ranges(func, offsets, max(lengths))
+    func, offsets_gpu = func.cuda(), offsets.cuda()
+    poison = torch.full(expected.shape, 0x5EADBEEF, dtype=torch.int32, device="cuda")
+    del poison  # the caching allocator hands this block to the table's torch.empty
+    got = func_table(func, offsets_gpu, max(lengths))
+    assert got.shape == expected.shape and got.dtype == torch.int32
+    assert torch.equal(got.cpu(), expected)

@@ -26,7 +26,7 @@ class SequenceArgs(NamedTuple):
     mNumContexts: Any  # (B,) int32 or None
     mNumTargets: Any  # (B,) int32 or None
     mFunc: Any = None  # (1, n_func, T_q + 256) int32 per-row key intervals (MaskKind.FUNC only)
-    mFuncBlocks: Any = None  # (B, blocks, 2) int32 key range per FUNC_BLOCK_ROWS query rows (FUNC only)
+    mFuncBlocks: Any = None  # (B, blocks, 5) int32 per FUNC_BLOCK_ROWS query rows: masks.FUNC_TABLE_COLUMNS
 
 
 @dataclasses.dataclass
@@ -39,25 +39,34 @@ class FuncRows:
 
     mFunc: Any
     base: Any
-    mBlocks: Any  # (B, blocks, 2): per masks.FUNC_BLOCK_ROWS query rows, [first key, past-the-last key)
+    mBlocks: Any  # (B, blocks, 5): per masks.FUNC_BLOCK_ROWS query rows, masks.FUNC_TABLE_COLUMNS
     batch: Any
 
     def bound(self, i: int, r):
         last = self.mFunc.shape[1] - 1
         return self.mFunc[0, cutlass.min(Int32(i), last), self.base + r]
 
+    def _reduce(self, m_block, tile_m: int, columns):
+        """The table's ``columns`` (index, combine) over the entries query tile ``m_block``
+        (``tile_m`` rows, a multiple or a divisor of masks.FUNC_BLOCK_ROWS) spans."""
+        rows = masks.FUNC_BLOCK_ROWS
+        assert tile_m % rows == 0 or rows % tile_m == 0, tile_m
+        first = m_block * tile_m // rows
+        values = [self.mBlocks[self.batch, first, c] for c, _ in columns]
+        for j in range(1, max(tile_m // rows, 1)):
+            values = [combine(x, self.mBlocks[self.batch, first + j, c]) for x, (c, combine) in zip(values, columns)]
+        return values
+
     def key_range(self, m_block, tile_m: int):
-        """[lo, hi): the keys any row of query tile ``m_block`` (``tile_m`` rows, a multiple of
-        masks.FUNC_BLOCK_ROWS) allows, from the launcher's per-block table."""
-        assert tile_m % masks.FUNC_BLOCK_ROWS == 0, tile_m
-        per_tile = tile_m // masks.FUNC_BLOCK_ROWS
-        first = m_block * per_tile
-        lo = self.mBlocks[self.batch, first, 0]
-        hi = self.mBlocks[self.batch, first, 1]
-        for j in range(1, per_tile):
-            lo = cutlass.min(lo, self.mBlocks[self.batch, first + j, 0])
-            hi = cutlass.max(hi, self.mBlocks[self.batch, first + j, 1])
+        """[lo, hi): the keys any row of query tile ``m_block`` allows."""
+        lo, hi = self._reduce(m_block, tile_m, ((0, cutlass.min), (1, cutlass.max)))
         return lo, hi
+
+    def common_keys(self, m_block, tile_m: int):
+        """(end, lo2, hi2): every row of query tile ``m_block`` allows the keys ``[0, end)`` and
+        ``[lo2, hi2)``."""
+        end, lo2, hi2 = self._reduce(m_block, tile_m, ((2, cutlass.min), (3, cutlass.max), (4, cutlass.min)))
+        return end, lo2, hi2
 
 
 class ScoreScalars(NamedTuple):

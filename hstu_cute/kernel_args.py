@@ -257,7 +257,7 @@ _SEQUENCES = (
     Arg("mNumContexts", _int_vec("batch"), _has_context),
     Arg("mNumTargets", _int_vec("batch"), _has_target),
     Arg("mFunc", _slab(3, 1, elem="Int32"), _has_func),  # (1, n_func, T_q + 256) int32
-    # (B, blocks, 5) int32 per 64 query rows: masks.FUNC_TABLE_COLUMNS (key range, common keys)
+    # (B, blocks, 7) int32 per 64 query rows and per 64 keys: masks.FUNC_TABLE_COLUMNS
     Arg("mFuncBlocks", _slab(3, 1, elem="Int32"), _has_func),
 )
 _SCALARS = (

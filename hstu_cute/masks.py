@@ -326,6 +326,10 @@ def m_block_range(spec: MaskSpec, seq: SeqMask, n_block, tile_m, tile_n, ops: Op
         m_hi = ops.min(m_total, ops.max(j_last + seq.window_left - off, -1) // tile_m + 1)
     elif spec.kind == MaskKind.CAUSAL and not spec.has_context:
         m_lo = ops.max(j_first - off, 0) // tile_m
+    elif spec.kind == MaskKind.FUNC:
+        rows_lo, rows_hi = seq.func.query_rows(n_block, tile_n)
+        m_lo = rows_lo // tile_m
+        m_hi = ops.min(m_total, _ceil_div(rows_hi, tile_m))
     m_lo = ops.min(m_lo, m_hi)
     return m_lo, m_hi
 
@@ -410,35 +414,44 @@ def func_dense_mask(func, row_start: int, seqlen_q: int, seqlen_k: int, device=N
     return func_row_allows(rows, j).expand(seqlen_q, seqlen_k)
 
 
-#: Columns of a func call's per-block table (``func_key_ranges``).
-FUNC_TABLE_COLUMNS = ("key_lo", "key_hi", "common_end", "common2_lo", "common2_hi")
+#: Columns of a func call's per-block table (``func_key_ranges``): five per block of query rows,
+#: two per block of keys.
+FUNC_TABLE_COLUMNS = ("key_lo", "key_hi", "common_end", "common2_lo", "common2_hi", "rows_first_from_big",
+                      "rows_past")
+#: Where a func table says "none" (int32 max // 2: sums of two bounds never overflow).
+FUNC_TABLE_BIG = (1 << 31) // 2 - 1
 
 
-def func_table_blocks(max_seqlen_q: int) -> int:
-    """Entries per sequence of a func table: ``max_seqlen_q`` rounded up to 256 rows (the tallest
-    query tile) in :data:`FUNC_BLOCK_ROWS`."""
-    return -(-max(max_seqlen_q, 1) // 256) * (256 // FUNC_BLOCK_ROWS)
+def func_table_blocks(max_seqlen_q: int, max_seqlen_k: int) -> int:
+    """Entries per sequence of a func table: the longer of ``max_seqlen_q`` and ``max_seqlen_k``
+    rounded up to 256 (the tallest tile) in :data:`FUNC_BLOCK_ROWS`."""
+    return -(-max(max_seqlen_q, max_seqlen_k, 1) // 256) * (256 // FUNC_BLOCK_ROWS)
 
 
-def func_key_ranges(func, seq_offsets_q, max_seqlen_q: int):
-    """(B, blocks, 5) int32 on ``func``'s device, without a sync: for each sequence and each
-    :data:`FUNC_BLOCK_ROWS` of its query rows (:data:`FUNC_TABLE_COLUMNS`):
+def func_key_ranges(func, seq_offsets_q, max_seqlen_q: int, max_seqlen_k: int):
+    """(B, blocks, 7) int32 on ``func``'s device: for each sequence and each
+    :data:`FUNC_BLOCK_ROWS` of its query rows, resp. of its keys (:data:`FUNC_TABLE_COLUMNS`):
 
     * ``[key_lo, key_hi)``: the first key any of those rows allows and one past the last (``[big,
       0)`` where none does), over ``func``'s intervals (:func:`func_row_allows`);
     * ``[0, common_end)`` and ``[common2_lo, common2_hi)``: keys every one of those rows allows
-      through its first, resp. second interval (empty for n_func 1).
+      through its first, resp. second interval (empty for n_func 1);
+    * ``[big - rows_first_from_big, rows_past)``: of the blocks of keys, the first and one past the
+      last block of query rows whose ``[key_lo, key_hi)`` meets them (``(0, 0)`` where none does:
+      the kernel builds these two columns with atomic max into a zeroed table).
 
-    ``blocks`` covers ``max_seqlen_q`` rounded up to 256 rows (the tallest query tile), so a tile
-    never reads past the table. The kernels skip the key blocks outside ``[key_lo, key_hi)`` and
-    apply no mask to a tile inside a common interval: causal spelled as func then masks only the
-    diagonal tiles, as the causal kernels do."""
+    ``blocks`` (:func:`func_table_blocks`) covers the tallest tile, so a tile never reads past the
+    table. The kernels skip the key blocks outside ``[key_lo, key_hi)`` (the dK/dV kernels the
+    query blocks outside the key block's range) and apply no mask to a tile inside a common
+    interval: causal spelled as func then masks only the diagonal tiles, as the causal kernels do.
+    :class:`hstu_cute.ampere.func_table.FuncTableSm80` builds it in one launch; this is its
+    definition (plain torch)."""
     import torch
 
     device = func.device
     batch = seq_offsets_q.shape[0] - 1
-    blocks = func_table_blocks(max_seqlen_q)
-    big = torch.iinfo(torch.int32).max // 2
+    blocks = func_table_blocks(max_seqlen_q, max_seqlen_k)
+    big = FUNC_TABLE_BIG
     n_func = func.shape[1]
     total = func.shape[2] - FUNC_ROW_PADDING
     f = func[0, :, :total].to(torch.int64)
@@ -463,4 +476,12 @@ def func_key_ranges(func, seq_offsets_q, max_seqlen_q: int):
         else:
             column.scatter_reduce_(0, index, values.clamp(-big, big), reduce)
         columns.append(column)
+    key_lo, key_hi = columns[0].view(-1, blocks), columns[1].view(-1, blocks)
+    # meets[b, m, n]: row block m's key range meets key block n.
+    key_first = torch.arange(blocks, device=device) * FUNC_BLOCK_ROWS
+    meets = (key_lo[:, :, None] < key_first + FUNC_BLOCK_ROWS) & (key_hi[:, :, None] > key_first)
+    row_block = torch.arange(blocks, device=device)[None, :, None]
+    first = torch.where(meets, row_block, big).amin(dim=1)
+    past = torch.where(meets, row_block + 1, 0).amax(dim=1)
+    columns += [torch.where(past > 0, big - first, 0).view(-1), past.view(-1)]
     return torch.stack(columns, dim=1).view(max(batch, 1), blocks, len(columns))[:batch].to(torch.int32)

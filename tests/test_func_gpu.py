@@ -110,7 +110,8 @@ def test_func_spelling_causal_equals_causal(path):
 def test_func_table_kernel_matches_definition(n_func):
     """The one-launch table (hstu_cute.ampere.func_table) equals masks.func_key_ranges, its
     definition, entry for entry: bounds out of range, empty intervals, empty and 1-row sequences,
-    entries past a sequence's rows; the table starts poisoned."""
+    entries past a sequence's rows, more key blocks than query blocks; the memory the table gets
+    was poisoned."""
     from hstu_cute.launch.prepared import func_table
 
     gen = torch.Generator().manual_seed(n_func)
@@ -119,10 +120,10 @@ def test_func_table_kernel_matches_definition(n_func):
     func = torch.randint(-50, 1200, (1, n_func, sum(lengths) + masks.FUNC_ROW_PADDING), generator=gen,
                          dtype=torch.int32)
     func[0, :, 5:9] = torch.tensor([1 << 30, -(1 << 30), 3])[:n_func, None]  # huge bounds are clamped alike
-    expected = masks.func_key_ranges(func, offsets, max(lengths))
+    expected = masks.func_key_ranges(func, offsets, max(lengths), 1300)
     func, offsets_gpu = func.cuda(), offsets.cuda()
     poison = torch.full(expected.shape, 0x5EADBEEF, dtype=torch.int32, device="cuda")
     del poison  # the caching allocator hands this block to the table's torch.empty
-    got = func_table(func, offsets_gpu, max(lengths))
+    got = func_table(func, offsets_gpu, max(lengths), 1300)
     assert got.shape == expected.shape and got.dtype == torch.int32
     assert torch.equal(got.cpu(), expected)

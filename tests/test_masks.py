@@ -438,8 +438,8 @@ def test_func_key_ranges_bound_every_row(n_func, low):
     offsets = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
     total = sum(lengths)
     func = torch.randint(low, 300, (1, n_func, total + masks.FUNC_ROW_PADDING), generator=gen, dtype=torch.int32)
-    table = masks.func_key_ranges(func, offsets, max(lengths))
-    assert table.shape == (len(lengths), 4, len(masks.FUNC_TABLE_COLUMNS)) and table.dtype == torch.int32
+    table = masks.func_key_ranges(func, offsets, max(lengths), 300)
+    assert table.shape == (len(lengths), 8, len(masks.FUNC_TABLE_COLUMNS)) and table.dtype == torch.int32
     keys = torch.arange(0, 400)
     big = torch.iinfo(torch.int32).max // 2
     for b, (start, n) in enumerate(zip(offsets.tolist(), lengths)):
@@ -451,13 +451,19 @@ def test_func_key_ranges_bound_every_row(n_func, low):
                 row_allows = masks.func_row_allows(func[0, :, r].long()[:, None], keys)
                 allowed |= row_allows
                 allowed_by_all &= row_allows
-            lo, hi, common_end, common2_lo, common2_hi = table[b, block].tolist()
+            lo, hi, common_end, common2_lo, common2_hi = table[b, block, :5].tolist()
             common = (keys < common_end) | ((keys >= common2_lo) & (keys < common2_hi))
             assert not (common & ~allowed_by_all).any(), (b, block, common_end, common2_lo, common2_hi)
             if rows:
                 assert common_end == int(func[0, 0, rows.start:rows.stop].min()), (b, block, common_end)
             if n_func == 1:
                 assert common2_lo >= common2_hi
+        # Per 64 keys: the query blocks whose key ranges meet them, exactly (what the dK/dV kernels walk).
+        for key_block in range(table.shape[1]):
+            meets = [m for m in range(table.shape[1])
+                     if table[b, m, 0] < (key_block + 1) * 64 and table[b, m, 1] > key_block * 64]
+            first_from_big, past = table[b, key_block, 5:].tolist()
+            assert (big - first_from_big, past) == ((meets[0], meets[-1] + 1) if meets else (big, 0)), (b, key_block)
             if not allowed.any():
                 assert low < 0 or (lo, hi) == (big, 0), (b, block, lo, hi)
                 continue

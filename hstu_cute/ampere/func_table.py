@@ -18,14 +18,15 @@ from cutlass import Int32
 from .. import masks
 from ..common.seqinfo import clamp_range
 
-_BIG = (1 << 31) // 2 - 1  # torch.iinfo(torch.int32).max // 2: masks.func_key_ranges' "none"
 _LANES = 32
 
 
 class FuncTableSm80:
     """One warp per (block of ``FUNC_BLOCK_ROWS`` query rows, sequence); lane ``l`` reads rows
     ``l`` and ``l + 32`` of the block, then butterfly shuffles combine the warp's five columns and
-    lane 0 writes them. Rows past the sequence contribute the neutral value of each column."""
+    lane 0 writes them. Rows past the sequence contribute the neutral value of each column. Then
+    the lanes stride over the key blocks the block's key range meets, folding the block's index
+    into their two columns with atomic max (the launcher zeroes the table)."""
 
     def __init__(self, n_func: int):
         assert n_func in (1, 3), n_func
@@ -42,7 +43,7 @@ class FuncTableSm80:
         block, batch, _ = cute.arch.block_idx()
         rows_total = mFunc.shape[2] - masks.FUNC_ROW_PADDING
         q_start, q_end = clamp_range(mOffsetsQ[batch], mOffsetsQ[batch + 1], rows_total)
-        big = Int32(_BIG)
+        big = Int32(masks.FUNC_TABLE_BIG)
         # (key_lo, key_hi, common_end, common2_lo, common2_hi), each column's neutral value first.
         key_lo, key_hi, common_end, common2_lo, common2_hi = big, Int32(0), big, -big, big
         if cutlass.const_expr(self.n_func == 1):
@@ -76,3 +77,10 @@ class FuncTableSm80:
             mTable[batch, block, 2] = common_end
             mTable[batch, block, 3] = common2_lo
             mTable[batch, block, 4] = common2_hi
+        key_block_lo = cutlass.max(key_lo, Int32(0)) // masks.FUNC_BLOCK_ROWS
+        key_block_hi = cutlass.min((key_hi + masks.FUNC_BLOCK_ROWS - 1) // masks.FUNC_BLOCK_ROWS, mTable.shape[1])
+        for key_block in cutlass.range(key_block_lo + lane, key_block_hi, _LANES, unroll=1):
+            first = mTable.iterator + cute.crd2idx((batch, key_block, 5), mTable.layout)
+            past = mTable.iterator + cute.crd2idx((batch, key_block, 6), mTable.layout)
+            cute.arch.atomic_max(first, big - block, sem="relaxed", scope="gpu")
+            cute.arch.atomic_max(past, block + 1, sem="relaxed", scope="gpu")

@@ -26,7 +26,7 @@ class SequenceArgs(NamedTuple):
     mNumContexts: Any  # (B,) int32 or None
     mNumTargets: Any  # (B,) int32 or None
     mFunc: Any = None  # (1, n_func, T_q + 256) int32 per-row key intervals (MaskKind.FUNC only)
-    mFuncBlocks: Any = None  # (B, blocks, 5) int32 per FUNC_BLOCK_ROWS query rows: masks.FUNC_TABLE_COLUMNS
+    mFuncBlocks: Any = None  # (B, blocks, 7) int32 per FUNC_BLOCK_ROWS query rows: masks.FUNC_TABLE_COLUMNS
 
 
 @dataclasses.dataclass
@@ -39,21 +39,21 @@ class FuncRows:
 
     mFunc: Any
     base: Any
-    mBlocks: Any  # (B, blocks, 5): per masks.FUNC_BLOCK_ROWS query rows, masks.FUNC_TABLE_COLUMNS
+    mBlocks: Any  # (B, blocks, 7): per masks.FUNC_BLOCK_ROWS query rows, masks.FUNC_TABLE_COLUMNS
     batch: Any
 
     def bound(self, i: int, r):
         last = self.mFunc.shape[1] - 1
         return self.mFunc[0, cutlass.min(Int32(i), last), self.base + r]
 
-    def _reduce(self, m_block, tile_m: int, columns):
-        """The table's ``columns`` (index, combine) over the entries query tile ``m_block``
-        (``tile_m`` rows, a multiple or a divisor of masks.FUNC_BLOCK_ROWS) spans."""
+    def _reduce(self, block, tile: int, columns):
+        """The table's ``columns`` (index, combine) over the entries tile ``block`` (``tile`` query
+        rows or keys, a multiple or a divisor of masks.FUNC_BLOCK_ROWS) spans."""
         rows = masks.FUNC_BLOCK_ROWS
-        assert tile_m % rows == 0 or rows % tile_m == 0, tile_m
-        first = m_block * tile_m // rows
+        assert tile % rows == 0 or rows % tile == 0, tile
+        first = block * tile // rows
         values = [self.mBlocks[self.batch, first, c] for c, _ in columns]
-        for j in range(1, max(tile_m // rows, 1)):
+        for j in range(1, max(tile // rows, 1)):
             values = [combine(x, self.mBlocks[self.batch, first + j, c]) for x, (c, combine) in zip(values, columns)]
         return values
 
@@ -67,6 +67,13 @@ class FuncRows:
         ``[lo2, hi2)``."""
         end, lo2, hi2 = self._reduce(m_block, tile_m, ((2, cutlass.min), (3, cutlass.max), (4, cutlass.min)))
         return end, lo2, hi2
+
+    def query_rows(self, n_block, tile_n: int):
+        """[lo, hi): the query rows (multiples of masks.FUNC_BLOCK_ROWS) whose key ranges meet key
+        tile ``n_block`` (``tile_n`` keys)."""
+        first_from_big, past = self._reduce(n_block, tile_n, ((5, cutlass.max), (6, cutlass.max)))
+        first = cutlass.min(Int32(masks.FUNC_TABLE_BIG) - first_from_big, past)
+        return first * masks.FUNC_BLOCK_ROWS, past * masks.FUNC_BLOCK_ROWS
 
 
 class ScoreScalars(NamedTuple):

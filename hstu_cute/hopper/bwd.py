@@ -283,6 +283,9 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
                 zero_smem_rows_past(zero_copy, (sK,), (self.tile_n, D), tid_in_wg, wg, k_rows)
         for m_block in cutlass.range(m_lo, m_hi, unroll=1):
             if masks.tile_nonempty(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
+                tile_full = None
+                if const_expr(spec.kind == masks.MaskKind.FUNC):
+                    tile_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
                 q_rows = self.wait_query_stage(pipe_q, q_state, seq, m_block, (sQ, sdO), zero_copy, tid_in_wg, wg)
                 acc_S = cute.make_rmem_tensor(shape_S, Float32)
                 acc_dP = cute.make_rmem_tensor(shape_S, Float32)
@@ -295,7 +298,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
                     acc_S.store(acc_S.load() + rRab.load().to(Float32))
                 warpgroup.wait_group(0)
                 silu_and_grad(acc_S, acc_dP, alpha, inv_scale, self.fast_silu, self.unscaled_grad)
-                self.mask_key_major(acc_S, acc_dP, tScS, seq, m_block, n_block, col0, q_rows)
+                self.mask_key_major(acc_S, acc_dP, tScS, seq, m_block, n_block, col0, q_rows, tile_full)
                 rP = wg_mma_d.make_fragment_A(wg_mma_d.partition_shape_A((self.tile_n, self.tile_m)))
                 rP.store(cute.make_tensor(acc_S.iterator, wgmma_acc_as_operand_a(acc_S.layout)).load().to(self.dtype))
                 rG = wg_mma_d.make_fragment_A(wg_mma_d.partition_shape_A((self.tile_n, self.tile_m)))

@@ -53,15 +53,15 @@ def _call_tensors(call: Call) -> dict:
         if t is not None:
             values[name] = t
     if call.func is not None:
-        values["mFuncBlocks"] = func_table(call.func, call.seq_offsets_q, call.max_seqlen_q)
+        values["mFuncBlocks"] = func_table(call.func, call.seq_offsets_q, call.max_seqlen_q, call.max_seqlen_k)
     return values
 
 
-def func_table(func: torch.Tensor, seq_offsets_q: torch.Tensor, max_seqlen_q: int) -> torch.Tensor:
-    """:func:`hstu_cute.masks.func_key_ranges` in one launch, no sync
+def func_table(func: torch.Tensor, seq_offsets_q: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int) -> torch.Tensor:
+    """:func:`hstu_cute.masks.func_key_ranges` in one launch after a fill, no sync
     (:class:`hstu_cute.ampere.func_table.FuncTableSm80`)."""
     batch = seq_offsets_q.shape[0] - 1
-    table = torch.empty((batch, func_table_blocks(max_seqlen_q), len(FUNC_TABLE_COLUMNS)), dtype=torch.int32, device=func.device)
+    table = torch.zeros((batch, func_table_blocks(max_seqlen_q, max_seqlen_k), len(FUNC_TABLE_COLUMNS)), dtype=torch.int32, device=func.device)
     if batch:
         key = _made(make_func_table_key, device_arch(func.device), func.shape[1])
         with _on_device(func.device):

@@ -425,6 +425,8 @@ def check_device_data(call, q, k):
     for name, t, ref in (("seqused_q", seqused_q, lens_q), ("seqused_k", seqused_k, lens_k)):
         if t is not None and bool(((t.cpu() < 0) | (t.cpu() > ref)).any()):
             fail(ValueError, name, "0 <= seqused <= offset difference per sequence", t.cpu().tolist()[:16])
+    if call.func is not None:
+        _check_func_data(call.func, seq_offsets_q, lens_q, lens_k)
     if num_contexts is not None or num_targets is not None:
         valid_k = seqused_k.cpu() if seqused_k is not None else lens_k
         c = num_contexts.cpu() if num_contexts is not None else torch.zeros_like(valid_k)
@@ -432,6 +434,22 @@ def check_device_data(call, q, k):
         if bool(((c < 0) | (t < 0) | (c + t > valid_k)).any()):
             fail(ValueError, "num_contexts/num_targets", "0 <= c, 0 <= t, c + t <= length per sequence",
                   f"c={c.tolist()[:16]} t={t.tolist()[:16]}")
+
+
+def _check_func_data(func, seq_offsets_q, lens_q, lens_k) -> None:
+    """Every bound of a sequence's query rows within ``[0, L_k]`` (its keys): the kernels and the
+    oracle clamp others, but FBGEMM's reference slices with them, where a negative bound counts from
+    the end; such a mask means different things in the two libraries."""
+    rows = torch.repeat_interleave(torch.arange(lens_q.numel()), lens_q)
+    bounds = func[0, :, :rows.numel()].to("cpu", torch.int64) if rows.numel() else None
+    if bounds is None:
+        return
+    bad = (bounds < 0) | (bounds > lens_k[rows])
+    if bool(bad.any()):
+        i, r = (int(x) for x in bad.nonzero()[0])
+        b = int(rows[r])
+        fail(ValueError, f"func[0, {i}, {r}]", f"a key position in [0, {int(lens_k[b])}] (sequence {b}'s keys; "
+             "HSTU_CUTE_CHECK=1)", int(bounds[i, r]))
 
 
 def _offsets_on_host(name: str, offsets: torch.Tensor, total: int | None, max_len: int, max_name: str):

@@ -409,8 +409,8 @@ def hstu_attn_varlen_func(
             ``[1, page_size]`` (ignored for a sequence without pages):
             ``C_b = (pages - 1) * page_size + last_page_lens[b]``.
         func: keyword-only arbitrary mask, ``(1, n_func, T_q + 256)`` int32 per-row key intervals
-            (FBGEMM's layout; docs/operator.md, "Arbitrary masks"), or None. Validated, then
-            ``NotImplementedError``: its kernels are not built yet (the oracle computes it).
+            (FBGEMM's layout; docs/operator.md, "Arbitrary masks"), or None; replaces the other
+            masks (n_func 1 or 3; 16-bit, forward and backward, Hopper and sm80).
 
     Returns:
         ``out``: a new ``(T_q, H, D)`` tensor in q's dtype. Under autograd the backward returns
@@ -438,7 +438,7 @@ def hstu_attn_varlen_func(
     paged = PagedTables(kv_cache, page_offsets, page_ids, last_page_lens) if p.page_size else None
     call = Call(p, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets, seqused_q,
                 seqused_k, target_group_size, alpha, has_drab, deterministic, (descale_q, descale_k, descale_v), paged,
-                plans)
+                plans, func)
     if eager:
         _check_data(call, q, k)
     needs_grad = torch.is_grad_enabled() and (

@@ -32,6 +32,7 @@ class Workload:
     rab_heads: int | None = None
     dtype: str = "bfloat16"
     sdpa: bool = field(default=False)  # also time torch SDPA (dense, same shape)
+    func: str | None = None  # an FBGEMM func mask instead of the window: a FUNC_PATTERNS name
 
 
 def default_grid() -> list[Workload]:
@@ -66,6 +67,34 @@ def recsys_grid() -> list[Workload]:
         Workload("short jagged u[1,256] B4096 tgt8", 4096, 256, lengths="uniform1", targets=8, sdpa=True),
         Workload("zipf B512 N1024 ctx8 tgt16", 512, 1024, lengths="zipf", contexts=8, targets=16, sdpa=True),
     ]
+
+
+def func_grid() -> list[Workload]:
+    """FBGEMM's arbitrary ``func`` masks beside our own encoding of the same mask: causal spelled
+    as one interval per row and as three bounds, and a two-interval pattern (its own FLOPs)."""
+    g = []
+    for name, b, n, lengths in (("B8 N4096", 8, 4096, "full"), ("jagged u[1,N] B128 N2048", 128, 2048, "uniform1")):
+        g += [Workload(f"causal {name}", b, n, lengths=lengths),
+              Workload(f"func causal n_func=1 {name}", b, n, lengths=lengths, func="causal1"),
+              Workload(f"func causal n_func=3 {name}", b, n, lengths=lengths, func="causal3"),
+              Workload(f"func [0,i/2)+[i-256,i] {name}", b, n, lengths=lengths, func="two_interval")]
+    return g
+
+
+#: Per-row bounds of the bench's func masks, from the row's position i in its sequence.
+FUNC_PATTERNS = {
+    "causal1": lambda i: (i + 1,),
+    "causal3": lambda i: (i + 1, i + 1, i + 1),
+    "two_interval": lambda i: (i // 2, torch.maximum(i // 2, i - 256), i + 1),
+}
+
+
+def func_tensor(pattern: str, lens_q, device) -> torch.Tensor:
+    """(1, n_func, T_q + 256) int32 of a :data:`FUNC_PATTERNS` mask over sequences of ``lens_q``."""
+    from .masks import FUNC_ROW_PADDING
+
+    i = torch.cat([torch.arange(n) for n in lens_q] + [torch.zeros(FUNC_ROW_PADDING, dtype=torch.int64)])
+    return torch.stack(FUNC_PATTERNS[pattern](i))[None].to(device=device, dtype=torch.int32)
 
 
 def headline() -> Workload:
@@ -122,6 +151,8 @@ def make_inputs(w: Workload, device="cuda", seed=0) -> dict:
         kw["target_group_size"] = w.group
     if w.rab_heads:
         kw["rab"] = rnd(b, w.rab_heads, w.max_len, w.max_len)
+    if w.func:
+        kw["func"], kw["window_size"] = func_tensor(w.func, lens_q, device), (-1, -1)
     kw["_lens_q"], kw["_lens_k"] = lens_q, lens_k
     return kw
 
@@ -129,6 +160,17 @@ def make_inputs(w: Workload, device="cuda", seed=0) -> dict:
 def flops(w: Workload, lens_q, lens_k) -> tuple[float, str]:
     hd = w.heads * w.head_dim
     kind = w.window
+    if w.func and w.func.startswith("causal"):
+        kind = (-1, 0)  # the same mask, the same convention
+    elif w.func:
+        from . import masks
+
+        func = func_tensor(w.func, lens_q, "cpu")
+        pairs, row = 0, 0
+        for lq, lk in zip(lens_q, lens_k):
+            pairs += int(masks.func_dense_mask(func, row, lq, lk).sum())
+            row += lq
+        return 4.0 * hd * pairs, "allowed"
     if w.delta_q or (kind[0] >= 0 and kind != (-1, 0)) or (kind[1] > 0):
         from . import masks
 

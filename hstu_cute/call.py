@@ -54,6 +54,8 @@ class Call(NamedTuple):
     descales: tuple = (None, None, None)
     paged: PagedTables | None = None
     plans: dict | None = None
+    # FBGEMM's arbitrary mask (1, n_func, T_q + 256) int32 (problem.mask.kind is FUNC), or None.
+    func: torch.Tensor | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,11 +67,11 @@ OP_FIELDS = (
     ("max_seqlen_k", "SymInt"), ("num_contexts", "Tensor?"), ("num_targets", "Tensor?"),
     ("target_group_size", "SymInt"), ("window_left", "SymInt"), ("window_right", "SymInt"), ("alpha", "float"),
     ("rab", "Tensor?"), ("is_delta_q", "bool"), ("scaling_seqlen", "SymInt"), ("seqused_q", "Tensor?"),
-    ("seqused_k", "Tensor?"),
+    ("seqused_k", "Tensor?"), ("func", "Tensor?"),
 )
 OP_NAMES = tuple(name for name, _ in OP_FIELDS)
 #: The per-sequence tensors among them (the traced autograd function's extra inputs).
-SEQUENCE_NAMES = ("seq_offsets_q", "seq_offsets_k", "num_contexts", "num_targets", "seqused_q", "seqused_k")
+SEQUENCE_NAMES = ("seq_offsets_q", "seq_offsets_k", "num_contexts", "num_targets", "seqused_q", "seqused_k", "func")
 _RAB_AT = OP_NAMES.index("rab")
 
 
@@ -87,7 +89,7 @@ def op_arguments(call: Call, rab: torch.Tensor | None) -> tuple:
                   num_targets=call.num_targets, target_group_size=call.target_group_size,
                   window_left=p.window_left, window_right=p.window_right, alpha=call.alpha, rab=rab,
                   is_delta_q=p.mask.is_delta_q, scaling_seqlen=p.scale_seqlen, seqused_q=call.seqused_q,
-                  seqused_k=call.seqused_k)
+                  seqused_k=call.seqused_k, func=call.func)
     return tuple(values[name] for name in OP_NAMES)
 
 
@@ -105,10 +107,11 @@ def call_of_op_arguments(q: torch.Tensor, args: tuple, quant_mode: int = -1, has
     page_size = paged.kv_cache.shape[2] if paged is not None else 0
     problem, plans = problem_of_op_args(q, a["seq_offsets_q"], a["max_seqlen_q"], a["max_seqlen_k"],
                                         a["num_contexts"], a["num_targets"], a["window_left"], a["window_right"],
-                                        a["rab"], a["is_delta_q"], a["scaling_seqlen"], quant_mode, page_size)
+                                        a["rab"], a["is_delta_q"], a["scaling_seqlen"], quant_mode, page_size,
+                                        a["func"] is not None)
     call = Call(problem, a["seq_offsets_q"], a["seq_offsets_k"], a["max_seqlen_q"], a["max_seqlen_k"],
                 a["num_contexts"], a["num_targets"], a["seqused_q"], a["seqused_k"], a["target_group_size"],
-                a["alpha"], has_drab, deterministic, descales, paged, plans)
+                a["alpha"], has_drab, deterministic, descales, paged, plans, a["func"])
     return call, args[_RAB_AT]
 
 

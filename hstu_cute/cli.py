@@ -677,7 +677,7 @@ def _bench_gpu(args, console, dev, name: str) -> int:
     if args.host:
         return _bench_host(args, console, dev, name)
     workloads = {"headline": lambda: [bench.headline()], "full": bench.default_grid,
-                 "recsys": bench.recsys_grid}[args.grid]()
+                 "recsys": bench.recsys_grid, "func": bench.func_grid}[args.grid]()
     if args.limit is not None:
         workloads = workloads[: args.limit]
     meta = dict(gpu=name, arch=arch, kernel_path=path, torch=torch.__version__,
@@ -1005,10 +1005,10 @@ def build_parser() -> argparse.ArgumentParser:
             "Time the kernels on the benchmark workloads, with the bf16 GEMM peak and torch SDPA (flash, "
             "cuDNN) timed in the same run as reference lines; FLOPs by the convention of docs/operator.md. "
             "Needs a GPU (without one it says so and exits 0).")
-    p.add_argument("--grid", choices=("headline", "full", "recsys", "serving"), default="headline",
+    p.add_argument("--grid", choices=("headline", "full", "recsys", "func", "serving"), default="headline",
                    help="headline: B8 N4096 D128 causal; full: the whole workload grid (docs/operator.md); recsys: "
-                        "short and jagged recommender shapes with a training-step row each; serving: new tokens "
-                        "against a paged KV cache beside contiguous keys and recomputing the history")
+                        "short and jagged recommender shapes with a training-step row each; func: FBGEMM's func "
+                        "masks beside our causal mask; serving: new tokens against a paged KV cache beside contiguous keys and recomputing the history")
     p.add_argument("--direction", choices=("fwd", "bwd", "both"), default="both",
                    help="time the forward, the backward or both")
     p.add_argument("--out", default=None, metavar="FILE",

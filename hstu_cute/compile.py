@@ -27,6 +27,12 @@ def _hopper_vt(key):
     return VTransposeSm90(dsl_dtype(key.dtype), key.head_dim)
 
 
+def _func_table(key):
+    from .ampere.func_table import FuncTableSm80
+
+    return FuncTableSm80(key.n_func)
+
+
 def _ampere_fwd(key):
     from .ampere.fwd import HstuForwardSm80
 
@@ -92,7 +98,7 @@ def _hopper_bwd_fp8(key):
 
 KERNELS = {"ampere_fwd": _ampere_fwd, "ampere_fwd_paged": _ampere_fwd, "ampere_bwd_dq": _ampere_bwd, "ampere_bwd_dkdv": _ampere_bwd,
            "hopper_fwd": _hopper_fwd, "hopper_fwd_paged": _hopper_fwd, "hopper_fwd_fp8": _hopper_fwd_fp8, "hopper_fwd_vt": _hopper_vt,
-           "hopper_fwd_quant_slots": _hopper_quant_slots, "hopper_bwd_dkdv": _hopper_bwd,
+           "hopper_fwd_quant_slots": _hopper_quant_slots, "func_table": _func_table, "hopper_bwd_dkdv": _hopper_bwd,
            "hopper_bwd_fused": _hopper_bwd,
            "hopper_bwd_dq": _hopper_bwd, "hopper_bwd_wide": _hopper_bwd, "hopper_bwd_fp8_dkdv": _hopper_bwd_fp8,
            "hopper_bwd_fp8_dq": _hopper_bwd_fp8, "hopper_bwd_fp8_fused": _hopper_bwd_fp8}

@@ -17,13 +17,15 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .fp8_format import QUANT_MAX_SLOTS
+from .masks import MaskKind
 
 
 def dsl_dtype(name: str):
     """The cutlass type of a compile key's dtype name."""
     import cutlass
 
-    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float8_e4m3fn": cutlass.Float8E4M3FN}[name]
+    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16, "float8_e4m3fn": cutlass.Float8E4M3FN,
+            "int32": cutlass.Int32}[name]
 
 
 class FakeShapes:
@@ -223,6 +225,10 @@ def _has_target(key) -> bool:
     return key.has_target
 
 
+def _has_func(key) -> bool:
+    return key.mask_kind == int(MaskKind.FUNC)
+
+
 def _has_rab(key) -> bool:
     return key.has_rab
 
@@ -250,6 +256,9 @@ _SEQUENCES = (
     Arg("mSeqUsedK", _int_vec("batch")),
     Arg("mNumContexts", _int_vec("batch"), _has_context),
     Arg("mNumTargets", _int_vec("batch"), _has_target),
+    Arg("mFunc", _slab(3, 1, elem="Int32"), _has_func),  # (1, n_func, T_q + 256) int32
+    # (B, blocks, 7) int32 per 64 query rows and per 64 keys: masks.FUNC_TABLE_COLUMNS
+    Arg("mFuncBlocks", _slab(3, 1, elem="Int32"), _has_func),
 )
 _SCALARS = (
     Arg("alpha", _f32),
@@ -347,6 +356,9 @@ SPECS: dict[str, tuple[Arg, ...]] = {
     "hopper_fwd_fp8": (_Q, _K, Arg("mV", _tokens_transposed), Arg("mO", _tokens("tokens_q", "out")), *_SEQUENCES,
                        _TMA_RAB, *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER,
                        Arg("mDescaleQ", _descale), Arg("mDescaleK", _descale), Arg("mDescaleV", _descale_v)),
+    # (1, n_func, T_q + 256) func, the q offsets -> the (B, blocks, 5) table (hstu_cute.ampere.func_table)
+    "func_table": (Arg("mFunc", _slab(3, 1, elem="Int32")), Arg("mOffsetsQ", _int_vec("batch1")),
+                   Arg("mTable", _slab(3, 1, elem="Int32"))),
     "hopper_fwd_vt": (Arg("mV", _tokens("tokens_k")), Arg("mVt", _tokens_transposed),
                       Arg("mOffsets", _int_vec("batch1"))),
     # Several tensors per launch (hstu_cute.hopper.quantize_slots): up to QUANT_MAX_SLOTS slots.

@@ -28,6 +28,8 @@ class MaskKind(enum.IntEnum):
     NONE = 0
     LOCAL = 1
     CAUSAL = 2
+    # FBGEMM's arbitrary mask: per-row key intervals read from a ``func`` tensor (SeqMask.func).
+    FUNC = 3
 
 
 class TileClass(enum.IntEnum):
@@ -100,6 +102,9 @@ class SeqMask:
     # Key-coordinate position of query 0: seqlen_k - seqlen_q for delta_q (bottom-right
     # alignment), else 0. A runtime value in kernels, so delta_q needs no kernel variant.
     row_offset: Any = 0
+    # MaskKind.FUNC: the sequence's interval bounds, ``func.bound(i, r)`` for key-coordinate row
+    # ``r`` and bound ``i`` in 0..2 (:func:`row_intervals`); None for the other kinds.
+    func: Any = None
 
 
 def _is_tensor(x) -> bool:
@@ -148,6 +153,11 @@ def row_intervals(spec: MaskSpec, seq: SeqMask, r, ops: Ops = GENERIC_OPS):
         return seq.seqlen_k, 1, 0
     if spec.kind == MaskKind.LOCAL:
         return 0, r - seq.window_left, r + seq.window_right
+    if spec.kind == MaskKind.FUNC:
+        # [0, f0) and [f1, f2): the kernels' two intervals hold n_func <= 3 (n_func 1 reads f0 as
+        # f1 and f2, an empty second interval).
+        f = seq.func
+        return f.bound(0, r), f.bound(1, r), f.bound(2, r) - 1
     lo_end, hi_start, hi_end = r + 1, 1, 0
     if spec.has_target:
         h_end = seq.history_end
@@ -173,8 +183,8 @@ def in_row_intervals(spec: MaskSpec, j, lo_end, hi_start, hi_end, seqlen_k):
     and ``[0, 0)`` for local; ``[hi_start, hi_end]`` is ``[1, 0]`` unless local or causal with
     targets. Kernels evaluate it per accumulator element: the causal D128 forward lost 4
     instructions per element (LLVM cannot prove ``1 - col0 > -col0`` empty)."""
-    keep_lo = spec.kind == MaskKind.CAUSAL
-    keep_hi = spec.kind == MaskKind.LOCAL or spec.has_target
+    keep_lo = spec.kind in (MaskKind.CAUSAL, MaskKind.FUNC)
+    keep_hi = spec.kind in (MaskKind.LOCAL, MaskKind.FUNC) or spec.has_target
     if keep_lo and keep_hi:
         return in_intervals(j, lo_end, hi_start, hi_end, seqlen_k)
     in_col_range = j < seqlen_k
@@ -220,6 +230,10 @@ def n_block_range(spec: MaskSpec, seq: SeqMask, m_block, tile_m, tile_n, ops: Op
     if spec.kind == MaskKind.LOCAL:
         n_lo = ops.max(r_first - seq.window_left, 0) // tile_n
         n_hi = ops.min(n_total, (r_last + seq.window_right) // tile_n + 1)
+    elif spec.kind == MaskKind.FUNC:
+        lo, hi = seq.func.key_range(m_block, tile_m)
+        n_lo = ops.max(lo, 0) // tile_n
+        n_hi = ops.min(n_total, (hi + tile_n - 1) // tile_n)
     elif spec.kind == MaskKind.CAUSAL:
         n_hi = ops.min(n_total, r_last // tile_n + 1)
         if spec.has_context:
@@ -253,6 +267,9 @@ def tile_is_full(spec: MaskSpec, seq: SeqMask, m_block, n_block, tile_m, tile_n,
     j_first = n_block * tile_n
     j_last = j_first + tile_n - 1
     full = j_last < seq.seqlen_k
+    if spec.kind == MaskKind.FUNC:
+        common_end, common2_lo, common2_hi = seq.func.common_keys(m_block, tile_m)
+        return full & ((j_last < common_end) | ((j_first >= common2_lo) & (j_last < common2_hi)))
     if spec.kind == MaskKind.LOCAL:
         full = full & (j_first >= r_last - seq.window_left) & (j_last <= r_first + seq.window_right)
     elif spec.kind == MaskKind.CAUSAL:
@@ -309,6 +326,10 @@ def m_block_range(spec: MaskSpec, seq: SeqMask, n_block, tile_m, tile_n, ops: Op
         m_hi = ops.min(m_total, ops.max(j_last + seq.window_left - off, -1) // tile_m + 1)
     elif spec.kind == MaskKind.CAUSAL and not spec.has_context:
         m_lo = ops.max(j_first - off, 0) // tile_m
+    elif spec.kind == MaskKind.FUNC:
+        rows_lo, rows_hi = seq.func.query_rows(n_block, tile_n)
+        m_lo = rows_lo // tile_m
+        m_hi = ops.min(m_total, _ceil_div(rows_hi, tile_m))
     m_lo = ops.min(m_lo, m_hi)
     return m_lo, m_hi
 
@@ -366,6 +387,9 @@ def dense_mask(spec: MaskSpec, seq: SeqMask, device=None):
 #: Rows of padding a ``func`` tensor carries past the last query row (FBGEMM's layout): kernels
 #: read the intervals of a whole query tile without bounds checks.
 FUNC_ROW_PADDING = 256
+#: Query rows per entry of a func call's key-range table (``func_key_ranges``): every kernel's
+#: query tile is a multiple of it.
+FUNC_BLOCK_ROWS = 64
 
 
 def func_row_allows(func_rows, j):
@@ -388,3 +412,76 @@ def func_dense_mask(func, row_start: int, seqlen_q: int, seqlen_k: int, device=N
     rows = func[0, :, row_start:row_start + seqlen_q].to(device=device, dtype=torch.int64)[:, :, None]
     j = torch.arange(seqlen_k, device=device)[None, :]
     return func_row_allows(rows, j).expand(seqlen_q, seqlen_k)
+
+
+#: Columns of a func call's per-block table (``func_key_ranges``): five per block of query rows,
+#: two per block of keys.
+FUNC_TABLE_COLUMNS = ("key_lo", "key_hi", "common_end", "common2_lo", "common2_hi", "rows_first_from_big",
+                      "rows_past")
+#: Where a func table says "none" (int32 max // 2: sums of two bounds never overflow).
+FUNC_TABLE_BIG = (1 << 31) // 2 - 1
+
+
+def func_table_blocks(max_seqlen_q: int, max_seqlen_k: int) -> int:
+    """Entries per sequence of a func table: the longer of ``max_seqlen_q`` and ``max_seqlen_k``
+    rounded up to 256 (the tallest tile) in :data:`FUNC_BLOCK_ROWS`."""
+    return -(-max(max_seqlen_q, max_seqlen_k, 1) // 256) * (256 // FUNC_BLOCK_ROWS)
+
+
+def func_key_ranges(func, seq_offsets_q, max_seqlen_q: int, max_seqlen_k: int):
+    """(B, blocks, 7) int32 on ``func``'s device: for each sequence and each
+    :data:`FUNC_BLOCK_ROWS` of its query rows, resp. of its keys (:data:`FUNC_TABLE_COLUMNS`):
+
+    * ``[key_lo, key_hi)``: the first key any of those rows allows and one past the last (``[big,
+      0)`` where none does), over ``func``'s intervals (:func:`func_row_allows`);
+    * ``[0, common_end)`` and ``[common2_lo, common2_hi)``: keys every one of those rows allows
+      through its first, resp. second interval (empty for n_func 1);
+    * ``[big - rows_first_from_big, rows_past)``: of the blocks of keys, the first and one past the
+      last block of query rows whose ``[key_lo, key_hi)`` meets them (``(0, 0)`` where none does:
+      the kernel builds these two columns with atomic max into a zeroed table).
+
+    ``blocks`` (:func:`func_table_blocks`) covers the tallest tile, so a tile never reads past the
+    table. The kernels skip the key blocks outside ``[key_lo, key_hi)`` (the dK/dV kernels the
+    query blocks outside the key block's range) and apply no mask to a tile inside a common
+    interval: causal spelled as func then masks only the diagonal tiles, as the causal kernels do.
+    :class:`hstu_cute.ampere.func_table.FuncTableSm80` builds it in one launch; this is its
+    definition (plain torch)."""
+    import torch
+
+    device = func.device
+    batch = seq_offsets_q.shape[0] - 1
+    blocks = func_table_blocks(max_seqlen_q, max_seqlen_k)
+    big = FUNC_TABLE_BIG
+    n_func = func.shape[1]
+    total = func.shape[2] - FUNC_ROW_PADDING
+    f = func[0, :, :total].to(torch.int64)
+    start = torch.where(f[0] > 0, 0, big)
+    end = f[0].clamp(min=0)
+    for m in range(1, (n_func - 1) // 2 + 1):
+        live = f[2 * m] > f[2 * m - 1]
+        start = torch.minimum(start, torch.where(live, f[2 * m - 1].clamp(min=0), big))
+        end = torch.maximum(end, torch.where(live, f[2 * m], 0))
+    rows = torch.arange(total, device=device)
+    seq = (torch.searchsorted(seq_offsets_q[1:].to(torch.int64), rows, right=True)).clamp(max=max(batch - 1, 0))
+    local = rows - seq_offsets_q.to(torch.int64)[seq]
+    index = seq * blocks + (local // FUNC_BLOCK_ROWS).clamp(max=blocks - 1)
+    size = max(batch, 1) * blocks
+    columns = []
+    for values, reduce, empty in ((start, "amin", big), (end, "amax", 0), (f[0], "amin", big),
+                                  (f[1] if n_func >= 3 else None, "amax", -big),
+                                  (f[2] if n_func >= 3 else None, "amin", big)):
+        column = torch.full((size,), empty, dtype=torch.int64, device=device)
+        if values is None:  # n_func 1: no second interval, the common one empty
+            column.fill_(big if reduce == "amax" else -big)
+        else:
+            column.scatter_reduce_(0, index, values.clamp(-big, big), reduce)
+        columns.append(column)
+    key_lo, key_hi = columns[0].view(-1, blocks), columns[1].view(-1, blocks)
+    # meets[b, m, n]: row block m's key range meets key block n.
+    key_first = torch.arange(blocks, device=device) * FUNC_BLOCK_ROWS
+    meets = (key_lo[:, :, None] < key_first + FUNC_BLOCK_ROWS) & (key_hi[:, :, None] > key_first)
+    row_block = torch.arange(blocks, device=device)[None, :, None]
+    first = torch.where(meets, row_block, big).amin(dim=1)
+    past = torch.where(meets, row_block + 1, 0).amax(dim=1)
+    columns += [torch.where(past > 0, big - first, 0).view(-1), past.view(-1)]
+    return torch.stack(columns, dim=1).view(max(batch, 1), blocks, len(columns))[:batch].to(torch.int32)

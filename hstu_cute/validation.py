@@ -331,7 +331,8 @@ def validate(
         rab_heads = rab.shape[1]
 
     if func is not None:
-        _check_func(func, q, window_size, num_contexts, num_targets, page_size)
+        _check_func(func, q, window_size, num_contexts, num_targets, page_size, fp8)
+        kind = masks.MaskKind.FUNC
 
     # Last, so that every other check can be exercised on CPU tensors. Meta tensors (shapes only:
     # the ops' fake implementations run, nothing is launched) serve tracing on machines without CUDA.
@@ -342,10 +343,10 @@ def validate(
     return Problem(batch, heads, head_dim, q.dtype, mask, wl, wr, scale_seqlen, rab_heads, quant_mode, page_size)
 
 
-def _check_func(func, q, window_size, num_contexts, num_targets, page_size) -> None:
+def _check_func(func, q, window_size, num_contexts, num_targets, page_size, fp8) -> None:
     """An arbitrary ``func`` mask (docs/operator.md, "Arbitrary masks"): ``(1, n_func, T_q + 256)``
-    int32 on q's device, ``n_func`` odd, last dim contiguous, with no other mask. The kernels for it
-    are not built yet: a valid one raises NotImplementedError after these checks."""
+    int32 on q's device, ``n_func`` odd (1 or 3: the kernels' two intervals per row), last dim
+    contiguous, with no other mask; 16-bit inputs without a paged cache."""
     if not isinstance(func, torch.Tensor):
         fail(TypeError, "func", "a torch.Tensor or None", type(func).__name__)
     if func.dtype != torch.int32:
@@ -363,10 +364,13 @@ def _check_func(func, q, window_size, num_contexts, num_targets, page_size) -> N
              "replaces them)", f"window_size={tuple(window_size)}, num_contexts "
              f"{'given' if num_contexts is not None else 'None'}, num_targets "
              f"{'given' if num_targets is not None else 'None'}")
+    if func.shape[1] > 3:
+        raise NotImplementedError(f"func.shape[1] (n_func): the kernels take 1 or 3 bounds per row (two "
+                                  f"intervals), got {func.shape[1]}")
     if page_size:
         raise NotImplementedError("func: not with a paged KV cache")
-    raise NotImplementedError("func: the kernels for arbitrary (per-row interval) masks are not built yet; the "
-                              "oracle (hstu_cute.reference.hstu_attn_reference(func=...)) computes them")
+    if fp8:
+        raise NotImplementedError("func: the FP8 kernels take the window, context and target masks only")
 
 
 def cached_lengths(page_offsets: torch.Tensor, last_page_lens: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -421,6 +425,8 @@ def check_device_data(call, q, k):
     for name, t, ref in (("seqused_q", seqused_q, lens_q), ("seqused_k", seqused_k, lens_k)):
         if t is not None and bool(((t.cpu() < 0) | (t.cpu() > ref)).any()):
             fail(ValueError, name, "0 <= seqused <= offset difference per sequence", t.cpu().tolist()[:16])
+    if call.func is not None:
+        _check_func_data(call.func, seq_offsets_q, lens_q, lens_k)
     if num_contexts is not None or num_targets is not None:
         valid_k = seqused_k.cpu() if seqused_k is not None else lens_k
         c = num_contexts.cpu() if num_contexts is not None else torch.zeros_like(valid_k)
@@ -428,6 +434,22 @@ def check_device_data(call, q, k):
         if bool(((c < 0) | (t < 0) | (c + t > valid_k)).any()):
             fail(ValueError, "num_contexts/num_targets", "0 <= c, 0 <= t, c + t <= length per sequence",
                   f"c={c.tolist()[:16]} t={t.tolist()[:16]}")
+
+
+def _check_func_data(func, seq_offsets_q, lens_q, lens_k) -> None:
+    """Every bound of a sequence's query rows within ``[0, L_k]`` (its keys): the kernels and the
+    oracle clamp others, but FBGEMM's reference slices with them, where a negative bound counts from
+    the end; such a mask means different things in the two libraries."""
+    rows = torch.repeat_interleave(torch.arange(lens_q.numel()), lens_q)
+    bounds = func[0, :, :rows.numel()].to("cpu", torch.int64) if rows.numel() else None
+    if bounds is None:
+        return
+    bad = (bounds < 0) | (bounds > lens_k[rows])
+    if bool(bad.any()):
+        i, r = (int(x) for x in bad.nonzero()[0])
+        b = int(rows[r])
+        fail(ValueError, f"func[0, {i}, {r}]", f"a key position in [0, {int(lens_k[b])}] (sequence {b}'s keys; "
+             "HSTU_CUTE_CHECK=1)", int(bounds[i, r]))
 
 
 def _offsets_on_host(name: str, offsets: torch.Tensor, total: int | None, max_len: int, max_name: str):
@@ -530,19 +552,20 @@ _PROBLEMS: dict = {}
 
 
 def problem_of_op_args(q, seq_offsets_q, max_seqlen_q, max_seqlen_k, num_contexts, num_targets, window_left,
-                       window_right, rab, is_delta_q, scaling_seqlen, quant_mode: int = -1, page_size: int = 0
-                       ) -> tuple[Problem, dict]:
+                       window_right, rab, is_delta_q, scaling_seqlen, quant_mode: int = -1, page_size: int = 0,
+                       has_func: bool = False) -> tuple[Problem, dict]:
     """The :class:`Problem` of already validated op arguments (what :func:`validate` returned for
     the public call; the window comes normalized), with its cache of prepared launches.
     Memoized: the ops run it on every call."""
     memo = (seq_offsets_q.shape[0], q.shape[1], q.shape[2], q.dtype, max_seqlen_q, max_seqlen_k,
             num_contexts is not None, num_targets is not None, window_left, window_right, is_delta_q,
-            scaling_seqlen, rab.shape[1] if rab is not None else 0, quant_mode, page_size)
+            scaling_seqlen, rab.shape[1] if rab is not None else 0, quant_mode, page_size, has_func)
     entry = _PROBLEMS.get(memo)
     if entry is None:
         if len(_PROBLEMS) > 256:
             _PROBLEMS.clear()
         kind, wl, wr = masks.normalize_window((window_left, window_right), max_seqlen_k)
+        kind = masks.MaskKind.FUNC if has_func else kind
         mask = masks.MaskSpec(kind, num_contexts is not None, num_targets is not None, is_delta_q)
         problem = Problem(seq_offsets_q.shape[0] - 1, q.shape[1], q.shape[2], q.dtype, mask, wl, wr,
                           scaling_seqlen if scaling_seqlen != -1 else max_seqlen_q,

@@ -40,7 +40,7 @@ __all__ = [
     "quant_launches", "QUANT_PURPOSES", "shipped_quant_slots", "HopperPagedFwdKey", "make_hopper_paged_fwd_key",
     "PAGED_MASKS",
     "PAGE_SIZES", "SPLIT_KEY_MASKS", "AmperePagedFwdKey", "make_ampere_paged_fwd_key",
-    "make_hopper_vt_key", "vt_width",
+    "make_hopper_vt_key", "vt_width", "FuncTableKey", "make_func_table_key",
     "shipped_keys", "has_hopper_kernels",
 ]
 
@@ -149,7 +149,7 @@ def make_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, rab_vec, 
                  split_keys: bool = False) -> AmpereFwdKey:
     return AmpereFwdKey(
         **_variant_fields(arch, dtype, head_dim, kind, context_target, has_rab), rab_vec=rab_vec if has_rab else 8,
-        **(tiles or dict(default_fwd_tiles(head_dim), lpt_grid=MaskKind(kind) == MaskKind.CAUSAL)),
+        **(tiles or dict(default_fwd_tiles(head_dim), lpt_grid=MaskKind(kind) in (MaskKind.CAUSAL, MaskKind.FUNC))),
         split_keys=split_keys,
     )
 
@@ -377,6 +377,25 @@ def make_hopper_vt_key(arch, dtype, head_dim) -> HopperVtKey:
 
 
 @dataclass(frozen=True)
+class FuncTableKey(_Variant):
+    """Compile key of :class:`~hstu_cute.ampere.func_table.FuncTableSm80` (a ``func`` mask's
+    per-block table, :func:`hstu_cute.masks.func_key_ranges`): only the arch and ``n_func`` (1 or
+    3) matter; ``dtype`` is the table's, ``head_dim`` unused (0)."""
+
+    kernel_name: ClassVar[str] = "func_table"
+
+    n_func: int = 1
+    ptxas_opt: int = 3
+
+    def describe(self) -> str:
+        return f"{self.kernel_name} {self.arch} n_func={self.n_func}"
+
+
+def make_func_table_key(arch, n_func) -> FuncTableKey:
+    return FuncTableKey(arch=arch, dtype="int32", head_dim=0, mask_kind=int(MaskKind.FUNC), n_func=n_func)
+
+
+@dataclass(frozen=True)
 class HopperQuantSlotsKey(_Fp8InputKey):
     """Compile key of :class:`~hstu_cute.hopper.quantize_slots.QuantizeSlotsSm90` (quant modes
     0-5, several tensors per launch): the ``slots`` of one launch, each ``(role, plain,
@@ -593,7 +612,8 @@ def _hopper_role_serves(role: str, head_dim: int) -> bool:
 
 KEY_CLASSES = {cls.__name__: cls for cls in (AmpereFwdKey, AmpereBwdKey, HopperFwdKey, HopperBwdKey,
                                               HopperFp8FwdKey, HopperFp8BwdKey, HopperVtKey,
-                                              HopperQuantSlotsKey, HopperPagedFwdKey, AmperePagedFwdKey)}
+                                              HopperQuantSlotsKey, HopperPagedFwdKey, AmperePagedFwdKey,
+                                              FuncTableKey)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -489,8 +489,19 @@ def _device_check(**over):
     return validation.check_device_data(Call(_problem(), **a), q, k)
 
 
+def _func(**at):
+    """(1, 3, 14 + 256) bounds inside each sequence's keys (8, then 6), the padding garbage;
+    ``at``: {(bound, row): value} overrides."""
+    func = torch.full((1, 3, 14 + masks.FUNC_ROW_PADDING), -7, dtype=torch.int32)
+    func[0, :, :8], func[0, :, 8:14] = 8, 6
+    for (i, r), value in at.values():
+        func[0, i, r] = value
+    return func
+
+
 def test_device_data_valid_passes():
     _device_check()
+    _device_check(func=_func(a=((1, 3), 0), b=((2, 13), 0)))
     _device_check(num_contexts=_i32([2, 0]), num_targets=_i32([6, 6]), seqused_q=_i32([8, 0]),
                   seqused_k=_i32([8, 6]))
 
@@ -516,6 +527,8 @@ DEVICE_CASES = [
     ("targets-alone-too-long", dict(num_targets=_i32([9, 0])), "num_contexts/num_targets",
      "c + t <= length per sequence", "t=[9, 0]"),
     ("negative-context", dict(num_contexts=_i32([-1, 0])), "num_contexts/num_targets", "0 <= c", "c=[-1, 0]"),
+    ("func-negative-bound", dict(func=_func(a=((1, 5), -1))), "func[0, 1, 5]", "in [0, 8]", "-1"),
+    ("func-past-the-keys", dict(func=_func(a=((0, 9), 7))), "func[0, 0, 9]", "in [0, 6]", "7"),
 ]
 
 

@@ -126,6 +126,7 @@ def _one_key_per_family():
     keys["hopper_fwd_vt"] = variants.make_hopper_vt_key("sm_90a", variants.FP8_DTYPE, 128)
     keys["hopper_fwd_quant_slots"] = variants.make_hopper_quant_slots_key("sm_90a", "bfloat16", 128,
                                                                           variants.shipped_quant_slots()[-1])
+    keys["func_table"] = variants.make_func_table_key("sm_90a", 3)
     return keys
 
 
@@ -166,10 +167,11 @@ def test_ordered_takes_values_by_name_and_drops_absent_ones():
     names = [a.name for a in kernel_args.spec(key)]
     values = {n: n for n in names}
     args = kernel_args.ordered(key, values)
-    assert args == names  # has_context, has_rab, has_drab: every argument present
+    # has_context, has_rab, has_drab: every argument present but the func mask's (MaskKind.FUNC keys only)
+    assert args == [None if n in ("mFunc", "mFuncBlocks") else n for n in names]
     no_ctx = type(key)(**{**key.__dict__, "has_context": False, "has_target": False, "has_drab": False,
                           "rab_sum_heads": False})
     args = kernel_args.ordered(no_ctx, values)
-    absent = {"mNumContexts", "mNumTargets", "mdRab", "mdRabAccum"}
+    absent = {"mNumContexts", "mNumTargets", "mFunc", "mFuncBlocks", "mdRab", "mdRabAccum"}
     assert [a for a, n in zip(args, names) if a is None] == [None] * len(absent)
     assert {n for a, n in zip(args, names) if a is None} == absent

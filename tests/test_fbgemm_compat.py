@@ -68,22 +68,27 @@ def test_mixed_orders_fail_by_name():
 
 
 @pytest.mark.parametrize("func, exc, match", [
-    (torch.empty(1, 3, 22 + 256, dtype=torch.int32), NotImplementedError, "func: the kernels for arbitrary"),
-    (torch.empty(1, 1, 22 + 256, dtype=torch.int32), NotImplementedError, "func: the kernels for arbitrary"),
+    (torch.empty(1, 5, 22 + 256, dtype=torch.int32), NotImplementedError, r"func.shape\[1\] \(n_func\): the kernels take 1 or 3"),
     (torch.empty(1, 2, 22 + 256, dtype=torch.int32), ValueError, r"func: expected shape \(1, n_func, >= 278\)"),
     (torch.empty(1, 3, 22 + 255, dtype=torch.int32), ValueError, r"func: expected shape \(1, n_func, >= 278\)"),
     (torch.empty(2, 3, 22 + 256, dtype=torch.int32), ValueError, "func: expected shape"),
     (torch.empty(1, 3, 22 + 256, dtype=torch.int64), TypeError, "func.dtype: expected torch.int32"),
     ("func", TypeError, "func: expected a torch.Tensor or None"),
 ])
-def test_func_is_checked_then_refused(func, exc, match):
-    """func (FBGEMM's arbitrary mask) is validated by name; a valid one is refused until its
-    kernels exist (never silently ignored)."""
+def test_bad_func_is_refused_by_name(func, exc, match):
     (q, k, v), off = _jagged([5, 17])
     if isinstance(func, torch.Tensor):
         func = func.to("meta")
     with pytest.raises(exc, match=match):
         fbgemm.hstu_attn_varlen_func(q, k, v, off, off, None, None, 17, 17, -1, None, None, func=func)
+
+
+@pytest.mark.parametrize("n_func", [1, 3])
+def test_func_call_has_the_output_shape(n_func):
+    (q, k, v), off = _jagged([5, 17])
+    func = torch.empty(1, n_func, 22 + 256, dtype=torch.int32, device="meta")
+    out = fbgemm.hstu_attn_varlen_func(q, k, v, off, off, None, None, 17, 17, -1, None, None, func=func)
+    assert out.shape == q.shape
 
 
 def test_func_with_another_mask_is_an_error():

@@ -20,8 +20,8 @@ AMPERE_BWD = {"ampere_bwd_dq", "ampere_bwd_dkdv"}
 HOPPER_FWD = {"hopper_fwd", "hopper_fwd_paged", "hopper_fwd_fp8"}
 HOPPER_BWD = {"hopper_bwd_dkdv", "hopper_bwd_fused", "hopper_bwd_dq", "hopper_bwd_wide"}
 HOPPER_BWD_FP8 = {"hopper_bwd_fp8_dkdv", "hopper_bwd_fp8_dq", "hopper_bwd_fp8_fused"}
-VT, QUANT = {"hopper_fwd_vt"}, {"hopper_fwd_quant_slots"}
-ALL = AMPERE_FWD | AMPERE_BWD | HOPPER_FWD | HOPPER_BWD | HOPPER_BWD_FP8 | VT | QUANT
+VT, QUANT, FUNC_TABLE = {"hopper_fwd_vt"}, {"hopper_fwd_quant_slots"}, {"func_table"}
+ALL = AMPERE_FWD | AMPERE_BWD | HOPPER_FWD | HOPPER_BWD | HOPPER_BWD_FP8 | VT | QUANT | FUNC_TABLE
 #: Modules no kernel is built from: editing them must invalidate no family.
 HOST_ONLY = ("cli.py", "validation.py", "api.py", "nn.py", "call.py", "warmup.py", "cache.py", "bench.py",
              "launch/fwd.py", "launch/prepared.py", "__init__.py", "fingerprints.py", "reference.py")
@@ -79,7 +79,7 @@ def test_no_family_is_built_from_host_only_modules():
 
 def test_copy_matches_the_package(pkg):
     assert fps(pkg) == fps(None)
-    assert len(set(fps(pkg).values())) == 7  # families built from the same files share one
+    assert len(set(fps(pkg).values())) == 8  # families built from the same files share one
 
 
 def test_editing_host_modules_changes_no_family(pkg):
@@ -94,7 +94,7 @@ def test_editing_host_modules_changes_no_family(pkg):
 def test_editing_silu_changes_the_families_that_use_it(pkg):
     base = fps(pkg)
     edit(pkg, "common/silu.py")
-    assert changed(base, fps(pkg)) == ALL - VT - QUANT
+    assert changed(base, fps(pkg)) == ALL - VT - QUANT - FUNC_TABLE
 
 
 def test_editing_the_hopper_forward_changes_its_families_only(pkg):
@@ -108,6 +108,7 @@ def test_editing_the_hopper_forward_changes_its_families_only(pkg):
     ("hopper/bwd_wide.py", HOPPER_BWD),
     ("hopper/bwd.py", HOPPER_BWD | HOPPER_BWD_FP8),
     ("hopper/quantize.py", QUANT),
+    ("ampere/func_table.py", FUNC_TABLE),
     ("ampere/base.py", AMPERE_FWD | AMPERE_BWD),
     ("common/sm80.py", AMPERE_FWD | AMPERE_BWD),
     ("common/key_blocks.py", AMPERE_FWD | HOPPER_FWD),
@@ -132,7 +133,7 @@ def test_a_new_import_joins_the_family(pkg):
     assert changed(base, fps(pkg)) == VT
     base = fps(pkg)
     edit(pkg, "common/silu.py")
-    assert changed(base, fps(pkg)) == ALL - QUANT
+    assert changed(base, fps(pkg)) == ALL - QUANT - FUNC_TABLE
 
 
 def test_toolchain_versions_change_every_family(pkg, monkeypatch):
@@ -140,7 +141,7 @@ def test_toolchain_versions_change_every_family(pkg, monkeypatch):
     monkeypatch.setattr(cache_mod, "runtime_versions", lambda: {"nvidia-cutlass-dsl": "0.0", "python": "3.0"})
     assert changed(base, fps(pkg)) == ALL
     monkeypatch.setattr(cache_mod, "CACHE_FORMAT", 999)
-    assert len(set(fps(pkg).values())) == 7
+    assert len(set(fps(pkg).values())) == 8
 
 
 def test_computed_once_per_process(pkg):

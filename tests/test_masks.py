@@ -425,3 +425,49 @@ def test_func_encoding_causal_gives_the_causal_oracle():
     assert not torch.equal(causal, hstu_attn_reference(q, k, v, offsets, offsets, 30, 30, func=func))
     with pytest.raises(ValueError, match="func replaces the other masks"):
         hstu_attn_reference(q, k, v, offsets, offsets, 30, 30, window_size=(-1, 0), func=func)
+
+
+@pytest.mark.parametrize("n_func,low", [(1, 0), (3, 0), (3, -5)])
+def test_func_key_ranges_bound_every_row(n_func, low):
+    """masks.func_key_ranges: per sequence and 64 query rows, [first allowed key, last + 1), exact
+    for non-negative bounds and never narrower than the rows' allowed keys (the kernels skip the
+    key blocks outside it); the common intervals allowed by every row of the block (the kernels
+    leave tiles inside them unmasked), exact for the first."""
+    gen = torch.Generator().manual_seed(n_func * 10 - low)
+    lengths = [0, 1, 70, 200, 64]
+    offsets = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    total = sum(lengths)
+    func = torch.randint(low, 300, (1, n_func, total + masks.FUNC_ROW_PADDING), generator=gen, dtype=torch.int32)
+    table = masks.func_key_ranges(func, offsets, max(lengths), 300)
+    assert table.shape == (len(lengths), 8, len(masks.FUNC_TABLE_COLUMNS)) and table.dtype == torch.int32
+    keys = torch.arange(0, 400)
+    big = torch.iinfo(torch.int32).max // 2
+    for b, (start, n) in enumerate(zip(offsets.tolist(), lengths)):
+        for block in range(table.shape[1]):
+            rows = range(start + block * 64, start + min((block + 1) * 64, n))
+            allowed = torch.zeros(keys.shape, dtype=torch.bool)
+            allowed_by_all = torch.ones(keys.shape, dtype=torch.bool)
+            for r in rows:
+                row_allows = masks.func_row_allows(func[0, :, r].long()[:, None], keys)
+                allowed |= row_allows
+                allowed_by_all &= row_allows
+            lo, hi, common_end, common2_lo, common2_hi = table[b, block, :5].tolist()
+            common = (keys < common_end) | ((keys >= common2_lo) & (keys < common2_hi))
+            assert not (common & ~allowed_by_all).any(), (b, block, common_end, common2_lo, common2_hi)
+            if rows:
+                assert common_end == int(func[0, 0, rows.start:rows.stop].min()), (b, block, common_end)
+            if n_func == 1:
+                assert common2_lo >= common2_hi
+        # Per 64 keys: the query blocks whose key ranges meet them, exactly (what the dK/dV kernels walk).
+        for key_block in range(table.shape[1]):
+            meets = [m for m in range(table.shape[1])
+                     if table[b, m, 0] < (key_block + 1) * 64 and table[b, m, 1] > key_block * 64]
+            first_from_big, past = table[b, key_block, 5:].tolist()
+            assert (big - first_from_big, past) == ((meets[0], meets[-1] + 1) if meets else (big, 0)), (b, key_block)
+            if not allowed.any():
+                assert low < 0 or (lo, hi) == (big, 0), (b, block, lo, hi)
+                continue
+            first, last = int(allowed.nonzero()[0]), int(allowed.nonzero()[-1]) + 1
+            assert lo <= first and hi >= last, (b, block, lo, hi, first, last)
+            if low >= 0:
+                assert (lo, hi) == (first, last), (b, block, lo, hi, first, last)

@@ -106,7 +106,7 @@ def _op_args(device, rab_heads=1, contexts=True, seqused=True, delta_q=False):
     vec = lambda: torch.empty(2, dtype=torch.int32, device=device)  # noqa: E731
     rab = torch.empty(2, rab_heads, L_k, L_k, dtype=BF16, device=device) if rab_heads else None
     return (q, k, v, off_q, off_k, L_q, L_k, vec() if contexts else None, vec() if contexts else None, 2,
-            L_k, 0, 0.5, rab, delta_q, -1, vec() if seqused else None, vec() if seqused else None)
+            L_k, 0, 0.5, rab, delta_q, -1, vec() if seqused else None, vec() if seqused else None, None)
 
 
 OP_CASES = [
@@ -579,7 +579,8 @@ def test_compile_fullgraph_fp8_meta(quant_mode, no_launch):
 def test_opcheck_fwd_fp8(quant_mode):
     q, k, v, off, targets, dq, dk, dv = _fp8_inputs(quant_mode, "meta")
     descales = (dq, dk, dv) if quant_mode == -1 else (None, None, None)
-    args = (q, k, v, *descales, off, off, 8, 8, None, targets, 1, 8, 0, 0.25, None, False, -1, None, None, quant_mode)
+    args = (q, k, v, *descales, off, off, 8, 8, None, targets, 1, 8, 0, 0.25, None, False, -1, None, None, None,
+            quant_mode)
     result = torch.library.opcheck(torch.ops.hstu_cute.fwd_fp8.default, args,
                                    test_utils=("test_schema", "test_faketensor"))
     assert all(v == "SUCCESS" for v in result.values()), result

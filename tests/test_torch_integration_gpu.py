@@ -89,7 +89,7 @@ def _fwd_op_args(b):
                      None, -1, b["scaling_seqlen"], b["seqused_q"], b["seqused_k"])
     return (b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"], b["max_seqlen_k"],
             b["num_contexts"], b["num_targets"], b["target_group_size"], p.window_left, p.window_right, b["alpha"],
-            b["rab"], b["is_delta_q"], b["scaling_seqlen"], b["seqused_q"], b["seqused_k"])
+            b["rab"], b["is_delta_q"], b["scaling_seqlen"], b["seqused_q"], b["seqused_k"], None)
 
 
 def test_opcheck_fwd_cuda(path):

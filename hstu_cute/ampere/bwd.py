@@ -228,14 +228,14 @@ class HstuBackwardDqSm80(_BackwardBase):
 
     @cute.jit
     def __call__(self, mQ, mK, mV, mdO, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
-                 mNumTargets, mRab, mdRab, mdRabAccum, alpha: Float32, inv_scale: Float32,
+                 mNumTargets, mFunc, mFuncBlocks, mRab, mdRab, mdRabAccum, alpha: Float32, inv_scale: Float32,
                  window_left: Int32, window_right: Int32, group_size: Int32, is_delta_q: Int32,
                  num_m_blocks: Int32, stream):
         # K, V (and rab) are double-buffered: the next n-block loads while this one computes.
         plan = self._plan(self.tile_m, self.tile_n, q_stages=None, kv_stages=2)
         heads_in_grid = 1 if const_expr(self.rab_sum_heads) else mQ.shape[1]
         self._launch(
-            mQ, mK, mV, mdO, mdQ, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets),
+            mQ, mK, mV, mdO, mdQ, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks),
             mRab, mdRab, mdRabAccum, ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q),
             *plan, grid=[heads_in_grid, mOffsetsQ.shape[0] - 1, num_m_blocks], stream=stream,
         )
@@ -362,13 +362,13 @@ class HstuBackwardDkDvSm80(_BackwardBase):
 
     @cute.jit
     def __call__(self, mQ, mK, mV, mdO, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
-                 mNumTargets, mRab, alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32,
+                 mNumTargets, mFunc, mFuncBlocks, mRab, alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32,
                  group_size: Int32, is_delta_q: Int32, num_n_blocks: Int32, stream):
         # Q, dO (and rab) are double-buffered: the next m-block loads while this one computes.
         plan = self._plan(self.tile_n, self.tile_m, q_stages=2, kv_stages=None, score_tiles=2)
         self._launch(
             mQ, mK, mV, mdO, mdK, mdV, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
-                                                    mNumTargets),
+                                                    mNumTargets, mFunc, mFuncBlocks),
             mRab, ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q),
             *plan, grid=[mQ.shape[1], mOffsetsQ.shape[0] - 1, num_n_blocks], stream=stream,
         )

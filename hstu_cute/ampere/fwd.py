@@ -65,7 +65,7 @@ class HstuForwardSm80(Sm80Kernel):
     # Host side: layouts, atoms, launch
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def __call__(self, mQ, mK, mV, mO, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
+    def __call__(self, mQ, mK, mV, mO, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks, mRab,
                  alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32, group_size: Int32,
                  is_delta_q: Int32, num_m_blocks: Int32, mCache, mPageOffsets, mPageIds, mLastPageLens, log2_page_size,
                  mRabNew, mPartials, mArrivals, num_splits, stream):
@@ -98,7 +98,7 @@ class HstuForwardSm80(Sm80Kernel):
         if const_expr(self.paged):
             paged = PagedArgs(mCache, mPageOffsets, mPageIds, mLastPageLens, log2_page_size, mRabNew)
         self._launch(
-            mQ, mK, mV, mO, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
+            mQ, mK, mV, mO, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks), mRab,
             ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), paged,
             (mPartials, mArrivals, num_splits) if const_expr(self.split_keys) else None,
             sQ_layout, sKV_layout, sRab_layout, gmem_copy_qkv, gmem_copy_o, gmem_copy_rab, tiled_mma,

@@ -62,3 +62,22 @@ def apply_mask_key_major(acc_S: cute.Tensor, acc_dP: cute.Tensor, tScS: cute.Ten
         keep = masks.allowed(spec, seq, row_first + query, col0 + key, KERNEL_OPS) & (query < q_rows)
         acc_S[i] = cutlass.select_(keep, acc_S[i], Float32(0.0))
         acc_dP[i] = cutlass.select_(keep, acc_dP[i], Float32(0.0))
+
+
+@cute.jit
+def apply_mask_key_major_by_query(S_rc: cute.Tensor, dP_rc: cute.Tensor, coord_rc: cute.Tensor, spec: cutlass.Constexpr,
+                                  seq, row_first: Int32, col0: Int32, q_rows: Int32):
+    """:func:`apply_mask_key_major` on (keys, queries) views of the pair, one interval computation
+    per query: a func mask reads its intervals from memory, and per element the causal-as-func
+    D128 backward took 1.17x the causal one (docs/dev/perf-log.md, session 30)."""
+    col_limit = seq.seqlen_k - col0
+    keys = [coord_rc[i, 0][0] for i in range(cute.size(S_rc.shape[0]))]
+    for j in cutlass.range_constexpr(cute.size(S_rc.shape[1])):
+        query = coord_rc[0, j][1]
+        lo_end, hi_start, hi_end = masks.row_intervals(spec, seq, row_first + query, KERNEL_OPS)
+        lo_end, hi_start, hi_end = lo_end - col0, hi_start - col0, hi_end - col0
+        query_in = query < q_rows
+        for i in cutlass.range_constexpr(cute.size(S_rc.shape[0])):
+            keep = masks.in_row_intervals(spec, keys[i], lo_end, hi_start, hi_end, col_limit) & query_in
+            S_rc[i, j] = cutlass.select_(keep, S_rc[i, j], Float32(0.0))
+            dP_rc[i, j] = cutlass.select_(keep, dP_rc[i, j], Float32(0.0))

@@ -9,6 +9,7 @@ answers, per batch index, where the sequence starts, how long it is and what its
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import cutlass
@@ -24,6 +25,55 @@ class SequenceArgs(NamedTuple):
     mSeqUsedK: Any  # (B,) int32
     mNumContexts: Any  # (B,) int32 or None
     mNumTargets: Any  # (B,) int32 or None
+    mFunc: Any = None  # (1, n_func, T_q + 256) int32 per-row key intervals (MaskKind.FUNC only)
+    mFuncBlocks: Any = None  # (B, blocks, 7) int32 per FUNC_BLOCK_ROWS query rows: masks.FUNC_TABLE_COLUMNS
+
+
+@dataclasses.dataclass
+class FuncRows:
+    """A sequence's ``func`` intervals as :func:`masks.row_intervals` reads them: bound ``i`` of
+    key-coordinate row ``r`` is ``mFunc[0, min(i, n_func - 1), base + r]``, ``base`` the global q
+    row of key-coordinate row 0 (q_start - row_offset: func rows index the jagged q). Rows up to a
+    tile past the sequence read the tensor's 256 rows of padding (FBGEMM's layout). A dataclass:
+    the DSL carries it through dynamic loops field by field, inside a SeqMask."""
+
+    mFunc: Any
+    base: Any
+    mBlocks: Any  # (B, blocks, 7): per masks.FUNC_BLOCK_ROWS query rows, masks.FUNC_TABLE_COLUMNS
+    batch: Any
+
+    def bound(self, i: int, r):
+        last = self.mFunc.shape[1] - 1
+        return self.mFunc[0, cutlass.min(Int32(i), last), self.base + r]
+
+    def _reduce(self, block, tile: int, columns):
+        """The table's ``columns`` (index, combine) over the entries tile ``block`` (``tile`` query
+        rows or keys, a multiple or a divisor of masks.FUNC_BLOCK_ROWS) spans."""
+        rows = masks.FUNC_BLOCK_ROWS
+        assert tile % rows == 0 or rows % tile == 0, tile
+        first = block * tile // rows
+        values = [self.mBlocks[self.batch, first, c] for c, _ in columns]
+        for j in range(1, max(tile // rows, 1)):
+            values = [combine(x, self.mBlocks[self.batch, first + j, c]) for x, (c, combine) in zip(values, columns)]
+        return values
+
+    def key_range(self, m_block, tile_m: int):
+        """[lo, hi): the keys any row of query tile ``m_block`` allows."""
+        lo, hi = self._reduce(m_block, tile_m, ((0, cutlass.min), (1, cutlass.max)))
+        return lo, hi
+
+    def common_keys(self, m_block, tile_m: int):
+        """(end, lo2, hi2): every row of query tile ``m_block`` allows the keys ``[0, end)`` and
+        ``[lo2, hi2)``."""
+        end, lo2, hi2 = self._reduce(m_block, tile_m, ((2, cutlass.min), (3, cutlass.max), (4, cutlass.min)))
+        return end, lo2, hi2
+
+    def query_rows(self, n_block, tile_n: int):
+        """[lo, hi): the query rows (multiples of masks.FUNC_BLOCK_ROWS) whose key ranges meet key
+        tile ``n_block`` (``tile_n`` keys)."""
+        first_from_big, past = self._reduce(n_block, tile_n, ((5, cutlass.max), (6, cutlass.max)))
+        first = cutlass.min(Int32(masks.FUNC_TABLE_BIG) - first_from_big, past)
+        return first * masks.FUNC_BLOCK_ROWS, past * masks.FUNC_BLOCK_ROWS
 
 
 class ScoreScalars(NamedTuple):
@@ -99,20 +149,25 @@ class SequenceInfo:
         return sequence_bounds(s.mOffsetsQ, s.mOffsetsK, s.mSeqUsedQ, s.mSeqUsedK, self.tokens_q, self.tokens_k, batch)
 
     def mask(self, batch, seqlen_q, seqlen_k) -> masks.SeqMask:
-        """The runtime mask of sequence ``batch`` (reads its context and target counts)."""
+        """The runtime mask of sequence ``batch`` (reads its context and target counts; a FUNC
+        mask also its first query row)."""
         c = self.scalars
-        return sequence_mask(self.spec, seqlen_q, seqlen_k, self.seqs.mNumContexts, self.seqs.mNumTargets, batch,
-                             c.window_left, c.window_right, c.group_size, c.is_delta_q)
+        seq = sequence_mask(self.spec, seqlen_q, seqlen_k, self.seqs.mNumContexts, self.seqs.mNumTargets, batch,
+                            c.window_left, c.window_right, c.group_size, c.is_delta_q)
+        if const_expr(self.spec.kind == masks.MaskKind.FUNC):
+            q_start, _ = clamp_range(self.seqs.mOffsetsQ[batch], self.seqs.mOffsetsQ[batch + 1], self.tokens_q)
+            seq = self.with_func(q_start, batch, seq)
+        return seq
 
     def to_words(self, q_start, k_start, seq) -> tuple:
         return (q_start, k_start, seq.seqlen_q, seq.seqlen_k, seq.num_context, seq.history_end)
 
-    def from_words(self, words):
-        """``(q_start, k_start, seq)`` from :meth:`to_words`' words."""
+    def from_words(self, words, batch):
+        """``(q_start, k_start, seq)`` of sequence ``batch`` from :meth:`to_words`' words."""
         q_start, k_start, seqlen_q, seqlen_k, num_context, history_end = words
         c = self.scalars
-        return q_start, k_start, sequence_mask_of(seqlen_q, seqlen_k, num_context, history_end, c.window_left,
-                                                  c.window_right, c.group_size, c.is_delta_q)
+        return q_start, k_start, self.with_func(q_start, batch, sequence_mask_of(
+            seqlen_q, seqlen_k, num_context, history_end, c.window_left, c.window_right, c.group_size, c.is_delta_q))
 
     def at(self, batch, cached_len=None):
         """``cached_len``: a paged cache's tokens ahead of the sequence's keys (common.key_blocks):
@@ -121,3 +176,9 @@ class SequenceInfo:
         if cached_len is not None:
             seqlen_k = seqlen_k + cached_len
         return q_start, k_start, self.mask(batch, seqlen_q, seqlen_k)
+
+    def with_func(self, q_start, batch, seq: masks.SeqMask) -> masks.SeqMask:
+        """``seq`` with its :class:`FuncRows` (MaskKind.FUNC; other kinds unchanged)."""
+        if const_expr(self.spec.kind == masks.MaskKind.FUNC):
+            seq.func = FuncRows(self.seqs.mFunc, q_start - seq.row_offset, self.seqs.mFuncBlocks, batch)
+        return seq

@@ -98,7 +98,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
 
     @cute.jit
     def __call__(self, mQ, mK, mV, mdO, mdK, mdV, mdQaccum, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK,
-                 mNumContexts, mNumTargets, mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
+                 mNumContexts, mNumTargets, mFunc, mFuncBlocks, mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
                  num_n_blocks, num_sms, bh_per_section, mTileCounter, stream):
         D = self.head_dim
         self.sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, None)
@@ -133,7 +133,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
         if const_expr(self.persistent):
             num_ctas = cutlass.min(num_ctas, num_sms)
         self.launch(*loads, tma_atom_dq, tma_dq, mQ, mK, mdK, mdV,
-                    SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
+                    SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks), mRab,
                     ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_n_blocks,
                     bh_per_section, mTileCounter,
                     statics=dict(sK_layout=self.sK_layout, sQ_layout=self.sQ_layout, sRab_layout=self.sRab_layout,
@@ -283,6 +283,9 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
                 zero_smem_rows_past(zero_copy, (sK,), (self.tile_n, D), tid_in_wg, wg, k_rows)
         for m_block in cutlass.range(m_lo, m_hi, unroll=1):
             if masks.tile_nonempty(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
+                tile_full = None
+                if const_expr(spec.kind == masks.MaskKind.FUNC):
+                    tile_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
                 q_rows = self.wait_query_stage(pipe_q, q_state, seq, m_block, (sQ, sdO), zero_copy, tid_in_wg, wg)
                 acc_S = cute.make_rmem_tensor(shape_S, Float32)
                 acc_dP = cute.make_rmem_tensor(shape_S, Float32)
@@ -295,7 +298,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
                     acc_S.store(acc_S.load() + rRab.load().to(Float32))
                 warpgroup.wait_group(0)
                 silu_and_grad(acc_S, acc_dP, alpha, inv_scale, self.fast_silu, self.unscaled_grad)
-                self.mask_key_major(acc_S, acc_dP, tScS, seq, m_block, n_block, col0, q_rows)
+                self.mask_key_major(acc_S, acc_dP, tScS, seq, m_block, n_block, col0, q_rows, tile_full)
                 rP = wg_mma_d.make_fragment_A(wg_mma_d.partition_shape_A((self.tile_n, self.tile_m)))
                 rP.store(cute.make_tensor(acc_S.iterator, wgmma_acc_as_operand_a(acc_S.layout)).load().to(self.dtype))
                 rG = wg_mma_d.make_fragment_A(wg_mma_d.partition_shape_A((self.tile_n, self.tile_m)))
@@ -404,7 +407,7 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         assert tile_m % 64 == 0 and tile_n % 16 == 0
 
     @cute.jit
-    def __call__(self, mQ, mK, mV, mdO, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets,
+    def __call__(self, mQ, mK, mV, mdO, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks,
                  mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks, num_sms,
                  bh_per_section, mTileCounter, stream):
         D = self.head_dim
@@ -432,7 +435,7 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         # The producer takes Q, dO once and K, V per n-block: the atoms in that order.
         k_v, q_do, rab = loads[0:4], loads[4:8], loads[8:10]
         self.launch(*q_do, *k_v, *rab, mQ, mK, mdQ,
-                    SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
+                    SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks), mRab,
                     ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_m_blocks,
                     bh_per_section, mTileCounter,
                     statics=dict(sQ_layout=self.sQ_layout, sK_layout=self.sK_layout, sRab_layout=self.sRab_layout,

@@ -10,7 +10,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from .. import masks
-from ..common.mask_apply import KERNEL_OPS, apply_mask_key_major
+from ..common.mask_apply import KERNEL_OPS, apply_mask_key_major, apply_mask_key_major_by_query
 from ..common.sm90 import (
     advanced,
     copy_acc_rows,
@@ -96,15 +96,25 @@ class HstuBackwardSm90Base(HstuSm90Base):
         return q_rows
 
     @cute.jit
-    def mask_key_major(self, acc_S, acc_dP, tScS, seq, m_block: Int32, n_block: Int32, col0: Int32, q_rows: Int32):
+    def mask_key_major(self, acc_S, acc_dP, tScS, seq, m_block: Int32, n_block: Int32, col0: Int32, q_rows: Int32,
+                       tile_full=None):
         """Mask a key-major pair (S^T, dP^T) of the tile (``m_block``, ``n_block``), whose keys
         start at ``col0``, unless the mask allows all of it and its ``tile_m`` queries lie inside
-        the sequence."""
+        the sequence. ``tile_full``: :func:`masks.tile_is_full` of the tile, computed by the caller
+        ahead of the tile's MMAs (func masks: its table loads then wait behind them)."""
         row_first = seq.row_offset + m_block * self.tile_m
-        is_full = masks.tile_is_full(self.mask, seq, m_block, n_block, self.tile_m, self.tile_n,
-                                     KERNEL_OPS) & (q_rows >= self.tile_m)
+        if const_expr(tile_full is None):
+            tile_full = masks.tile_is_full(self.mask, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
+        is_full = tile_full & (q_rows >= self.tile_m)
         if not is_full:
-            apply_mask_key_major(acc_S, acc_dP, tScS, self.mask, seq, row_first, col0, q_rows)
+            if const_expr(self.mask.kind == masks.MaskKind.FUNC):
+                apply_mask_key_major_by_query(
+                    cute.make_tensor(acc_S.iterator, wgmma_acc_rows_cols(acc_S.layout)),
+                    cute.make_tensor(acc_dP.iterator, wgmma_acc_rows_cols(acc_dP.layout)),
+                    cute.make_tensor(tScS.iterator, wgmma_acc_rows_cols(tScS.layout)), self.mask, seq, row_first,
+                    col0, q_rows)
+            else:
+                apply_mask_key_major(acc_S, acc_dP, tScS, self.mask, seq, row_first, col0, q_rows)
 
     def pipeline_states(self, user_type):
         """Fresh states of the two pipelines: the 1-stage one of the tiles the CTA owns, then

@@ -233,7 +233,7 @@ class HstuBackwardDkDvFp8Sm90(StagedEpilogue, HstuBackwardDkDvSm90):
 
     @cute.jit
     def __call__(self, mQ, mK, mV, mdO, mQt, mdOt, mKt, mdK, mdV, mdQaccum, mOffsetsQ, mOffsetsK, mSeqUsedQ,
-                 mSeqUsedK, mNumContexts, mNumTargets, mRab, alpha, inv_scale, window_left, window_right, group_size,
+                 mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks, mRab, alpha, inv_scale, window_left, window_right, group_size,
                  is_delta_q, num_n_blocks, num_sms, bh_per_section, mTileCounter, mDescaleQ, mDescaleK, mDescaleV,
                  mDescaleDO, mDescaleQt, mDescaleDOt, stream):
         D = self.head_dim
@@ -284,7 +284,7 @@ class HstuBackwardDkDvFp8Sm90(StagedEpilogue, HstuBackwardDkDvSm90):
         if const_expr(self.persistent):
             num_ctas = cutlass.min(num_ctas, num_sms)
         self.launch(*loads, tma_atom_qt, tma_qt, tma_atom_dot, tma_dot, tma_atom_kt, tma_kt, tma_atom_dq, tma_dq, mQ,
-                    mK, mdK, mdV, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets),
+                    mK, mdK, mdV, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks),
                     mRab, ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q),
                     num_n_blocks, bh_per_section, mTileCounter,
                     self.descale_tables(mDescaleQ, mDescaleK, mDescaleV, mDescaleDO, mDescaleQt, mDescaleDOt),
@@ -595,7 +595,7 @@ class HstuBackwardDqFp8Sm90(StagedEpilogue, HstuBackwardDqSm90):
 
     @cute.jit
     def __call__(self, mQ, mK, mV, mdO, mKt, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
-                 mNumTargets, mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks,
+                 mNumTargets, mFunc, mFuncBlocks, mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks,
                  num_sms, bh_per_section, mTileCounter, mDescaleQ, mDescaleK, mDescaleV, mDescaleDO, mDescaleKt, mdRab,
                  stream):
         D = self.head_dim
@@ -625,7 +625,7 @@ class HstuBackwardDqFp8Sm90(StagedEpilogue, HstuBackwardDqSm90):
             num_ctas = cutlass.min(num_ctas, num_sms)
         k_v, q_do, rab = loads[0:4], loads[4:8], loads[8:10]
         self.launch(*q_do, *k_v, *rab, tma_atom_kt, tma_kt, mQ, mK, mdQ,
-                    SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
+                    SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks), mRab,
                     ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_m_blocks,
                     bh_per_section, mTileCounter, self.descale_tables(mDescaleQ, mDescaleK, mDescaleV, mDescaleDO,
                                                                       mDescaleKt), mdRab, epi_atoms,

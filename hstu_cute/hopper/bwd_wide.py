@@ -83,7 +83,7 @@ class HstuBackwardWideSm90(KeyBlockProducer, HstuBackwardSm90Base):
 
     @cute.jit
     def __call__(self, mQ, mK, mV, mdO, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
-                 mNumTargets, mRab, mdRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
+                 mNumTargets, mFunc, mFuncBlocks, mRab, mdRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
                  num_n_blocks, stream):
         D = self.head_dim
         self.sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, None)
@@ -106,7 +106,7 @@ class HstuBackwardWideSm90(KeyBlockProducer, HstuBackwardSm90Base):
             dict(sK=tile, sV=tile, sQ=ring, sdO=ring, sP=p_ds, sdS=p_ds,
                  sRab=(self.dtype, self.smem_elems(self.sRab_layout))))
         self.launch(*loads, mQ, mK, mdK, mdV,
-                    SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets), mRab,
+                    SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks), mRab,
                     mdRab, ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q),
                     statics=dict(sK_layout=self.sK_layout, sQ_layout=self.sQ_layout, sP_layout=self.sP_layout,
                                  sRab_layout=self.sRab_layout, tiled_mma_s=self.tiled_mma_s,

@@ -146,7 +146,7 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
     # Host side: layouts, TMA atoms, launch (arguments: hstu_cute.kernel_args.SPECS["hopper_fwd"])
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def __call__(self, mQ, mK, mV, mO, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
+    def __call__(self, mQ, mK, mV, mO, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks, mRab,
                  alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks, num_sms,
                  bh_per_section, mTileCounter, mCache, mPageOffsets, mPageIds, mLastPageLens, log2_page_size, mRabNew,
                  mPartials, mArrivals, num_splits, stream):
@@ -154,7 +154,7 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
         if const_expr(self.paged):
             paged = PagedArgs(mCache, mPageOffsets, mPageIds, mLastPageLens, log2_page_size, mRabNew)
         self.compile_forward(mQ, mK, mV, mO, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
-                                                          mNumTargets), mRab,
+                                                          mNumTargets, mFunc, mFuncBlocks), mRab,
                              ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q),
                              num_m_blocks, num_sms, bh_per_section, mTileCounter, None, stream, paged,
                              (mPartials, mArrivals, num_splits) if const_expr(self.split_keys) else None)
@@ -324,7 +324,7 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
         if const_expr(self.paged):
             span = page_span(self.paged_args, batch)
         if const_expr(words is not None):
-            q_start, k_start, seq = seqinfo.from_words(words)
+            q_start, k_start, seq = seqinfo.from_words(words, batch)
         else:
             q_start, k_start, seq = seqinfo.at(batch, span.cached_len if const_expr(self.paged) else None)
         blocks = KeyBlocks.of_tile(self.mask, seq, m_block, self.tile_m, self.tile_n, span)
@@ -1069,11 +1069,11 @@ class HstuForwardFp8Sm90(HstuForwardSm90):
     * past seqlen_k the V^T tile's key columns are zeroed, not V's rows."""
 
     @cute.jit
-    def __call__(self, mQ, mK, mV, mO, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mRab,
+    def __call__(self, mQ, mK, mV, mO, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks, mRab,
                  alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks, num_sms,
                  bh_per_section, mTileCounter, mDescaleQ, mDescaleK, mDescaleV, stream):
         self.compile_forward(mQ, mK, mV, mO, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
-                                                          mNumTargets), mRab,
+                                                          mNumTargets, mFunc, mFuncBlocks), mRab,
                              ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q),
                              num_m_blocks, num_sms, bh_per_section, mTileCounter, (mDescaleQ, mDescaleK, mDescaleV),
                              stream)

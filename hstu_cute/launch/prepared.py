@@ -14,6 +14,8 @@ from ..cache import default_cache
 from ..compile import build
 from ..call import Call
 from ..kernel_args import ordered, slots
+from ..arch import device_arch
+from ..masks import FUNC_TABLE_COLUMNS, func_table_blocks
 from ..validation import DTYPE_NAMES, Problem, fail
 from ..variants import (
     make_fwd_key,
@@ -21,9 +23,10 @@ from ..variants import (
     make_hopper_fp8_fwd_key,
     make_hopper_fwd_key,
     make_hopper_paged_fwd_key,
+    make_func_table_key,
 )
 
-from .buffers import INT32_MAX, _filler, rab_vec, tile_counter
+from .buffers import INT32_MAX, _filler, _on_device, rab_vec, tile_counter
 
 
 def _sequence_args(call: Call, device, context_target: bool) -> dict:
@@ -37,7 +40,7 @@ def _sequence_args(call: Call, device, context_target: bool) -> dict:
         mOffsetsQ=call.seq_offsets_q, mOffsetsK=call.seq_offsets_k,
         mSeqUsedQ=call.seqused_q if call.seqused_q is not None else _filler(batch, device, INT32_MAX),
         mSeqUsedK=call.seqused_k if call.seqused_k is not None else _filler(batch, device, INT32_MAX),
-        mNumContexts=num_contexts, mNumTargets=num_targets,
+        mNumContexts=num_contexts, mNumTargets=num_targets, mFunc=call.func,
     )
 
 
@@ -46,10 +49,24 @@ def _call_tensors(call: Call) -> dict:
     launch has their fillers in place)."""
     values = {"mOffsetsQ": call.seq_offsets_q, "mOffsetsK": call.seq_offsets_k}
     for name, t in (("mSeqUsedQ", call.seqused_q), ("mSeqUsedK", call.seqused_k),
-                    ("mNumContexts", call.num_contexts), ("mNumTargets", call.num_targets)):
+                    ("mNumContexts", call.num_contexts), ("mNumTargets", call.num_targets), ("mFunc", call.func)):
         if t is not None:
             values[name] = t
+    if call.func is not None:
+        values["mFuncBlocks"] = func_table(call.func, call.seq_offsets_q, call.max_seqlen_q, call.max_seqlen_k)
     return values
+
+
+def func_table(func: torch.Tensor, seq_offsets_q: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int) -> torch.Tensor:
+    """:func:`hstu_cute.masks.func_key_ranges` in one launch after a fill, no sync
+    (:class:`hstu_cute.ampere.func_table.FuncTableSm80`)."""
+    batch = seq_offsets_q.shape[0] - 1
+    table = torch.zeros((batch, func_table_blocks(max_seqlen_q, max_seqlen_k), len(FUNC_TABLE_COLUMNS)), dtype=torch.int32, device=func.device)
+    if batch:
+        key = _made(make_func_table_key, device_arch(func.device), func.shape[1])
+        with _on_device(func.device):
+            _launch(key, _compiled(key), dict(mFunc=func, mOffsetsQ=seq_offsets_q, mTable=table))
+    return table
 
 
 def _scalar_args(call: Call) -> dict:

@@ -27,14 +27,15 @@ except ImportError:  # pragma: no cover
     __version__ = "0.1.0"
 
 __all__ = ["hstu_attn_varlen_func", "warmup", "__version__", "HSTUAttention", "HSTUBlock", "hstu_attn_padded",
-           "to_jagged", "to_padded"]
+           "to_jagged", "to_padded", "BlockMask"]
 
 # Names loaded on first use: public name -> the submodule that defines it.
 _LAZY = {"HSTUAttention": "nn", "HSTUBlock": "nn", "hstu_attn_padded": "padded", "to_jagged": "padded",
-         "to_padded": "padded"}
+         "to_padded": "padded", "BlockMask": "block_mask"}
 
 if TYPE_CHECKING:  # pragma: no cover
     from .api import hstu_attn_varlen_func
+    from .block_mask import BlockMask
     from .nn import HSTUAttention, HSTUBlock
     from .padded import hstu_attn_padded, to_jagged, to_padded
 

@@ -75,8 +75,13 @@ def hstu_attn_reference(
     has_drab: bool = False,
     p_round=None,
     func: torch.Tensor | None = None,
+    block_mask=None,
 ) -> torch.Tensor:
     """HSTU attention forward, spec section 2, differentiable w.r.t. q, k, v and rab.
+
+    ``block_mask``: a :class:`hstu_cute.BlockMask`; an element is attended only if the HSTU mask
+    allows it and its (query block, key block) is kept for its sequence and head
+    (:meth:`hstu_cute.BlockMask.element_mask`, key coordinates on both sides).
 
     ``func``: an arbitrary mask ``(1, n_func, T_q + 256)`` int32 of per-row key intervals
     (FBGEMM's layout; :func:`hstu_cute.masks.func_dense_mask`), replacing the window, context and
@@ -136,6 +141,9 @@ def hstu_attn_reference(
     if func is not None and (tuple(window_size) != (-1, -1) or num_contexts is not None or num_targets is not None):
         raise ValueError("func replaces the other masks: pass window_size=(-1, -1), num_contexts=None, "
                          "num_targets=None with it")
+    if block_mask is not None and (block_mask.batch != B or block_mask.heads not in (1, H)):
+        raise ValueError(f"block_mask: expected (B={B}, H_mask in {{1, {H}}}) lists, got batch {block_mask.batch}, "
+                         f"heads {block_mask.heads}")
     kind, wl, wr = normalize_window(window_size, max_seqlen_k)
     spec = MaskSpec(
         kind,
@@ -197,6 +205,11 @@ def hstu_attn_reference(
             else:
                 mask = func_dense_mask(func, sq, Lq, Lk, device=device)
             row0 = seq.row_offset  # key-coordinate row of query 0
+            if block_mask is not None:
+                rows = torch.arange(row0, row0 + Lq, device=device)
+                keys = torch.arange(Lk, device=device)
+                kept = torch.stack([block_mask.element_mask(b, h, rows, keys) for h in range(block_mask.heads)])
+                mask = mask & kept  # (H_mask, Lq, Lk): broadcasts over the heads when H_mask is 1
 
             qb = q[sq : sq + Lq].to(acc_dtype).transpose(0, 1)  # (H, Lq, D)
             kb = k[sk : sk + Lk].to(acc_dtype).transpose(0, 1)  # (H, Lk, D)

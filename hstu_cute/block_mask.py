@@ -1,0 +1,275 @@
+"""Block-sparse masks (docs/operator.md, "Block-sparse masks"): which (query block, key block)
+pairs of each sequence and head are attended, on top of the HSTU mask.
+
+One representation, :class:`BlockMask`: per (sequence, head or 1, query block) the ascending list of
+kept key blocks, as a count and an index tensor (FlexAttention's and FlashAttention-4's layout). Blocks
+count from each sequence's start, in key coordinates on both sides: query ``i`` of a sequence with
+``L_q`` queries and ``L_k`` keys sits at row ``r = L_k - L_q + i`` (``r = i`` without delta_q) and
+belongs to query block ``r // q_block``. So a mask made for a whole sequence serves a delta_q call on
+its last rows unchanged.
+
+Every constructor runs on the mask's device with tensor ops only: no host sync, and it traces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+
+#: Block sizes must be multiples of this (the kernels' MMA granularity).
+BLOCK_MULTIPLE = 16
+
+__all__ = ["BlockMask", "BLOCK_MULTIPLE", "blocks_for", "TileLists"]
+
+
+def blocks_for(length: int, block: int) -> int:
+    """Blocks of ``block`` rows that cover ``length`` rows (the last one may be partial)."""
+    return -(-max(int(length), 0) // int(block))
+
+
+def _check_block(name: str, block) -> int:
+    if isinstance(block, bool) or not isinstance(block, int):
+        raise TypeError(f"{name}: expected a Python int, got {type(block).__name__}")
+    if block <= 0 or block % BLOCK_MULTIPLE:
+        raise ValueError(f"{name}: expected a positive multiple of {BLOCK_MULTIPLE}, got {block}")
+    return block
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockMask:
+    """Kept (query block, key block) pairs per sequence and head.
+
+    * ``kv_count``: ``(B, H_mask, M_q)`` int32, the number of kept key blocks of each query block;
+    * ``kv_index``: ``(B, H_mask, M_q, M_k)`` int32, their indices in ascending order in the first
+      ``kv_count`` entries (the rest is never read: it may hold anything);
+    * ``q_block`` / ``k_block``: block sizes in rows and keys, multiples of 16.
+
+    ``H_mask`` is 1 (every head) or the call's H. ``M_q`` covers at least ``max_seqlen_k`` rows in
+    ``q_block`` blocks (query blocks are numbered in key coordinates: module doc) and ``M_k`` at
+    least ``max_seqlen_k`` keys in ``k_block`` blocks. Build one with a constructor
+    (:meth:`from_dense`, :meth:`from_jagged_dense`, :meth:`from_lists`, :meth:`from_topk`,
+    :meth:`from_flex`)."""
+
+    kv_count: torch.Tensor
+    kv_index: torch.Tensor
+    q_block: int
+    k_block: int
+
+    def __post_init__(self):
+        _check_block("q_block", self.q_block)
+        _check_block("k_block", self.k_block)
+        for name, t, dim in (("kv_count", self.kv_count, 3), ("kv_index", self.kv_index, 4)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"BlockMask.{name}: expected a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != torch.int32:
+                raise TypeError(f"BlockMask.{name}.dtype: expected torch.int32, got {t.dtype}")
+            if t.dim() != dim:
+                raise ValueError(f"BlockMask.{name}: expected {dim} dims, got shape {tuple(t.shape)}")
+        if self.kv_index.shape[:3] != self.kv_count.shape:
+            raise ValueError(f"BlockMask.kv_index: expected shape {tuple(self.kv_count.shape)} + (M_k,), got "
+                             f"{tuple(self.kv_index.shape)}")
+        if self.kv_index.device != self.kv_count.device:
+            raise ValueError(f"BlockMask.kv_index.device: expected {self.kv_count.device} (kv_count's), got "
+                             f"{self.kv_index.device}")
+
+    # -- shape ---------------------------------------------------------------------------------
+    @property
+    def batch(self) -> int:
+        return self.kv_count.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.kv_count.shape[1]
+
+    @property
+    def q_blocks(self) -> int:
+        return self.kv_count.shape[2]
+
+    @property
+    def k_blocks(self) -> int:
+        return self.kv_index.shape[3]
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_count.device
+
+    # -- constructors --------------------------------------------------------------------------
+    @classmethod
+    def from_dense(cls, blocks: torch.Tensor, q_block: int, k_block: int) -> "BlockMask":
+        """From a per-sequence dense bool ``(B, H_mask, M_q, M_k)``: ``blocks[b, h, i, j]`` keeps
+        key block ``j`` for query block ``i``."""
+        if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.bool or blocks.dim() != 4:
+            raise TypeError(f"blocks: expected a 4-D torch.bool tensor (B, H_mask, M_q, M_k), got "
+                            f"{getattr(blocks, 'dtype', type(blocks).__name__)} {tuple(getattr(blocks, 'shape', ()))}")
+        count = blocks.sum(dim=-1, dtype=torch.int32)
+        # A stable sort of "dropped" flags puts the kept indices first, in ascending order.
+        index = torch.sort((~blocks).to(torch.uint8), dim=-1, stable=True).indices.to(torch.int32)
+        return cls(count, index.contiguous(), q_block, k_block)
+
+    @classmethod
+    def from_lists(cls, kv_count: torch.Tensor, kv_index: torch.Tensor, q_block: int, k_block: int) -> "BlockMask":
+        """From FlexAttention's / FlashAttention-4's lists: ``kv_count (B, H_mask, M_q)`` and
+        ``kv_index (B, H_mask, M_q, M_k)``, ascending in each row's first ``kv_count`` entries
+        (``HSTU_CUTE_CHECK=1`` checks it). Integer tensors of any width are converted to int32."""
+        return cls(kv_count.to(torch.int32), kv_index.to(torch.int32).contiguous(), q_block, k_block)
+
+    @classmethod
+    def from_topk(cls, indices: torch.Tensor, q_block: int, k_block: int, k_blocks: int) -> "BlockMask":
+        """From the key blocks a selection step picked per query block: ``indices (B, H_mask, M_q,
+        top_k)``, any order, duplicates allowed; negative entries are unused slots. ``k_blocks``
+        is ``M_k``; an entry at or past it is refused by ``HSTU_CUTE_CHECK=1`` and dropped."""
+        if not isinstance(indices, torch.Tensor) or indices.dim() != 4 or indices.is_floating_point():
+            raise TypeError(f"indices: expected a 4-D integer tensor (B, H_mask, M_q, top_k), got "
+                            f"{getattr(indices, 'dtype', type(indices).__name__)}")
+        b, h, m, _ = indices.shape
+        idx = indices.to(torch.int64)
+        valid = (idx >= 0) & (idx < k_blocks)
+        # Scatter into one extra column for the unused and out-of-range slots, then drop it.
+        target = torch.where(valid, idx, torch.full_like(idx, k_blocks))
+        dense = torch.zeros((b, h, m, k_blocks + 1), dtype=torch.bool, device=indices.device)
+        dense.scatter_(3, target, True)
+        return cls.from_dense(dense[..., :k_blocks], q_block, k_block)
+
+    @classmethod
+    def from_jagged_dense(cls, blocks: torch.Tensor, seq_offsets_q: torch.Tensor, seq_offsets_k: torch.Tensor,
+                          q_block: int, k_block: int, max_seqlen_k: int) -> "BlockMask":
+        """From HBSA's layout: ``blocks (H_mask, total_q_blocks, total_k_blocks)`` bool with blocks
+        numbered over the whole jagged batch. Sequence ``b`` owns ``ceil(L_k / q_block)`` query
+        blocks (key coordinates: module doc; HBSA's count when ``L_q == L_k``) and ``ceil(L_k /
+        k_block)`` key blocks, after those of the sequences before it."""
+        _check_block("q_block", q_block)
+        _check_block("k_block", k_block)
+        if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.bool or blocks.dim() != 3:
+            raise TypeError("blocks: expected a 3-D torch.bool tensor (H_mask, total_q_blocks, total_k_blocks)")
+        del seq_offsets_q  # query blocks are numbered in key coordinates
+        lens = (seq_offsets_k[1:] - seq_offsets_k[:-1]).to(torch.int64)
+        nq = (lens + q_block - 1) // q_block
+        nk = (lens + k_block - 1) // k_block
+        first_q = torch.cumsum(nq, 0) - nq
+        first_k = torch.cumsum(nk, 0) - nk
+        mq, mk = blocks_for(max_seqlen_k, q_block), blocks_for(max_seqlen_k, k_block)
+        i = torch.arange(mq, device=blocks.device)
+        j = torch.arange(mk, device=blocks.device)
+        inside = (i[None, :, None] < nq[:, None, None]) & (j[None, None, :] < nk[:, None, None])  # (B, mq, mk)
+        rows = (first_q[:, None] + i[None, :]).clamp(max=max(blocks.shape[1] - 1, 0))
+        cols = (first_k[:, None] + j[None, :]).clamp(max=max(blocks.shape[2] - 1, 0))
+        if blocks.shape[1] == 0 or blocks.shape[2] == 0:
+            picked = torch.zeros((blocks.shape[0], lens.numel(), mq, mk), dtype=torch.bool, device=blocks.device)
+        else:
+            picked = blocks[:, rows[:, :, None], cols[:, None, :]].transpose(0, 1)  # (B, H_mask, mq, mk)
+        return cls.from_dense(picked & inside[:, None], q_block, k_block)
+
+    @classmethod
+    def from_flex(cls, flex_mask) -> "BlockMask":
+        """From a ``torch.nn.attention.flex_attention.BlockMask`` (uniform lengths): its partial
+        and full blocks are both kept; element masking inside kept blocks is the HSTU mask's."""
+        q_block, k_block = (int(s) for s in flex_mask.BLOCK_SIZE)
+        count = flex_mask.kv_num_blocks
+        index = flex_mask.kv_indices
+        dense = _dense_of_lists(count, index, index.shape[-1])
+        if getattr(flex_mask, "full_kv_num_blocks", None) is not None:
+            dense = dense | _dense_of_lists(flex_mask.full_kv_num_blocks, flex_mask.full_kv_indices, index.shape[-1])
+        return cls.from_dense(dense, q_block, k_block)
+
+    # -- views ---------------------------------------------------------------------------------
+    def to_dense(self) -> torch.Tensor:
+        """``(B, H_mask, M_q, M_k)`` bool of the kept blocks (entries past each count ignored)."""
+        return _dense_of_lists(self.kv_count, self.kv_index, self.k_blocks)
+
+    def element_mask(self, b: int, h: int, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Bool ``(len(rows), len(keys))``: whether sequence ``b``'s key-coordinate ``rows`` and
+        ``keys`` fall in kept blocks of head ``h`` (the oracle's expansion; ``h`` is taken modulo
+        ``H_mask``)."""
+        dense = self.to_dense()[b, h % self.heads]
+        qi = (rows // self.q_block).clamp(max=self.q_blocks - 1)
+        kj = (keys // self.k_block).clamp(max=self.k_blocks - 1)
+        inside = (rows // self.q_block < self.q_blocks)[:, None] & (keys // self.k_block < self.k_blocks)[None, :]
+        return dense.to(rows.device)[qi[:, None], kj[None, :]] & inside
+
+    def tile_lists(self, seq_offsets_q: torch.Tensor, seq_offsets_k: torch.Tensor, seqused_q, seqused_k,
+                   tile_m: int, tile_n: int, max_seqlen_q: int, max_seqlen_k: int) -> TileLists:
+        """The mask at a kernel's ``tile_m x tile_n`` tiles (:class:`TileLists`), on the device
+        without a sync: a 2-D prefix sum of the kept blocks, read at each tile's rectangle of
+        blocks (clipped to the sequence's valid rows and keys; delta_q rows in key coordinates)."""
+        device = self.device
+        dense = self.to_dense().to(torch.int32)
+        batch, heads, mq, mk = dense.shape
+        prefix = torch.zeros((batch, heads, mq + 1, mk + 1), dtype=torch.int32, device=device)
+        prefix[:, :, 1:, 1:] = dense.cumsum(2).cumsum(3)
+        lens_q = (seq_offsets_q[1:] - seq_offsets_q[:-1]).to(torch.int64)
+        lens_k = (seq_offsets_k[1:] - seq_offsets_k[:-1]).to(torch.int64)
+        if seqused_q is not None:
+            lens_q = torch.minimum(lens_q, seqused_q.to(torch.int64))
+        if seqused_k is not None:
+            lens_k = torch.minimum(lens_k, seqused_k.to(torch.int64))
+        lens_q, lens_k = lens_q.clamp(min=0), lens_k.clamp(min=0)
+        offset = (lens_k - lens_q).clamp(min=0)  # key-coordinate row of query 0 (0 without delta_q)
+        m_tiles, n_tiles = blocks_for(max_seqlen_q, tile_m), blocks_for(max_seqlen_k, tile_n)
+        m = torch.arange(m_tiles, device=device)
+        n = torch.arange(n_tiles, device=device)
+        # Rows [r0, r1) and keys [j0, j1) of each tile, clipped to the sequence (empty: r0 >= r1).
+        r0 = offset[:, None] + m[None, :] * tile_m
+        r1 = offset[:, None] + torch.minimum((m[None, :] + 1) * tile_m, lens_q[:, None])
+        j0 = (n[None, :] * tile_n).expand(lens_k.numel(), -1)
+        j1 = torch.minimum((n[None, :] + 1) * tile_n, lens_k[:, None])
+        rows_live, keys_live = r1 > r0, j1 > j0
+        # Block ranges [qa, qb) x [ka, kb), clamped into the mask's blocks.
+        qa = (r0 // self.q_block).clamp(max=mq)
+        qb = ((r1 - 1).clamp(min=0) // self.q_block + 1).clamp(max=mq)
+        ka = (j0 // self.k_block).clamp(max=mk)
+        kb = ((j1 - 1).clamp(min=0) // self.k_block + 1).clamp(max=mk)
+
+        def corner(rows, cols):  # prefix[b, h, rows[b, m], cols[b, n]] -> (B, H, M_t, N_t)
+            b_idx = torch.arange(batch, device=device)[:, None, None, None]
+            h_idx = torch.arange(heads, device=device)[None, :, None, None]
+            return prefix[b_idx, h_idx, rows[:, None, :, None], cols[:, None, None, :]]
+
+        kept = corner(qb, kb) - corner(qa, kb) - corner(qb, ka) + corner(qa, ka)
+        area = ((qb - qa)[:, None, :, None] * (kb - ka)[:, None, None, :])
+        live = (rows_live[:, None, :, None] & keys_live[:, None, None, :])
+        any_kept = (kept > 0) & live
+        count, index = _ascending_lists(any_kept)
+        t_count, t_index = _ascending_lists(any_kept.transpose(2, 3))
+        return TileLists(count, index, any_kept & (kept < area), t_count, t_index)
+
+    def density(self) -> torch.Tensor:
+        """Kept blocks over all blocks (a 0-d tensor on the mask's device; no sync)."""
+        return self.kv_count.sum(dtype=torch.float32) / max(self.kv_count.numel() * self.k_blocks, 1)
+
+
+class TileLists(NamedTuple):
+    """A block mask at a kernel's tile size (:meth:`BlockMask.tile_lists`). Query tiles count from
+    each sequence's first query, as the kernels' m-blocks do; key tiles from its first key.
+
+    * ``count (B, H_mask, M_t)`` / ``index (B, H_mask, M_t, N_t)``: per query tile, the key tiles
+      holding any kept element of a valid row and key, ascending (the forward walks them);
+    * ``partial (B, H_mask, M_t, N_t)`` bool: the tile mixes kept and dropped blocks (the kernels
+      mask it by block, on top of the HSTU mask);
+    * ``t_count (B, H_mask, N_t)`` / ``t_index (B, H_mask, N_t, M_t)``: per key tile, its query
+      tiles (the dK/dV kernels walk them)."""
+
+    count: torch.Tensor
+    index: torch.Tensor
+    partial: torch.Tensor
+    t_count: torch.Tensor
+    t_index: torch.Tensor
+
+
+def _ascending_lists(kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    count = kept.sum(dim=-1, dtype=torch.int32)
+    index = torch.sort((~kept).to(torch.uint8), dim=-1, stable=True).indices.to(torch.int32)
+    return count, index.contiguous()
+
+
+def _dense_of_lists(count: torch.Tensor, index: torch.Tensor, k_blocks: int) -> torch.Tensor:
+    """(…, M_q, k_blocks) bool from count / index lists; entries past each count and indices out of
+    [0, k_blocks) are dropped (one extra scatter column)."""
+    idx = index.to(torch.int64)
+    used = torch.arange(idx.shape[-1], device=idx.device) < count.to(torch.int64)[..., None]
+    valid = used & (idx >= 0) & (idx < k_blocks)
+    target = torch.where(valid, idx, torch.full_like(idx, k_blocks))
+    dense = torch.zeros(idx.shape[:-1] + (k_blocks + 1,), dtype=torch.bool, device=idx.device)
+    dense.scatter_(-1, target, True)
+    return dense[..., :k_blocks]

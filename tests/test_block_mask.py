@@ -1,0 +1,216 @@
+"""hstu_cute.BlockMask on CPU: every constructor against the dense bool it describes, garbage past
+the counts, the oracle's expansion against a direct loop over elements (HSTU mask AND kept block,
+key coordinates on both sides, delta_q), and bad input."""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+from hstu_cute import BlockMask, masks
+from hstu_cute.block_mask import blocks_for
+from hstu_cute.reference import hstu_attn_reference
+
+
+def _random_dense(shape, density, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.rand(shape, generator=gen) < density
+
+
+@pytest.mark.parametrize("density", [0.0, 0.1, 0.5, 1.0])
+def test_from_dense_lists_are_ascending_and_round_trip(density):
+    dense = _random_dense((3, 2, 5, 7), density, 1)
+    bm = BlockMask.from_dense(dense, 32, 64)
+    assert bm.kv_count.dtype == bm.kv_index.dtype == torch.int32
+    assert torch.equal(bm.kv_count, dense.sum(-1).to(torch.int32))
+    for b, h, i in ((b, h, i) for b in range(3) for h in range(2) for i in range(5)):
+        n = int(bm.kv_count[b, h, i])
+        assert bm.kv_index[b, h, i, :n].tolist() == dense[b, h, i].nonzero().flatten().tolist()
+    assert torch.equal(bm.to_dense(), dense)
+    assert math.isclose(float(bm.density()), float(dense.float().mean()), abs_tol=1e-6)
+
+
+def test_lists_ignore_entries_past_each_count():
+    dense = _random_dense((2, 1, 4, 6), 0.4, 2)
+    bm = BlockMask.from_dense(dense, 16, 16)
+    garbage = bm.kv_index.clone()
+    for b, h, i in ((b, h, i) for b in range(2) for h in range(1) for i in range(4)):
+        garbage[b, h, i, int(bm.kv_count[b, h, i]):] = torch.randint(-5, 50, (6 - int(bm.kv_count[b, h, i]),),
+                                                                     dtype=torch.int32)
+    assert torch.equal(BlockMask.from_lists(bm.kv_count, garbage, 16, 16).to_dense(), dense)
+
+
+def test_from_topk_drops_unused_slots_and_duplicates():
+    indices = torch.tensor([[[[3, 1, 1, -1], [0, 5, 2, 9]]]])  # (1, 1, 2, 4); 9 is past M_k = 6
+    bm = BlockMask.from_topk(indices, 64, 64, 6)
+    expected = torch.zeros(1, 1, 2, 6, dtype=torch.bool)
+    expected[0, 0, 0, [1, 3]] = True
+    expected[0, 0, 1, [0, 2, 5]] = True
+    assert torch.equal(bm.to_dense(), expected)
+    assert bm.kv_index[0, 0, 1, :3].tolist() == [0, 2, 5]
+
+
+def test_from_jagged_dense_matches_per_sequence_blocks():
+    """HBSA's layout: blocks numbered over the jagged batch, each sequence's after the previous."""
+    lengths = [0, 40, 17, 100]
+    offsets = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    qb, kb = 16, 32
+    per_seq = _random_dense((4, 2, blocks_for(100, qb), blocks_for(100, kb)), 0.5, 3)
+    nq = [blocks_for(n, qb) for n in lengths]
+    nk = [blocks_for(n, kb) for n in lengths]
+    total = torch.zeros(2, sum(nq), sum(nk), dtype=torch.bool)
+    for b in range(4):
+        r, c = sum(nq[:b]), sum(nk[:b])
+        total[:, r:r + nq[b], c:c + nk[b]] = per_seq[b, :, :nq[b], :nk[b]]
+        per_seq[b, :, nq[b]:, :] = False  # blocks past a sequence do not exist in HBSA's layout
+        per_seq[b, :, :, nk[b]:] = False
+    bm = BlockMask.from_jagged_dense(total, offsets, offsets, qb, kb, max(lengths))
+    assert torch.equal(bm.to_dense(), per_seq)
+
+
+def test_from_flex_keeps_partial_and_full_blocks():
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+
+    def band(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < 48)
+
+    fm = flex.create_block_mask(band, B=2, H=1, Q_LEN=256, KV_LEN=256, device="cpu", BLOCK_SIZE=32)
+    bm = BlockMask.from_flex(fm)
+    assert (bm.q_block, bm.k_block) == (32, 32)
+    i = torch.arange(8)
+    expected = ((i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] <= 2)).expand(2, 1, 8, 8)
+    assert torch.equal(bm.to_dense(), expected)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(q_block=24), "q_block: expected a positive multiple of 16, got 24"),
+    (dict(k_block=0), "k_block: expected a positive multiple of 16, got 0"),
+    (dict(kv_count=torch.zeros(1, 1, 2, dtype=torch.int64)), "kv_count.dtype: expected torch.int32"),
+    (dict(kv_index=torch.zeros(1, 1, 3, 4, dtype=torch.int32)), r"kv_index: expected shape \(1, 1, 2\) \+ \(M_k,\)"),
+])
+def test_bad_masks_are_refused_naming_the_field(bad, match):
+    args = dict(kv_count=torch.zeros(1, 1, 2, dtype=torch.int32), kv_index=torch.zeros(1, 1, 2, 4, dtype=torch.int32),
+                q_block=16, k_block=32)
+    args.update(bad)
+    with pytest.raises((TypeError, ValueError), match=match):
+        BlockMask(**args)
+
+
+def _loop_oracle(q, k, v, lengths_q, lengths_k, spec_kwargs, dense, qb, kb, alpha):
+    """out by a direct loop over (sequence, head, query, key): masks.allowed on ints, then the kept
+    block of (key-coordinate row, key)."""
+    window = spec_kwargs.get("window_size", (-1, -1))
+    kind, wl, wr = masks.normalize_window(window, max(lengths_k))
+    targets = spec_kwargs.get("num_targets")
+    spec = masks.MaskSpec(kind, has_target=targets is not None, is_delta_q=lengths_q != lengths_k)
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float64)
+    sq = sk = 0
+    S = max(lengths_q)
+    for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k)):
+        t = int(targets[b]) if targets is not None else 0
+        seq = masks.seq_mask_from_lengths(spec, lq, lk, wl, wr, 0, t, 1)
+        for h in range(q.shape[1]):
+            for i in range(lq):
+                r = seq.row_offset + i
+                for j in range(lk):
+                    if not masks.allowed(spec, seq, r, j) or not dense[b, h % dense.shape[1], r // qb, j // kb]:
+                        continue
+                    z = alpha * float(q[sq + i, h].double() @ k[sk + j, h].double())
+                    out[sq + i, h] += z / (1 + math.exp(-z)) * v[sk + j, h].double() / S
+        sq, sk = sq + lq, sk + lk
+    return out
+
+
+@pytest.mark.parametrize("case", ["causal-16x32", "none-32x16-per-head", "delta_q-causal", "targets-16x16"])
+def test_oracle_expands_blocks_like_a_direct_loop(case):
+    lengths_q = lengths_k = [17, 0, 40, 1]
+    kw, heads_mask, qb, kb = {}, 1, 16, 32
+    if case == "causal-16x32":
+        kw = dict(window_size=(-1, 0))
+    elif case == "none-32x16-per-head":
+        heads_mask, qb, kb = 2, 32, 16
+    elif case == "delta_q-causal":
+        lengths_q, kw = [5, 0, 20, 1], dict(window_size=(-1, 0))
+    else:
+        kw, qb, kb = dict(window_size=(-1, 0), num_targets=torch.tensor([4, 0, 6, 1], dtype=torch.int32)), 16, 16
+    gen = torch.Generator().manual_seed(zlib.crc32(case.encode()))
+    q = torch.randn(sum(lengths_q), 2, 8, generator=gen)
+    k = torch.randn(sum(lengths_k), 2, 8, generator=gen)
+    v = torch.randn(sum(lengths_k), 2, 8, generator=gen)
+    dense = _random_dense((4, heads_mask, blocks_for(40, qb), blocks_for(40, kb)), 0.5, 4)
+    bm = BlockMask.from_dense(dense, qb, kb)
+    offsets_q = torch.tensor([0] + torch.tensor(lengths_q).cumsum(0).tolist(), dtype=torch.int32)
+    offsets_k = torch.tensor([0] + torch.tensor(lengths_k).cumsum(0).tolist(), dtype=torch.int32)
+    out = hstu_attn_reference(q, k, v, offsets_q, offsets_k, max(lengths_q), max(lengths_k), alpha=0.5,
+                              is_delta_q=lengths_q != lengths_k, block_mask=bm, compute_dtype=torch.float64, **kw)
+    expected = _loop_oracle(q, k, v, lengths_q, lengths_k, kw, dense, qb, kb, 0.5)
+    torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-9)
+    # The mask matters here: without it the output differs.
+    unmasked = hstu_attn_reference(q, k, v, offsets_q, offsets_k, max(lengths_q), max(lengths_k), alpha=0.5,
+                                   is_delta_q=lengths_q != lengths_k, compute_dtype=torch.float64, **kw)
+    assert not torch.allclose(out, unmasked)
+
+
+def test_full_and_empty_masks():
+    lengths = [17, 33]
+    offsets = torch.tensor([0, 17, 50], dtype=torch.int32)
+    q, k, v = (torch.randn(50, 2, 8) for _ in range(3))
+    full = BlockMask.from_dense(torch.ones(2, 1, 3, 3, dtype=torch.bool), 16, 16)
+    empty = BlockMask.from_dense(torch.zeros(2, 2, 3, 3, dtype=torch.bool), 16, 16)
+    dense_out = hstu_attn_reference(q, k, v, offsets, offsets, 33, 33, window_size=(-1, 0))
+    assert torch.equal(hstu_attn_reference(q, k, v, offsets, offsets, 33, 33, window_size=(-1, 0), block_mask=full),
+                       dense_out)
+    assert not hstu_attn_reference(q, k, v, offsets, offsets, 33, 33, block_mask=empty).any()
+    with pytest.raises(ValueError, match="block_mask: expected"):
+        hstu_attn_reference(q, k, v, offsets, offsets, 33, 33, block_mask=BlockMask.from_dense(
+            torch.ones(3, 1, 3, 3, dtype=torch.bool), 16, 16))
+    del lengths
+
+
+@pytest.mark.parametrize("tiles,blocks,delta_q,seqused", [
+    ((128, 128), (128, 128), False, False),
+    ((128, 176), (16, 32), False, True),
+    ((64, 128), (48, 64), True, False),
+    ((192, 128), (256, 16), True, True),
+])
+def test_tile_lists_match_the_elements(tiles, blocks, delta_q, seqused):
+    """BlockMask.tile_lists against a brute-force scan of each tile's valid elements: a tile is
+    listed iff one of them is kept, partial iff some are kept and some not; the transposed lists
+    hold the same tiles."""
+    tile_m, tile_n = tiles
+    qb, kb = blocks
+    lengths_k = [0, 1, 17, 300, 513]
+    lengths_q = [min(n, 40) for n in lengths_k] if delta_q else lengths_k
+    offsets_q = torch.tensor([0] + torch.tensor(lengths_q).cumsum(0).tolist(), dtype=torch.int32)
+    offsets_k = torch.tensor([0] + torch.tensor(lengths_k).cumsum(0).tolist(), dtype=torch.int32)
+    used_q = torch.tensor([max(n - 3, 0) for n in lengths_q], dtype=torch.int32) if seqused else None
+    used_k = torch.tensor([max(n - 2, 0) for n in lengths_k], dtype=torch.int32) if seqused else None
+    dense = _random_dense((5, 2, blocks_for(513, qb), blocks_for(513, kb)), 0.3, sum(tiles) + sum(blocks))
+    bm = BlockMask.from_dense(dense, qb, kb)
+    lists = bm.tile_lists(offsets_q, offsets_k, used_q, used_k, tile_m, tile_n, max(lengths_q), max(lengths_k))
+    m_tiles, n_tiles = blocks_for(max(lengths_q), tile_m), blocks_for(max(lengths_k), tile_n)
+    assert lists.count.shape == (5, 2, m_tiles) and lists.t_count.shape == (5, 2, n_tiles)
+    for b in range(5):
+        lq = int(used_q[b]) if seqused else lengths_q[b]
+        lk = int(used_k[b]) if seqused else lengths_k[b]
+        off = lk - lq
+        for h in range(2):
+            kept = torch.zeros(m_tiles, n_tiles, dtype=torch.bool)
+            partial = torch.zeros(m_tiles, n_tiles, dtype=torch.bool)
+            for m in range(m_tiles):
+                rows = off + torch.arange(m * tile_m, max(min((m + 1) * tile_m, lq), m * tile_m))
+                for n in range(n_tiles):
+                    keys = torch.arange(n * tile_n, max(min((n + 1) * tile_n, lk), n * tile_n))
+                    e = bm.element_mask(b, h, rows, keys)
+                    kept[m, n] = e.any()
+                    partial[m, n] = e.any() and not e.all()
+            for m in range(m_tiles):
+                c = int(lists.count[b, h, m])
+                assert lists.index[b, h, m, :c].tolist() == kept[m].nonzero().flatten().tolist(), (b, h, m)
+            for n in range(n_tiles):
+                c = int(lists.t_count[b, h, n])
+                assert lists.t_index[b, h, n, :c].tolist() == kept[:, n].nonzero().flatten().tolist(), (b, h, n)
+            assert torch.equal(lists.partial[b, h], partial), (b, h)

@@ -105,6 +105,9 @@ class SeqMask:
     # MaskKind.FUNC: the sequence's interval bounds, ``func.bound(i, r)`` for key-coordinate row
     # ``r`` and bound ``i`` in 0..2 (:func:`row_intervals`); None for the other kinds.
     func: Any = None
+    # A block-sparse call's tables for this sequence and head (kernels: common.seqinfo.BlockTiles),
+    # else None: tile_is_full also asks it, and the kernels' masks AND its kept test.
+    sparse: Any = None
 
 
 def _is_tensor(x) -> bool:
@@ -287,6 +290,8 @@ def tile_is_full(spec: MaskSpec, seq: SeqMask, m_block, n_block, tile_m, tile_n,
                 (r_last < h_end) | (j_last < h_end) | (j_first >= last_hole_end) | (last_hole_end == h_end)
             )
         full = full & below
+    if seq.sparse is not None:
+        full = full & seq.sparse.tile_whole(m_block, n_block)
     return full
 
 

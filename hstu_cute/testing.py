@@ -285,5 +285,6 @@ def call_record(**kwargs):
     paged = PagedTables(a["kv_cache"], a["page_offsets"], a["page_ids"], a["last_page_lens"]) if p.page_size else None
     call = Call(p, a["seq_offsets_q"], a["seq_offsets_k"], a["max_seqlen_q"], a["max_seqlen_k"], a["num_contexts"],
                 a["num_targets"], a["seqused_q"], a["seqused_k"], a["target_group_size"], a["alpha"], a["has_drab"],
-                a["deterministic"], (a["descale_q"], a["descale_k"], a["descale_v"]), paged, {}, a["func"])
+                a["deterministic"], (a["descale_q"], a["descale_k"], a["descale_v"]), paged, {}, a["func"],
+                a["block_mask"])
     return call, a["rab"]

@@ -256,6 +256,8 @@ class HopperFwdKey(_Variant):
     # The output through smem and a TMA store where the smem fits (hopper.base.StagedEpilogue);
     # False: register stores only ("r" in the description).
     staged_epilogue: bool = True
+    # A block mask: every tile walks its list of key tiles (hstu_cute.block_mask.TileLists).
+    block_sparse: bool = False
 
     def describe(self) -> str:
         flags = ("o" if self.intra_wg_overlap else "") + ("p" if self.pingpong else "") + (
@@ -263,7 +265,7 @@ class HopperFwdKey(_Variant):
             "d" if self.dynamic_tiles else "") + ("k" if self.split_keys else "") + (
             "" if self.staged_epilogue else "r")
         return self._describe(f"{self.tile_m}x{self.tile_n}s{self.num_stages}{flags}",
-                              ["rab"] if self.has_rab else [])
+                              (["rab"] if self.has_rab else []) + (["block-sparse"] if self.block_sparse else []))
 
 
 def default_hopper_fwd_tiles(head_dim: int, has_rab: bool) -> dict:
@@ -279,9 +281,10 @@ def default_hopper_fwd_tiles(head_dim: int, has_rab: bool) -> dict:
 
 
 def make_hopper_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, tiles=None,
-                        split_keys: bool = False) -> HopperFwdKey:
+                        split_keys: bool = False, block_sparse: bool = False) -> HopperFwdKey:
     return HopperFwdKey(**_variant_fields(arch, dtype, head_dim, kind, context_target, has_rab),
-                        **(tiles or default_hopper_fwd_tiles(head_dim, has_rab)), split_keys=split_keys)
+                        **(tiles or default_hopper_fwd_tiles(head_dim, has_rab)), split_keys=split_keys,
+                        block_sparse=block_sparse)
 
 
 @dataclass(frozen=True)

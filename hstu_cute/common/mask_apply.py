@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 
 from .. import masks
 
@@ -45,10 +45,13 @@ def apply_mask_rows_cols(acc_rc: cute.Tensor, coord_rc: cute.Tensor, spec: cutla
     # A column's coordinate is the same in every row: read each once (fewer traced ops).
     cols = [coord_rc[0, j][1] for j in range(cute.size(acc_rc.shape[1]))]
     for i in cutlass.range_constexpr(cute.size(acc_rc.shape[0])):
-        lo_end, hi_start, hi_end = masks.row_intervals(spec, seq, row0 + coord_rc[i, 0][0], KERNEL_OPS)
+        row = row0 + coord_rc[i, 0][0]
+        lo_end, hi_start, hi_end = masks.row_intervals(spec, seq, row, KERNEL_OPS)
         lo_end, hi_start, hi_end = lo_end - col0, hi_start - col0, hi_end - col0
         for j in cutlass.range_constexpr(cute.size(acc_rc.shape[1])):
             keep = masks.in_row_intervals(spec, cols[j], lo_end, hi_start, hi_end, col_limit)
+            if const_expr(seq.sparse is not None):
+                keep = keep & seq.sparse.kept(row, col0 + cols[j])
             acc_rc[i, j] = cutlass.select_(keep, acc_rc[i, j], Float32(0.0))
 
 

@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import cutlass
+import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
 from .. import masks
@@ -27,6 +28,81 @@ class SequenceArgs(NamedTuple):
     mNumTargets: Any  # (B,) int32 or None
     mFunc: Any = None  # (1, n_func, T_q + 256) int32 per-row key intervals (MaskKind.FUNC only)
     mFuncBlocks: Any = None  # (B, blocks, 7) int32 per FUNC_BLOCK_ROWS query rows: masks.FUNC_TABLE_COLUMNS
+    blocks: Any = None  # BlockSparseArgs of a block-sparse call (hstu_cute.block_mask), else None
+
+
+class BlockSparseArgs(NamedTuple):
+    """A block-sparse call's tables (:meth:`hstu_cute.BlockMask.tile_lists` at the kernel's tile,
+    and the dense kept blocks for masking inside partial tiles)."""
+
+    mCount: Any  # (B, H_mask, M_t) int32: key tiles per query tile
+    mIndex: Any  # (B, H_mask, M_t, N_t) int32: those key tiles, ascending
+    mPartial: Any  # (B, H_mask, M_t, N_t) uint8: the tile mixes kept and dropped blocks
+    mKept: Any  # (B, H_mask, M_q, M_k) uint8: the kept blocks
+    q_block: Any  # Int32
+    k_block: Any  # Int32
+
+
+@cute.jit
+def lower_bound(values, count, target):
+    """The first ``i`` in ``[0, count)`` with ``values[i] >= target`` (``count`` if none), for
+    ascending ``values``: a binary search."""
+    lo, hi = Int32(0), count
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if values[mid] < target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@dataclasses.dataclass
+class BlockTiles:
+    """One (sequence, head)'s block-sparse tables inside a kernel (:class:`BlockSparseArgs`):
+    its key-tile lists, which tiles need masking by block, and the kept test of one element. A
+    dataclass carried field by field through dynamic loops, inside a SeqMask (``sparse``)."""
+
+    mCount: Any
+    mIndex: Any
+    mPartial: Any
+    mKept: Any
+    q_block: Any
+    k_block: Any
+    batch: Any
+    head: Any  # the mask's head: the call's head, or 0 for a mask shared by all heads
+
+    @staticmethod
+    def of(args: BlockSparseArgs, batch, head):
+        head_mask = cutlass.min(head, args.mCount.shape[1] - 1)
+        return BlockTiles(args.mCount, args.mIndex, args.mPartial, args.mKept, args.q_block, args.k_block, batch,
+                          head_mask)
+
+    def list_range(self, m_block, n_lo, n_hi):
+        """(first, count): the entries of query tile ``m_block``'s list inside key tiles
+        ``[n_lo, n_hi)`` (the HSTU mask's range; the list is ascending: two binary searches)."""
+        total = cutlass.min(cutlass.max(self.mCount[self.batch, self.head, m_block], Int32(0)), self.mIndex.shape[3])
+        row = self.mIndex[self.batch, self.head, m_block, None]
+        first = lower_bound(row, total, n_lo)
+        past = lower_bound(row, total, n_hi)
+        return first, cutlass.max(past - first, Int32(0))
+
+    def at(self, m_block, i):
+        """Key tile ``i`` of query tile ``m_block``'s list."""
+        return self.mIndex[self.batch, self.head, m_block, i]
+
+    def tile_whole(self, m_block, n_block):
+        """The tile's blocks are all kept (no masking by block)."""
+        return self.mPartial[self.batch, self.head, m_block, n_block] == 0
+
+    def kept(self, row, key):
+        """Element (key-coordinate ``row``, ``key``) lies in a kept block."""
+        qb = row // self.q_block
+        kb = key // self.k_block
+        inside = (qb >= 0) & (qb < self.mKept.shape[2]) & (kb >= 0) & (kb < self.mKept.shape[3])
+        qb = cutlass.min(cutlass.max(qb, Int32(0)), self.mKept.shape[2] - 1)
+        kb = cutlass.min(cutlass.max(kb, Int32(0)), self.mKept.shape[3] - 1)
+        return inside & (self.mKept[self.batch, self.head, qb, kb] != 0)
 
 
 @dataclasses.dataclass

@@ -24,7 +24,7 @@ from ..common.fp8 import (
 )
 from ..fp8_format import BLOCK_TOKENS, vt_column_start
 from ..common.key_blocks import PAGE_CHUNK, KeyBlocks, PagedArgs, cache_row, page_span
-from ..common.seqinfo import ScoreScalars, SequenceArgs
+from ..common.seqinfo import BlockSparseArgs, BlockTiles, ScoreScalars, SequenceArgs
 from ..common.silu import silu_scaled_inplace
 from ..common.tile_scheduler import SectionWalk, TileScheduler
 from .base import HstuSm90Base, StagedEpilogue, store_rows_staged
@@ -88,7 +88,7 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
                  num_stages: int, fast_silu: bool, intra_wg_overlap: bool = True, pingpong: bool = True,
                  persistent: bool = True, q_stages: int = 1, dynamic_tiles: bool = False, out_dtype=None,
                  scaled_p: bool = False, two_direction: bool = False, paged: bool = False, split_keys: bool = False,
-                 early_silu: bool = False, staged_epilogue: bool = True):
+                 early_silu: bool = False, staged_epilogue: bool = True, block_sparse: bool = False):
         # The CTA launches with 168 x 384 registers; setmaxnreg moves them between roles, so the
         # consumers' 240 must come out of that pool (common.sm90.sm90_register_split).
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, tile_m // 64,
@@ -140,6 +140,10 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
         # Split keys store fp32 partials (store_split_tile); the smem tile is written in 64-column
         # blocks.
         self.staged = staged_epilogue and not split_keys and head_dim % 64 == 0
+        # A block mask (hstu_cute.block_mask): each tile walks its list of key tiles
+        # (common.key_blocks.KeyBlocks.of_list) and masks by block where its blocks are mixed.
+        self.block_sparse = block_sparse
+        assert not (block_sparse and (paged or split_keys or self.fp8)), "block-sparse: plain 16-bit tiles only"
         assert tile_m % 64 == 0 and tile_n % 16 == 0 and head_dim % 16 == 0
 
     # ------------------------------------------------------------------------------------------
@@ -149,12 +153,16 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
     def __call__(self, mQ, mK, mV, mO, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks, mRab,
                  alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks, num_sms,
                  bh_per_section, mTileCounter, mCache, mPageOffsets, mPageIds, mLastPageLens, log2_page_size, mRabNew,
-                 mPartials, mArrivals, num_splits, stream):
+                 mPartials, mArrivals, num_splits, mBlockCount, mBlockIndex, mBlockPartial, mBlockKept, q_block,
+                 k_block, stream):
         paged = None
         if const_expr(self.paged):
             paged = PagedArgs(mCache, mPageOffsets, mPageIds, mLastPageLens, log2_page_size, mRabNew)
+        blocks = None
+        if const_expr(self.block_sparse):
+            blocks = BlockSparseArgs(mBlockCount, mBlockIndex, mBlockPartial, mBlockKept, q_block, k_block)
         self.compile_forward(mQ, mK, mV, mO, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
-                                                          mNumTargets, mFunc, mFuncBlocks), mRab,
+                                                          mNumTargets, mFunc, mFuncBlocks, blocks), mRab,
                              ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q),
                              num_m_blocks, num_sms, bh_per_section, mTileCounter, None, stream, paged,
                              (mPartials, mArrivals, num_splits) if const_expr(self.split_keys) else None)
@@ -327,7 +335,11 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
             q_start, k_start, seq = seqinfo.from_words(words, batch)
         else:
             q_start, k_start, seq = seqinfo.at(batch, span.cached_len if const_expr(self.paged) else None)
-        blocks = KeyBlocks.of_tile(self.mask, seq, m_block, self.tile_m, self.tile_n, span)
+        if const_expr(self.block_sparse):
+            seq.sparse = BlockTiles.of(seqinfo.seqs.blocks, batch, head)
+            blocks = KeyBlocks.of_list(self.mask, seq, m_block, self.tile_m, self.tile_n)
+        else:
+            blocks = KeyBlocks.of_tile(self.mask, seq, m_block, self.tile_m, self.tile_n, span)
         if const_expr(self.split_keys):
             blocks = blocks.part(part, self.num_splits)
         live = m_block * self.tile_m < seq.seqlen_q

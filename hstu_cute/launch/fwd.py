@@ -43,8 +43,14 @@ def forward(q, k, v, rab, call: Call, tiles: dict | None = None, out: torch.Tens
     if rab is not None and (path == "hopper" or p.page_size):
         rab = pad_rab_rows(rab)  # TMA (and the paged sm80 key) need 16-byte aligned rows
     fp8_kind = None if fp8 is None else (fp8.out_dtype, fp8.scaled_p, fp8.two_direction)
+    block_sparse = call.block_mask is not None
+    if block_sparse:
+        if path != "hopper":
+            raise NotImplementedError(f"block_mask: the block-sparse forward runs on the Hopper kernels only (this "
+                                      f"call takes the {path} path)")
+        splits = 1
     plan_key = ("fwd", path, rab_vec(rab) if rab is not None else 0, k.shape[0], splits, fp8_kind, call.alpha,
-                call.target_group_size)
+                call.target_group_size, block_sparse)
 
     def build():
         return _forward_plan(call, device, rab, k.shape[0], path, tiles, fp8, splits)
@@ -60,6 +66,8 @@ def forward(q, k, v, rab, call: Call, tiles: dict | None = None, out: torch.Tens
         values.update(mPartials=torch.empty((splits * q.shape[0],) + tuple(q.shape[1:]), dtype=torch.float32,
                                             device=device),
                       mArrivals=split_arrivals(device, p.batch * p.heads * -(-call.max_seqlen_q // key.tile_m) * 2))
+    if block_sparse:
+        values.update(_block_sparse_args(call, key))
     if p.page_size:
         values.update(_paged_args(p, call.paged))
         # Keys past the cache: the targets' rows of k / v (call.seq_offsets_k counts keys, not rows).
@@ -78,7 +86,7 @@ def _forward_plan(call: Call, device, rab, tokens_k: int, path: str, tiles, fp8,
     """(the prepared forward launch, the key splits it takes) of ``call``'s signature."""
     p = call.problem
     if fp8 is None:
-        key = fwd_key(p, device_arch(device), rab, tiles, path)
+        key = fwd_key(p, device_arch(device), rab, tiles, path, block_sparse=call.block_mask is not None)
         if splits is None:
             splits = key_splits(p, key.tile_m, key.tile_n, call.max_seqlen_q, call.max_seqlen_k, num_sms(device))
         fixed = {}
@@ -98,6 +106,16 @@ def _forward_plan(call: Call, device, rab, tokens_k: int, path: str, tiles, fp8,
     if path == "hopper":
         fixed.update(num_sms=num_sms(device), **_walk_fixed(key, p, shared_tokens, call.max_seqlen_k))
     return Prepared(key, fixed), splits
+
+
+def _block_sparse_args(call: Call, key) -> dict:
+    """The block mask at the key's tiles (:meth:`hstu_cute.BlockMask.tile_lists`; on the device,
+    no sync) and its kept blocks, for masking inside the tiles that mix kept and dropped blocks."""
+    bm = call.block_mask
+    lists = bm.tile_lists(call.seq_offsets_q, call.seq_offsets_k, call.seqused_q, call.seqused_k, key.tile_m,
+                          key.tile_n, call.max_seqlen_q, call.max_seqlen_k)
+    return dict(mBlockCount=lists.count, mBlockIndex=lists.index, mBlockPartial=lists.partial.to(torch.uint8),
+                mBlockKept=bm.to_dense().to(torch.uint8), q_block=bm.q_block, k_block=bm.k_block)
 
 
 def _paged_args(p: Problem, paged) -> dict:

@@ -154,13 +154,17 @@ def _plan(call: Call, key: tuple, build):
     return plan
 
 
-def fwd_key(p: Problem, arch: str, rab, tiles: dict | None = None, path: str = "ampere", split_keys: bool = False):
+def fwd_key(p: Problem, arch: str, rab, tiles: dict | None = None, path: str = "ampere", split_keys: bool = False,
+            block_sparse: bool = False):
     """The forward compile key of this call (memoized by :func:`_made`); ``split_keys``: the
     variant whose tiles take parts of the key blocks (:func:`key_splits`; sm80: rab rows come
     padded to 16 bytes)."""
     context_target = p.mask.has_context or p.mask.has_target
     dtype = DTYPE_NAMES[p.dtype]
     if path == "hopper":
+        if block_sparse:
+            return _made(make_hopper_fwd_key, arch, dtype, p.head_dim, p.mask.kind, context_target, rab is not None,
+                         tiles, False, True)
         factory = make_hopper_paged_fwd_key if p.page_size else make_hopper_fwd_key
         return _made(factory, arch, dtype, p.head_dim, p.mask.kind, context_target, rab is not None, tiles,
                      split_keys)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one GPU call: precompile (parallel) -> GPU tests -> compute-sanitizer -> backward smoke -> benchmark
-# -> serving (paged and split-key calls beside their same-run lines).
-# Usage on the GPU machine: [STAGES="warmup tests sanitizer smoke perf serving"] tools/gpu_check.sh [perf modes]
+# -> serving (paged and split-key calls beside their same-run lines) -> sparse (block-sparse and func
+# masks: their GPU tests, compute-sanitizer over them, bench --grid blocksparse and --grid func).
+# Usage on the GPU machine: [STAGES="warmup tests sanitizer smoke perf serving sparse"] tools/gpu_check.sh [perf modes]
 # (perf modes: tools/gpu_perf.py's, default all). Logs under $OUT (or ./gpu-out). STAGES picks a
 # subset, so a long check can be split over two calls within one device command's time limit;
 # GPU_TESTS picks test files, WARMUP_ARGS narrows the warmup (its filters).
@@ -46,6 +47,21 @@ if [[ $STAGES == *" serving "* ]]; then
   status+=("serving grid rc=$?: $OUT/serving.jsonl")
   python tools/gpu_split.py --out "$OUT/split.jsonl" > "$OUT/split.log" 2>&1
   status+=("split keys rc=$?: $OUT/split.jsonl")
+fi
+if [[ $STAGES == *" sparse "* ]]; then
+  t0=$(date +%s)
+  timeout "${GPU_TESTS_TIMEOUT:-300}" python -m pytest -q -m gpu tests/test_block_sparse_gpu.py tests/test_func_gpu.py \
+    -p no:cacheprovider > "$OUT/sparse-tests.log" 2>&1; rc=$?
+  status+=("sparse GPU tests rc=$rc $(( $(date +%s) - t0 ))s: $(tail -n 1 "$OUT/sparse-tests.log")")
+  grep -E "FAILED|Error" "$OUT/sparse-tests.log" | head -n 20
+  t0=$(date +%s)
+  timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 python -m pytest -q -m gpu \
+    -p no:cacheprovider tests/test_block_sparse_gpu.py -k "case0 or case2 or case4" > "$OUT/sanitizer-sparse.log" 2>&1; rc=$?
+  status+=("compute-sanitizer memcheck (block-sparse) rc=$rc $(( $(date +%s) - t0 ))s: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer-sparse.log" | tail -n 1)")
+  python -m hstu_cute bench --grid blocksparse --out "$OUT/blocksparse.jsonl" > "$OUT/blocksparse.log" 2>&1
+  status+=("bench blocksparse rc=$?: $OUT/blocksparse.jsonl")
+  python -m hstu_cute bench --grid func --out "$OUT/func.jsonl" > "$OUT/func.log" 2>&1
+  status+=("bench func rc=$?: $OUT/func.jsonl")
 fi
 echo "=== gpu_check ==="
 printf '%s\n' "${status[@]}"

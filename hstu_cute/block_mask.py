@@ -232,7 +232,7 @@ class BlockMask:
         any_kept = (kept > 0) & live
         count, index = _ascending_lists(any_kept)
         t_count, t_index = _ascending_lists(any_kept.transpose(2, 3))
-        return TileLists(count, index, any_kept & (kept < area), t_count, t_index)
+        return TileLists(count, index, any_kept, any_kept & (kept < area), t_count, t_index)
 
     def density(self) -> torch.Tensor:
         """Kept blocks over all blocks (a 0-d tensor on the mask's device; no sync)."""
@@ -245,6 +245,7 @@ class TileLists(NamedTuple):
 
     * ``count (B, H_mask, M_t)`` / ``index (B, H_mask, M_t, N_t)``: per query tile, the key tiles
       holding any kept element of a valid row and key, ascending (the forward walks them);
+    * ``kept (B, H_mask, M_t, N_t)`` bool: the same tiles as a grid;
     * ``partial (B, H_mask, M_t, N_t)`` bool: the tile mixes kept and dropped blocks (the kernels
       mask it by block, on top of the HSTU mask);
     * ``t_count (B, H_mask, N_t)`` / ``t_index (B, H_mask, N_t, M_t)``: per key tile, its query
@@ -252,9 +253,15 @@ class TileLists(NamedTuple):
 
     count: torch.Tensor
     index: torch.Tensor
+    kept: torch.Tensor
     partial: torch.Tensor
     t_count: torch.Tensor
     t_index: torch.Tensor
+
+    def state(self) -> torch.Tensor:
+        """(B, H_mask, M_t, N_t) uint8 per tile: 0 no kept element, 1 all kept, 2 mixed (the
+        kernels' ``mBlockState``)."""
+        return self.kept.to(torch.uint8) + self.partial.to(torch.uint8)
 
 
 def _ascending_lists(kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

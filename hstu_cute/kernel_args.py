@@ -338,7 +338,7 @@ def _block_sparse(key) -> bool:
 # A block mask (hstu_cute.block_mask.TileLists at the key's tile; common.seqinfo.BlockSparseArgs).
 _BLOCKS = (Arg("mBlockCount", _slab(3, 1, elem="Int32"), _block_sparse),  # (B, H_mask, M_t)
            Arg("mBlockIndex", _slab(4, 1, elem="Int32"), _block_sparse),  # (B, H_mask, M_t, N_t)
-           Arg("mBlockPartial", _slab(4, 1, elem="Uint8"), _block_sparse),  # (B, H_mask, M_t, N_t)
+           Arg("mBlockState", _slab(4, 1, elem="Uint8"), _block_sparse),  # (B, H_mask, M_t, N_t): 0 / 1 / 2
            Arg("mBlockKept", _slab(4, 1, elem="Uint8"), _block_sparse),  # (B, H_mask, M_q, M_k)
            Arg("q_block", _i32, _block_sparse), Arg("k_block", _i32, _block_sparse))
 
@@ -389,6 +389,7 @@ SPECS["ampere_fwd_paged"] = SPECS["ampere_fwd"]
 SPECS["hopper_bwd_dkdv"] = SPECS["hopper_bwd_fused"] = (
     _Q, _K, _V, _DO, _DK, _DV, Arg("mdQaccum", _tokens("tokens_q", "Float32", 4), lambda key: key.role == "fused"),
     *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_n_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER,
+    *_BLOCKS,
 )
 
 

@@ -314,7 +314,10 @@ def tile_nonempty(spec: MaskSpec, seq: SeqMask, m_block, n_block, tile_m, tile_n
     """Whether (m_block, n_block) is in the m-block's schedule (the same test the forward uses)."""
     n_lo, hole_lo, hole_size, count = n_block_schedule(spec, seq, m_block, tile_m, tile_n, ops)
     in_range = (n_block >= n_lo) & (n_block < n_lo + count + hole_size)
-    return in_range & ((n_block < hole_lo) | (n_block >= hole_lo + hole_size))
+    nonempty = in_range & ((n_block < hole_lo) | (n_block >= hole_lo + hole_size))
+    if seq.sparse is not None:
+        nonempty = nonempty & seq.sparse.tile_kept(m_block, n_block)
+    return nonempty
 
 
 def m_block_range(spec: MaskSpec, seq: SeqMask, n_block, tile_m, tile_n, ops: Ops = PY_OPS):

@@ -491,10 +491,12 @@ class HopperBwdKey(_BwdVariant):
     ptxas_opt: int = 3
     persistent: bool = False  # roles "dkdv" / "fused" / "dq": one CTA per SM walking the tiles
     dynamic_tiles: bool = False  # persistent CTAs claim their tiles (HopperFwdKey.dynamic_tiles)
+    # A block mask (roles "dkdv" / "fused"): the m-block walk skips tiles without a kept block.
+    block_sparse: bool = False
 
     def describe(self) -> str:
         extras = (["rab"] if self.has_rab else []) + (["drab"] if self.has_drab else []) + (
-            ["sum_heads"] if self.rab_sum_heads else [])
+            ["sum_heads"] if self.rab_sum_heads else []) + (["block-sparse"] if self.block_sparse else [])
         flags = ("P" if self.persistent else "") + ("d" if self.dynamic_tiles else "")
         return self._describe(f"{self.tile_m}x{self.tile_n}s{self.num_stages}{flags}", extras)
 
@@ -537,10 +539,11 @@ def hopper_bwd_tiles(role: str, head_dim: int, has_rab: bool) -> dict:
 
 
 def make_hopper_bwd_key(role, arch, dtype, head_dim, kind, context_target, has_rab, tiles=None, has_drab=False,
-                        rab_sum_heads=False) -> HopperBwdKey:
+                        rab_sum_heads=False, block_sparse=False) -> HopperBwdKey:
+    assert not block_sparse or role in ("dkdv", "fused"), role
     return HopperBwdKey(role=role, **_variant_fields(arch, dtype, head_dim, kind, context_target, has_rab),
                         has_drab=has_drab, rab_sum_heads=rab_sum_heads,
-                        **(tiles or hopper_bwd_tiles(role, head_dim, has_rab)))
+                        **(tiles or hopper_bwd_tiles(role, head_dim, has_rab)), block_sparse=block_sparse)
 
 
 @dataclass(frozen=True)

@@ -200,13 +200,15 @@ def test_func_variants_compile(tmp_cache, compile_tally):
 
 @pytest.mark.slow
 def test_block_sparse_variants_compile(tmp_cache, compile_tally):
-    """The block-sparse Hopper forward (compiled on first use, not shipped) builds without a GPU:
-    causal with contexts and targets (the list walk inside the mask's range and the target hole)
-    and no mask, D128 bf16."""
-    from hstu_cute.variants import make_hopper_fwd_key
+    """The block-sparse Hopper kernels (compiled on first use, not shipped) build without a GPU:
+    the forward causal with contexts and targets (the list walk inside the mask's range and the
+    target hole) and with no mask, and the fused backward, D128 bf16."""
+    from hstu_cute.variants import make_hopper_bwd_key, make_hopper_fwd_key
 
     keys = [make_hopper_fwd_key("sm_90a", "bfloat16", 128, int(kind), ct, False, block_sparse=True)
             for kind, ct in ((MaskKind.CAUSAL, True), (MaskKind.NONE, False))]
+    keys.append(make_hopper_bwd_key("fused", "sm_90a", "bfloat16", 128, int(MaskKind.CAUSAL), True, False,
+                                    block_sparse=True))
     assert all(k.describe().endswith("block-sparse") for k in keys)
     results = warmup(arch="sm_90a", keys=keys, workers=2, raise_errors=False)
     _assert_all_built(results, keys, tmp_cache, "sm_90a", compile_tally)

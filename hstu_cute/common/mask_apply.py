@@ -63,6 +63,8 @@ def apply_mask_key_major(acc_S: cute.Tensor, acc_dP: cute.Tensor, tScS: cute.Ten
     for i in cutlass.range(cute.size(acc_S), unroll_full=True):
         key, query = tScS[i]
         keep = masks.allowed(spec, seq, row_first + query, col0 + key, KERNEL_OPS) & (query < q_rows)
+        if const_expr(seq.sparse is not None):
+            keep = keep & seq.sparse.kept(row_first + query, col0 + key)
         acc_S[i] = cutlass.select_(keep, acc_S[i], Float32(0.0))
         acc_dP[i] = cutlass.select_(keep, acc_dP[i], Float32(0.0))
 
@@ -82,5 +84,7 @@ def apply_mask_key_major_by_query(S_rc: cute.Tensor, dP_rc: cute.Tensor, coord_r
         query_in = query < q_rows
         for i in cutlass.range_constexpr(cute.size(S_rc.shape[0])):
             keep = masks.in_row_intervals(spec, keys[i], lo_end, hi_start, hi_end, col_limit) & query_in
+            if const_expr(seq.sparse is not None):
+                keep = keep & seq.sparse.kept(row_first + query, col0 + keys[i])
             S_rc[i, j] = cutlass.select_(keep, S_rc[i, j], Float32(0.0))
             dP_rc[i, j] = cutlass.select_(keep, dP_rc[i, j], Float32(0.0))

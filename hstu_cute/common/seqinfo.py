@@ -37,7 +37,7 @@ class BlockSparseArgs(NamedTuple):
 
     mCount: Any  # (B, H_mask, M_t) int32: key tiles per query tile
     mIndex: Any  # (B, H_mask, M_t, N_t) int32: those key tiles, ascending
-    mPartial: Any  # (B, H_mask, M_t, N_t) uint8: the tile mixes kept and dropped blocks
+    mState: Any  # (B, H_mask, M_t, N_t) uint8: 0 no kept block, 1 all kept, 2 mixed (masked by block)
     mKept: Any  # (B, H_mask, M_q, M_k) uint8: the kept blocks
     q_block: Any  # Int32
     k_block: Any  # Int32
@@ -65,7 +65,7 @@ class BlockTiles:
 
     mCount: Any
     mIndex: Any
-    mPartial: Any
+    mState: Any
     mKept: Any
     q_block: Any
     k_block: Any
@@ -75,7 +75,7 @@ class BlockTiles:
     @staticmethod
     def of(args: BlockSparseArgs, batch, head):
         head_mask = cutlass.min(head, args.mCount.shape[1] - 1)
-        return BlockTiles(args.mCount, args.mIndex, args.mPartial, args.mKept, args.q_block, args.k_block, batch,
+        return BlockTiles(args.mCount, args.mIndex, args.mState, args.mKept, args.q_block, args.k_block, batch,
                           head_mask)
 
     def list_range(self, m_block, n_lo, n_hi):
@@ -93,7 +93,11 @@ class BlockTiles:
 
     def tile_whole(self, m_block, n_block):
         """The tile's blocks are all kept (no masking by block)."""
-        return self.mPartial[self.batch, self.head, m_block, n_block] == 0
+        return self.mState[self.batch, self.head, m_block, n_block] == 1
+
+    def tile_kept(self, m_block, n_block):
+        """The tile holds a kept element (the dK/dV kernels skip the others)."""
+        return self.mState[self.batch, self.head, m_block, n_block] != 0
 
     def kept(self, row, key):
         """Element (key-coordinate ``row``, ``key``) lies in a kept block."""

@@ -153,14 +153,14 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
     def __call__(self, mQ, mK, mV, mO, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks, mRab,
                  alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks, num_sms,
                  bh_per_section, mTileCounter, mCache, mPageOffsets, mPageIds, mLastPageLens, log2_page_size, mRabNew,
-                 mPartials, mArrivals, num_splits, mBlockCount, mBlockIndex, mBlockPartial, mBlockKept, q_block,
+                 mPartials, mArrivals, num_splits, mBlockCount, mBlockIndex, mBlockState, mBlockKept, q_block,
                  k_block, stream):
         paged = None
         if const_expr(self.paged):
             paged = PagedArgs(mCache, mPageOffsets, mPageIds, mLastPageLens, log2_page_size, mRabNew)
         blocks = None
         if const_expr(self.block_sparse):
-            blocks = BlockSparseArgs(mBlockCount, mBlockIndex, mBlockPartial, mBlockKept, q_block, k_block)
+            blocks = BlockSparseArgs(mBlockCount, mBlockIndex, mBlockState, mBlockKept, q_block, k_block)
         self.compile_forward(mQ, mK, mV, mO, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
                                                           mNumTargets, mFunc, mFuncBlocks, blocks), mRab,
                              ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q),

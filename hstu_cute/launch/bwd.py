@@ -23,7 +23,8 @@ from .buffers import (
     aligned_16,
 )
 from .heuristics import _backward_kind, _walk_fixed
-from .prepared import Prepared, _call_tensors, _made, _nothing_to_do, _plan, _scalar_args, _sequence_args
+from .prepared import (Prepared, _call_tensors, _made, _nothing_to_do, _plan, _scalar_args, _sequence_args,
+                       block_sparse_args)
 
 
 def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles_dkdv: dict | None = None,
@@ -55,8 +56,9 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
     q, k, v, dout = aligned_16(q), aligned_16(k), aligned_16(v), aligned_16(dout)
     rab, drab, drab_view = _aligned_rab_and_drab(rab, call.has_drab)
     kind = _backward_kind(call, path)
+    block_sparse = call.block_mask is not None
     plan_key = ("bwd", path, kind, rab is not None, q.shape[0], k.shape[0], call.has_drab, call.deterministic,
-                call.alpha, call.target_group_size)
+                call.alpha, call.target_group_size, block_sparse)
 
     def build():
         return _backward_plan(call, device, path, kind, rab is not None, q.shape[0], k.shape[0], tiles_dq, tiles_dkdv)
@@ -65,6 +67,8 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
     values = dict(mQ=q, mK=k, mV=v, mdO=dout, mdQ=dq, mdK=dk, mdV=dv, mRab=rab, **_call_tensors(call))
     with _on_device(device):
         if plan.kind == "fused":
+            if block_sparse:
+                values.update(block_sparse_args(call, plan.first.key))
             dq_accum = values["mdQaccum"] = torch.zeros(q.shape, dtype=torch.float32, device=device)
             plan.first(values, device)
             return dq_accum.to(q.dtype), dk, dv, None
@@ -119,7 +123,8 @@ def _backward_plan(call: Call, device, path: str, kind: str, has_rab: bool, toke
         key_q = _made(make_hopper_bwd_key, "dq", *common, tiles_dq)
         return _BackwardPlan("wide", over_keys(key_kv), over_queries(key_q))
     if kind == "fused":
-        return _BackwardPlan("fused", over_keys(_made(make_hopper_bwd_key, "fused", *common, tiles_dkdv)))
+        return _BackwardPlan("fused", over_keys(_made(make_hopper_bwd_key, "fused", *common, tiles_dkdv,
+                                                      block_sparse=call.block_mask is not None)))
     sum_heads = has_drab and p.rab_heads == 1 and p.heads > 1
     key_dq, key_dkdv = _made(make_bwd_keys, *common, has_drab, sum_heads)
     if tiles_dq or tiles_dkdv:  # benchmark sweeps only

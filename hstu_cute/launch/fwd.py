@@ -13,7 +13,8 @@ from ..validation import Problem
 from .buffers import _on_device, aligned_16, pad_rab_rows, rab_vec, split_arrivals
 from .heuristics import _walk_fixed, key_splits
 from ..kv_cache import cache_rows, rab_among_new, target_key_rows
-from .prepared import Prepared, _call_tensors, _plan, _scalar_args, _sequence_args, fp8_fwd_key, fwd_key
+from .prepared import (Prepared, _call_tensors, _plan, _scalar_args, _sequence_args, block_sparse_args, fp8_fwd_key,
+                       fwd_key)
 
 
 def forward(q, k, v, rab, call: Call, tiles: dict | None = None, out: torch.Tensor | None = None,
@@ -67,7 +68,7 @@ def forward(q, k, v, rab, call: Call, tiles: dict | None = None, out: torch.Tens
                                             device=device),
                       mArrivals=split_arrivals(device, p.batch * p.heads * -(-call.max_seqlen_q // key.tile_m) * 2))
     if block_sparse:
-        values.update(_block_sparse_args(call, key))
+        values.update(block_sparse_args(call, key))
     if p.page_size:
         values.update(_paged_args(p, call.paged))
         # Keys past the cache: the targets' rows of k / v (call.seq_offsets_k counts keys, not rows).
@@ -106,16 +107,6 @@ def _forward_plan(call: Call, device, rab, tokens_k: int, path: str, tiles, fp8,
     if path == "hopper":
         fixed.update(num_sms=num_sms(device), **_walk_fixed(key, p, shared_tokens, call.max_seqlen_k))
     return Prepared(key, fixed), splits
-
-
-def _block_sparse_args(call: Call, key) -> dict:
-    """The block mask at the key's tiles (:meth:`hstu_cute.BlockMask.tile_lists`; on the device,
-    no sync) and its kept blocks, for masking inside the tiles that mix kept and dropped blocks."""
-    bm = call.block_mask
-    lists = bm.tile_lists(call.seq_offsets_q, call.seq_offsets_k, call.seqused_q, call.seqused_k, key.tile_m,
-                          key.tile_n, call.max_seqlen_q, call.max_seqlen_k)
-    return dict(mBlockCount=lists.count, mBlockIndex=lists.index, mBlockPartial=lists.partial.to(torch.uint8),
-                mBlockKept=bm.to_dense().to(torch.uint8), q_block=bm.q_block, k_block=bm.k_block)
 
 
 def _paged_args(p: Problem, paged) -> dict:

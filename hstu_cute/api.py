@@ -416,9 +416,9 @@ def hstu_attn_varlen_func(
             masks (n_func 1 or 3; 16-bit, forward and backward, Hopper and sm80).
         block_mask: keyword-only :class:`hstu_cute.BlockMask`, or None: an element is attended
             only if the mask allows it and its (query block, key block) is kept for its sequence
-            and head (docs/dev/block-sparse.md). In progress: the Hopper 16-bit kernels; the
-            backward at head dim 128 without drab, not ``deterministic`` (no FP8, paged cache or
-            ``func``).
+            and head (docs/dev/block-sparse.md). In progress: the 16-bit forward (Hopper and
+            sm80); the backward on Hopper at head dim 128 without drab, not ``deterministic`` (no
+            FP8, paged cache or ``func``).
 
     Returns:
         ``out``: a new ``(T_q, H, D)`` tensor in q's dtype. Under autograd the backward returns

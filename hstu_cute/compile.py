@@ -38,7 +38,7 @@ def _ampere_fwd(key):
 
     return HstuForwardSm80(dsl_dtype(key.dtype), key.head_dim, key.mask, key.has_rab, key.rab_vec, key.tile_m,
                            key.tile_n, key.num_warps, key.num_stages, key.fast_silu, key.lpt_grid, paged=key.paged,
-                           split_keys=key.split_keys)
+                           split_keys=key.split_keys, block_sparse=getattr(key, "block_sparse", False))
 
 
 def _ampere_bwd(key):

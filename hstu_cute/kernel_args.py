@@ -355,7 +355,7 @@ def _wide_drab(s: FakeShapes):
 
 SPECS: dict[str, tuple[Arg, ...]] = {
     "ampere_fwd": (_Q, _K, _V, Arg("mO", _tokens("tokens_q")), *_SEQUENCES, Arg("mRab", _ampere_rab, _has_rab),
-                   *_SCALARS, Arg("num_m_blocks", _i32), *_PAGES, *_SPLITS),
+                   *_SCALARS, Arg("num_m_blocks", _i32), *_PAGES, *_SPLITS, *_BLOCKS),
     "ampere_bwd_dq": (_Q, _K, _V, _DO, _DQ, *_SEQUENCES, _SM80_RAB16,
                       Arg("mdRab", _slab(4, 1), lambda key: key.has_drab),
                       Arg("mdRabAccum", _slab(3, 1, "Float32"), lambda key: key.rab_sum_heads),

@@ -124,10 +124,14 @@ class AmpereFwdKey(_Variant):
     # A tile's key blocks split into parts over CTAs, the last CTA to finish adds the fp32 parts
     # (HstuForwardSm80 split_keys; launch.key_splits picks the parts).
     split_keys: bool = False
+    # A block mask: every tile walks its list of key tiles (hstu_cute.block_mask.TileLists).
+    block_sparse: bool = False
 
     def describe(self) -> str:
         return self._describe(f"{self.tile_m}x{self.tile_n}w{self.num_warps}s{self.num_stages}"
-                              + ("k" if self.split_keys else ""), [f"rab/{self.rab_vec}"] if self.has_rab else [])
+                              + ("k" if self.split_keys else ""),
+                              ([f"rab/{self.rab_vec}"] if self.has_rab else [])
+                              + (["block-sparse"] if self.block_sparse else []))
 
 
 def default_fwd_tiles(head_dim: int) -> dict:
@@ -146,11 +150,11 @@ def default_fwd_tiles(head_dim: int) -> dict:
 
 
 def make_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, rab_vec, tiles=None,
-                 split_keys: bool = False) -> AmpereFwdKey:
+                 split_keys: bool = False, block_sparse: bool = False) -> AmpereFwdKey:
     return AmpereFwdKey(
         **_variant_fields(arch, dtype, head_dim, kind, context_target, has_rab), rab_vec=rab_vec if has_rab else 8,
         **(tiles or dict(default_fwd_tiles(head_dim), lpt_grid=MaskKind(kind) in (MaskKind.CAUSAL, MaskKind.FUNC))),
-        split_keys=split_keys,
+        split_keys=split_keys, block_sparse=block_sparse,
     )
 
 

@@ -34,6 +34,8 @@ def apply_mask_inplace(acc: cute.Tensor, tScS: cute.Tensor, spec: cutlass.Conste
                 for col_pair in cutlass.range_constexpr(2):
                     v = col_pair + 2 * half
                     keep = masks.in_row_intervals(spec, tScS[v, m, n][1], lo_end, hi_start, hi_end, col_limit)
+                    if const_expr(seq.sparse is not None):
+                        keep = keep & seq.sparse.kept(r, col0 + tScS[v, m, n][1])
                     acc[v, m, n] = cutlass.select_(keep, acc[v, m, n], Float32(0.0))
 
 @cute.jit

@@ -46,9 +46,6 @@ def forward(q, k, v, rab, call: Call, tiles: dict | None = None, out: torch.Tens
     fp8_kind = None if fp8 is None else (fp8.out_dtype, fp8.scaled_p, fp8.two_direction)
     block_sparse = call.block_mask is not None
     if block_sparse:
-        if path != "hopper":
-            raise NotImplementedError(f"block_mask: the block-sparse forward runs on the Hopper kernels only (this "
-                                      f"call takes the {path} path)")
         splits = 1
     plan_key = ("fwd", path, rab_vec(rab) if rab is not None else 0, k.shape[0], splits, fp8_kind, call.alpha,
                 call.target_group_size, block_sparse)

@@ -183,7 +183,7 @@ def fwd_key(p: Problem, arch: str, rab, tiles: dict | None = None, path: str = "
                      rab is not None, 8, tiles, split_keys)
     vec = rab_vec(rab) if rab is not None else 8
     return _made(make_fwd_key, arch, dtype, p.head_dim, p.mask.kind, context_target, rab is not None, vec, tiles,
-                 split_keys)
+                 split_keys, block_sparse)
 
 
 def fp8_fwd_key(p: Problem, arch: str, rab, out_dtype: torch.dtype, tiles: dict | None = None,

@@ -20,8 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from . import launch, validation
-from .call import Call
 from .api import hstu_attn_varlen_func
 from .bench import time_flushed
 
@@ -106,14 +104,9 @@ def serving_calls(w: ServingWorkload, x: dict) -> dict:
                                      whole, kv_cache=x["kv_cache"], page_offsets=x["page_offsets"],
                                      page_ids=x["page_ids"], last_page_lens=x["last_page_lens"], **common)
 
-    # delta_q with targets: the validation keeps FBGEMM's V1 rule for the public call (no delta_q
-    # with targets), so this line launches the same kernels on an already checked problem.
-    p, plans = validation.problem_of_op_args(x["q_new"], x["offsets_new"], w.new, whole, None, x["num_targets"], -1, 0,
-                                             None, True, w.new)
-    call = Call(p, x["offsets_new"], x["offsets_full"], w.new, whole, num_targets=x["num_targets"], plans=plans)
-
-    def contiguous():
-        return launch.forward(x["q_new"], x["k_full"], x["v_full"], None, call)
+    def contiguous():  # the same keys, contiguous: delta_q with targets
+        return hstu_attn_varlen_func(x["q_new"], x["k_full"], x["v_full"], x["offsets_new"], x["offsets_full"], w.new,
+                                     whole, is_delta_q=True, **common)
 
     def recompute():
         return hstu_attn_varlen_func(x["q_full"], x["k_full"], x["v_full"], x["offsets_full"], x["offsets_full"],

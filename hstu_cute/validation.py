@@ -282,8 +282,6 @@ def validate(
     if (has_context or has_target) and kind != masks.MaskKind.CAUSAL:
         name = "num_contexts" if has_context else "num_targets"
         fail(ValueError, "window_size", f"the causal window (-1, 0) when {name} is given", tuple(window_size))
-    if is_delta_q and (has_context or has_target) and not page_size:
-        fail(ValueError, "is_delta_q", "False when num_contexts/num_targets are given (FBGEMM V1 rule)", True)
     if page_size and kind != masks.MaskKind.CAUSAL:
         raise NotImplementedError(f"window_size: a paged KV cache serves the causal family (window (-1, 0), with "
                                   f"contexts and targets); got {tuple(window_size)}")

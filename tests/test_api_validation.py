@@ -164,11 +164,6 @@ CASES = [
      "the causal window (-1, 0) when num_contexts is given", "(-1, -1)"),
     ("target-needs-causal", lambda a: dict(num_targets=_i32([1, 1]), window_size=(2, 0)), ValueError, "window_size",
      "the causal window (-1, 0) when num_targets is given", "(2, 0)"),
-    ("deltaq-with-targets", lambda a: dict(num_targets=_i32([1, 1]), window_size=(-1, 0), is_delta_q=True),
-     ValueError, "is_delta_q", "False when num_contexts/num_targets are given", "True"),
-    ("deltaq-with-contexts", lambda a: dict(num_contexts=_i32([1, 1]), window_size=(-1, 0), is_delta_q=True,
-                                            max_seqlen_q=4), ValueError, "is_delta_q",
-     "False when num_contexts/num_targets are given", "True"),
     # alpha, scaling_seqlen
     ("alpha-str", lambda a: dict(alpha="1"), TypeError, "alpha", "a finite Python float", "'1'"),
     ("alpha-bool", lambda a: dict(alpha=True), TypeError, "alpha", "a finite Python float", "True"),
@@ -236,6 +231,14 @@ def test_every_argument_combination_valid_except_device(no_launch):
         q=_t(6, H, D, dtype=FP16), k=_t(16, H, D, dtype=FP16), v=_t(16, H, D, dtype=FP16),
         seq_offsets_q=_i32([0, 3, 6]), max_seqlen_q=3, is_delta_q=True, window_size=(4, 1),
         rab=_t(B, 1, L, L, dtype=FP16),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"^q\.device: expected a CUDA device"):
+        hstu_cute.hstu_attn_varlen_func(**args)
+    # delta_q with contexts and targets on contiguous keys (the queries are the last rows, as with
+    # a paged cache)
+    args = base_args(
+        q=_t(6, H, D), seq_offsets_q=_i32([0, 3, 6]), max_seqlen_q=3, is_delta_q=True, window_size=(-1, 0),
+        num_contexts=_i32([2, 1]), num_targets=_i32([2, 3]), target_group_size=2,
     )  # fmt: skip
     with pytest.raises(ValueError, match=r"^q\.device: expected a CUDA device"):
         hstu_cute.hstu_attn_varlen_func(**args)

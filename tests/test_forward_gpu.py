@@ -44,8 +44,6 @@ def _grid():
     cases = []
     for i, ((mq, mk), (mask_name, mask)) in enumerate(itertools.product(SHAPES, MASKS.items())):
         delta = mq < mk
-        if delta and ("num_contexts" in mask or "num_targets" in mask):
-            continue  # spec section 1: delta_q excludes contexts/targets
         cases.append(pytest.param(
             dict(
                 max_seqlen_q=mq, max_seqlen_k=mk, is_delta_q=delta, mask=mask,

@@ -79,9 +79,8 @@ def _run(paged, path, splits=None):
 
 
 def _run_contiguous(dense, splits, path, seqused_q=None):
-    """The same kernel family on contiguous keys (delta_q), ``splits`` parts of the key blocks.
-    The public call refuses delta_q with targets (FBGEMM's V1 rule), the launcher does not: the
-    problem comes from the op-level constructor, as in the serving benchmark."""
+    """The same kernel family on contiguous keys (delta_q), ``splits`` parts of the key blocks:
+    the launcher called directly, to pick the path and the splits."""
     p, plans = validation.problem_of_op_args(dense["q"], dense["seq_offsets_q"], dense["max_seqlen_q"],
                                              dense["max_seqlen_k"], dense["num_contexts"], dense["num_targets"], -1, 0,
                                              dense["rab"], True, -1)

@@ -452,6 +452,8 @@ def check_device_data(call, q, k):
             fail(ValueError, name, "0 <= seqused <= offset difference per sequence", t.cpu().tolist()[:16])
     if call.func is not None:
         _check_func_data(call.func, seq_offsets_q, lens_q, lens_k)
+    if call.block_mask is not None:
+        _check_block_lists(call.block_mask)
     if num_contexts is not None or num_targets is not None:
         valid_k = seqused_k.cpu() if seqused_k is not None else lens_k
         c = num_contexts.cpu() if num_contexts is not None else torch.zeros_like(valid_k)
@@ -475,6 +477,29 @@ def _check_func_data(func, seq_offsets_q, lens_q, lens_k) -> None:
         b = int(rows[r])
         fail(ValueError, f"func[0, {i}, {r}]", f"a key position in [0, {int(lens_k[b])}] (sequence {b}'s keys; "
              "HSTU_CUTE_CHECK=1)", int(bounds[i, r]))
+
+
+def _check_block_lists(block_mask) -> None:
+    """Each list's count in ``[0, M_k]`` and its first ``count`` indices in ``[0, M_k)``, strictly
+    ascending (no duplicates). The library never reads past a count, and it clamps what it reads."""
+    count = block_mask.kv_count.to("cpu", torch.int64)
+    index = block_mask.kv_index.to("cpu", torch.int64)
+    k_blocks = block_mask.k_blocks
+    if bool(((count < 0) | (count > k_blocks)).any()):
+        where = tuple(int(x) for x in ((count < 0) | (count > k_blocks)).nonzero()[0])
+        fail(ValueError, f"block_mask.kv_count[{', '.join(map(str, where))}]", f"in [0, {k_blocks}] (M_k)",
+             int(count[where]))
+    used = torch.arange(k_blocks) < count[..., None]
+    out_of_range = used & ((index < 0) | (index >= k_blocks))
+    if bool(out_of_range.any()):
+        where = tuple(int(x) for x in out_of_range.nonzero()[0])
+        fail(ValueError, f"block_mask.kv_index[{', '.join(map(str, where))}]", f"in [0, {k_blocks}) (M_k)",
+             int(index[where]))
+    not_ascending = used[..., 1:] & (index[..., 1:] <= index[..., :-1])
+    if bool(not_ascending.any()):
+        *row, i = (int(x) for x in not_ascending.nonzero()[0])
+        fail(ValueError, f"block_mask.kv_index[{', '.join(map(str, row))}]", "strictly ascending indices in each "
+             "list's first kv_count entries (no duplicates)", index[tuple(row)][:int(count[tuple(row)])].tolist())
 
 
 def _offsets_on_host(name: str, offsets: torch.Tensor, total: int | None, max_len: int, max_name: str):

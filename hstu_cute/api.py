@@ -23,9 +23,7 @@ from .call import (
     op_values,
     sequence_tensors,
 )
-from .arch import kernel_path
 from .launch import backward, backward_fp8, check_fp8_backward, forward, forward_fp8
-from .launch.heuristics import check_block_sparse_backward
 from .validation import (
     check_device_data,
     device_checks_enabled,
@@ -416,9 +414,8 @@ def hstu_attn_varlen_func(
             masks (n_func 1 or 3; 16-bit, forward and backward, Hopper and sm80).
         block_mask: keyword-only :class:`hstu_cute.BlockMask`, or None: an element is attended
             only if the mask allows it and its (query block, key block) is kept for its sequence
-            and head (docs/dev/block-sparse.md). In progress: the 16-bit forward (Hopper and
-            sm80); the backward on Hopper at head dim 128 without drab, not ``deterministic`` (no
-            FP8, paged cache or ``func``).
+            and head (docs/dev/block-sparse.md). In progress: 16-bit, forward and backward on
+            Hopper and sm80 (no FP8, paged cache or ``func``).
 
     Returns:
         ``out``: a new ``(T_q, H, D)`` tensor in q's dtype. Under autograd the backward returns
@@ -451,9 +448,6 @@ def hstu_attn_varlen_func(
         _check_data(call, q, k)
     needs_grad = torch.is_grad_enabled() and (
         q.requires_grad or k.requires_grad or v.requires_grad or (has_drab and rab.requires_grad))
-    if block_mask is not None and needs_grad:
-        # Before any work: a call no block-sparse backward serves fails here.
-        check_block_sparse_backward(call, kernel_path(q.device) if q.is_cuda else "hopper")
     if paged is not None:
         if needs_grad or (rab is not None and rab.requires_grad and torch.is_grad_enabled()):
             raise NotImplementedError(

@@ -46,7 +46,7 @@ def _ampere_bwd(key):
 
     cls = HstuBackwardDqSm80 if key.role == "dq" else HstuBackwardDkDvSm80
     return cls(dsl_dtype(key.dtype), key.head_dim, key.mask, key.has_rab, key.has_drab, key.rab_sum_heads,
-               key.tile_m, key.tile_n, key.num_warps, key.fast_silu, key.warps_d)
+               key.tile_m, key.tile_n, key.num_warps, key.fast_silu, key.warps_d, block_sparse=key.block_sparse)
 
 
 def _hopper_fwd(key):

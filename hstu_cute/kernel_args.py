@@ -359,8 +359,9 @@ SPECS: dict[str, tuple[Arg, ...]] = {
     "ampere_bwd_dq": (_Q, _K, _V, _DO, _DQ, *_SEQUENCES, _SM80_RAB16,
                       Arg("mdRab", _slab(4, 1), lambda key: key.has_drab),
                       Arg("mdRabAccum", _slab(3, 1, "Float32"), lambda key: key.rab_sum_heads),
-                      *_SCALARS, Arg("num_m_blocks", _i32)),
-    "ampere_bwd_dkdv": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _SM80_RAB16, *_SCALARS, Arg("num_n_blocks", _i32)),
+                      *_SCALARS, Arg("num_m_blocks", _i32), *_BLOCKS),
+    "ampere_bwd_dkdv": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _SM80_RAB16, *_SCALARS, Arg("num_n_blocks", _i32),
+                        *_BLOCKS),
     "hopper_fwd": (_Q, _K, _V, Arg("mO", _tokens("tokens_q")), *_SEQUENCES, _TMA_RAB, *_SCALARS,
                    Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER, *_PAGES, *_SPLITS, *_BLOCKS),
     # FP8: mV is V^T (hstu_cute.hopper.vt, made by "hopper_fwd_vt"); the descales are (1,) fp32

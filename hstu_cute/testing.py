@@ -293,14 +293,15 @@ def call_record(**kwargs):
 def check_against_oracle(batch: dict, seed: int, backward: bool = True, **extra) -> dict:
     """Run :func:`hstu_cute.hstu_attn_varlen_func` on ``batch`` (a keyword dict) plus ``extra`` and
     assert the ratio rule against the fp32 oracle: the output within 2x the same-dtype oracle's
-    error, and with ``backward`` (a seeded random dO) dq, dk, dv within 5x, none NaN. Returns the
-    leaves (q, k, v with their gradients) and the output."""
+    error, and with ``backward`` (a seeded random dO) dq, dk, dv (and drab with ``has_drab``)
+    within 5x, none NaN. Returns the leaves (with their gradients) and the output."""
     from .api import hstu_attn_varlen_func
     from .reference import hstu_attn_reference, ratio_check, reference_grads
 
-    leaves = {n: batch[n].detach().clone().requires_grad_(backward) for n in ("q", "k", "v")}
+    names = ("q", "k", "v") + (("rab",) if backward and extra.get("has_drab") else ())
+    leaves = {n: batch[n].detach().clone().requires_grad_(backward) for n in names}
     out = hstu_attn_varlen_func(**dict(batch, **leaves), **extra)
-    ref_kw = dict(batch, **extra)
+    ref_kw = dict(batch, **{n: x for n, x in extra.items() if n != "deterministic"})  # the oracle is exact
     if not backward:
         ref32, ref_same = hstu_attn_reference(**ref_kw), hstu_attn_reference(**ref_kw, compute_dtype=None)
         ok, err, ref_err = ratio_check(out, ref32, ref_same, 2.0)
@@ -312,7 +313,7 @@ def check_against_oracle(batch: dict, seed: int, backward: bool = True, **extra)
     ref_same = reference_grads(**ref_kw, dout=dout, compute_dtype=None)
     ok, err, ref_err = ratio_check(out, ref32["out"], ref_same["out"], 2.0)
     assert ok, f"[seed={seed}] out: kernel err {err:.3e} > 2 x {ref_err:.3e}"
-    for n in ("q", "k", "v"):
+    for n in names:
         grad = leaves[n].grad
         assert grad is not None and not torch.isnan(grad).any(), (n, seed)
         ok, err, ref_err = ratio_check(grad, ref32["d" + n], ref_same["d" + n], 5.0)

@@ -192,12 +192,15 @@ class AmpereBwdKey(_BwdVariant):
     warps_d: int = 1
     fast_silu: bool = True
     ptxas_opt: int = 2
+    # A block mask: dQ walks each tile's list of key tiles, dK/dV skips tiles without a kept block.
+    block_sparse: bool = False
 
     def describe(self) -> str:
         rab = (["rab" + ("+drab" if self.has_drab else "") + ("(sum)" if self.rab_sum_heads else "")]
                if self.has_rab else [])
         split = f"d{self.warps_d}" if self.warps_d > 1 else ""
-        return self._describe(f"{self.tile_m}x{self.tile_n}w{self.num_warps}{split}", rab)
+        return self._describe(f"{self.tile_m}x{self.tile_n}w{self.num_warps}{split}",
+                              rab + (["block-sparse"] if self.block_sparse else []))
 
 
 def default_bwd_tiles(role: str, head_dim: int) -> dict:
@@ -217,12 +220,13 @@ def default_bwd_tiles(role: str, head_dim: int) -> dict:
     return dict(tile_m=32, tile_n=64, num_warps=8, warps_d=4, ptxas_opt=3)
 
 
-def make_bwd_keys(arch, dtype, head_dim, kind, context_target, has_rab, has_drab, rab_sum_heads):
+def make_bwd_keys(arch, dtype, head_dim, kind, context_target, has_rab, has_drab, rab_sum_heads,
+                  block_sparse: bool = False):
     """(dq key, dkdv key) of one sm80 backward call."""
     common = _variant_fields(arch, dtype, head_dim, kind, context_target, has_rab)
     dq = AmpereBwdKey(role="dq", has_drab=has_drab, rab_sum_heads=has_drab and rab_sum_heads, **common,
-                      **default_bwd_tiles("dq", head_dim))
-    dkdv = AmpereBwdKey(role="dkdv", **common, **default_bwd_tiles("dkdv", head_dim))
+                      **default_bwd_tiles("dq", head_dim), block_sparse=block_sparse)
+    dkdv = AmpereBwdKey(role="dkdv", **common, **default_bwd_tiles("dkdv", head_dim), block_sparse=block_sparse)
     return dq, dkdv
 
 

@@ -247,17 +247,15 @@ def test_api_refuses_a_mismatched_block_mask(over, error, match):
         _meta_call(**over)
 
 
-def test_api_runs_a_block_mask_on_meta_and_checks_its_backward():
+def test_api_runs_a_block_mask_on_meta_forward_and_backward():
     out = _meta_call()
     assert out.shape == (50, 2, 64) and out.device.type == "meta"
-    with pytest.raises(NotImplementedError, match=r"block_mask: the block-sparse backward takes head dims \(128,\)"):
-        _meta_call(q=torch.empty(50, 2, 64, dtype=torch.bfloat16, device="meta", requires_grad=True))
-    q, k, v = (torch.empty(50, 2, 128, dtype=torch.bfloat16, device="meta", requires_grad=True) for _ in range(3))
-    with pytest.raises(NotImplementedError, match="no drab and no deterministic mode yet"):
-        _meta_call(q=q, k=k, v=v, deterministic=True)
-    out = _meta_call(q=q, k=k, v=v)
-    out.sum().backward()
-    assert q.grad.shape == q.shape and v.grad.shape == v.shape
+    for head_dim, deterministic in ((64, False), (128, False), (128, True)):
+        q, k, v = (torch.empty(50, 2, head_dim, dtype=torch.bfloat16, device="meta", requires_grad=True)
+                   for _ in range(3))
+        out = _meta_call(q=q, k=k, v=v, deterministic=deterministic)
+        out.sum().backward()
+        assert q.grad.shape == q.shape and v.grad.shape == v.shape
     func = torch.zeros(1, 1, 50 + 256, dtype=torch.int32, device="meta")
     with pytest.raises(NotImplementedError, match="block_mask: the block-sparse kernels take 16-bit inputs"):
         _meta_call(func=func, window_size=(-1, -1))

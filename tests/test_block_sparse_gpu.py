@@ -19,8 +19,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-hopper_only = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                                 reason="the block-sparse backward runs on the Hopper kernels (compute capability 9.x)")
 
 
 def _seed(*parts) -> int:
@@ -156,38 +154,44 @@ def test_every_constructor_on_the_device(path):
 
 
 BWD_CASES = [
-    # (lengths, blocks, density, mask kwargs, heads_mask, seqused)
-    ([0, 1, 17, 1111], (128, 128), 0.3, dict(window_size=(-1, 0)), 1, False),
-    ([513, 200, 64], (64, 128), 0.5, dict(), 2, False),
-    ([700, 333], (16, 32), 0.5, dict(window_size=(-1, 0)), 1, True),
-    ([2500, 90], (128, 128), 0.1, dict(window_size=(-1, 0), num_targets=[30, 7]), 2, False),
-    ([300, 17], (64, 64), 0.0, dict(window_size=(-1, 0)), 1, False),
+    # (lengths, blocks, density, mask kwargs, heads_mask, seqused, head_dim, extra: rab heads / flags)
+    ([0, 1, 17, 1111], (128, 128), 0.3, dict(window_size=(-1, 0)), 1, False, 128, {}),
+    ([513, 200, 64], (64, 128), 0.5, dict(), 2, False, 128, {}),
+    ([700, 333], (16, 32), 0.5, dict(window_size=(-1, 0)), 1, True, 64, {}),
+    ([2500, 90], (128, 128), 0.1, dict(window_size=(-1, 0), num_targets=[30, 7]), 2, False, 128,
+     dict(deterministic=True)),
+    ([300, 17], (64, 64), 0.0, dict(window_size=(-1, 0)), 1, False, 128, {}),
+    ([400, 129], (32, 64), 0.5, dict(window_size=(-1, 0)), 1, False, 256, dict(rab_heads=1, has_drab=True)),
+    ([333, 64], (64, 32), 0.5, dict(window_size=(40, 8)), 2, False, 32, dict(rab_heads=2, has_drab=True)),
 ]
 
 
-@hopper_only
 @pytest.mark.parametrize("case", range(len(BWD_CASES)), ids=[f"case{i}" for i in range(len(BWD_CASES))])
-def test_block_sparse_backward_matches_oracle(case):
-    """The fused Hopper backward (D128) against the oracle's gradients: ratio rule, 5x."""
-    lengths, (qb, kb), density, mask_kw, heads_mask, seqused = BWD_CASES[case]
+def test_block_sparse_backward_matches_oracle(path, case):
+    """The backward against the oracle's gradients (ratio rule, 5x): the fused Hopper kernel at D128
+    without drab, the sm80 pair elsewhere (deterministic, drab, other head dims, the sm80 path)."""
+    lengths, (qb, kb), density, mask_kw, heads_mask, seqused, head_dim, extra = BWD_CASES[case]
+    extra = dict(extra)
+    rab_heads = extra.pop("rab_heads", None)
     seed = _seed("bwd", case)
     gen = torch.Generator().manual_seed(seed)
-    b = _batch(lengths, lengths, 2, 128, torch.bfloat16, gen, seqused=seqused)
+    b = _batch(lengths, lengths, 2, head_dim, torch.bfloat16, gen, rab_heads=rab_heads, seqused=seqused)
     mask_kw = {n: (torch.tensor(x, dtype=torch.int32, device="cuda") if n.startswith("num_") else x)
                for n, x in mask_kw.items()}
     n = max(lengths)
     dense = _dense_blocks(len(lengths), heads_mask, n, n, qb, kb, density, gen).cuda()
     bm = _with_garbage(BlockMask.from_dense(dense, qb, kb), gen)
-    leaves = check_against_oracle(dict(b, **mask_kw), seed, block_mask=bm)
+    leaves = check_against_oracle(dict(b, **mask_kw), seed, block_mask=bm, **extra)
     if density == 0.0:
         assert not any(leaves[name].grad.any() for name in ("q", "k", "v"))
 
 
-@hopper_only
-def test_backward_outside_the_fused_kernel_is_refused_before_any_launch():
+def test_per_head_mask_with_drab_summed_over_heads_is_refused():
     gen = torch.Generator().manual_seed(3)
-    b = _batch([64], [64], 2, 64, torch.bfloat16, gen)
+    b = _batch([64], [64], 2, 64, torch.bfloat16, gen, rab_heads=1)
     b["q"].requires_grad_()
-    bm = BlockMask.from_dense(torch.ones(1, 1, 1, 1, dtype=torch.bool, device="cuda"), 64, 64)
-    with pytest.raises(NotImplementedError, match=r"block_mask: the block-sparse backward takes head dims"):
-        hstu_attn_varlen_func(**b, block_mask=bm)
+    b["rab"].requires_grad_()
+    bm = BlockMask.from_dense(torch.ones(1, 2, 1, 1, dtype=torch.bool, device="cuda"), 64, 64)
+    out = hstu_attn_varlen_func(**b, block_mask=bm, has_drab=True)
+    with pytest.raises(NotImplementedError, match="one mask per head with drab summed over the heads"):
+        out.sum().backward()

@@ -82,7 +82,11 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
         # One stream: the dQ kernel beside the dK/dV kernel on a side stream took the same device
         # time (0.99-1.02x, CUDA graphs, tiny to B8 N4096, the side_stream_ab.py probe at e7fc17c) and
         # ~45-60 us more host time per step (docs/dev/perf-log.md, session 28).
+        if block_sparse:  # each kernel's lists at its own tiles
+            values.update(block_sparse_args(call, plan.first.key))
         plan.first(values, device)
+        if block_sparse:
+            values.update(block_sparse_args(call, plan.second.key))
         plan.second(values, device)
         if plan.kind == "wide":
             _sum_drab_heads(drab, drab_out)
@@ -122,10 +126,17 @@ def _backward_plan(call: Call, device, path: str, kind: str, has_rab: bool, toke
         key_kv = _made(make_hopper_bwd_key, "wide", *common, tiles_dkdv, has_drab=has_drab, rab_sum_heads=atomic_sum)
         key_q = _made(make_hopper_bwd_key, "dq", *common, tiles_dq)
         return _BackwardPlan("wide", over_keys(key_kv), over_queries(key_q))
+    block_sparse = call.block_mask is not None
     if kind == "fused":
         return _BackwardPlan("fused", over_keys(_made(make_hopper_bwd_key, "fused", *common, tiles_dkdv,
-                                                      block_sparse=call.block_mask is not None)))
+                                                      block_sparse=block_sparse)))
     sum_heads = has_drab and p.rab_heads == 1 and p.heads > 1
+    if kind == "sm80 pair":  # a block-sparse backward the fused kernel does not serve, on either path
+        if sum_heads and call.block_mask.heads > 1:
+            raise NotImplementedError("block_mask: one mask per head with drab summed over the heads (rab of one "
+                                      "head) is not built; pass a mask shared by the heads (H_mask = 1)")
+        key_dq, key_dkdv = _made(make_bwd_keys, *common, has_drab, sum_heads, True)
+        return _BackwardPlan("pair", over_keys(key_dkdv), over_queries(key_dq), sum_heads)
     key_dq, key_dkdv = _made(make_bwd_keys, *common, has_drab, sum_heads)
     if tiles_dq or tiles_dkdv:  # benchmark sweeps only
         # The Hopper keys below take them whole; with drab the sm80 dQ kernel runs on that path too.

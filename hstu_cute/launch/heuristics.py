@@ -92,18 +92,12 @@ def _walk_fixed(key, p: Problem, shared_tokens: int, max_seqlen: int) -> dict:
     return dict(bh_per_section=bh_per_section(p, shared_tokens, max_seqlen, key.persistent, key.dynamic_tiles))
 
 
-def check_block_sparse_backward(call: Call, path: str) -> None:
-    """The block-sparse backward is the fused Hopper kernel at its head dims, without drab and not
-    ``deterministic`` (its dQ sum order varies): anything else raises, naming what is missing."""
-    p = call.problem
-    if path != "hopper":
-        raise NotImplementedError(f"block_mask: the block-sparse backward runs on the Hopper kernels only (this "
-                                  f"call takes the {path} path)")
-    if p.head_dim not in HOPPER_FUSED_HEAD_DIMS:
-        raise NotImplementedError(f"block_mask: the block-sparse backward takes head dims {HOPPER_FUSED_HEAD_DIMS}, "
-                                  f"got {p.head_dim}")
-    if call.has_drab or call.deterministic:
-        raise NotImplementedError("block_mask: the block-sparse backward has no drab and no deterministic mode yet")
+def block_sparse_fused(call: Call, path: str) -> bool:
+    """Whether the fused Hopper kernel serves a block-sparse backward (D128, no drab, not
+    ``deterministic``, at any key length: skipped tiles cost little there); the sm80 pair serves
+    the others, on either path."""
+    return (path == "hopper" and call.problem.head_dim in HOPPER_FUSED_HEAD_DIMS and not call.has_drab
+            and not call.deterministic)
 
 
 def _backward_kind(call: Call, path: str) -> str:
@@ -111,8 +105,7 @@ def _backward_kind(call: Call, path: str) -> str:
     the cached plans (tests and sweeps move ``FUSED_MIN_SEQLEN_K``)."""
     p = call.problem
     if call.block_mask is not None:
-        check_block_sparse_backward(call, path)
-        return "fused"
+        return "fused" if block_sparse_fused(call, path) else "sm80 pair"
     if path == "hopper" and p.head_dim in HOPPER_WIDE_HEAD_DIMS:
         return "wide"
     if (path == "hopper" and not call.has_drab and not call.deterministic and p.head_dim in HOPPER_FUSED_HEAD_DIMS

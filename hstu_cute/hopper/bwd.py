@@ -89,8 +89,8 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, tile_n // 64,
                          persistent, dynamic_tiles)
         self.fuse_dq = fuse_dq
-        # A block mask (hstu_cute.block_mask): the m-block walk skips the tiles without a kept
-        # block (masks.tile_nonempty asks SeqMask.sparse) and masks the mixed ones by block.
+        # A block mask (hstu_cute.block_mask): the m-block walk takes the key block's list of
+        # query blocks (walked_m_block) and masks the mixed tiles by block.
         self.block_sparse = block_sparse
         # Column halves only where smem is short (rab ring) and a half is whole 128-byte swizzle atoms.
         self.dq_split = fuse_dq and has_rab and head_dim >= 128
@@ -188,9 +188,13 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
         if const_expr(self.dim_parts > 1):
             n_block = n_part // self.dim_parts
         q_start, k_start, seq = seqinfo.at(batch)
-        if const_expr(self.block_sparse):
-            seq.sparse = BlockTiles.of(seqinfo.seqs.blocks, batch, head)
         m_lo, m_hi = masks.m_block_range(self.mask, seq, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
+        if const_expr(self.block_sparse):
+            # The walk takes the entries of the key block's list of query blocks inside [m_lo, m_hi)
+            # (walked_m_block); the launcher passes the transposed lists.
+            seq.sparse = BlockTiles.of(seqinfo.seqs.blocks, batch, head)
+            first, count = seq.sparse.list_range(n_block, m_lo, m_hi)
+            m_lo, m_hi = first, first + count
         live = n_block * self.tile_n < seq.seqlen_k
         coords = (n_block, head, batch, q_start, k_start, seq, m_lo, m_hi)
         if const_expr(self.dim_parts > 1):
@@ -291,7 +295,8 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
         if const_expr(self.fuse_dq):
             if k_rows < self.tile_n:
                 zero_smem_rows_past(zero_copy, (sK,), (self.tile_n, D), tid_in_wg, wg, k_rows)
-        for m_block in cutlass.range(m_lo, m_hi, unroll=1):
+        for step in cutlass.range(m_lo, m_hi, unroll=1):
+            m_block = self.walked_m_block(seq, n_block, step)
             if masks.tile_nonempty(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
                 tile_full = None
                 if const_expr(spec.kind == masks.MaskKind.FUNC):

@@ -59,6 +59,17 @@ class HstuBackwardSm90Base(HstuSm90Base):
     (K+V in the dK/dV kernels, Q+dO in the dQ kernel) and a ``num_stages`` ring for the tiles it
     walks; P and G unscaled in the block loop on the tanh SiLU path."""
 
+    # A block mask: the dK/dV kernels walk a key block's list of query blocks (set by the kernels
+    # that take one).
+    block_sparse = False
+
+    def walked_m_block(self, seq, n_block, step):
+        """The m-block of step ``step`` of a key block's walk: the step itself, or with a block
+        mask entry ``step`` of the key block's list (``tile_problem`` returned the list's range)."""
+        if const_expr(self.block_sparse):
+            return seq.sparse.at(n_block, step)
+        return step
+
     def __init__(self, *config, **kw):
         super().__init__(*config, **kw)
         # bf16 (tanh SiLU): P and G unscaled in the block loop, the scales applied per tile
@@ -253,7 +264,8 @@ class KeyBlockProducer:
         kv_pending = Int32(1)
         if const_expr(not kv_after_q):
             self.load_kv(tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state, kt)
-        for m_block in cutlass.range(m_lo, m_hi, unroll=1):
+        for step in cutlass.range(m_lo, m_hi, unroll=1):
+            m_block = self.walked_m_block(seq, n_block, step)
             if masks.tile_nonempty(self.mask, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
                 q_state = load_ring_stage(pipe_q, q_state, m_block, copies)
                 if const_expr(kv_after_q):

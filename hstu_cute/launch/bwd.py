@@ -68,7 +68,7 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
     with _on_device(device):
         if plan.kind == "fused":
             if block_sparse:
-                values.update(block_sparse_args(call, plan.first.key))
+                values.update(block_sparse_args(call, plan.first.key, per_key_block=True))
             dq_accum = values["mdQaccum"] = torch.zeros(q.shape, dtype=torch.float32, device=device)
             plan.first(values, device)
             return dq_accum.to(q.dtype), dk, dv, None

@@ -69,13 +69,16 @@ def func_table(func: torch.Tensor, seq_offsets_q: torch.Tensor, max_seqlen_q: in
     return table
 
 
-def block_sparse_args(call: Call, key) -> dict:
+def block_sparse_args(call: Call, key, per_key_block: bool = False) -> dict:
     """The block mask at the key's tiles (:meth:`hstu_cute.BlockMask.tile_lists`; on the device,
-    no sync) and its kept blocks, for masking inside the tiles that mix kept and dropped blocks."""
+    no sync) and its kept blocks, for masking inside the tiles that mix kept and dropped blocks.
+    The lists a kernel walks: per query block (forward, dQ), or ``per_key_block`` the transposed
+    ones (the Hopper dK/dV kernels)."""
     bm = call.block_mask
     lists = bm.tile_lists(call.seq_offsets_q, call.seq_offsets_k, call.seqused_q, call.seqused_k, key.tile_m,
                           key.tile_n, call.max_seqlen_q, call.max_seqlen_k)
-    return dict(mBlockCount=lists.count, mBlockIndex=lists.index, mBlockState=lists.state(),
+    count, index = (lists.t_count, lists.t_index) if per_key_block else (lists.count, lists.index)
+    return dict(mBlockCount=count, mBlockIndex=index, mBlockState=lists.state(),
                 mBlockKept=bm.to_dense().to(torch.uint8), q_block=bm.q_block, k_block=bm.k_block)
 
 

@@ -32,7 +32,7 @@ from cutlass import Float32, Int32, const_expr
 from .. import masks
 from ..common.mask_apply import KERNEL_OPS
 from ..common.key_blocks import KeyBlocks
-from ..common.seqinfo import BlockSparseArgs, BlockTiles, ScoreScalars, SequenceArgs
+from ..common.seqinfo import BlockSparseArgs, BlockTiles, ScoreScalars, SequenceArgs, walked_block
 from ..common.silu import silu_and_grad_inplace
 from ..common.sm80 import (acc_to_operand_a, gemm_rs, gemm_ss, ldmatrix_copies, scores_init, smem_layout_atom,
                            smem_operands, transposed_view)
@@ -76,7 +76,7 @@ class _BackwardBase(Sm80Kernel):
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_warps, fast_silu)
         self.has_drab, self.rab_sum_heads, self.warps_d = has_drab, rab_sum_heads, warps_d
         # A block mask (hstu_cute.block_mask): dQ walks each query tile's list of key tiles
-        # (KeyBlocks.of_list), dK/dV skips the tiles without a kept block (masks.tile_nonempty).
+        # (KeyBlocks.of_list), dK/dV each key tile's list of query tiles (seqinfo.walked_block).
         self.block_sparse = block_sparse
 
     def with_blocks(self, seqs, seq, batch, head):
@@ -408,6 +408,11 @@ class HstuBackwardDkDvSm80(_BackwardBase):
             spec = self.mask
             seq = self.with_blocks(seqs, mask_of(batch, seqlen_q, seqlen_k), batch, head)
             m_lo, m_hi = masks.m_block_range(spec, seq, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
+            if const_expr(self.block_sparse):
+                # The walk takes the key block's list of query blocks inside [m_lo, m_hi) (the
+                # launcher passes the transposed lists to this kernel).
+                first, count = seq.sparse.list_range(n_block, m_lo, m_hi)
+                m_lo, m_hi = first, first + count
             k_rows = seqlen_k - n_block * self.tile_n
             col0 = n_block * self.tile_n  # key coordinate of this CTA's first key
 
@@ -460,17 +465,19 @@ class HstuBackwardDkDvSm80(_BackwardBase):
                 rab_row_end = cutlass.min(seq.row_offset + seqlen_q, mRab.shape[2])
             rab_limits = lambda m_block: (rab_row_end - seq.row_offset - m_block * self.tile_m, rab_cols)  # noqa: E731
             if m_lo < m_hi:
-                self.load_block(gmem_copy, gmem_copy_rab, qdo_tiles, tQcQ, tRgR, tRsR, tRcR, m_lo, 0, seqlen_q,
-                                False, rab_limits)
+                self.load_block(gmem_copy, gmem_copy_rab, qdo_tiles, tQcQ, tRgR, tRsR, tRcR,
+                                walked_block(self.block_sparse, seq, n_block, m_lo), 0, seqlen_q, False, rab_limits)
             cute.arch.cp_async_commit_group()
-            for m_block in cutlass.range(m_lo, m_hi, unroll=1):
-                stage = (m_block - m_lo) % 2
+            for step in cutlass.range(m_lo, m_hi, unroll=1):
+                m_block = walked_block(self.block_sparse, seq, n_block, step)
+                stage = (step - m_lo) % 2
                 # This stage's group has landed, and every thread is done with the other stage.
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.barrier()
-                if m_block + 1 < m_hi:
-                    self.load_block(gmem_copy, gmem_copy_rab, qdo_tiles, tQcQ, tRgR, tRsR, tRcR, m_block + 1,
-                                    1 - stage, seqlen_q, False, rab_limits)
+                if step + 1 < m_hi:
+                    self.load_block(gmem_copy, gmem_copy_rab, qdo_tiles, tQcQ, tRgR, tRsR, tRcR,
+                                    walked_block(self.block_sparse, seq, n_block, step + 1), 1 - stage, seqlen_q,
+                                    False, rab_limits)
                 cute.arch.cp_async_commit_group()
                 if masks.tile_nonempty(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
                     row_first = seq.row_offset + m_block * self.tile_m

@@ -57,6 +57,13 @@ def lower_bound(values, count, target):
     return lo
 
 
+def walked_block(block_sparse: bool, seq, owner, step):
+    """The tile at step ``step`` of a walk over the tiles of one ``owner`` tile (a key block's query
+    blocks, in the dK/dV kernels): the step itself, or with a block mask entry ``step`` of the
+    owner's list (the kernel's ``tile_problem`` turned the walk's range into the list's)."""
+    return seq.sparse.at(owner, step) if block_sparse else step
+
+
 @dataclasses.dataclass
 class BlockTiles:
     """One (sequence, head)'s block-sparse tables inside a kernel (:class:`BlockSparseArgs`):

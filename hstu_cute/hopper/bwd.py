@@ -14,7 +14,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from .. import masks
 from ..common.barriers import NamedBarrier
 from ..common.mask_apply import KERNEL_OPS, apply_mask_rows_cols
-from ..common.seqinfo import BlockSparseArgs, BlockTiles, ScoreScalars, SequenceArgs
+from ..common.seqinfo import BlockSparseArgs, BlockTiles, ScoreScalars, SequenceArgs, walked_block
 from ..common.silu import silu_and_grad
 from ..common.sm90 import (
     acc_coords,
@@ -90,7 +90,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
                          persistent, dynamic_tiles)
         self.fuse_dq = fuse_dq
         # A block mask (hstu_cute.block_mask): the m-block walk takes the key block's list of
-        # query blocks (walked_m_block) and masks the mixed tiles by block.
+        # query blocks (seqinfo.walked_block) and masks the mixed tiles by block.
         self.block_sparse = block_sparse
         # Column halves only where smem is short (rab ring) and a half is whole 128-byte swizzle atoms.
         self.dq_split = fuse_dq and has_rab and head_dim >= 128
@@ -191,7 +191,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
         m_lo, m_hi = masks.m_block_range(self.mask, seq, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
         if const_expr(self.block_sparse):
             # The walk takes the entries of the key block's list of query blocks inside [m_lo, m_hi)
-            # (walked_m_block); the launcher passes the transposed lists.
+            # (seqinfo.walked_block); the launcher passes the transposed lists.
             seq.sparse = BlockTiles.of(seqinfo.seqs.blocks, batch, head)
             first, count = seq.sparse.list_range(n_block, m_lo, m_hi)
             m_lo, m_hi = first, first + count
@@ -296,7 +296,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
             if k_rows < self.tile_n:
                 zero_smem_rows_past(zero_copy, (sK,), (self.tile_n, D), tid_in_wg, wg, k_rows)
         for step in cutlass.range(m_lo, m_hi, unroll=1):
-            m_block = self.walked_m_block(seq, n_block, step)
+            m_block = walked_block(self.block_sparse, seq, n_block, step)
             if masks.tile_nonempty(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
                 tile_full = None
                 if const_expr(spec.kind == masks.MaskKind.FUNC):

@@ -11,6 +11,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from .. import masks
 from ..common.mask_apply import KERNEL_OPS, apply_mask_key_major, apply_mask_key_major_by_query
+from ..common.seqinfo import walked_block
 from ..common.sm90 import (
     advanced,
     copy_acc_rows,
@@ -60,15 +61,8 @@ class HstuBackwardSm90Base(HstuSm90Base):
     walks; P and G unscaled in the block loop on the tanh SiLU path."""
 
     # A block mask: the dK/dV kernels walk a key block's list of query blocks (set by the kernels
-    # that take one).
+    # that take one; common.seqinfo.walked_block).
     block_sparse = False
-
-    def walked_m_block(self, seq, n_block, step):
-        """The m-block of step ``step`` of a key block's walk: the step itself, or with a block
-        mask entry ``step`` of the key block's list (``tile_problem`` returned the list's range)."""
-        if const_expr(self.block_sparse):
-            return seq.sparse.at(n_block, step)
-        return step
 
     def __init__(self, *config, **kw):
         super().__init__(*config, **kw)
@@ -265,7 +259,7 @@ class KeyBlockProducer:
         if const_expr(not kv_after_q):
             self.load_kv(tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state, kt)
         for step in cutlass.range(m_lo, m_hi, unroll=1):
-            m_block = self.walked_m_block(seq, n_block, step)
+            m_block = walked_block(self.block_sparse, seq, n_block, step)
             if masks.tile_nonempty(self.mask, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
                 q_state = load_ring_stage(pipe_q, q_state, m_block, copies)
                 if const_expr(kv_after_q):

@@ -82,8 +82,8 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
         # One stream: the dQ kernel beside the dK/dV kernel on a side stream took the same device
         # time (0.99-1.02x, CUDA graphs, tiny to B8 N4096, the side_stream_ab.py probe at e7fc17c) and
         # ~45-60 us more host time per step (docs/dev/perf-log.md, session 28).
-        if block_sparse:  # each kernel's lists at its own tiles
-            values.update(block_sparse_args(call, plan.first.key))
+        if block_sparse:  # each kernel's lists at its own tiles; the dK/dV kernel walks them per key tile
+            values.update(block_sparse_args(call, plan.first.key, per_key_block=True))
         plan.first(values, device)
         if block_sparse:
             values.update(block_sparse_args(call, plan.second.key))

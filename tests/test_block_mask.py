@@ -293,3 +293,25 @@ def test_bench_counts_the_allowed_pairs_of_kept_blocks(causal):
             e = e & (rows[None, :] <= rows[:, None])
         brute += int(e.sum())
     assert allowed_pairs(w, kept) == brute
+
+
+def test_modules_and_the_padded_entry_take_a_block_mask():
+    """HSTUAttention and hstu_attn_padded pass the mask through (CPU: the reference path), with the
+    same result as the oracle called directly."""
+    import warnings
+
+    from hstu_cute import HSTUAttention, hstu_attn_padded
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 40, 2, 16, generator=gen) for _ in range(3))
+    bm = BlockMask.from_dense(_random_dense((2, 1, 3, 3), 0.5, 6), 16, 16)
+    offsets = torch.tensor([0, 40, 80], dtype=torch.int32)
+    expected = hstu_attn_reference(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), offsets, offsets, 40, 40,
+                                   window_size=(-1, 0), block_mask=bm, compute_dtype=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = HSTUAttention()(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), offsets, 40, block_mask=bm)
+        padded = hstu_attn_padded(q, k, v, [40, 40], block_mask=bm)
+    assert torch.equal(out, expected) and torch.equal(padded.flatten(0, 1), expected)
+    unmasked = HSTUAttention()(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), offsets, 40)
+    assert not torch.equal(out, unmasked)

@@ -175,10 +175,12 @@ class BlockMask:
         return dense.to(rows.device)[qi[:, None], kj[None, :]] & inside
 
     def tile_lists(self, seq_offsets_q: torch.Tensor, seq_offsets_k: torch.Tensor, seqused_q, seqused_k,
-                   tile_m: int, tile_n: int, max_seqlen_q: int, max_seqlen_k: int) -> TileLists:
+                   tile_m: int, tile_n: int, max_seqlen_q: int, max_seqlen_k: int,
+                   is_delta_q: bool = False) -> TileLists:
         """The mask at a kernel's ``tile_m x tile_n`` tiles (:class:`TileLists`), on the device
         without a sync: a 2-D prefix sum of the kept blocks, read at each tile's rectangle of
-        blocks (clipped to the sequence's valid rows and keys; delta_q rows in key coordinates)."""
+        blocks (clipped to the sequence's valid rows and keys). Query 0 sits at key-coordinate
+        row ``L_k - L_q`` with ``is_delta_q`` and at row 0 without, as in the kernels' masks."""
         device = self.device
         dense = self.to_dense().to(torch.int32)
         batch, heads, mq, mk = dense.shape
@@ -191,7 +193,7 @@ class BlockMask:
         if seqused_k is not None:
             lens_k = torch.minimum(lens_k, seqused_k.to(torch.int64))
         lens_q, lens_k = lens_q.clamp(min=0), lens_k.clamp(min=0)
-        offset = (lens_k - lens_q).clamp(min=0)  # key-coordinate row of query 0 (0 without delta_q)
+        offset = (lens_k - lens_q).clamp(min=0) if is_delta_q else torch.zeros_like(lens_q)
         m_tiles, n_tiles = blocks_for(max_seqlen_q, tile_m), blocks_for(max_seqlen_k, tile_n)
         m = torch.arange(m_tiles, device=device)
         n = torch.arange(n_tiles, device=device)

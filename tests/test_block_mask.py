@@ -190,13 +190,14 @@ def test_tile_lists_match_the_elements(tiles, blocks, delta_q, seqused):
     used_k = torch.tensor([max(n - 2, 0) for n in lengths_k], dtype=torch.int32) if seqused else None
     dense = _random_dense((5, 2, blocks_for(513, qb), blocks_for(513, kb)), 0.3, sum(tiles) + sum(blocks))
     bm = BlockMask.from_dense(dense, qb, kb)
-    lists = bm.tile_lists(offsets_q, offsets_k, used_q, used_k, tile_m, tile_n, max(lengths_q), max(lengths_k))
+    lists = bm.tile_lists(offsets_q, offsets_k, used_q, used_k, tile_m, tile_n, max(lengths_q), max(lengths_k),
+                          delta_q)
     m_tiles, n_tiles = blocks_for(max(lengths_q), tile_m), blocks_for(max(lengths_k), tile_n)
     assert lists.count.shape == (5, 2, m_tiles) and lists.t_count.shape == (5, 2, n_tiles)
     for b in range(5):
         lq = int(used_q[b]) if seqused else lengths_q[b]
         lk = int(used_k[b]) if seqused else lengths_k[b]
-        off = lk - lq
+        off = lk - lq if delta_q else 0  # the kernels' row_offset: seqused alone does not shift rows
         for h in range(2):
             kept = torch.zeros(m_tiles, n_tiles, dtype=torch.bool)
             partial = torch.zeros(m_tiles, n_tiles, dtype=torch.bool)

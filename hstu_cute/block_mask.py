@@ -74,26 +74,12 @@ class BlockMask:
             raise ValueError(f"BlockMask.kv_index.device: expected {self.kv_count.device} (kv_count's), got "
                              f"{self.kv_index.device}")
 
-    # -- shape ---------------------------------------------------------------------------------
-    @property
-    def batch(self) -> int:
-        return self.kv_count.shape[0]
-
-    @property
-    def heads(self) -> int:
-        return self.kv_count.shape[1]
-
-    @property
-    def q_blocks(self) -> int:
-        return self.kv_count.shape[2]
-
-    @property
-    def k_blocks(self) -> int:
-        return self.kv_index.shape[3]
-
-    @property
-    def device(self) -> torch.device:
-        return self.kv_count.device
+    # -- shape: B, H_mask, M_q, M_k and the device ---------------------------------------------
+    batch = property(lambda self: self.kv_count.shape[0])
+    heads = property(lambda self: self.kv_count.shape[1])
+    q_blocks = property(lambda self: self.kv_count.shape[2])
+    k_blocks = property(lambda self: self.kv_index.shape[3])
+    device = property(lambda self: self.kv_count.device)
 
     # -- constructors --------------------------------------------------------------------------
     @classmethod

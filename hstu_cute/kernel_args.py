@@ -369,7 +369,7 @@ SPECS: dict[str, tuple[Arg, ...]] = {
     "hopper_fwd_fp8": (_Q, _K, Arg("mV", _tokens_transposed), Arg("mO", _tokens("tokens_q", "out")), *_SEQUENCES,
                        _TMA_RAB, *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER,
                        Arg("mDescaleQ", _descale), Arg("mDescaleK", _descale), Arg("mDescaleV", _descale_v)),
-    # (1, n_func, T_q + 256) func, the q offsets -> the (B, blocks, 5) table (hstu_cute.ampere.func_table)
+    # (1, n_func, T_q + 256) func, the q offsets -> the (B, blocks, 7) table (hstu_cute.ampere.func_table)
     "func_table": (Arg("mFunc", _slab(3, 1, elem="Int32")), Arg("mOffsetsQ", _int_vec("batch1")),
                    Arg("mTable", _slab(3, 1, elem="Int32"))),
     "hopper_fwd_vt": (Arg("mV", _tokens("tokens_k")), Arg("mVt", _tokens_transposed),

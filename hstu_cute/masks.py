@@ -395,8 +395,8 @@ def dense_mask(spec: MaskSpec, seq: SeqMask, device=None):
 #: Rows of padding a ``func`` tensor carries past the last query row (FBGEMM's layout): kernels
 #: read the intervals of a whole query tile without bounds checks.
 FUNC_ROW_PADDING = 256
-#: Query rows per entry of a func call's key-range table (``func_key_ranges``): every kernel's
-#: query tile is a multiple of it.
+#: Query rows (and keys) per entry of a func call's table (``func_key_ranges``): every kernel's
+#: tile is a multiple or a divisor of it.
 FUNC_BLOCK_ROWS = 64
 
 

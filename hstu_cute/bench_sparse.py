@@ -1,6 +1,7 @@
-"""``bench --grid blocksparse``: the block-sparse forward (hstu_cute.BlockMask) beside our dense
-call on the same inputs and FlexAttention (softmax) with the same kept blocks, timed in one run.
-TF/s count the allowed pairs only (4 * H * D per pair): the kept blocks, cut by the causal mask.
+"""``bench --grid blocksparse``: the block-sparse forward (hstu_cute.BlockMask), and forward +
+backward, beside our dense call on the same inputs and FlexAttention (softmax) with the same kept
+blocks, timed in one run. TF/s count the allowed pairs only (4 * H * D per pair, 3.5x that forward +
+backward): the kept blocks, cut by the causal mask.
 
 Masks: each block kept with probability ``density``; a causal mask draws among the causal blocks
 and always keeps the diagonal, so no row is empty (HBSA's and FlexAttention's benchmarks do the
@@ -26,6 +27,24 @@ class SparseWorkload:
     heads: int = 32
     head_dim: int = 128
     block: int = 128
+    # A jagged batch: each sequence's length (multiples of ``block``; ``seqlen`` is the longest),
+    # its targets, and the kept blocks as a local band of ``band`` blocks plus a global prefix of
+    # ``prefix`` blocks (causal) instead of random ones.
+    lengths: tuple = ()
+    num_targets: int = 0
+    band: int = 0
+    prefix: int = 0
+
+
+def recsys_workload(batch: int = 64, longest: int = 16384, heads: int = 4, seed: int = 0) -> SparseWorkload:
+    """The recommender shape: jagged users up to ``longest`` events (uniform in whole 128-key
+    blocks from 1K), 256 targets each, H4 D128, a 1K local band plus a 512-key global prefix."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(8, longest // 128 + 1, (batch,), generator=gen)
+    blocks[0] = longest // 128
+    return SparseWorkload(f"B{batch} jagged <={longest // 1024}K H{heads} band+prefix targets", batch, longest, 0.0,
+                          heads=heads, lengths=tuple(int(b) * 128 for b in blocks), num_targets=256, band=8,
+                          prefix=4)
 
 
 def sparse_grid() -> list[SparseWorkload]:
@@ -36,23 +55,36 @@ def sparse_grid() -> list[SparseWorkload]:
     g += [SparseWorkload("B8 N16384 full 10%", 8, 16384, 0.10, causal=False),
           SparseWorkload("B8 N8192 causal 10%", 8, 8192, 0.10),
           SparseWorkload("B2 N32768 causal 10%", 2, 32768, 0.10),
-          SparseWorkload("B8 N16384 causal 100%", 8, 16384, 1.0)]
+          SparseWorkload("B8 N16384 causal 100%", 8, 16384, 1.0),
+          recsys_workload()]
     return g
 
 
 def kept_blocks(w: SparseWorkload, seed: int = 0) -> torch.Tensor:
     """(B, 1, M, M) bool on the GPU: the workload's kept blocks."""
     m = blocks_for(w.seqlen, w.block)
+    i = torch.arange(m, device="cuda")
+    if w.band or w.prefix:
+        pattern = ((i[:, None] - i[None, :]) < w.band) | (i[None, :] < w.prefix)
+        return (pattern & (i[None, :] <= i[:, None])).expand(w.batch, 1, m, m).contiguous()
     gen = torch.Generator(device="cuda").manual_seed(seed)
     kept = torch.rand((w.batch, 1, m, m), generator=gen, device="cuda") < w.density
     if w.causal:
-        i = torch.arange(m, device="cuda")
         kept = (kept & (i[None, :] <= i[:, None])) | (i[None, :] == i[:, None])
     return kept
 
 
+def _seq_lengths(w: SparseWorkload) -> list[int]:
+    return list(w.lengths) if w.lengths else [w.seqlen] * w.batch
+
+
 def allowed_pairs(w: SparseWorkload, kept: torch.Tensor) -> int:
-    """Pairs (row, key) inside kept blocks that the mask allows (square blocks, full lengths)."""
+    """Pairs (row, key) inside kept blocks that the mask allows (square blocks, lengths in whole
+    blocks; a jagged batch's targets are not taken off: they cut a few hundred rows per user)."""
+    if w.lengths:
+        m = kept.shape[-1]
+        live = torch.arange(m, device=kept.device)[None, :] < torch.tensor(w.lengths, device=kept.device)[:, None] // w.block
+        kept = kept & live[:, None, :, None] & live[:, None, None, :]
     if not w.causal:
         return int(kept.sum()) * w.block * w.block
     m = kept.shape[-1]
@@ -62,16 +94,15 @@ def allowed_pairs(w: SparseWorkload, kept: torch.Tensor) -> int:
     return below * w.block * w.block + diagonal * w.block * (w.block + 1) // 2
 
 
-def _flex_line(w: SparseWorkload, kept: torch.Tensor, q, k, v):
-    """ms of FlexAttention's forward with the same kept blocks (diagonal blocks partial under a
-    causal mask_mod, the others full), or None when it is not importable here."""
+def _flex_call(w: SparseWorkload, kept: torch.Tensor, q, k, v):
+    """A closure running FlexAttention with the same kept blocks (diagonal blocks partial under a
+    causal mask_mod, the others full) on (B, H, N, D) views of ``q, k, v``, or None when it is not
+    importable here."""
     try:
         from torch.nn.attention.flex_attention import BlockMask as FlexBlockMask
         from torch.nn.attention.flex_attention import flex_attention
     except ImportError:
         return None
-    from .bench import time_cuda
-
     m = kept.shape[-1]
     i = torch.arange(m, device=kept.device)
     heads = kept.expand(w.batch, w.heads, m, m)
@@ -88,36 +119,62 @@ def _flex_line(w: SparseWorkload, kept: torch.Tensor, q, k, v):
                                        mask_mod=causal if w.causal else None)
     flex = torch.compile(flex_attention)
     qt, kt, vt = (x.view(w.batch, w.seqlen, w.heads, w.head_dim).transpose(1, 2) for x in (q, k, v))
-    flex(qt, kt, vt, block_mask=fbm)
-    ms, _ = time_cuda([lambda: flex(qt, kt, vt, block_mask=fbm)])
-    return ms
+    return lambda: flex(qt, kt, vt, block_mask=fbm).transpose(1, 2).reshape(q.shape)
 
 
-def run_sparse(w: SparseWorkload, flex: bool = True) -> dict:
-    """One row: ours sparse, ours dense (the same inputs, no block mask), FlexAttention."""
+#: FLOPs of a direction over the forward's (docs/operator.md: the backward counts 2.5x).
+DIRECTION_FLOPS = {"fwd": 1.0, "fwd+bwd": 3.5}
+
+
+def run_sparse(w: SparseWorkload, direction: str = "fwd", flex: bool = True) -> dict:
+    """One row: ours sparse, ours dense (the same inputs, no block mask), FlexAttention; the
+    forward alone (``fwd``, no grad) or forward + backward (``fwd+bwd``: autograd, the output's
+    gradient random, the inputs' gradients dropped before each call)."""
     from .api import hstu_attn_varlen_func
     from .bench import time_cuda
 
-    tokens = w.batch * w.seqlen
+    lengths = _seq_lengths(w)
+    tokens = sum(lengths)
     gen = torch.Generator(device="cuda").manual_seed(1)
+    backward = direction == "fwd+bwd"
     q, k, v = ((torch.rand((tokens, w.heads, w.head_dim), generator=gen, device="cuda") * 2 - 1).to(torch.bfloat16)
-               for _ in range(3))
-    offsets = torch.arange(0, w.batch + 1, dtype=torch.int32, device="cuda") * w.seqlen
+               .requires_grad_(backward) for _ in range(3))
+    grad = torch.randn_like(q) if backward else None
+    offsets = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
     kept = kept_blocks(w)
     bm = BlockMask.from_dense(kept, w.block, w.block)
     kw = dict(seq_offsets_q=offsets, seq_offsets_k=offsets, max_seqlen_q=w.seqlen, max_seqlen_k=w.seqlen,
               window_size=(-1, 0) if w.causal else (-1, -1), alpha=1.0 / w.head_dim ** 0.5)
-    with torch.no_grad():
-        sparse = lambda: hstu_attn_varlen_func(q, k, v, **kw, block_mask=bm)  # noqa: E731
-        dense = lambda: hstu_attn_varlen_func(q, k, v, **kw)  # noqa: E731
-        sparse(), dense()
-        ms_sparse, iqr = time_cuda([sparse])
-        ms_dense, _ = time_cuda([dense])
-        ms_flex = _flex_line(w, kept, q, k, v) if flex else None
+    if w.num_targets:
+        kw["num_targets"] = torch.full((w.batch,), w.num_targets, dtype=torch.int32, device="cuda")
+
+    def timed(call):
+        if not backward:
+            def run():
+                with torch.no_grad():
+                    call()
+            return run
+
+        def step():
+            q.grad = k.grad = v.grad = None
+            call().backward(grad)
+        return step
+
+    sparse = timed(lambda: hstu_attn_varlen_func(q, k, v, **kw, block_mask=bm))
+    dense = timed(lambda: hstu_attn_varlen_func(q, k, v, **kw))
+    sparse(), dense()
+    ms_sparse, iqr = time_cuda([sparse])
+    ms_dense, _ = time_cuda([dense])
+    ms_flex = None
+    flex_call = _flex_call(w, kept, q, k, v) if flex and not w.lengths else None
+    if flex_call is not None:
+        flex_step = timed(flex_call)
+        flex_step()
+        ms_flex, _ = time_cuda([flex_step])
     pairs = allowed_pairs(w, kept)
-    dense_pairs = w.batch * (w.seqlen * (w.seqlen + 1) // 2 if w.causal else w.seqlen * w.seqlen)
-    per_ms = 4.0 * w.heads * w.head_dim * pairs / 1e9
-    return dict(workload=w.name, density=pairs / dense_pairs, ms=ms_sparse, iqr_ms=iqr, tflops=per_ms / ms_sparse,
-                dense_ms=ms_dense, dense_tflops=4.0 * w.heads * w.head_dim * dense_pairs / 1e9 / ms_dense,
-                flex_ms=ms_flex, flex_tflops=per_ms / ms_flex if ms_flex else None,
+    dense_pairs = sum(n * (n + 1) // 2 if w.causal else n * n for n in lengths)
+    per_pair = 4.0 * w.heads * w.head_dim * DIRECTION_FLOPS[direction] / 1e9
+    return dict(workload=w.name, direction=direction, density=pairs / dense_pairs, ms=ms_sparse, iqr_ms=iqr,
+                tflops=per_pair * pairs / ms_sparse, dense_ms=ms_dense, dense_tflops=per_pair * dense_pairs / ms_dense,
+                flex_ms=ms_flex, flex_tflops=per_pair * pairs / ms_flex if ms_flex else None,
                 x_dense=ms_dense / ms_sparse, x_flex=(ms_flex / ms_sparse) if ms_flex else None)

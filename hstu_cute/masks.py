@@ -106,7 +106,8 @@ class SeqMask:
     # ``r`` and bound ``i`` in 0..2 (:func:`row_intervals`); None for the other kinds.
     func: Any = None
     # A block-sparse call's tables for this sequence and head (kernels: common.seqinfo.BlockTiles),
-    # else None: tile_is_full also asks it, and the kernels' masks AND its kept test.
+    # else None. The tile tests here stay the HSTU mask's: the kernels walk lists of kept tiles and
+    # mask the mixed ones by block after the HSTU mask (common.mask_apply.mask_dropped_blocks).
     sparse: Any = None
 
 
@@ -290,8 +291,6 @@ def tile_is_full(spec: MaskSpec, seq: SeqMask, m_block, n_block, tile_m, tile_n,
                 (r_last < h_end) | (j_last < h_end) | (j_first >= last_hole_end) | (last_hole_end == h_end)
             )
         full = full & below
-    if seq.sparse is not None:
-        full = full & seq.sparse.tile_whole(m_block, n_block)
     return full
 
 
@@ -315,8 +314,6 @@ def tile_nonempty(spec: MaskSpec, seq: SeqMask, m_block, n_block, tile_m, tile_n
     n_lo, hole_lo, hole_size, count = n_block_schedule(spec, seq, m_block, tile_m, tile_n, ops)
     in_range = (n_block >= n_lo) & (n_block < n_lo + count + hole_size)
     nonempty = in_range & ((n_block < hole_lo) | (n_block >= hole_lo + hole_size))
-    if seq.sparse is not None:
-        nonempty = nonempty & seq.sparse.tile_kept(m_block, n_block)
     return nonempty
 
 

@@ -316,3 +316,30 @@ def test_modules_and_the_padded_entry_take_a_block_mask():
     assert torch.equal(out, expected) and torch.equal(padded.flatten(0, 1), expected)
     unmasked = HSTUAttention()(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), offsets, 40)
     assert not torch.equal(out, unmasked)
+
+
+def test_kernel_tables_are_built_once_per_batch_layout():
+    """BlockMask.kernel_tables: the same tables for the same offset tensors (the forward and the
+    backward of a step, every layer), rebuilt for other tensors, after an in-place change, and for
+    another tile; the contents are tile_lists'."""
+    bm = BlockMask.from_dense(_random_dense((2, 1, 8, 8), 0.4, 5), 32, 32)
+    offsets = torch.tensor([0, 200, 256], dtype=torch.int32)
+    args = (offsets, offsets, None, None, 64, 64, 200, 200)
+    first = bm.kernel_tables(*args)
+    assert bm.kernel_tables(*args) is first
+    lists = bm.tile_lists(*args)
+    for got, want in ((first.count, lists.count), (first.index, lists.index), (first.t_count, lists.t_count),
+                      (first.t_index, lists.t_index), (first.state, lists.state())):
+        assert torch.equal(got, want)
+    assert torch.equal(first.kept_blocks, bm.to_dense().to(torch.uint8))
+    assert bm.kernel_tables(offsets, offsets, None, None, 128, 64, 200, 200) is not first
+    same_values = offsets.clone()
+    assert bm.kernel_tables(same_values, same_values, None, None, 64, 64, 200, 200) is not first
+    offsets[2] = 230  # in place: the version counter moves
+    rebuilt = bm.kernel_tables(*args)
+    assert rebuilt is not first
+    assert torch.equal(rebuilt.count, bm.tile_lists(*args).count)
+    for i in range(8):  # other layouts push the oldest out: the cache stays small
+        other = torch.tensor([0, 100 + i, 150 + i], dtype=torch.int32)
+        bm.kernel_tables(other, other, None, None, 64, 64, 200, 200)
+    assert len(bm.__dict__["_kernel_tables"]) <= 4

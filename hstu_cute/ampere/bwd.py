@@ -30,7 +30,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from .. import masks
-from ..common.mask_apply import KERNEL_OPS
+from ..common.mask_apply import KERNEL_OPS, mask_dropped_blocks
 from ..common.key_blocks import KeyBlocks
 from ..common.seqinfo import BlockSparseArgs, BlockTiles, ScoreScalars, SequenceArgs, walked_block
 from ..common.silu import silu_and_grad_inplace
@@ -202,10 +202,9 @@ class _BackwardBase(Sm80Kernel):
             for i in cutlass.range(cute.size(accs[0]), unroll_full=True):
                 row, key = (tScS[i][1], tScS[i][0]) if const_expr(key_major) else (tScS[i][0], tScS[i][1])
                 keep = masks.allowed(spec, seq, row_first + row, col0 + key, KERNEL_OPS)
-                if const_expr(seq.sparse is not None):
-                    keep = keep & seq.sparse.kept(row_first + row, col0 + key)
                 for acc in accs:
                     acc[i] = cutlass.select_(keep, acc[i], Float32(0.0))
+        mask_dropped_blocks(accs, tScS, seq, m_block, n_block, row_first, col0, key_major)
 
     def output_gemms(self, tiled_mma, tiled_mma_out, out: _OutputOperands, stage, scores, accs):
         """accs[i] += scores[i] (in dtype) @ B_i. With ``warps_d`` > 1 the scores go through smem

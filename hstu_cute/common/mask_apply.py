@@ -10,6 +10,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from .. import masks
+from .seqinfo import block_kept
 
 # The mask engine's helpers, bound to DSL scalar ops for use while tracing a kernel.
 KERNEL_OPS = masks.Ops(min=cutlass.min, max=cutlass.max, select=cutlass.select_)
@@ -34,8 +35,6 @@ def apply_mask_inplace(acc: cute.Tensor, tScS: cute.Tensor, spec: cutlass.Conste
                 for col_pair in cutlass.range_constexpr(2):
                     v = col_pair + 2 * half
                     keep = masks.in_row_intervals(spec, tScS[v, m, n][1], lo_end, hi_start, hi_end, col_limit)
-                    if const_expr(seq.sparse is not None):
-                        keep = keep & seq.sparse.kept(r, col0 + tScS[v, m, n][1])
                     acc[v, m, n] = cutlass.select_(keep, acc[v, m, n], Float32(0.0))
 
 @cute.jit
@@ -47,13 +46,10 @@ def apply_mask_rows_cols(acc_rc: cute.Tensor, coord_rc: cute.Tensor, spec: cutla
     # A column's coordinate is the same in every row: read each once (fewer traced ops).
     cols = [coord_rc[0, j][1] for j in range(cute.size(acc_rc.shape[1]))]
     for i in cutlass.range_constexpr(cute.size(acc_rc.shape[0])):
-        row = row0 + coord_rc[i, 0][0]
-        lo_end, hi_start, hi_end = masks.row_intervals(spec, seq, row, KERNEL_OPS)
+        lo_end, hi_start, hi_end = masks.row_intervals(spec, seq, row0 + coord_rc[i, 0][0], KERNEL_OPS)
         lo_end, hi_start, hi_end = lo_end - col0, hi_start - col0, hi_end - col0
         for j in cutlass.range_constexpr(cute.size(acc_rc.shape[1])):
             keep = masks.in_row_intervals(spec, cols[j], lo_end, hi_start, hi_end, col_limit)
-            if const_expr(seq.sparse is not None):
-                keep = keep & seq.sparse.kept(row, col0 + cols[j])
             acc_rc[i, j] = cutlass.select_(keep, acc_rc[i, j], Float32(0.0))
 
 
@@ -65,8 +61,6 @@ def apply_mask_key_major(acc_S: cute.Tensor, acc_dP: cute.Tensor, tScS: cute.Ten
     for i in cutlass.range(cute.size(acc_S), unroll_full=True):
         key, query = tScS[i]
         keep = masks.allowed(spec, seq, row_first + query, col0 + key, KERNEL_OPS) & (query < q_rows)
-        if const_expr(seq.sparse is not None):
-            keep = keep & seq.sparse.kept(row_first + query, col0 + key)
         acc_S[i] = cutlass.select_(keep, acc_S[i], Float32(0.0))
         acc_dP[i] = cutlass.select_(keep, acc_dP[i], Float32(0.0))
 
@@ -86,7 +80,25 @@ def apply_mask_key_major_by_query(S_rc: cute.Tensor, dP_rc: cute.Tensor, coord_r
         query_in = query < q_rows
         for i in cutlass.range_constexpr(cute.size(S_rc.shape[0])):
             keep = masks.in_row_intervals(spec, keys[i], lo_end, hi_start, hi_end, col_limit) & query_in
-            if const_expr(seq.sparse is not None):
-                keep = keep & seq.sparse.kept(row_first + query, col0 + keys[i])
             S_rc[i, j] = cutlass.select_(keep, S_rc[i, j], Float32(0.0))
             dP_rc[i, j] = cutlass.select_(keep, dP_rc[i, j], Float32(0.0))
+
+
+@cute.jit
+def mask_dropped_blocks(accs, coords: cute.Tensor, seq, m_block: Int32, n_block: Int32, row0: Int32, col0: Int32,
+                        key_major: cutlass.Constexpr[bool] = False):
+    """Block-sparse calls: zero the elements of each accumulator of ``accs`` that lie in a dropped
+    block, in the tiles that mix kept and dropped blocks (``coords``: each element's tile
+    coordinate, (row, key), or (key, row) when ``key_major``; the same layout as the
+    accumulators). Other tiles skip it: the per-element block lookups (two divisions and a load)
+    on every tile the HSTU mask cuts cost the 10%-density causal forward about half its speed
+    (docs/dev/perf-log.md, session 31). A no-op without a block mask."""
+    if const_expr(seq.sparse is not None):
+        probe = seq.sparse.kept_probe()
+        if seq.sparse.tile_mixed(m_block, n_block):
+            for i in cutlass.range(cute.size(coords), unroll_full=True):
+                a, b = coords[i]
+                row, key = (b, a) if const_expr(key_major) else (a, b)
+                keep = block_kept(probe, row0 + row, col0 + key)
+                for acc in accs:
+                    acc[i] = cutlass.select_(keep, acc[i], Float32(0.0))

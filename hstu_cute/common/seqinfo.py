@@ -57,6 +57,19 @@ def lower_bound(values, count, target):
     return lo
 
 
+@cute.jit
+def list_cut(values, count, lo, hi):
+    """(first, past): the entries of the ascending ``values[:count]`` inside ``[lo, hi)``, by
+    binary search only at an end outside it."""
+    first, past = Int32(0), count
+    if count > 0:
+        if values[0] < lo:
+            first = lower_bound(values, count, lo)
+        if values[count - 1] >= hi:
+            past = lower_bound(values, count, hi)
+    return first, past
+
+
 def walked_block(block_sparse: bool, seq, owner, step):
     """The tile at step ``step`` of a walk over the tiles of one ``owner`` tile (a key block's query
     blocks, in the dK/dV kernels): the step itself, or with a block mask entry ``step`` of the
@@ -87,33 +100,42 @@ class BlockTiles:
 
     def list_range(self, m_block, n_lo, n_hi):
         """(first, count): the entries of query tile ``m_block``'s list inside key tiles
-        ``[n_lo, n_hi)`` (the HSTU mask's range; the list is ascending: two binary searches)."""
+        ``[n_lo, n_hi)`` (the HSTU mask's range; the list is ascending). A list inside the range
+        (the usual case: a causal user mask lists causal blocks) costs the count's load and then
+        its two end entries' loads side by side; the binary searches, seven dependent loads each
+        at 128 tiles, run only for an end outside: run at every tile, they cost the 10%-density
+        causal forward about a fifth of its speed (docs/dev/perf-log.md, session 31)."""
         total = cutlass.min(cutlass.max(self.mCount[self.batch, self.head, m_block], Int32(0)), self.mIndex.shape[3])
         row = self.mIndex[self.batch, self.head, m_block, None]
-        first = lower_bound(row, total, n_lo)
-        past = lower_bound(row, total, n_hi)
+        first, past = list_cut(row, total, n_lo, n_hi)
         return first, cutlass.max(past - first, Int32(0))
 
     def at(self, m_block, i):
         """Key tile ``i`` of query tile ``m_block``'s list."""
         return self.mIndex[self.batch, self.head, m_block, i]
 
-    def tile_whole(self, m_block, n_block):
-        """The tile's blocks are all kept (no masking by block)."""
-        return self.mState[self.batch, self.head, m_block, n_block] == 1
+    def tile_mixed(self, m_block, n_block):
+        """The tile mixes kept and dropped blocks (masked by block, after the HSTU mask)."""
+        return self.mState[self.batch, self.head, m_block, n_block] == 2
 
-    def tile_kept(self, m_block, n_block):
-        """The tile holds a kept element (the dK/dV kernels skip the others)."""
-        return self.mState[self.batch, self.head, m_block, n_block] != 0
+    def kept_probe(self):
+        """What :func:`block_kept` reads, as a tuple of plain values: taken outside the staged
+        branch that tests elements (fields of this dataclass read inside that branch fail the
+        compile: the branch re-creates them, and they do not dominate later uses)."""
+        return (self.mKept, self.batch, self.head, self.q_block, self.k_block, self.mKept.shape[2],
+                self.mKept.shape[3])
 
-    def kept(self, row, key):
-        """Element (key-coordinate ``row``, ``key``) lies in a kept block."""
-        qb = row // self.q_block
-        kb = key // self.k_block
-        inside = (qb >= 0) & (qb < self.mKept.shape[2]) & (kb >= 0) & (kb < self.mKept.shape[3])
-        qb = cutlass.min(cutlass.max(qb, Int32(0)), self.mKept.shape[2] - 1)
-        kb = cutlass.min(cutlass.max(kb, Int32(0)), self.mKept.shape[3] - 1)
-        return inside & (self.mKept[self.batch, self.head, qb, kb] != 0)
+
+def block_kept(probe, row, key):
+    """Element (key-coordinate ``row``, ``key``) lies in a kept block (``probe``:
+    :meth:`BlockTiles.kept_probe`)."""
+    mKept, batch, head, q_block, k_block, q_blocks, k_blocks = probe
+    qb = row // q_block
+    kb = key // k_block
+    inside = (qb >= 0) & (qb < q_blocks) & (kb >= 0) & (kb < k_blocks)
+    qb = cutlass.min(cutlass.max(qb, Int32(0)), q_blocks - 1)
+    kb = cutlass.min(cutlass.max(kb, Int32(0)), k_blocks - 1)
+    return inside & (mKept[batch, head, qb, kb] != 0)
 
 
 @dataclasses.dataclass

@@ -10,7 +10,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from .. import masks
-from ..common.mask_apply import KERNEL_OPS, apply_mask_key_major, apply_mask_key_major_by_query
+from ..common.mask_apply import (KERNEL_OPS, apply_mask_key_major, apply_mask_key_major_by_query,
+                                 mask_dropped_blocks)
 from ..common.seqinfo import walked_block
 from ..common.sm90 import (
     advanced,
@@ -120,6 +121,7 @@ class HstuBackwardSm90Base(HstuSm90Base):
                     col0, q_rows)
             else:
                 apply_mask_key_major(acc_S, acc_dP, tScS, self.mask, seq, row_first, col0, q_rows)
+        mask_dropped_blocks((acc_S, acc_dP), tScS, seq, m_block, n_block, row_first, col0, key_major=True)
 
     def pipeline_states(self, user_type):
         """Fresh states of the two pipelines: the 1-stage one of the tiles the CTA owns, then

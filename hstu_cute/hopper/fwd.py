@@ -9,7 +9,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .. import masks
-from ..common.mask_apply import KERNEL_OPS, apply_mask_rows_cols
+from ..common.mask_apply import KERNEL_OPS, apply_mask_rows_cols, mask_dropped_blocks
 from ..common.barriers import NamedBarrier
 from ..common.fp8 import (
     rescale_rows_if_needed,
@@ -922,9 +922,10 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
             silu_scaled_inplace(acc_S, alpha, self.fast_silu)
         # Otherwise FP8 runs the SiLU in the packing (common.fp8.silu_to_fp8_words,
         # silu_to_scaled_fp8_words), after the mask: masked scores become 0, and silu(0) = 0.
+        acc_rc = cute.make_tensor(acc_S.iterator, wgmma_acc_rows_cols(acc_S.layout))
         if not masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
-            acc_rc = cute.make_tensor(acc_S.iterator, wgmma_acc_rows_cols(acc_S.layout))
             apply_mask_rows_cols(acc_rc, tScS_rc, spec, seq, row_first, n_block * self.tile_n)
+        mask_dropped_blocks((acc_rc,), tScS_rc, seq, m_block, n_block, row_first, n_block * self.tile_n)
 
     @cute.jit
     def scores_to_p(self, acc_S, tOrP, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec: cutlass.Constexpr, seq,

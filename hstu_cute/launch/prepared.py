@@ -75,11 +75,11 @@ def block_sparse_args(call: Call, key, per_key_block: bool = False) -> dict:
     The lists a kernel walks: per query block (forward, dQ), or ``per_key_block`` the transposed
     ones (the Hopper dK/dV kernels)."""
     bm = call.block_mask
-    lists = bm.tile_lists(call.seq_offsets_q, call.seq_offsets_k, call.seqused_q, call.seqused_k, key.tile_m,
-                          key.tile_n, call.max_seqlen_q, call.max_seqlen_k, call.problem.mask.is_delta_q)
-    count, index = (lists.t_count, lists.t_index) if per_key_block else (lists.count, lists.index)
-    return dict(mBlockCount=count, mBlockIndex=index, mBlockState=lists.state(),
-                mBlockKept=bm.to_dense().to(torch.uint8), q_block=bm.q_block, k_block=bm.k_block)
+    tables = bm.kernel_tables(call.seq_offsets_q, call.seq_offsets_k, call.seqused_q, call.seqused_k, key.tile_m,
+                              key.tile_n, call.max_seqlen_q, call.max_seqlen_k, call.problem.mask.is_delta_q)
+    count, index = (tables.t_count, tables.t_index) if per_key_block else (tables.count, tables.index)
+    return dict(mBlockCount=count, mBlockIndex=index, mBlockState=tables.state, mBlockKept=tables.kept_blocks,
+                q_block=bm.q_block, k_block=bm.k_block)
 
 
 def _scalar_args(call: Call) -> dict:

@@ -130,9 +130,20 @@ class KeyBlocks:
         a target hole stay (computed, then masked to zero)."""
         n_lo, n_hi = masks.n_block_range(spec, seq, m_block, tile_m, tile_n, KERNEL_OPS)
         first, count = seq.sparse.list_range(m_block, n_lo, n_hi)
-        blocks = KeyBlocks(seq, (n_lo, n_lo, Int32(0), count))
+        return KeyBlocks.of_list_range(seq, m_block, first, count)
+
+    @staticmethod
+    def of_list_range(seq: masks.SeqMask, m_block, first, count):
+        """The blocks of :meth:`of_list` from its list range (``first``, ``count``), as a
+        producer publishes them with a claimed tile (:meth:`list_words`)."""
+        blocks = KeyBlocks(seq, (Int32(0), Int32(0), Int32(0), count))
         blocks.listed = (seq.sparse, m_block, first)
         return blocks
+
+    def list_words(self):
+        """A block-sparse tile's list range, (first entry, count): the words a producer publishes
+        beside the tile (:meth:`of_list_range`)."""
+        return (self.listed[2], self.count)
 
     def part(self, index, parts):
         """Part ``index`` of ``parts``: the blocks ``[count * index // parts, count * (index + 1) //

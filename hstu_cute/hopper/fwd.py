@@ -24,7 +24,7 @@ from ..common.fp8 import (
 )
 from ..fp8_format import BLOCK_TOKENS, vt_column_start
 from ..common.key_blocks import PAGE_CHUNK, KeyBlocks, PagedArgs, cache_row, page_span
-from ..common.seqinfo import BlockSparseArgs, BlockTiles, ScoreScalars, SequenceArgs
+from ..common.seqinfo import SEQ_WORDS, BlockSparseArgs, BlockTiles, ScoreScalars, SequenceArgs
 from ..common.silu import silu_scaled_inplace
 from ..common.tile_scheduler import SectionWalk, TileScheduler
 from .base import HstuSm90Base, StagedEpilogue, store_rows_staged
@@ -144,6 +144,11 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
         # (common.key_blocks.KeyBlocks.of_list) and masks by block where its blocks are mixed.
         self.block_sparse = block_sparse
         assert not (block_sparse and (paged or split_keys or self.fp8)), "block-sparse: plain 16-bit tiles only"
+        # With claims the producer publishes each tile's list range too: the consumers' own list
+        # lookup (the count, then the list's ends: dependent loads at every tile start) cost the
+        # 10%-density causal forward ~X% (docs/dev/perf-log.md, session 31).
+        if block_sparse:
+            self.tile_words = SEQ_WORDS + 2
         assert tile_m % 64 == 0 and tile_n % 16 == 0 and head_dim % 16 == 0
 
     # ------------------------------------------------------------------------------------------
@@ -332,12 +337,15 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
         if const_expr(self.paged):
             span = page_span(self.paged_args, batch)
         if const_expr(words is not None):
-            q_start, k_start, seq = seqinfo.from_words(words, batch)
+            q_start, k_start, seq = seqinfo.from_words(words[:SEQ_WORDS], batch)
         else:
             q_start, k_start, seq = seqinfo.at(batch, span.cached_len if const_expr(self.paged) else None)
         if const_expr(self.block_sparse):
             seq.sparse = BlockTiles.of(seqinfo.seqs.blocks, batch, head)
-            blocks = KeyBlocks.of_list(self.mask, seq, m_block, self.tile_m, self.tile_n)
+            if const_expr(words is not None):
+                blocks = KeyBlocks.of_list_range(seq, m_block, words[SEQ_WORDS], words[SEQ_WORDS + 1])
+            else:
+                blocks = KeyBlocks.of_list(self.mask, seq, m_block, self.tile_m, self.tile_n)
         else:
             blocks = KeyBlocks.of_tile(self.mask, seq, m_block, self.tile_m, self.tile_n, span)
         if const_expr(self.split_keys):
@@ -692,6 +700,12 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
             # The last TMA stores must have read smem before the CTA's smem goes away.
             if tidx % 128 < 32:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    def extra_tile_words(self, coords):
+        """Block-sparse: the tile's list range after its sequence's words."""
+        if const_expr(self.block_sparse):
+            return coords[6].list_words()
+        return ()
 
     def pending_tag(self, n_last, blocks):
         """What the pending tile's epilogue needs besides its coordinates: its last key block

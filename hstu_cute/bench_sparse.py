@@ -117,9 +117,27 @@ def _flex_call(w: SparseWorkload, kept: torch.Tensor, q, k, v):
     fbm = FlexBlockMask.from_kv_blocks(partial_lists.kv_count, partial_lists.kv_index, full_lists.kv_count,
                                        full_lists.kv_index, BLOCK_SIZE=w.block,
                                        mask_mod=causal if w.causal else None)
-    flex = torch.compile(flex_attention)
+    # Compiled afresh for each workload with static shapes: after a few shapes torch.compile turns
+    # them dynamic, and its dynamic-shape backward ran 1.25x slower (H200, session 31: 28.9 ms
+    # against 23.0 ms at B8 N16384 10%), which would flatter our ratio.
+    torch._dynamo.reset()
+    flex = torch.compile(flex_attention, dynamic=False)
     qt, kt, vt = (x.view(w.batch, w.seqlen, w.heads, w.head_dim).transpose(1, 2) for x in (q, k, v))
     return lambda: flex(qt, kt, vt, block_mask=fbm).transpose(1, 2).reshape(q.shape)
+
+
+def _kernel_ms(call, reps: int = 10) -> float:
+    """Device time per call of our kernels alone (the profiler's sum over kernels named
+    ``kernel_cutlass*``): the call's CUDA-event time also holds whatever else it queues (the mask's
+    tables on a first call, autograd's accumulations, gaps), 0.2 ms at B8 N16384 10% (session 31)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            call()
+        torch.cuda.synchronize()
+    return sum(e.device_time_total for e in prof.key_averages() if e.key.startswith("kernel_cutlass")) / reps / 1e3
 
 
 #: FLOPs of a direction over the forward's (docs/operator.md: the backward counts 2.5x).
@@ -164,6 +182,7 @@ def run_sparse(w: SparseWorkload, direction: str = "fwd", flex: bool = True) -> 
     dense = timed(lambda: hstu_attn_varlen_func(q, k, v, **kw))
     sparse(), dense()
     ms_sparse, iqr = time_cuda([sparse])
+    kernel_ms = _kernel_ms(sparse)
     ms_dense, _ = time_cuda([dense])
     ms_flex = None
     flex_call = _flex_call(w, kept, q, k, v) if flex and not w.lengths else None
@@ -175,6 +194,7 @@ def run_sparse(w: SparseWorkload, direction: str = "fwd", flex: bool = True) -> 
     dense_pairs = sum(n * (n + 1) // 2 if w.causal else n * n for n in lengths)
     per_pair = 4.0 * w.heads * w.head_dim * DIRECTION_FLOPS[direction] / 1e9
     return dict(workload=w.name, direction=direction, density=pairs / dense_pairs, ms=ms_sparse, iqr_ms=iqr,
+                kernel_ms=kernel_ms,
                 tflops=per_pair * pairs / ms_sparse, dense_ms=ms_dense, dense_tflops=per_pair * dense_pairs / ms_dense,
                 flex_ms=ms_flex, flex_tflops=per_pair * pairs / ms_flex if ms_flex else None,
                 x_dense=ms_dense / ms_sparse, x_flex=(ms_flex / ms_sparse) if ms_flex else None)

@@ -340,6 +340,7 @@ def hstu_attn_varlen_func(
     deterministic=False,
     kv_cache=None, page_offsets=None, page_ids=None, last_page_lens=None,
     func=None,
+    block_mask=None,
 ):
     """HSTU attention over a jagged batch (FBGEMM-compatible arguments).
 
@@ -411,6 +412,10 @@ def hstu_attn_varlen_func(
         func: keyword-only arbitrary mask, ``(1, n_func, T_q + 256)`` int32 per-row key intervals
             (FBGEMM's layout; docs/operator.md, "Arbitrary masks"), or None; replaces the other
             masks (n_func 1 or 3; 16-bit, forward and backward, Hopper and sm80).
+        block_mask: keyword-only :class:`hstu_cute.BlockMask`, or None: an element is attended
+            only if the mask allows it and its (query block, key block) is kept for its sequence
+            and head (docs/dev/block-sparse.md). In progress: 16-bit, forward and backward on
+            Hopper and sm80 (no FP8, paged cache or ``func``).
 
     Returns:
         ``out``: a new ``(T_q, H, D)`` tensor in q's dtype. Under autograd the backward returns
@@ -433,12 +438,12 @@ def hstu_attn_varlen_func(
     args = (q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
             target_group_size, window_size, alpha, rab, has_drab, is_delta_q, descale_q, descale_k, descale_v,
             descale_do, quant_mode, scaling_seqlen, seqused_q, seqused_k, kv_cache, page_offsets, page_ids,
-            last_page_lens, func)
+            last_page_lens, func, block_mask)
     p, plans = validate_memoized(*args) if eager else (validate(*args), None)
     paged = PagedTables(kv_cache, page_offsets, page_ids, last_page_lens) if p.page_size else None
     call = Call(p, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets, seqused_q,
                 seqused_k, target_group_size, alpha, has_drab, deterministic, (descale_q, descale_k, descale_v), paged,
-                plans, func)
+                plans, func, block_mask)
     if eager:
         _check_data(call, q, k)
     needs_grad = torch.is_grad_enabled() and (

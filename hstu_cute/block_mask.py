@@ -21,7 +21,7 @@ import torch
 #: Block sizes must be multiples of this (the kernels' MMA granularity).
 BLOCK_MULTIPLE = 16
 
-__all__ = ["BlockMask", "BLOCK_MULTIPLE", "blocks_for", "TileLists"]
+__all__ = ["BlockMask", "BLOCK_MULTIPLE", "blocks_for", "KernelTables", "TileLists"]
 
 
 def blocks_for(length: int, block: int) -> int:
@@ -220,7 +220,38 @@ class BlockMask:
         any_kept = (kept > 0) & live
         count, index = _ascending_lists(any_kept)
         t_count, t_index = _ascending_lists(any_kept.transpose(2, 3))
-        return TileLists(count, index, any_kept & (kept < area), t_count, t_index)
+        return TileLists(count, index, any_kept, any_kept & (kept < area), t_count, t_index)
+
+    def kernel_tables(self, seq_offsets_q: torch.Tensor, seq_offsets_k: torch.Tensor, seqused_q, seqused_k,
+                      tile_m: int, tile_n: int, max_seqlen_q: int, max_seqlen_k: int,
+                      is_delta_q: bool = False) -> "KernelTables":
+        """What the kernels read (:class:`KernelTables`), built by :meth:`tile_lists` once per
+        tile size and batch layout and kept on the mask: a mask reused by every layer and by the
+        backward costs its ~40 small tensor ops (~0.3 ms of device time and more of host at
+        B8 N16384) once (docs/dev/perf-log.md, session 31). The batch layout is recognised by the
+        very tensor objects (held by the entry, so their memory is not reused) and their version
+        counters: an in-place change rebuilds the tables. Traced calls build them afresh."""
+        layout = (seq_offsets_q, seq_offsets_k, seqused_q, seqused_k)
+        static = (tile_m, tile_n, int(max_seqlen_q), int(max_seqlen_k), bool(is_delta_q))
+        tracing = torch.compiler.is_compiling() or any(
+            isinstance(t, torch.Tensor) and type(t) is not torch.Tensor for t in (self.kv_count, *layout))
+        versions = tuple(None if t is None else t._version for t in layout) if not tracing else None
+        cache = self.__dict__.get("_kernel_tables")
+        if cache is None and not tracing:
+            cache = []
+            object.__setattr__(self, "_kernel_tables", cache)
+        if not tracing:
+            for entry_static, entry_layout, entry_versions, tables in cache:
+                if (entry_static == static and entry_versions == versions
+                        and all(a is b for a, b in zip(entry_layout, layout))):
+                    return tables
+        lists = self.tile_lists(*layout, tile_m, tile_n, max_seqlen_q, max_seqlen_k, is_delta_q)
+        tables = KernelTables(lists.count, lists.index, lists.t_count, lists.t_index, lists.state(),
+                              self.to_dense().to(torch.uint8))
+        if not tracing:
+            cache.append((static, layout, versions, tables))
+            del cache[:-KERNEL_TABLES_KEPT]
+        return tables
 
     def density(self) -> torch.Tensor:
         """Kept blocks over all blocks (a 0-d tensor on the mask's device; no sync)."""
@@ -233,6 +264,7 @@ class TileLists(NamedTuple):
 
     * ``count (B, H_mask, M_t)`` / ``index (B, H_mask, M_t, N_t)``: per query tile, the key tiles
       holding any kept element of a valid row and key, ascending (the forward walks them);
+    * ``kept (B, H_mask, M_t, N_t)`` bool: the same tiles as a grid;
     * ``partial (B, H_mask, M_t, N_t)`` bool: the tile mixes kept and dropped blocks (the kernels
       mask it by block, on top of the HSTU mask);
     * ``t_count (B, H_mask, N_t)`` / ``t_index (B, H_mask, N_t, M_t)``: per key tile, its query
@@ -240,9 +272,33 @@ class TileLists(NamedTuple):
 
     count: torch.Tensor
     index: torch.Tensor
+    kept: torch.Tensor
     partial: torch.Tensor
     t_count: torch.Tensor
     t_index: torch.Tensor
+
+    def state(self) -> torch.Tensor:
+        """(B, H_mask, M_t, N_t) uint8 per tile: 0 no kept element, 1 all kept, 2 mixed (the
+        kernels' ``mBlockState``)."""
+        return self.kept.to(torch.uint8) + self.partial.to(torch.uint8)
+
+
+#: Batch layouts whose kernel tables a mask keeps (the newest ones).
+KERNEL_TABLES_KEPT = 4
+
+
+class KernelTables(NamedTuple):
+    """A block mask as the kernels read it (:meth:`BlockMask.kernel_tables`): the lists per query
+    tile (``count``, ``index``) and per key tile (``t_count``, ``t_index``) of :class:`TileLists`,
+    each tile's ``state`` (:meth:`TileLists.state`) and the kept blocks as uint8 ``kept_blocks``
+    (B, H_mask, M_q, M_k), read inside the mixed tiles."""
+
+    count: torch.Tensor
+    index: torch.Tensor
+    t_count: torch.Tensor
+    t_index: torch.Tensor
+    state: torch.Tensor
+    kept_blocks: torch.Tensor
 
 
 def _ascending_lists(kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

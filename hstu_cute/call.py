@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from .block_mask import BlockMask
 from .validation import Problem, problem_of_op_args
 
 
@@ -56,6 +57,16 @@ class Call(NamedTuple):
     plans: dict | None = None
     # FBGEMM's arbitrary mask (1, n_func, T_q + 256) int32 (problem.mask.kind is FUNC), or None.
     func: torch.Tensor | None = None
+    # A block-sparse mask (hstu_cute.BlockMask), or None.
+    block_mask: BlockMask | None = None
+
+    @property
+    def block_count(self) -> torch.Tensor | None:
+        return self.block_mask.kv_count if self.block_mask is not None else None
+
+    @property
+    def block_index(self) -> torch.Tensor | None:
+        return self.block_mask.kv_index if self.block_mask is not None else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,11 +78,13 @@ OP_FIELDS = (
     ("max_seqlen_k", "SymInt"), ("num_contexts", "Tensor?"), ("num_targets", "Tensor?"),
     ("target_group_size", "SymInt"), ("window_left", "SymInt"), ("window_right", "SymInt"), ("alpha", "float"),
     ("rab", "Tensor?"), ("is_delta_q", "bool"), ("scaling_seqlen", "SymInt"), ("seqused_q", "Tensor?"),
-    ("seqused_k", "Tensor?"), ("func", "Tensor?"),
+    ("seqused_k", "Tensor?"), ("func", "Tensor?"), ("block_count", "Tensor?"), ("block_index", "Tensor?"),
+    ("q_block", "int"), ("k_block", "int"),
 )
 OP_NAMES = tuple(name for name, _ in OP_FIELDS)
 #: The per-sequence tensors among them (the traced autograd function's extra inputs).
-SEQUENCE_NAMES = ("seq_offsets_q", "seq_offsets_k", "num_contexts", "num_targets", "seqused_q", "seqused_k", "func")
+SEQUENCE_NAMES = ("seq_offsets_q", "seq_offsets_k", "num_contexts", "num_targets", "seqused_q", "seqused_k", "func",
+                  "block_count", "block_index")
 _RAB_AT = OP_NAMES.index("rab")
 
 
@@ -83,13 +96,15 @@ def op_schema_args() -> str:
 def op_arguments(call: Call, rab: torch.Tensor | None) -> tuple:
     """``call`` and ``rab`` as the ops' flat arguments (:data:`OP_FIELDS` order). The window
     goes normalized, the divisor as ``scaling_seqlen``: the op rebuilds the same problem."""
-    p = call.problem
+    p, bm = call.problem, call.block_mask
     values = dict(seq_offsets_q=call.seq_offsets_q, seq_offsets_k=call.seq_offsets_k,
                   max_seqlen_q=call.max_seqlen_q, max_seqlen_k=call.max_seqlen_k, num_contexts=call.num_contexts,
                   num_targets=call.num_targets, target_group_size=call.target_group_size,
                   window_left=p.window_left, window_right=p.window_right, alpha=call.alpha, rab=rab,
                   is_delta_q=p.mask.is_delta_q, scaling_seqlen=p.scale_seqlen, seqused_q=call.seqused_q,
-                  seqused_k=call.seqused_k, func=call.func)
+                  seqused_k=call.seqused_k, func=call.func, block_count=call.block_count,
+                  block_index=call.block_index, q_block=bm.q_block if bm is not None else 0,
+                  k_block=bm.k_block if bm is not None else 0)
     return tuple(values[name] for name in OP_NAMES)
 
 
@@ -109,9 +124,12 @@ def call_of_op_arguments(q: torch.Tensor, args: tuple, quant_mode: int = -1, has
                                         a["num_contexts"], a["num_targets"], a["window_left"], a["window_right"],
                                         a["rab"], a["is_delta_q"], a["scaling_seqlen"], quant_mode, page_size,
                                         a["func"] is not None)
+    block_mask = None
+    if a["block_count"] is not None:
+        block_mask = BlockMask(a["block_count"], a["block_index"], a["q_block"], a["k_block"])
     call = Call(problem, a["seq_offsets_q"], a["seq_offsets_k"], a["max_seqlen_q"], a["max_seqlen_k"],
                 a["num_contexts"], a["num_targets"], a["seqused_q"], a["seqused_k"], a["target_group_size"],
-                a["alpha"], has_drab, deterministic, descales, paged, plans, a["func"])
+                a["alpha"], has_drab, deterministic, descales, paged, plans, a["func"], block_mask)
     return call, args[_RAB_AT]
 
 
@@ -128,6 +146,8 @@ class OpScalars(NamedTuple):
     alpha: float
     is_delta_q: bool
     scaling_seqlen: int
+    q_block: int
+    k_block: int
     has_drab: bool
     deterministic: bool
 

@@ -674,6 +674,8 @@ def _bench_gpu(args, console, dev, name: str) -> int:
     path, arch = served
     if args.grid == "serving":
         return _bench_serving(args, console, dev, name)
+    if args.grid == "blocksparse":
+        return _bench_sparse(args, console, dev, name)
     if args.host:
         return _bench_host(args, console, dev, name)
     workloads = {"headline": lambda: [bench.headline()], "full": bench.default_grid,
@@ -813,6 +815,40 @@ def _bench_serving(args, console, dev, name: str) -> int:
                       f"{r['paged_tflops']:.0f}")
     console.print(table)
     _append_json_lines(args.out, rows, gpu=name, grid="serving")
+    return 0
+
+
+def _bench_sparse(args, console, dev, name: str) -> int:
+    """``bench --grid blocksparse``: the block-sparse forward, and forward + backward, beside our
+    dense call and FlexAttention with the same kept blocks (hstu_cute.bench_sparse)."""
+    import torch
+    from rich.table import Table
+
+    from .bench_sparse import run_sparse, sparse_grid
+
+    rows = []
+    directions = {"fwd": ("fwd",), "bwd": ("fwd+bwd",), "both": ("fwd", "fwd+bwd")}[args.direction]
+    with torch.cuda.device(dev):
+        for direction in directions:
+            for w in sparse_grid()[: args.limit]:
+                rows.append(run_sparse(w, direction))
+                console.print(f"{w.name} {direction}: {rows[-1]['ms']:.3f} ms")
+    table = Table(title=f"hstu_cute block-sparse on {name}: H32 D128 bf16, block 128; TF/s on the allowed pairs of "
+                        "the kept blocks (fwd+bwd: 3.5x the forward's FLOPs); FlexAttention is softmax")
+    for col in ("workload", "direction", "kept", "sparse ms", "kernels ms", "TF/s", "dense ms", "dense TF/s", "x dense",
+                "Flex ms", "Flex TF/s", "x Flex"):
+        table.add_column(col, justify="left" if col == "workload" else "right")
+
+    def fmt(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    for r in rows:
+        table.add_row(r["workload"], r["direction"], f"{100 * r['density']:.1f}%", fmt(r["ms"], ".3f"),
+                      fmt(r["kernel_ms"], ".3f"), fmt(r["tflops"], ".0f"),
+                      fmt(r["dense_ms"], ".3f"), fmt(r["dense_tflops"], ".0f"), fmt(r["x_dense"], ".2f"),
+                      fmt(r["flex_ms"], ".3f"), fmt(r["flex_tflops"], ".0f"), fmt(r["x_flex"], ".2f"))
+    console.print(table)
+    _append_json_lines(args.out, rows, gpu=name, grid="blocksparse")
     return 0
 
 
@@ -1005,10 +1041,12 @@ def build_parser() -> argparse.ArgumentParser:
             "Time the kernels on the benchmark workloads, with the bf16 GEMM peak and torch SDPA (flash, "
             "cuDNN) timed in the same run as reference lines; FLOPs by the convention of docs/operator.md. "
             "Needs a GPU (without one it says so and exits 0).")
-    p.add_argument("--grid", choices=("headline", "full", "recsys", "func", "serving"), default="headline",
+    p.add_argument("--grid", choices=("headline", "full", "recsys", "func", "blocksparse", "serving"),
+                   default="headline",
                    help="headline: B8 N4096 D128 causal; full: the whole workload grid (docs/operator.md); recsys: "
                         "short and jagged recommender shapes with a training-step row each; func: FBGEMM's func "
-                        "masks beside our causal mask; serving: new tokens against a paged KV cache beside contiguous keys and recomputing the history")
+                        "masks beside our causal mask; blocksparse: block masks (forward; fwd+bwd with --direction both or bwd) beside our dense call and "
+                        "FlexAttention; serving: new tokens against a paged KV cache beside contiguous keys and recomputing the history")
     p.add_argument("--direction", choices=("fwd", "bwd", "both"), default="both",
                    help="time the forward, the backward or both")
     p.add_argument("--out", default=None, metavar="FILE",

@@ -38,7 +38,7 @@ def _ampere_fwd(key):
 
     return HstuForwardSm80(dsl_dtype(key.dtype), key.head_dim, key.mask, key.has_rab, key.rab_vec, key.tile_m,
                            key.tile_n, key.num_warps, key.num_stages, key.fast_silu, key.lpt_grid, paged=key.paged,
-                           split_keys=key.split_keys)
+                           split_keys=key.split_keys, block_sparse=getattr(key, "block_sparse", False))
 
 
 def _ampere_bwd(key):
@@ -46,7 +46,7 @@ def _ampere_bwd(key):
 
     cls = HstuBackwardDqSm80 if key.role == "dq" else HstuBackwardDkDvSm80
     return cls(dsl_dtype(key.dtype), key.head_dim, key.mask, key.has_rab, key.has_drab, key.rab_sum_heads,
-               key.tile_m, key.tile_n, key.num_warps, key.fast_silu, key.warps_d)
+               key.tile_m, key.tile_n, key.num_warps, key.fast_silu, key.warps_d, block_sparse=key.block_sparse)
 
 
 def _hopper_fwd(key):
@@ -55,7 +55,7 @@ def _hopper_fwd(key):
     return HstuForwardSm90(dsl_dtype(key.dtype), key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n,
                            key.num_stages, key.fast_silu, key.intra_wg_overlap, key.pingpong, key.persistent,
                            key.q_stages, key.dynamic_tiles, paged=key.paged, split_keys=key.split_keys,
-                           staged_epilogue=key.staged_epilogue)
+                           staged_epilogue=key.staged_epilogue, block_sparse=key.block_sparse)
 
 
 def _hopper_fwd_fp8(key):
@@ -82,7 +82,7 @@ def _hopper_bwd(key):
                                   dynamic_tiles=key.dynamic_tiles)
     return HstuBackwardDkDvSm90(dtype, key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n, key.num_stages,
                                 key.fast_silu, fuse_dq=key.role == "fused", persistent=key.persistent,
-                                dynamic_tiles=key.dynamic_tiles)
+                                dynamic_tiles=key.dynamic_tiles, block_sparse=key.block_sparse)
 
 
 def _hopper_bwd_fp8(key):

@@ -331,6 +331,18 @@ _SPLITS = (Arg("mPartials", _partials, _split_keys), Arg("mArrivals", _int_vec("
            Arg("num_splits", _i32, _split_keys))
 
 
+def _block_sparse(key) -> bool:
+    return getattr(key, "block_sparse", False)
+
+
+# A block mask (hstu_cute.block_mask.TileLists at the key's tile; common.seqinfo.BlockSparseArgs).
+_BLOCKS = (Arg("mBlockCount", _slab(3, 1, elem="Int32"), _block_sparse),  # (B, H_mask, M_t)
+           Arg("mBlockIndex", _slab(4, 1, elem="Int32"), _block_sparse),  # (B, H_mask, M_t, N_t)
+           Arg("mBlockState", _slab(4, 1, elem="Uint8"), _block_sparse),  # (B, H_mask, M_t, N_t): 0 / 1 / 2
+           Arg("mBlockKept", _slab(4, 1, elem="Uint8"), _block_sparse),  # (B, H_mask, M_q, M_k)
+           Arg("q_block", _i32, _block_sparse), Arg("k_block", _i32, _block_sparse))
+
+
 def _wide_drab(s: FakeShapes):
     import cutlass
     import cutlass.cute as cute
@@ -343,14 +355,15 @@ def _wide_drab(s: FakeShapes):
 
 SPECS: dict[str, tuple[Arg, ...]] = {
     "ampere_fwd": (_Q, _K, _V, Arg("mO", _tokens("tokens_q")), *_SEQUENCES, Arg("mRab", _ampere_rab, _has_rab),
-                   *_SCALARS, Arg("num_m_blocks", _i32), *_PAGES, *_SPLITS),
+                   *_SCALARS, Arg("num_m_blocks", _i32), *_PAGES, *_SPLITS, *_BLOCKS),
     "ampere_bwd_dq": (_Q, _K, _V, _DO, _DQ, *_SEQUENCES, _SM80_RAB16,
                       Arg("mdRab", _slab(4, 1), lambda key: key.has_drab),
                       Arg("mdRabAccum", _slab(3, 1, "Float32"), lambda key: key.rab_sum_heads),
-                      *_SCALARS, Arg("num_m_blocks", _i32)),
-    "ampere_bwd_dkdv": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _SM80_RAB16, *_SCALARS, Arg("num_n_blocks", _i32)),
+                      *_SCALARS, Arg("num_m_blocks", _i32), *_BLOCKS),
+    "ampere_bwd_dkdv": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _SM80_RAB16, *_SCALARS, Arg("num_n_blocks", _i32),
+                        *_BLOCKS),
     "hopper_fwd": (_Q, _K, _V, Arg("mO", _tokens("tokens_q")), *_SEQUENCES, _TMA_RAB, *_SCALARS,
-                   Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER, *_PAGES, *_SPLITS),
+                   Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER, *_PAGES, *_SPLITS, *_BLOCKS),
     # FP8: mV is V^T (hstu_cute.hopper.vt, made by "hopper_fwd_vt"); the descales are (1,) fp32
     # tensors, or (B, blocks, H) tables with scaled P (read on the device: no host sync).
     "hopper_fwd_fp8": (_Q, _K, Arg("mV", _tokens_transposed), Arg("mO", _tokens("tokens_q", "out")), *_SEQUENCES,
@@ -377,6 +390,7 @@ SPECS["ampere_fwd_paged"] = SPECS["ampere_fwd"]
 SPECS["hopper_bwd_dkdv"] = SPECS["hopper_bwd_fused"] = (
     _Q, _K, _V, _DO, _DK, _DV, Arg("mdQaccum", _tokens("tokens_q", "Float32", 4), lambda key: key.role == "fused"),
     *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_n_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER,
+    *_BLOCKS,
 )
 
 

@@ -105,6 +105,10 @@ class SeqMask:
     # MaskKind.FUNC: the sequence's interval bounds, ``func.bound(i, r)`` for key-coordinate row
     # ``r`` and bound ``i`` in 0..2 (:func:`row_intervals`); None for the other kinds.
     func: Any = None
+    # A block-sparse call's tables for this sequence and head (kernels: common.seqinfo.BlockTiles),
+    # else None. The tile tests here stay the HSTU mask's: the kernels walk lists of kept tiles and
+    # mask the mixed ones by block after the HSTU mask (common.mask_apply.mask_dropped_blocks).
+    sparse: Any = None
 
 
 def _is_tensor(x) -> bool:
@@ -309,7 +313,8 @@ def tile_nonempty(spec: MaskSpec, seq: SeqMask, m_block, n_block, tile_m, tile_n
     """Whether (m_block, n_block) is in the m-block's schedule (the same test the forward uses)."""
     n_lo, hole_lo, hole_size, count = n_block_schedule(spec, seq, m_block, tile_m, tile_n, ops)
     in_range = (n_block >= n_lo) & (n_block < n_lo + count + hole_size)
-    return in_range & ((n_block < hole_lo) | (n_block >= hole_lo + hole_size))
+    nonempty = in_range & ((n_block < hole_lo) | (n_block >= hole_lo + hole_size))
+    return nonempty
 
 
 def m_block_range(spec: MaskSpec, seq: SeqMask, n_block, tile_m, tile_n, ops: Ops = PY_OPS):

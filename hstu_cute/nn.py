@@ -166,6 +166,7 @@ def hstu_attention(
     deterministic: bool = False,
     quant_mode: int = -1,
     backend: str = "auto",
+    block_mask=None,
 ) -> torch.Tensor:
     """HSTU self-attention over one jagged batch: ``hstu_attn_varlen_func`` with one set of
     offsets for queries and keys, on the device's path (kernel on CUDA, PyTorch reference on CPU).
@@ -179,6 +180,8 @@ def hstu_attention(
       on the kernel path q, k, v are zero-padded to the next built head dim (one copy each;
       exact, see :func:`pad_head_dims`).
     * ``seqused`` (B,) valid prefix of each sequence's rows, for queries and keys alike.
+    * ``block_mask``: a :class:`hstu_cute.BlockMask`, passed through (docs/operator.md, "Block-sparse
+      masks"); the reference path applies it too.
 
     Returns ``(T, H, Dv)`` in q's dtype. Argument errors name the argument, the expected and the
     actual value, before anything runs.
@@ -204,14 +207,14 @@ def hstu_attention(
         return hstu_attn_reference(
             q, k, v, seq_offsets, seq_offsets, max_seqlen, max_seqlen, num_contexts, num_targets, target_group_size,
             window_size, alpha, rab, scaling_seqlen=scaling_seqlen, seqused_q=seqused, seqused_k=seqused,
-            compute_dtype=None)
+            compute_dtype=None, block_mask=block_mask)
     from .api import hstu_attn_varlen_func
 
     q, k, v, value_dim = pad_head_dims(q, k, v)
     out = hstu_attn_varlen_func(
         q, k, v, seq_offsets, seq_offsets, max_seqlen, max_seqlen, num_contexts, num_targets, target_group_size,
         window_size, alpha, rab, has_drab, quant_mode=quant_mode, scaling_seqlen=scaling_seqlen, seqused_q=seqused,
-        seqused_k=seqused, deterministic=deterministic)
+        seqused_k=seqused, deterministic=deterministic, block_mask=block_mask)
     return out if out.shape[2] == value_dim else out[..., :value_dim]
 
 
@@ -245,7 +248,8 @@ class HSTUAttention(nn.Module):
     The module holds no parameters.
 
     ``forward(q, k, v, seq_offsets, max_seqlen, num_contexts=None, num_targets=None, rab=None,
-    *, has_drab=None, seqused=None)`` returns ``(T, H, Dv)``; see :func:`hstu_attention`.
+    *, has_drab=None, seqused=None, block_mask=None)`` returns ``(T, H, Dv)``; see
+    :func:`hstu_attention`.
     """
 
     def __init__(self, alpha: float = 1.0, window: tuple[int, int] = CAUSAL, scaling_seqlen: int = -1,
@@ -262,12 +266,13 @@ class HSTUAttention(nn.Module):
         self.backend = backend
 
     def forward(self, q, k, v, seq_offsets, max_seqlen, num_contexts=None, num_targets=None, rab=None, *,
-                has_drab=None, seqused=None):
+                has_drab=None, seqused=None, block_mask=None):
         return hstu_attention(
             q, k, v, seq_offsets, max_seqlen, num_contexts=num_contexts, num_targets=num_targets,
             target_group_size=self.target_group_size, window_size=self.window, alpha=self.alpha, rab=rab,
             has_drab=has_drab, scaling_seqlen=self.scaling_seqlen, seqused=seqused,
-            deterministic=self.deterministic, quant_mode=self.quant_mode, backend=self.backend)
+            deterministic=self.deterministic, quant_mode=self.quant_mode, backend=self.backend,
+            block_mask=block_mask)
 
     def extra_repr(self) -> str:
         return (f"alpha={self.alpha:g}, window={self.window}, scaling_seqlen={self.scaling_seqlen}, "

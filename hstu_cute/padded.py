@@ -101,6 +101,7 @@ def hstu_attn_padded(
     deterministic: bool = False,
     quant_mode: int = -1,
     backend: str = "auto",
+    block_mask=None,
 ) -> torch.Tensor:
     """HSTU self-attention on a padded batch.
 
@@ -114,6 +115,8 @@ def hstu_attn_padded(
     targets, the window (default causal) and the rest mean what they mean for
     ``hstu_attn_varlen_func`` (docs/operator.md), counted within each valid length. Runs the kernel
     on CUDA tensors and the PyTorch reference on CPU tensors, as :func:`hstu_cute.nn.hstu_attention`.
+    ``block_mask`` (a :class:`hstu_cute.BlockMask`, blocks counted from each sequence's start) is
+    passed through.
     """
     _check_backend(backend)
     flat = [_flatten_batch(name, t) for name, t in (("q", q), ("k", k), ("v", v))]
@@ -128,7 +131,7 @@ def hstu_attn_padded(
         *flat, offsets, max_len, num_contexts=num_contexts, num_targets=num_targets,
         target_group_size=target_group_size, window_size=window_size, alpha=alpha, rab=rab, has_drab=has_drab,
         scaling_seqlen=scaling_seqlen, seqused=seqused, deterministic=deterministic, quant_mode=quant_mode,
-        backend=backend)
+        backend=backend, block_mask=block_mask)
     return out.unflatten(0, (batch, max_len))
 
 

@@ -285,5 +285,37 @@ def call_record(**kwargs):
     paged = PagedTables(a["kv_cache"], a["page_offsets"], a["page_ids"], a["last_page_lens"]) if p.page_size else None
     call = Call(p, a["seq_offsets_q"], a["seq_offsets_k"], a["max_seqlen_q"], a["max_seqlen_k"], a["num_contexts"],
                 a["num_targets"], a["seqused_q"], a["seqused_k"], a["target_group_size"], a["alpha"], a["has_drab"],
-                a["deterministic"], (a["descale_q"], a["descale_k"], a["descale_v"]), paged, {}, a["func"])
+                a["deterministic"], (a["descale_q"], a["descale_k"], a["descale_v"]), paged, {}, a["func"],
+                a["block_mask"])
     return call, a["rab"]
+
+
+def check_against_oracle(batch: dict, seed: int, backward: bool = True, **extra) -> dict:
+    """Run :func:`hstu_cute.hstu_attn_varlen_func` on ``batch`` (a keyword dict) plus ``extra`` and
+    assert the ratio rule against the fp32 oracle: the output within 2x the same-dtype oracle's
+    error, and with ``backward`` (a seeded random dO) dq, dk, dv (and drab with ``has_drab``)
+    within 5x, none NaN. Returns the leaves (with their gradients) and the output."""
+    from .api import hstu_attn_varlen_func
+    from .reference import hstu_attn_reference, ratio_check, reference_grads
+
+    names = ("q", "k", "v") + (("rab",) if backward and extra.get("has_drab") else ())
+    leaves = {n: batch[n].detach().clone().requires_grad_(backward) for n in names}
+    out = hstu_attn_varlen_func(**dict(batch, **leaves), **extra)
+    ref_kw = dict(batch, **{n: x for n, x in extra.items() if n != "deterministic"})  # the oracle is exact
+    if not backward:
+        ref32, ref_same = hstu_attn_reference(**ref_kw), hstu_attn_reference(**ref_kw, compute_dtype=None)
+        ok, err, ref_err = ratio_check(out, ref32, ref_same, 2.0)
+        assert ok, f"[seed={seed}] out: kernel err {err:.3e} > 2 x {ref_err:.3e}"
+        return dict(leaves, out=out)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype).to(out.device)
+    out.backward(dout)
+    ref32 = reference_grads(**ref_kw, dout=dout)
+    ref_same = reference_grads(**ref_kw, dout=dout, compute_dtype=None)
+    ok, err, ref_err = ratio_check(out, ref32["out"], ref_same["out"], 2.0)
+    assert ok, f"[seed={seed}] out: kernel err {err:.3e} > 2 x {ref_err:.3e}"
+    for n in names:
+        grad = leaves[n].grad
+        assert grad is not None and not torch.isnan(grad).any(), (n, seed)
+        ok, err, ref_err = ratio_check(grad, ref32["d" + n], ref_same["d" + n], 5.0)
+        assert ok, f"[seed={seed}] d{n}: kernel err {err:.3e} > 5 x same-dtype err {ref_err:.3e}"
+    return dict(leaves, out=out)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from . import masks
+from .block_mask import BlockMask, blocks_for
 from .arch import forced_path
 from .fp8_recipe import PRE_QUANTIZED, Fp8Recipe, is_quant_mode, recipe
 from .variants import FP8_HEAD_DIMS, HEAD_DIMS, PAGE_SIZES
@@ -182,7 +183,7 @@ def validate(
     q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
     target_group_size, window_size, alpha, rab, has_drab, is_delta_q, descale_q, descale_k, descale_v,
     descale_do, quant_mode, scaling_seqlen, seqused_q, seqused_k, kv_cache=None, page_offsets=None,
-    page_ids=None, last_page_lens=None, func=None,
+    page_ids=None, last_page_lens=None, func=None, block_mask=None,
 ) -> Problem:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -331,6 +332,8 @@ def validate(
     if func is not None:
         _check_func(func, q, window_size, num_contexts, num_targets, page_size, fp8)
         kind = masks.MaskKind.FUNC
+    if block_mask is not None:
+        _check_block_mask(block_mask, batch, heads, max_seqlen_k, device, page_size, fp8, func)
 
     # Last, so that every other check can be exercised on CPU tensors. Meta tensors (shapes only:
     # the ops' fake implementations run, nothing is launched) serve tracing on machines without CUDA.
@@ -339,6 +342,30 @@ def validate(
               device)
     mask = masks.MaskSpec(kind, has_context, has_target, is_delta_q)
     return Problem(batch, heads, head_dim, q.dtype, mask, wl, wr, scale_seqlen, rab_heads, quant_mode, page_size)
+
+
+def _check_block_mask(block_mask, batch, heads, max_seqlen_k, device, page_size, fp8, func) -> None:
+    """A :class:`hstu_cute.BlockMask` (its own fields are checked when it is built): lists for
+    this batch and 1 or H heads on q's device, covering ``max_seqlen_k`` rows and keys (query
+    blocks count in key coordinates); 16-bit, without a paged cache or ``func``."""
+    if not isinstance(block_mask, BlockMask):
+        fail(TypeError, "block_mask", "a hstu_cute.BlockMask or None", type(block_mask).__name__)
+    if block_mask.batch != batch:
+        fail(ValueError, "block_mask.kv_count.shape[0]", f"{batch} (the batch)", block_mask.batch)
+    if block_mask.heads not in (1, heads):
+        fail(ValueError, "block_mask.kv_count.shape[1]", f"1 or {heads} (q's heads)", block_mask.heads)
+    rows, keys = blocks_for(max_seqlen_k, block_mask.q_block), blocks_for(max_seqlen_k, block_mask.k_block)
+    if block_mask.q_blocks < rows:
+        fail(ValueError, "block_mask.kv_count.shape[2]", f">= {rows} (max_seqlen_k={max_seqlen_k} rows in blocks "
+             f"of {block_mask.q_block}; query blocks count in key coordinates)", block_mask.q_blocks)
+    if block_mask.k_blocks < keys:
+        fail(ValueError, "block_mask.kv_index.shape[3]", f">= {keys} (max_seqlen_k={max_seqlen_k} keys in blocks "
+             f"of {block_mask.k_block})", block_mask.k_blocks)
+    if block_mask.device != device:
+        fail(ValueError, "block_mask.device", f"{device} (same as q)", block_mask.device)
+    if page_size or fp8 or func is not None:
+        raise NotImplementedError("block_mask: the block-sparse kernels take 16-bit inputs without a paged cache "
+                                  "or func")
 
 
 def _check_func(func, q, window_size, num_contexts, num_targets, page_size, fp8) -> None:
@@ -425,6 +452,8 @@ def check_device_data(call, q, k):
             fail(ValueError, name, "0 <= seqused <= offset difference per sequence", t.cpu().tolist()[:16])
     if call.func is not None:
         _check_func_data(call.func, seq_offsets_q, lens_q, lens_k)
+    if call.block_mask is not None:
+        _check_block_lists(call.block_mask)
     if num_contexts is not None or num_targets is not None:
         valid_k = seqused_k.cpu() if seqused_k is not None else lens_k
         c = num_contexts.cpu() if num_contexts is not None else torch.zeros_like(valid_k)
@@ -448,6 +477,29 @@ def _check_func_data(func, seq_offsets_q, lens_q, lens_k) -> None:
         b = int(rows[r])
         fail(ValueError, f"func[0, {i}, {r}]", f"a key position in [0, {int(lens_k[b])}] (sequence {b}'s keys; "
              "HSTU_CUTE_CHECK=1)", int(bounds[i, r]))
+
+
+def _check_block_lists(block_mask) -> None:
+    """Each list's count in ``[0, M_k]`` and its first ``count`` indices in ``[0, M_k)``, strictly
+    ascending (no duplicates). The library never reads past a count, and it clamps what it reads."""
+    count = block_mask.kv_count.to("cpu", torch.int64)
+    index = block_mask.kv_index.to("cpu", torch.int64)
+    k_blocks = block_mask.k_blocks
+    if bool(((count < 0) | (count > k_blocks)).any()):
+        where = tuple(int(x) for x in ((count < 0) | (count > k_blocks)).nonzero()[0])
+        fail(ValueError, f"block_mask.kv_count[{', '.join(map(str, where))}]", f"in [0, {k_blocks}] (M_k)",
+             int(count[where]))
+    used = torch.arange(k_blocks) < count[..., None]
+    out_of_range = used & ((index < 0) | (index >= k_blocks))
+    if bool(out_of_range.any()):
+        where = tuple(int(x) for x in out_of_range.nonzero()[0])
+        fail(ValueError, f"block_mask.kv_index[{', '.join(map(str, where))}]", f"in [0, {k_blocks}) (M_k)",
+             int(index[where]))
+    not_ascending = used[..., 1:] & (index[..., 1:] <= index[..., :-1])
+    if bool(not_ascending.any()):
+        *row, i = (int(x) for x in not_ascending.nonzero()[0])
+        fail(ValueError, f"block_mask.kv_index[{', '.join(map(str, row))}]", "strictly ascending indices in each "
+             "list's first kv_count entries (no duplicates)", index[tuple(row)][:int(count[tuple(row)])].tolist())
 
 
 def _offsets_on_host(name: str, offsets: torch.Tensor, total: int | None, max_len: int, max_name: str):
@@ -505,6 +557,8 @@ def _signature(x):
         return None
     if kind is torch.Tensor or isinstance(x, torch.Tensor):
         return (kind, x.dtype, x.shape, x.stride(), x.get_device())
+    if kind is BlockMask:
+        return (kind, x.q_block, x.k_block, _signature(x.kv_count), _signature(x.kv_index))
     if kind is tuple or isinstance(x, (tuple, list)):
         return (kind, tuple(map(_signature, x)))
     return (kind, x)

@@ -124,10 +124,14 @@ class AmpereFwdKey(_Variant):
     # A tile's key blocks split into parts over CTAs, the last CTA to finish adds the fp32 parts
     # (HstuForwardSm80 split_keys; launch.key_splits picks the parts).
     split_keys: bool = False
+    # A block mask: every tile walks its list of key tiles (hstu_cute.block_mask.TileLists).
+    block_sparse: bool = False
 
     def describe(self) -> str:
         return self._describe(f"{self.tile_m}x{self.tile_n}w{self.num_warps}s{self.num_stages}"
-                              + ("k" if self.split_keys else ""), [f"rab/{self.rab_vec}"] if self.has_rab else [])
+                              + ("k" if self.split_keys else ""),
+                              ([f"rab/{self.rab_vec}"] if self.has_rab else [])
+                              + (["block-sparse"] if self.block_sparse else []))
 
 
 def default_fwd_tiles(head_dim: int) -> dict:
@@ -146,11 +150,11 @@ def default_fwd_tiles(head_dim: int) -> dict:
 
 
 def make_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, rab_vec, tiles=None,
-                 split_keys: bool = False) -> AmpereFwdKey:
+                 split_keys: bool = False, block_sparse: bool = False) -> AmpereFwdKey:
     return AmpereFwdKey(
         **_variant_fields(arch, dtype, head_dim, kind, context_target, has_rab), rab_vec=rab_vec if has_rab else 8,
         **(tiles or dict(default_fwd_tiles(head_dim), lpt_grid=MaskKind(kind) in (MaskKind.CAUSAL, MaskKind.FUNC))),
-        split_keys=split_keys,
+        split_keys=split_keys, block_sparse=block_sparse,
     )
 
 
@@ -188,12 +192,15 @@ class AmpereBwdKey(_BwdVariant):
     warps_d: int = 1
     fast_silu: bool = True
     ptxas_opt: int = 2
+    # A block mask: dQ walks each tile's list of key tiles, dK/dV skips tiles without a kept block.
+    block_sparse: bool = False
 
     def describe(self) -> str:
         rab = (["rab" + ("+drab" if self.has_drab else "") + ("(sum)" if self.rab_sum_heads else "")]
                if self.has_rab else [])
         split = f"d{self.warps_d}" if self.warps_d > 1 else ""
-        return self._describe(f"{self.tile_m}x{self.tile_n}w{self.num_warps}{split}", rab)
+        return self._describe(f"{self.tile_m}x{self.tile_n}w{self.num_warps}{split}",
+                              rab + (["block-sparse"] if self.block_sparse else []))
 
 
 def default_bwd_tiles(role: str, head_dim: int) -> dict:
@@ -213,12 +220,13 @@ def default_bwd_tiles(role: str, head_dim: int) -> dict:
     return dict(tile_m=32, tile_n=64, num_warps=8, warps_d=4, ptxas_opt=3)
 
 
-def make_bwd_keys(arch, dtype, head_dim, kind, context_target, has_rab, has_drab, rab_sum_heads):
+def make_bwd_keys(arch, dtype, head_dim, kind, context_target, has_rab, has_drab, rab_sum_heads,
+                  block_sparse: bool = False):
     """(dq key, dkdv key) of one sm80 backward call."""
     common = _variant_fields(arch, dtype, head_dim, kind, context_target, has_rab)
     dq = AmpereBwdKey(role="dq", has_drab=has_drab, rab_sum_heads=has_drab and rab_sum_heads, **common,
-                      **default_bwd_tiles("dq", head_dim))
-    dkdv = AmpereBwdKey(role="dkdv", **common, **default_bwd_tiles("dkdv", head_dim))
+                      **default_bwd_tiles("dq", head_dim), block_sparse=block_sparse)
+    dkdv = AmpereBwdKey(role="dkdv", **common, **default_bwd_tiles("dkdv", head_dim), block_sparse=block_sparse)
     return dq, dkdv
 
 
@@ -256,6 +264,8 @@ class HopperFwdKey(_Variant):
     # The output through smem and a TMA store where the smem fits (hopper.base.StagedEpilogue);
     # False: register stores only ("r" in the description).
     staged_epilogue: bool = True
+    # A block mask: every tile walks its list of key tiles (hstu_cute.block_mask.TileLists).
+    block_sparse: bool = False
 
     def describe(self) -> str:
         flags = ("o" if self.intra_wg_overlap else "") + ("p" if self.pingpong else "") + (
@@ -263,7 +273,7 @@ class HopperFwdKey(_Variant):
             "d" if self.dynamic_tiles else "") + ("k" if self.split_keys else "") + (
             "" if self.staged_epilogue else "r")
         return self._describe(f"{self.tile_m}x{self.tile_n}s{self.num_stages}{flags}",
-                              ["rab"] if self.has_rab else [])
+                              (["rab"] if self.has_rab else []) + (["block-sparse"] if self.block_sparse else []))
 
 
 def default_hopper_fwd_tiles(head_dim: int, has_rab: bool) -> dict:
@@ -279,9 +289,10 @@ def default_hopper_fwd_tiles(head_dim: int, has_rab: bool) -> dict:
 
 
 def make_hopper_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, tiles=None,
-                        split_keys: bool = False) -> HopperFwdKey:
+                        split_keys: bool = False, block_sparse: bool = False) -> HopperFwdKey:
     return HopperFwdKey(**_variant_fields(arch, dtype, head_dim, kind, context_target, has_rab),
-                        **(tiles or default_hopper_fwd_tiles(head_dim, has_rab)), split_keys=split_keys)
+                        **(tiles or default_hopper_fwd_tiles(head_dim, has_rab)), split_keys=split_keys,
+                        block_sparse=block_sparse)
 
 
 @dataclass(frozen=True)
@@ -488,10 +499,12 @@ class HopperBwdKey(_BwdVariant):
     ptxas_opt: int = 3
     persistent: bool = False  # roles "dkdv" / "fused" / "dq": one CTA per SM walking the tiles
     dynamic_tiles: bool = False  # persistent CTAs claim their tiles (HopperFwdKey.dynamic_tiles)
+    # A block mask (roles "dkdv" / "fused"): the m-block walk skips tiles without a kept block.
+    block_sparse: bool = False
 
     def describe(self) -> str:
         extras = (["rab"] if self.has_rab else []) + (["drab"] if self.has_drab else []) + (
-            ["sum_heads"] if self.rab_sum_heads else [])
+            ["sum_heads"] if self.rab_sum_heads else []) + (["block-sparse"] if self.block_sparse else [])
         flags = ("P" if self.persistent else "") + ("d" if self.dynamic_tiles else "")
         return self._describe(f"{self.tile_m}x{self.tile_n}s{self.num_stages}{flags}", extras)
 
@@ -534,10 +547,11 @@ def hopper_bwd_tiles(role: str, head_dim: int, has_rab: bool) -> dict:
 
 
 def make_hopper_bwd_key(role, arch, dtype, head_dim, kind, context_target, has_rab, tiles=None, has_drab=False,
-                        rab_sum_heads=False) -> HopperBwdKey:
+                        rab_sum_heads=False, block_sparse=False) -> HopperBwdKey:
+    assert not block_sparse or role in ("dkdv", "fused"), role
     return HopperBwdKey(role=role, **_variant_fields(arch, dtype, head_dim, kind, context_target, has_rab),
                         has_drab=has_drab, rab_sum_heads=rab_sum_heads,
-                        **(tiles or hopper_bwd_tiles(role, head_dim, has_rab)))
+                        **(tiles or hopper_bwd_tiles(role, head_dim, has_rab)), block_sparse=block_sparse)
 
 
 @dataclass(frozen=True)

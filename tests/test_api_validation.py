@@ -502,9 +502,17 @@ def _func(**at):
     return func
 
 
+def _block_lists(count, index):
+    """A BlockMask of B = 1 from raw lists (counts (1, 2) per query block, indices (1, 2, 4))."""
+    from hstu_cute import BlockMask
+
+    return BlockMask(torch.tensor([count], dtype=torch.int32), torch.tensor([index], dtype=torch.int32), 16, 16)
+
+
 def test_device_data_valid_passes():
     _device_check()
     _device_check(func=_func(a=((1, 3), 0), b=((2, 13), 0)))
+    _device_check(block_mask=_block_lists([[2, 0]], [[[1, 3, -7, 99], [99, 99, 99, 99]]]))  # garbage past counts
     _device_check(num_contexts=_i32([2, 0]), num_targets=_i32([6, 6]), seqused_q=_i32([8, 0]),
                   seqused_k=_i32([8, 6]))
 
@@ -532,6 +540,12 @@ DEVICE_CASES = [
     ("negative-context", dict(num_contexts=_i32([-1, 0])), "num_contexts/num_targets", "0 <= c", "c=[-1, 0]"),
     ("func-negative-bound", dict(func=_func(a=((1, 5), -1))), "func[0, 1, 5]", "in [0, 8]", "-1"),
     ("func-past-the-keys", dict(func=_func(a=((0, 9), 7))), "func[0, 0, 9]", "in [0, 6]", "7"),
+    ("block-count-too-big", dict(block_mask=_block_lists([[3, 5]], [[[0, 1, 2, 3], [0, 1, 2, 3]]])),
+     "block_mask.kv_count[0, 0, 1]", "in [0, 4] (M_k)", "5"),
+    ("block-index-out-of-range", dict(block_mask=_block_lists([[2, 1]], [[[0, 4, 1, 1], [3, 9, 9, 9]]])),
+     "block_mask.kv_index[0, 0, 0, 1]", "in [0, 4) (M_k)", "4"),
+    ("block-index-duplicate", dict(block_mask=_block_lists([[3, 1]], [[[0, 2, 2, 1], [3, 9, 9, 9]]])),
+     "block_mask.kv_index[0, 0, 0]", "strictly ascending", "[0, 2, 2]"),
 ]
 
 

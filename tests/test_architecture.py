@@ -167,11 +167,13 @@ def test_ordered_takes_values_by_name_and_drops_absent_ones():
     names = [a.name for a in kernel_args.spec(key)]
     values = {n: n for n in names}
     args = kernel_args.ordered(key, values)
-    # has_context, has_rab, has_drab: every argument present but the func mask's (MaskKind.FUNC keys only)
-    assert args == [None if n in ("mFunc", "mFuncBlocks") else n for n in names]
+    # has_context, has_rab, has_drab: every argument present but the func mask's (MaskKind.FUNC keys
+    # only) and the block mask's (block-sparse keys only)
+    blocks = {"mBlockCount", "mBlockIndex", "mBlockState", "mBlockKept", "q_block", "k_block"}
+    assert args == [None if n in {"mFunc", "mFuncBlocks"} | blocks else n for n in names]
     no_ctx = type(key)(**{**key.__dict__, "has_context": False, "has_target": False, "has_drab": False,
                           "rab_sum_heads": False})
     args = kernel_args.ordered(no_ctx, values)
-    absent = {"mNumContexts", "mNumTargets", "mFunc", "mFuncBlocks", "mdRab", "mdRabAccum"}
+    absent = {"mNumContexts", "mNumTargets", "mFunc", "mFuncBlocks", "mdRab", "mdRabAccum"} | blocks
     assert [a for a, n in zip(args, names) if a is None] == [None] * len(absent)
     assert {n for a, n in zip(args, names) if a is None} == absent

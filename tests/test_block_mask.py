@@ -215,3 +215,131 @@ def test_tile_lists_match_the_elements(tiles, blocks, delta_q, seqused):
                 c = int(lists.t_count[b, h, n])
                 assert lists.t_index[b, h, n, :c].tolist() == kept[:, n].nonzero().flatten().tolist(), (b, h, n)
             assert torch.equal(lists.partial[b, h], partial), (b, h)
+            assert torch.equal(lists.kept[b, h], kept), (b, h)
+            assert torch.equal(lists.state()[b, h], kept.to(torch.uint8) + partial.to(torch.uint8)), (b, h)
+
+
+def _meta_call(**over):
+    from hstu_cute import hstu_attn_varlen_func
+
+    q, k, v = (torch.empty(50, 2, 64, dtype=torch.bfloat16, device="meta") for _ in range(3))
+    offsets = torch.empty(3, dtype=torch.int32, device="meta")
+    bm = BlockMask.from_dense(torch.ones(2, 1, 3, 3, dtype=torch.bool, device="meta"), 16, 16)
+    args = dict(q=q, k=k, v=v, seq_offsets_q=offsets, seq_offsets_k=offsets, max_seqlen_q=33, max_seqlen_k=33,
+                window_size=(-1, 0), block_mask=bm)
+    args.update(over)
+    return hstu_attn_varlen_func(**args)
+
+
+def _mask_of(shape, q_block=16, k_block=16, device="meta"):
+    return BlockMask.from_dense(torch.ones(shape, dtype=torch.bool, device=device), q_block, k_block)
+
+
+@pytest.mark.parametrize("over,error,match", [
+    (dict(block_mask="dense"), TypeError, "block_mask: expected a hstu_cute.BlockMask or None, got str"),
+    (dict(block_mask=_mask_of((3, 1, 3, 3))), ValueError, r"block_mask.kv_count.shape\[0\]: expected 2"),
+    (dict(block_mask=_mask_of((2, 3, 3, 3))), ValueError, r"block_mask.kv_count.shape\[1\]: expected 1 or 2"),
+    (dict(block_mask=_mask_of((2, 1, 2, 3))), ValueError, r"block_mask.kv_count.shape\[2\]: expected >= 3"),
+    (dict(block_mask=_mask_of((2, 1, 3, 1), k_block=32)), ValueError, r"block_mask.kv_index.shape\[3\]: expected >= 2"),
+    (dict(block_mask=_mask_of((2, 1, 3, 3), device="cpu")), ValueError, "block_mask.device: expected meta"),
+])
+def test_api_refuses_a_mismatched_block_mask(over, error, match):
+    with pytest.raises(error, match=match):
+        _meta_call(**over)
+
+
+def test_api_runs_a_block_mask_on_meta_forward_and_backward():
+    out = _meta_call()
+    assert out.shape == (50, 2, 64) and out.device.type == "meta"
+    for head_dim, deterministic in ((64, False), (128, False), (128, True)):
+        q, k, v = (torch.empty(50, 2, head_dim, dtype=torch.bfloat16, device="meta", requires_grad=True)
+                   for _ in range(3))
+        out = _meta_call(q=q, k=k, v=v, deterministic=deterministic)
+        out.sum().backward()
+        assert q.grad.shape == q.shape and v.grad.shape == v.shape
+    func = torch.zeros(1, 1, 50 + 256, dtype=torch.int32, device="meta")
+    with pytest.raises(NotImplementedError, match="block_mask: the block-sparse kernels take 16-bit inputs"):
+        _meta_call(func=func, window_size=(-1, -1))
+
+
+def test_compiled_call_traces_the_block_mask():
+    """torch.compile(fullgraph=True) over a call with a block mask on meta tensors: the op takes
+    the mask's tensors and block sizes."""
+    from hstu_cute import hstu_attn_varlen_func
+
+    q, k, v = (torch.empty(50, 2, 64, dtype=torch.bfloat16, device="meta") for _ in range(3))
+    offsets = torch.empty(3, dtype=torch.int32, device="meta")
+    bm = _mask_of((2, 2, 3, 3))
+
+    def step(q, k, v, count, index):
+        return hstu_attn_varlen_func(q, k, v, offsets, offsets, 33, 33, window_size=(-1, 0),
+                                     block_mask=BlockMask(count, index, 16, 16))
+
+    out = torch.compile(step, fullgraph=True, backend="eager")(q, k, v, bm.kv_count, bm.kv_index)
+    assert out.shape == q.shape
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_bench_counts_the_allowed_pairs_of_kept_blocks(causal):
+    from hstu_cute.bench_sparse import SparseWorkload, allowed_pairs
+
+    w = SparseWorkload("tiny", 2, 64, 0.5, causal=causal, block=16)
+    kept = _random_dense((2, 1, 4, 4), 0.5, 9)
+    bm = BlockMask.from_dense(kept, 16, 16)
+    rows = torch.arange(64)
+    brute = 0
+    for b in range(2):
+        e = bm.element_mask(b, 0, rows, rows)
+        if causal:
+            e = e & (rows[None, :] <= rows[:, None])
+        brute += int(e.sum())
+    assert allowed_pairs(w, kept) == brute
+
+
+def test_modules_and_the_padded_entry_take_a_block_mask():
+    """HSTUAttention and hstu_attn_padded pass the mask through (CPU: the reference path), with the
+    same result as the oracle called directly."""
+    import warnings
+
+    from hstu_cute import HSTUAttention, hstu_attn_padded
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 40, 2, 16, generator=gen) for _ in range(3))
+    bm = BlockMask.from_dense(_random_dense((2, 1, 3, 3), 0.5, 6), 16, 16)
+    offsets = torch.tensor([0, 40, 80], dtype=torch.int32)
+    expected = hstu_attn_reference(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), offsets, offsets, 40, 40,
+                                   window_size=(-1, 0), block_mask=bm, compute_dtype=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = HSTUAttention()(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), offsets, 40, block_mask=bm)
+        padded = hstu_attn_padded(q, k, v, [40, 40], block_mask=bm)
+    assert torch.equal(out, expected) and torch.equal(padded.flatten(0, 1), expected)
+    unmasked = HSTUAttention()(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), offsets, 40)
+    assert not torch.equal(out, unmasked)
+
+
+def test_kernel_tables_are_built_once_per_batch_layout():
+    """BlockMask.kernel_tables: the same tables for the same offset tensors (the forward and the
+    backward of a step, every layer), rebuilt for other tensors, after an in-place change, and for
+    another tile; the contents are tile_lists'."""
+    bm = BlockMask.from_dense(_random_dense((2, 1, 8, 8), 0.4, 5), 32, 32)
+    offsets = torch.tensor([0, 200, 256], dtype=torch.int32)
+    args = (offsets, offsets, None, None, 64, 64, 200, 200)
+    first = bm.kernel_tables(*args)
+    assert bm.kernel_tables(*args) is first
+    lists = bm.tile_lists(*args)
+    for got, want in ((first.count, lists.count), (first.index, lists.index), (first.t_count, lists.t_count),
+                      (first.t_index, lists.t_index), (first.state, lists.state())):
+        assert torch.equal(got, want)
+    assert torch.equal(first.kept_blocks, bm.to_dense().to(torch.uint8))
+    assert bm.kernel_tables(offsets, offsets, None, None, 128, 64, 200, 200) is not first
+    same_values = offsets.clone()
+    assert bm.kernel_tables(same_values, same_values, None, None, 64, 64, 200, 200) is not first
+    offsets[2] = 230  # in place: the version counter moves
+    rebuilt = bm.kernel_tables(*args)
+    assert rebuilt is not first
+    assert torch.equal(rebuilt.count, bm.tile_lists(*args).count)
+    for i in range(8):  # other layouts push the oldest out: the cache stays small
+        other = torch.tensor([0, 100 + i, 150 + i], dtype=torch.int32)
+        bm.kernel_tables(other, other, None, None, 64, 64, 200, 200)
+    assert len(bm.__dict__["_kernel_tables"]) <= 4

@@ -196,3 +196,24 @@ def test_func_variants_compile(tmp_cache, compile_tally):
         assert all(k.mask_kind == func for k in keys)
         results = warmup(arch=arch, keys=keys, workers=2, raise_errors=False)
         _assert_all_built(results, keys, tmp_cache, arch, compile_tally)
+
+
+@pytest.mark.slow
+def test_block_sparse_variants_compile(tmp_cache, compile_tally):
+    """The block-sparse Hopper kernels (compiled on first use, not shipped) build without a GPU:
+    the forward causal with contexts and targets (the list walk inside the mask's range and the
+    target hole) and with no mask, and the fused backward, D128 bf16; the sm80 forward and its
+    dQ (+ drab summed over heads) / dK/dV pair."""
+    from hstu_cute.variants import make_fwd_key, make_hopper_bwd_key, make_hopper_fwd_key
+
+    keys = [make_hopper_fwd_key("sm_90a", "bfloat16", 128, int(kind), ct, False, block_sparse=True)
+            for kind, ct in ((MaskKind.CAUSAL, True), (MaskKind.NONE, False))]
+    keys.append(make_hopper_bwd_key("fused", "sm_90a", "bfloat16", 128, int(MaskKind.CAUSAL), True, False,
+                                    block_sparse=True))
+    assert all(k.describe().endswith("block-sparse") for k in keys)
+    results = warmup(arch="sm_90a", keys=keys, workers=2, raise_errors=False)
+    _assert_all_built(results, keys, tmp_cache, "sm_90a", compile_tally)
+    sm80 = [make_fwd_key("sm_80", "bfloat16", 128, int(MaskKind.CAUSAL), True, False, 8, block_sparse=True),
+            *make_bwd_keys("sm_80", "bfloat16", 128, int(MaskKind.CAUSAL), True, True, True, True, block_sparse=True)]
+    results = warmup(arch="sm_80", keys=sm80, workers=1, raise_errors=False)
+    _assert_all_built(results, sm80, tmp_cache, "sm_80", compile_tally)

@@ -111,7 +111,7 @@ def test_editing_the_hopper_forward_changes_its_families_only(pkg):
     ("ampere/func_table.py", FUNC_TABLE),
     ("ampere/base.py", AMPERE_FWD | AMPERE_BWD),
     ("common/sm80.py", AMPERE_FWD | AMPERE_BWD),
-    ("common/key_blocks.py", AMPERE_FWD | HOPPER_FWD),
+    ("common/key_blocks.py", AMPERE_FWD | AMPERE_BWD | HOPPER_FWD),
     ("common/fp8.py", HOPPER_FWD | HOPPER_BWD_FP8 | QUANT),
     ("masks.py", ALL),
     ("fp8_format.py", ALL),

@@ -10,7 +10,8 @@ import zlib
 import pytest
 import torch
 
-from hstu_cute import hstu_attn_varlen_func, masks, reference
+from hstu_cute import hstu_attn_varlen_func, masks
+from hstu_cute.testing import check_against_oracle
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,26 +53,7 @@ def _batch(lengths, lengths_k, heads, head_dim, dtype, gen, seqused=False):
 
 
 def _check(b, func, seed, backward=True):
-    leaves = {n: b[n].detach().clone().requires_grad_(backward) for n in ("q", "k", "v")}
-    out = hstu_attn_varlen_func(**dict(b, **leaves), func=func)
-    ref_kw = dict(b, func=func)
-    if not backward:
-        ref32 = reference.hstu_attn_reference(**ref_kw)
-        ref_same = reference.hstu_attn_reference(**ref_kw, compute_dtype=None)
-        ok, err, ref_err = reference.ratio_check(out, ref32, ref_same, 2.0)
-        assert ok, f"[seed={seed}] out: kernel err {err:.3e} > 2 x {ref_err:.3e}"
-        return
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.dtype).cuda()
-    out.backward(dout)
-    ref32 = reference.reference_grads(**ref_kw, dout=dout)
-    ref_same = reference.reference_grads(**ref_kw, dout=dout, compute_dtype=None)
-    ok, err, ref_err = reference.ratio_check(out, ref32["out"], ref_same["out"], 2.0)
-    assert ok, f"[seed={seed}] out: kernel err {err:.3e} > 2 x {ref_err:.3e}"
-    for n in ("q", "k", "v"):
-        grad = leaves[n].grad
-        assert grad is not None and not torch.isnan(grad).any(), (n, seed)
-        ok, err, ref_err = reference.ratio_check(grad, ref32["d" + n], ref_same["d" + n], 5.0)
-        assert ok, f"[seed={seed}] d{n}: kernel err {err:.3e} > 5 x same-dtype err {ref_err:.3e}"
+    check_against_oracle(b, seed, backward, func=func)
 
 
 CASES = [

@@ -106,7 +106,8 @@ def _op_args(device, rab_heads=1, contexts=True, seqused=True, delta_q=False):
     vec = lambda: torch.empty(2, dtype=torch.int32, device=device)  # noqa: E731
     rab = torch.empty(2, rab_heads, L_k, L_k, dtype=BF16, device=device) if rab_heads else None
     return (q, k, v, off_q, off_k, L_q, L_k, vec() if contexts else None, vec() if contexts else None, 2,
-            L_k, 0, 0.5, rab, delta_q, -1, vec() if seqused else None, vec() if seqused else None, None)
+            L_k, 0, 0.5, rab, delta_q, -1, vec() if seqused else None, vec() if seqused else None, None,
+            None, None, 0, 0)
 
 
 OP_CASES = [

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The one GPU call: precompile (parallel) -> GPU tests -> compute-sanitizer -> backward smoke -> benchmark
-# -> serving (paged and split-key calls beside their same-run lines).
-# Usage on the GPU machine: [STAGES="warmup tests sanitizer smoke perf serving"] tools/gpu_check.sh [perf modes]
+# -> serving (paged and split-key calls beside their same-run lines) -> sparse (block-sparse and func
+# masks: their GPU tests, compute-sanitizer over them, bench --grid blocksparse and --grid func).
+# Usage on the GPU machine: [STAGES="warmup tests shards sanitizer smoke perf serving sparse"] tools/gpu_check.sh [perf modes]
 # (perf modes: tools/gpu_perf.py's, default all). Logs under $OUT (or ./gpu-out). STAGES picks a
 # subset, so a long check can be split over two calls within one device command's time limit;
-# GPU_TESTS picks test files, WARMUP_ARGS narrows the warmup (its filters).
+# GPU_TESTS picks test files, WARMUP_ARGS narrows the warmup (its filters). STAGES="shards" runs
+# GPU_TESTS (K: a -k filter) in SHARDS concurrent pytest processes: tests that JIT-compile their own
+# variants compile on that many cores at once, sharing the module cache (its lock compiles each
+# variant once); logs under $OUT/shards.
 if [[ ${1:-} == -h || ${1:-} == --help ]]; then  # usage: the comment block above
   sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "$0"; exit 0
 fi
@@ -13,6 +17,24 @@ OUT="${OUT:-$PWD/gpu-out}"; mkdir -p "$OUT"
 export HSTU_CUTE_CACHE_DIR="${HSTU_CUTE_CACHE_DIR:-/tmp/hstu-cute-cache}"
 STAGES=" ${STAGES:-warmup tests sanitizer smoke perf serving} "
 status=()
+shards() {  # test files...: in SHARDS concurrent pytest processes; prints one line per shard
+  local ids="$OUT/shards/ids.txt" s pids=() rc=0; mkdir -p "$OUT/shards"
+  python -m pytest -q --collect-only -m gpu -p no:cacheprovider ${K:+-k "$K"} "$@" 2>/dev/null | grep "::" > "$ids"
+  for ((s = 0; s < ${SHARDS:-14}; s++)); do
+    mapfile -t mine < <(awk -v n="${SHARDS:-14}" -v s="$s" 'NR % n == s' "$ids")
+    (( ${#mine[@]} )) || continue
+    timeout "${SHARD_TIMEOUT:-300}" python -m pytest -q -m gpu -p no:cacheprovider "${mine[@]}" \
+      > "$OUT/shards/shard$s.log" 2>&1 &
+    pids+=($!)
+  done
+  for s in "${pids[@]}"; do wait "$s" || rc=1; done
+  for s in "$OUT"/shards/shard*.log; do echo "$(basename "$s"): $(tail -n 1 "$s")"; done
+  grep -h -E "^FAILED|^ERROR" "$OUT"/shards/shard*.log | head -n 40
+  return $rc
+}
+shard_counts() {  # "N passed M failed" over the shards' logs
+  grep -hoE '[0-9]+ (passed|failed|error|skipped)' "$OUT"/shards/shard*.log | awk '{n[$2] += $1} END {for (k in n) printf "%d %s ", n[k], k}'
+}
 if [[ $STAGES == *" warmup "* ]]; then
   t0=$(date +%s)
   timeout "${WARMUP_TIMEOUT:-400}" python -m hstu_cute warmup --workers "$(nproc)" ${WARMUP_ARGS:-} > "$OUT/warmup.log" 2>&1; status+=("warmup rc=$? $(( $(date +%s) - t0 ))s")
@@ -22,6 +44,12 @@ if [[ $STAGES == *" tests "* ]]; then
   timeout "${GPU_TESTS_TIMEOUT:-300}" python -m pytest -q -m gpu ${GPU_TESTS:-tests} -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1; rc=$?
   status+=("gpu tests rc=$rc $(( $(date +%s) - t0 ))s: $(tail -n 1 "$OUT/gpu-tests.log")")
   grep -E "FAILED|Error" "$OUT/gpu-tests.log" | head -n 20
+fi
+if [[ $STAGES == *" shards "* ]]; then
+  t0=$(date +%s)
+  shards ${GPU_TESTS:-tests} > "$OUT/shards.log" 2>&1; rc=$?
+  status+=("GPU tests in shards rc=$rc $(( $(date +%s) - t0 ))s: $(shard_counts)")
+  grep -E "FAILED|ERROR" "$OUT/shards.log" | head -n 20
 fi
 if [[ $STAGES == *" sanitizer "* ]]; then
   t0=$(date +%s)
@@ -46,6 +74,23 @@ if [[ $STAGES == *" serving "* ]]; then
   status+=("serving grid rc=$?: $OUT/serving.jsonl")
   python tools/gpu_split.py --out "$OUT/split.jsonl" > "$OUT/split.log" 2>&1
   status+=("split keys rc=$?: $OUT/split.jsonl")
+fi
+if [[ $STAGES == *" sparse "* ]]; then
+  t0=$(date +%s)
+  # In shards: these tests JIT-compile their own variants (~45 s for the block-sparse file on 16
+  # cores, H200 session 31); the sanitizer below then loads them from the module cache
+  # (compiling in-process under it reports cuGetProcAddress API errors, not memory errors).
+  shards tests/test_block_sparse_gpu.py tests/test_func_gpu.py > "$OUT/sparse-tests.log" 2>&1; rc=$?
+  status+=("sparse GPU tests rc=$rc $(( $(date +%s) - t0 ))s: $(shard_counts)")
+  grep -E "FAILED|ERROR" "$OUT/sparse-tests.log" | head -n 20
+  t0=$(date +%s)
+  timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 python -m pytest -q -m gpu \
+    -p no:cacheprovider tests/test_block_sparse_gpu.py -k "case0 or case2 or case4" > "$OUT/sanitizer-sparse.log" 2>&1; rc=$?
+  status+=("compute-sanitizer memcheck (block-sparse) rc=$rc $(( $(date +%s) - t0 ))s: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer-sparse.log" | tail -n 1)")
+  python -m hstu_cute bench --grid blocksparse --out "$OUT/blocksparse.jsonl" > "$OUT/blocksparse.log" 2>&1
+  status+=("bench blocksparse rc=$?: $OUT/blocksparse.jsonl")
+  python -m hstu_cute bench --grid func --out "$OUT/func.jsonl" > "$OUT/func.log" 2>&1
+  status+=("bench func rc=$?: $OUT/func.jsonl")
 fi
 echo "=== gpu_check ==="
 printf '%s\n' "${status[@]}"

@@ -30,8 +30,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from .. import masks
-from ..common.mask_apply import KERNEL_OPS
-from ..common.seqinfo import ScoreScalars, SequenceArgs
+from ..common.mask_apply import KERNEL_OPS, mask_dropped_blocks
+from ..common.key_blocks import KeyBlocks
+from ..common.seqinfo import BlockSparseArgs, BlockTiles, ScoreScalars, SequenceArgs, walked_block
 from ..common.silu import silu_and_grad_inplace
 from ..common.sm80 import (acc_to_operand_a, gemm_rs, gemm_ss, ldmatrix_copies, scores_init, smem_layout_atom,
                            smem_operands, transposed_view)
@@ -70,9 +71,19 @@ class _BackwardBase(Sm80Kernel):
     rab_vec = 8
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, has_drab: bool, rab_sum_heads: bool,
-                 tile_m: int, tile_n: int, num_warps: int, fast_silu: bool, warps_d: int = 1):
+                 tile_m: int, tile_n: int, num_warps: int, fast_silu: bool, warps_d: int = 1,
+                 block_sparse: bool = False):
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_warps, fast_silu)
         self.has_drab, self.rab_sum_heads, self.warps_d = has_drab, rab_sum_heads, warps_d
+        # A block mask (hstu_cute.block_mask): dQ walks each query tile's list of key tiles
+        # (KeyBlocks.of_list), dK/dV each key tile's list of query tiles (seqinfo.walked_block).
+        self.block_sparse = block_sparse
+
+    def with_blocks(self, seqs, seq, batch, head):
+        """``seq`` with its block-sparse tables (block-sparse kernels; others unchanged)."""
+        if const_expr(self.block_sparse):
+            seq.sparse = BlockTiles.of(seqs.blocks, batch, head)
+        return seq
 
     # ------------------------------------------------------------------------------------------
     # Host side
@@ -189,12 +200,11 @@ class _BackwardBase(Sm80Kernel):
         is_full = masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
         if not is_full:
             for i in cutlass.range(cute.size(accs[0]), unroll_full=True):
-                if const_expr(key_major):
-                    keep = masks.allowed(spec, seq, row_first + tScS[i][1], col0 + tScS[i][0], KERNEL_OPS)
-                else:
-                    keep = masks.allowed(spec, seq, row_first + tScS[i][0], col0 + tScS[i][1], KERNEL_OPS)
+                row, key = (tScS[i][1], tScS[i][0]) if const_expr(key_major) else (tScS[i][0], tScS[i][1])
+                keep = masks.allowed(spec, seq, row_first + row, col0 + key, KERNEL_OPS)
                 for acc in accs:
                     acc[i] = cutlass.select_(keep, acc[i], Float32(0.0))
+        mask_dropped_blocks(accs, tScS, seq, m_block, n_block, row_first, col0, key_major)
 
     def output_gemms(self, tiled_mma, tiled_mma_out, out: _OutputOperands, stage, scores, accs):
         """accs[i] += scores[i] (in dtype) @ B_i. With ``warps_d`` > 1 the scores go through smem
@@ -230,12 +240,16 @@ class HstuBackwardDqSm80(_BackwardBase):
     def __call__(self, mQ, mK, mV, mdO, mdQ, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
                  mNumTargets, mFunc, mFuncBlocks, mRab, mdRab, mdRabAccum, alpha: Float32, inv_scale: Float32,
                  window_left: Int32, window_right: Int32, group_size: Int32, is_delta_q: Int32,
-                 num_m_blocks: Int32, stream):
+                 num_m_blocks: Int32, mBlockCount, mBlockIndex, mBlockState, mBlockKept, q_block, k_block, stream):
         # K, V (and rab) are double-buffered: the next n-block loads while this one computes.
         plan = self._plan(self.tile_m, self.tile_n, q_stages=None, kv_stages=2)
         heads_in_grid = 1 if const_expr(self.rab_sum_heads) else mQ.shape[1]
+        blocks = None
+        if const_expr(self.block_sparse):
+            blocks = BlockSparseArgs(mBlockCount, mBlockIndex, mBlockState, mBlockKept, q_block, k_block)
         self._launch(
-            mQ, mK, mV, mdO, mdQ, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks),
+            mQ, mK, mV, mdO, mdQ, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks,
+                                               blocks),
             mRab, mdRab, mdRabAccum, ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q),
             *plan, grid=[heads_in_grid, mOffsetsQ.shape[0] - 1, num_m_blocks], stream=stream,
         )
@@ -251,9 +265,15 @@ class HstuBackwardDqSm80(_BackwardBase):
         q_start, k_start, seqlen_q, seqlen_k, mask_of = self._sequence(seqs, scalars, mQ, mK, batch)
         if m_block * self.tile_m < seqlen_q:
             spec = self.mask
-            seq = mask_of(batch, seqlen_q, seqlen_k)
-            n_lo, hole_lo, hole_size, n_count = masks.n_block_schedule(
-                spec, seq, m_block, self.tile_m, self.tile_n, KERNEL_OPS)
+            # With rab_sum_heads one CTA walks every head: the launcher allows that only for a mask
+            # shared by the heads (head_idx is 0 then).
+            seq = self.with_blocks(seqs, mask_of(batch, seqlen_q, seqlen_k), batch, head_idx)
+            if const_expr(self.block_sparse):
+                blocks = KeyBlocks.of_list(spec, seq, m_block, self.tile_m, self.tile_n)
+            else:
+                blocks = KeyBlocks.of_tile(spec, seq, m_block, self.tile_m, self.tile_n)
+            # No method call on a name inside the loops below (it would be carried through them).
+            n_count, block_at = blocks.count, blocks.at
             row_first = seq.row_offset + m_block * self.tile_m
             q_rows = seqlen_q - m_block * self.tile_m
 
@@ -305,18 +325,18 @@ class HstuBackwardDqSm80(_BackwardBase):
                 acc_dQ = self._zero_acc(out.thr_mma, (self.tile_m, self.head_dim))
                 if n_count > 0:
                     self.load_block(gmem_copy, gmem_copy_rab, kv_tiles, tKVcKV, tRgR, tRsR, tRcR,
-                                    masks.n_block_at(n_count - 1, n_lo, hole_lo, hole_size, KERNEL_OPS), 0, seqlen_k,
+                                    block_at(n_count - 1)[1], 0, seqlen_k,
                                     True, rab_limits)
                 cute.arch.cp_async_commit_group()
                 for it in cutlass.range(n_count, unroll=1):
                     stage = it % 2
-                    n_block = masks.n_block_at(n_count - 1 - it, n_lo, hole_lo, hole_size, KERNEL_OPS)
+                    n_block = block_at(n_count - 1 - it)[1]
                     # This stage's group has landed, and every thread is done with the other stage.
                     cute.arch.cp_async_wait_group(0)
                     cute.arch.barrier()
                     if it + 1 < n_count:
                         self.load_block(gmem_copy, gmem_copy_rab, kv_tiles, tKVcKV, tRgR, tRsR, tRcR,
-                                        masks.n_block_at(n_count - 2 - it, n_lo, hole_lo, hole_size, KERNEL_OPS),
+                                        block_at(n_count - 2 - it)[1],
                                         1 - stage, seqlen_k, True, rab_limits)
                     cute.arch.cp_async_commit_group()
 
@@ -363,12 +383,16 @@ class HstuBackwardDkDvSm80(_BackwardBase):
     @cute.jit
     def __call__(self, mQ, mK, mV, mdO, mdK, mdV, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
                  mNumTargets, mFunc, mFuncBlocks, mRab, alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32,
-                 group_size: Int32, is_delta_q: Int32, num_n_blocks: Int32, stream):
+                 group_size: Int32, is_delta_q: Int32, num_n_blocks: Int32, mBlockCount, mBlockIndex, mBlockState,
+                 mBlockKept, q_block, k_block, stream):
         # Q, dO (and rab) are double-buffered: the next m-block loads while this one computes.
         plan = self._plan(self.tile_n, self.tile_m, q_stages=2, kv_stages=None, score_tiles=2)
+        blocks = None
+        if const_expr(self.block_sparse):
+            blocks = BlockSparseArgs(mBlockCount, mBlockIndex, mBlockState, mBlockKept, q_block, k_block)
         self._launch(
             mQ, mK, mV, mdO, mdK, mdV, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
-                                                    mNumTargets, mFunc, mFuncBlocks),
+                                                    mNumTargets, mFunc, mFuncBlocks, blocks),
             mRab, ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q),
             *plan, grid=[mQ.shape[1], mOffsetsQ.shape[0] - 1, num_n_blocks], stream=stream,
         )
@@ -381,8 +405,13 @@ class HstuBackwardDkDvSm80(_BackwardBase):
         q_start, k_start, seqlen_q, seqlen_k, mask_of = self._sequence(seqs, scalars, mQ, mK, batch)
         if n_block * self.tile_n < seqlen_k:
             spec = self.mask
-            seq = mask_of(batch, seqlen_q, seqlen_k)
+            seq = self.with_blocks(seqs, mask_of(batch, seqlen_q, seqlen_k), batch, head)
             m_lo, m_hi = masks.m_block_range(spec, seq, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
+            if const_expr(self.block_sparse):
+                # The walk takes the key block's list of query blocks inside [m_lo, m_hi) (the
+                # launcher passes the transposed lists to this kernel).
+                first, count = seq.sparse.list_range(n_block, m_lo, m_hi)
+                m_lo, m_hi = first, first + count
             k_rows = seqlen_k - n_block * self.tile_n
             col0 = n_block * self.tile_n  # key coordinate of this CTA's first key
 
@@ -435,17 +464,19 @@ class HstuBackwardDkDvSm80(_BackwardBase):
                 rab_row_end = cutlass.min(seq.row_offset + seqlen_q, mRab.shape[2])
             rab_limits = lambda m_block: (rab_row_end - seq.row_offset - m_block * self.tile_m, rab_cols)  # noqa: E731
             if m_lo < m_hi:
-                self.load_block(gmem_copy, gmem_copy_rab, qdo_tiles, tQcQ, tRgR, tRsR, tRcR, m_lo, 0, seqlen_q,
-                                False, rab_limits)
+                self.load_block(gmem_copy, gmem_copy_rab, qdo_tiles, tQcQ, tRgR, tRsR, tRcR,
+                                walked_block(self.block_sparse, seq, n_block, m_lo), 0, seqlen_q, False, rab_limits)
             cute.arch.cp_async_commit_group()
-            for m_block in cutlass.range(m_lo, m_hi, unroll=1):
-                stage = (m_block - m_lo) % 2
+            for step in cutlass.range(m_lo, m_hi, unroll=1):
+                m_block = walked_block(self.block_sparse, seq, n_block, step)
+                stage = (step - m_lo) % 2
                 # This stage's group has landed, and every thread is done with the other stage.
                 cute.arch.cp_async_wait_group(0)
                 cute.arch.barrier()
-                if m_block + 1 < m_hi:
-                    self.load_block(gmem_copy, gmem_copy_rab, qdo_tiles, tQcQ, tRgR, tRsR, tRcR, m_block + 1,
-                                    1 - stage, seqlen_q, False, rab_limits)
+                if step + 1 < m_hi:
+                    self.load_block(gmem_copy, gmem_copy_rab, qdo_tiles, tQcQ, tRgR, tRsR, tRcR,
+                                    walked_block(self.block_sparse, seq, n_block, step + 1), 1 - stage, seqlen_q,
+                                    False, rab_limits)
                 cute.arch.cp_async_commit_group()
                 if masks.tile_nonempty(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
                     row_first = seq.row_offset + m_block * self.tile_m

@@ -8,8 +8,8 @@ from cutlass import Float32, Int32, const_expr
 
 from .. import masks
 from ..common.key_blocks import KeyBlocks, PagedArgs, cache_row, page_span
-from ..common.mask_apply import KERNEL_OPS, apply_mask_inplace
-from ..common.seqinfo import ScoreScalars, SequenceArgs
+from ..common.mask_apply import KERNEL_OPS, apply_mask_inplace, mask_dropped_blocks
+from ..common.seqinfo import BlockSparseArgs, BlockTiles, ScoreScalars, SequenceArgs
 from ..common.silu import silu_scaled_inplace
 from ..common.sm80 import acc_to_operand_a, gemm_rs, gemm_ss, ldmatrix_copies, scores_init, transposed_view
 from .base import Sm80Kernel
@@ -52,12 +52,16 @@ class HstuForwardSm80(Sm80Kernel):
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, rab_vec: int, tile_m: int,
                  tile_n: int, num_warps: int, num_stages: int, fast_silu: bool, lpt_grid: bool = False,
-                 paged: bool = False, split_keys: bool = False):
+                 paged: bool = False, split_keys: bool = False, block_sparse: bool = False):
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_warps, fast_silu)
         self.rab_vec, self.num_stages, self.lpt_grid = rab_vec, num_stages, lpt_grid
         # Keys of a paged KV cache ahead of each sequence's new keys (common.key_blocks).
         self.paged = paged
         self.split_keys = split_keys
+        # A block mask (hstu_cute.block_mask): each tile walks its list of key tiles
+        # (common.key_blocks.KeyBlocks.of_list) and masks by block where its blocks are mixed.
+        self.block_sparse = block_sparse
+        assert not (block_sparse and (paged or split_keys)), "block-sparse: plain tiles only"
         assert tile_m % (16 * num_warps) == 0
         assert head_dim % 32 == 0 and tile_n % 16 == 0
 
@@ -68,7 +72,8 @@ class HstuForwardSm80(Sm80Kernel):
     def __call__(self, mQ, mK, mV, mO, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks, mRab,
                  alpha: Float32, inv_scale: Float32, window_left: Int32, window_right: Int32, group_size: Int32,
                  is_delta_q: Int32, num_m_blocks: Int32, mCache, mPageOffsets, mPageIds, mLastPageLens, log2_page_size,
-                 mRabNew, mPartials, mArrivals, num_splits, stream):
+                 mRabNew, mPartials, mArrivals, num_splits, mBlockCount, mBlockIndex, mBlockState, mBlockKept, q_block,
+                 k_block, stream):
         atom, gmem_copy_qkv, gmem_copy_o, gmem_copy_rab, tiled_mma = self._atoms()
         sQ_layout = self._tile_layout(atom, self.tile_m)
         # K, V and rab keep their stage mode with a single stage too.
@@ -98,7 +103,9 @@ class HstuForwardSm80(Sm80Kernel):
         if const_expr(self.paged):
             paged = PagedArgs(mCache, mPageOffsets, mPageIds, mLastPageLens, log2_page_size, mRabNew)
         self._launch(
-            mQ, mK, mV, mO, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks), mRab,
+            mQ, mK, mV, mO, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks,
+                                         BlockSparseArgs(mBlockCount, mBlockIndex, mBlockState, mBlockKept, q_block,
+                                                         k_block) if const_expr(self.block_sparse) else None), mRab,
             ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), paged,
             (mPartials, mArrivals, num_splits) if const_expr(self.split_keys) else None,
             sQ_layout, sKV_layout, sRab_layout, gmem_copy_qkv, gmem_copy_o, gmem_copy_rab, tiled_mma,
@@ -140,7 +147,11 @@ class HstuForwardSm80(Sm80Kernel):
                 seq = mask_of(batch, seqlen_q, seqlen_k + span.cached_len)
             else:
                 seq = mask_of(batch, seqlen_q, seqlen_k)
-            blocks = KeyBlocks.of_tile(spec, seq, m_block, self.tile_m, self.tile_n, span)
+            if const_expr(self.block_sparse):
+                seq.sparse = BlockTiles.of(seqs.blocks, batch, head)
+                blocks = KeyBlocks.of_list(spec, seq, m_block, self.tile_m, self.tile_n)
+            else:
+                blocks = KeyBlocks.of_tile(spec, seq, m_block, self.tile_m, self.tile_n, span)
             if const_expr(self.split_keys):
                 blocks = blocks.part(part, split[2])
             # No method call on a name inside the runtime branches and loops below (it would be
@@ -251,6 +262,7 @@ class HstuForwardSm80(Sm80Kernel):
                 is_full = masks.tile_is_full(spec, seg, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
                 if not is_full:
                     apply_mask_inplace(acc_S, tScS, spec, seg, seg_row_first, n_block * self.tile_n)
+                mask_dropped_blocks((acc_S,), tScS, seg, m_block, n_block, seg_row_first, n_block * self.tile_n)
                 rP = self._to_dtype(acc_S)
 
                 if const_expr(self.num_stages > 1):

@@ -110,6 +110,8 @@ class KeyBlocks:
         self.count = sched[3] if cache_sched is None else cache_sched[3] + sched[3]
         # A part of the blocks (:meth:`part`): its first block among the tile's, and its index.
         self.first = self.part_index = None
+        # Block-sparse (:meth:`of_list`): (the sequence's BlockTiles, m-block, first list entry).
+        self.listed = None
 
     @staticmethod
     def of_tile(spec: masks.MaskSpec, seq: masks.SeqMask, m_block, tile_m: int, tile_n: int, span=None):
@@ -120,6 +122,28 @@ class KeyBlocks:
         cached, new = cache_segment(seq, span.cached_len), new_segment(seq, span.cached_len)
         return KeyBlocks(new, masks.n_block_schedule(spec, new, m_block, tile_m, tile_n, KERNEL_OPS), cached,
                          masks.n_block_schedule(spec, cached, m_block, tile_m, tile_n, KERNEL_OPS), span)
+
+    @staticmethod
+    def of_list(spec: masks.MaskSpec, seq: masks.SeqMask, m_block, tile_m: int, tile_n: int):
+        """A block-sparse tile's blocks: the entries of its list (``seq.sparse``, a
+        :class:`~hstu_cute.common.seqinfo.BlockTiles`) inside the HSTU mask's key range; those in
+        a target hole stay (computed, then masked to zero)."""
+        n_lo, n_hi = masks.n_block_range(spec, seq, m_block, tile_m, tile_n, KERNEL_OPS)
+        first, count = seq.sparse.list_range(m_block, n_lo, n_hi)
+        return KeyBlocks.of_list_range(seq, m_block, first, count)
+
+    @staticmethod
+    def of_list_range(seq: masks.SeqMask, m_block, first, count):
+        """The blocks of :meth:`of_list` from its list range (``first``, ``count``), as a
+        producer publishes them with a claimed tile (:meth:`list_words`)."""
+        blocks = KeyBlocks(seq, (Int32(0), Int32(0), Int32(0), count))
+        blocks.listed = (seq.sparse, m_block, first)
+        return blocks
+
+    def list_words(self):
+        """A block-sparse tile's list range, (first entry, count): the words a producer publishes
+        beside the tile (:meth:`of_list_range`)."""
+        return (self.listed[2], self.count)
 
     def part(self, index, parts):
         """Part ``index`` of ``parts``: the blocks ``[count * index // parts, count * (index + 1) //
@@ -140,6 +164,9 @@ class KeyBlocks:
     def at(self, i):
         """(segment mask, n-block) of block ``i``."""
         i = self._tile_index(i)
+        if const_expr(self.listed is not None):
+            tiles, m_block, first = self.listed
+            return self.seq, tiles.at(m_block, first + i)
         n_lo, hole_lo, hole_size, _ = self.sched
         if const_expr(self.cache_sched is None):
             return self.seq, masks.n_block_at(i, n_lo, hole_lo, hole_size, KERNEL_OPS)

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 
 from .. import masks
+from .seqinfo import block_kept
 
 # The mask engine's helpers, bound to DSL scalar ops for use while tracing a kernel.
 KERNEL_OPS = masks.Ops(min=cutlass.min, max=cutlass.max, select=cutlass.select_)
@@ -81,3 +82,23 @@ def apply_mask_key_major_by_query(S_rc: cute.Tensor, dP_rc: cute.Tensor, coord_r
             keep = masks.in_row_intervals(spec, keys[i], lo_end, hi_start, hi_end, col_limit) & query_in
             S_rc[i, j] = cutlass.select_(keep, S_rc[i, j], Float32(0.0))
             dP_rc[i, j] = cutlass.select_(keep, dP_rc[i, j], Float32(0.0))
+
+
+@cute.jit
+def mask_dropped_blocks(accs, coords: cute.Tensor, seq, m_block: Int32, n_block: Int32, row0: Int32, col0: Int32,
+                        key_major: cutlass.Constexpr[bool] = False):
+    """Block-sparse calls: zero the elements of each accumulator of ``accs`` that lie in a dropped
+    block, in the tiles that mix kept and dropped blocks (``coords``: each element's tile
+    coordinate, (row, key), or (key, row) when ``key_major``; the same layout as the
+    accumulators). Other tiles skip it: the per-element block lookups (two divisions and a load)
+    on every tile the HSTU mask cuts cost the 10%-density causal forward about half its speed
+    (docs/dev/perf-log.md, session 31). A no-op without a block mask."""
+    if const_expr(seq.sparse is not None):
+        probe = seq.sparse.kept_probe()
+        if seq.sparse.tile_mixed(m_block, n_block):
+            for i in cutlass.range(cute.size(coords), unroll_full=True):
+                a, b = coords[i]
+                row, key = (b, a) if const_expr(key_major) else (a, b)
+                keep = block_kept(probe, row0 + row, col0 + key)
+                for acc in accs:
+                    acc[i] = cutlass.select_(keep, acc[i], Float32(0.0))

@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import cutlass
+import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
 from .. import masks
@@ -27,6 +28,114 @@ class SequenceArgs(NamedTuple):
     mNumTargets: Any  # (B,) int32 or None
     mFunc: Any = None  # (1, n_func, T_q + 256) int32 per-row key intervals (MaskKind.FUNC only)
     mFuncBlocks: Any = None  # (B, blocks, 7) int32 per FUNC_BLOCK_ROWS query rows: masks.FUNC_TABLE_COLUMNS
+    blocks: Any = None  # BlockSparseArgs of a block-sparse call (hstu_cute.block_mask), else None
+
+
+class BlockSparseArgs(NamedTuple):
+    """A block-sparse call's tables (:meth:`hstu_cute.BlockMask.tile_lists` at the kernel's tile,
+    and the dense kept blocks for masking inside partial tiles)."""
+
+    mCount: Any  # (B, H_mask, M_t) int32: key tiles per query tile
+    mIndex: Any  # (B, H_mask, M_t, N_t) int32: those key tiles, ascending
+    mState: Any  # (B, H_mask, M_t, N_t) uint8: 0 no kept block, 1 all kept, 2 mixed (masked by block)
+    mKept: Any  # (B, H_mask, M_q, M_k) uint8: the kept blocks
+    q_block: Any  # Int32
+    k_block: Any  # Int32
+
+
+@cute.jit
+def lower_bound(values, count, target):
+    """The first ``i`` in ``[0, count)`` with ``values[i] >= target`` (``count`` if none), for
+    ascending ``values``: a binary search."""
+    lo, hi = Int32(0), count
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if values[mid] < target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@cute.jit
+def list_cut(values, count, lo, hi):
+    """(first, past): the entries of the ascending ``values[:count]`` inside ``[lo, hi)``, by
+    binary search only at an end outside it."""
+    first, past = Int32(0), count
+    if count > 0:
+        if values[0] < lo:
+            first = lower_bound(values, count, lo)
+        if values[count - 1] >= hi:
+            past = lower_bound(values, count, hi)
+    return first, past
+
+
+def walked_block(block_sparse: bool, seq, owner, step):
+    """The tile at step ``step`` of a walk over the tiles of one ``owner`` tile (a key block's query
+    blocks, in the dK/dV kernels): the step itself, or with a block mask entry ``step`` of the
+    owner's list (the kernel's ``tile_problem`` turned the walk's range into the list's)."""
+    return seq.sparse.at(owner, step) if block_sparse else step
+
+
+@dataclasses.dataclass
+class BlockTiles:
+    """One (sequence, head)'s block-sparse tables inside a kernel (:class:`BlockSparseArgs`):
+    its key-tile lists, which tiles need masking by block, and the kept test of one element. A
+    dataclass carried field by field through dynamic loops, inside a SeqMask (``sparse``)."""
+
+    mCount: Any
+    mIndex: Any
+    mState: Any
+    mKept: Any
+    q_block: Any
+    k_block: Any
+    batch: Any
+    head: Any  # the mask's head: the call's head, or 0 for a mask shared by all heads
+
+    @staticmethod
+    def of(args: BlockSparseArgs, batch, head):
+        head_mask = cutlass.min(head, args.mCount.shape[1] - 1)
+        return BlockTiles(args.mCount, args.mIndex, args.mState, args.mKept, args.q_block, args.k_block, batch,
+                          head_mask)
+
+    def list_range(self, m_block, n_lo, n_hi):
+        """(first, count): the entries of query tile ``m_block``'s list inside key tiles
+        ``[n_lo, n_hi)`` (the HSTU mask's range; the list is ascending). A list inside the range
+        (the usual case: a causal user mask lists causal blocks) costs the count's load and then
+        its two end entries' loads side by side; the binary searches, seven dependent loads each
+        at 128 tiles, run only for an end outside: run at every tile, they cost the 10%-density
+        causal forward about a fifth of its speed (docs/dev/perf-log.md, session 31)."""
+        total = cutlass.min(cutlass.max(self.mCount[self.batch, self.head, m_block], Int32(0)), self.mIndex.shape[3])
+        row = self.mIndex[self.batch, self.head, m_block, None]
+        first, past = list_cut(row, total, n_lo, n_hi)
+        return first, cutlass.max(past - first, Int32(0))
+
+    def at(self, m_block, i):
+        """Key tile ``i`` of query tile ``m_block``'s list."""
+        return self.mIndex[self.batch, self.head, m_block, i]
+
+    def tile_mixed(self, m_block, n_block):
+        """The tile mixes kept and dropped blocks (masked by block, after the HSTU mask)."""
+        return self.mState[self.batch, self.head, m_block, n_block] == 2
+
+    def kept_probe(self):
+        """What :func:`block_kept` reads, as a tuple of plain values: taken outside the staged
+        branch that tests elements (fields of this dataclass read inside that branch fail the
+        compile: the branch re-creates them, and they do not dominate later uses)."""
+        return (self.mKept, self.batch, self.head, self.q_block, self.k_block, self.mKept.shape[2],
+                self.mKept.shape[3])
+
+
+def block_kept(probe, row, key):
+    """Element (key-coordinate ``row``, ``key``) lies in a kept block (``probe``:
+    :meth:`BlockTiles.kept_probe`)."""
+    mKept, batch, head, q_block, k_block, q_blocks, k_blocks = probe
+    qb = row // q_block
+    kb = key // k_block
+    inside = (qb >= 0) & (qb < q_blocks) & (kb >= 0) & (kb < k_blocks)
+    qb = cutlass.min(cutlass.max(qb, Int32(0)), q_blocks - 1)
+    kb = cutlass.min(cutlass.max(kb, Int32(0)), k_blocks - 1)
+    return inside & (mKept[batch, head, qb, kb] != 0)
 
 
 @dataclasses.dataclass

@@ -52,6 +52,9 @@ class HstuSm90Base:
         # SEQ_WORDS) and the consumers read them from smem instead of global memory (kernels that
         # use them set this).
         self.publishes_seq = False
+        # The Int32 words published with each claimed tile (common.seqinfo SEQ_WORDS; kernels
+        # that publish more set this).
+        self.tile_words = SEQ_WORDS
         self.num_mma_wg = num_mma_wg
         self.num_threads = 128 * (1 + num_mma_wg)
         self.num_mma_threads = 128 * num_mma_wg
@@ -72,7 +75,7 @@ class HstuSm90Base:
         stages = TILE_RING_STAGES if const_expr(self.dynamic_tiles) else 1
         words = dict(sTile=stages)
         if const_expr(self.publishes_seq):
-            words["sTileSeq"] = stages * SEQ_WORDS
+            words["sTileSeq"] = stages * self.tile_words
         return dict(mbar_tile=2 * stages), words
 
     def smem_elems(self, layout) -> int:
@@ -115,7 +118,7 @@ class HstuSm90Base:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads))
         sWords = None
         if const_expr(self.publishes_seq):
-            sWords = storage.sTileSeq.get_tensor(cute.make_layout((TILE_RING_STAGES, SEQ_WORDS), stride=(SEQ_WORDS, 1)))
+            sWords = storage.sTileSeq.get_tensor(cute.make_layout((TILE_RING_STAGES, self.tile_words), stride=(self.tile_words, 1)))
         return TileClaims(walk, mTileCounter, ring, storage.sTile.get_tensor(cute.make_layout(TILE_RING_STAGES)),
                           sWords)
 
@@ -158,6 +161,11 @@ class HstuSm90Base:
             if self.kept(live, coords, visit_if):
                 visit(*args, *coords, *states)
 
+    def extra_tile_words(self, coords):
+        """Words published with a claimed tile after its sequence's (none here; see
+        :attr:`tile_words`)."""
+        return ()
+
     def kept(self, live, coords, visit_if):
         """``live``, and ``visit_if(coords)`` where given."""
         if const_expr(visit_if is None):
@@ -180,7 +188,7 @@ class HstuSm90Base:
             if live:
                 words = ()
                 if const_expr(self.publishes_seq):
-                    words = to_words(coords[3], coords[4], coords[5])
+                    words = to_words(coords[3], coords[4], coords[5]) + self.extra_tile_words(coords)
                 ring_state = publish(ring_state, tile, words)
                 if const_expr(visit_if is None):
                     states = visit(*args, *coords, *states)

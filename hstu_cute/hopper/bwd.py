@@ -14,7 +14,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from .. import masks
 from ..common.barriers import NamedBarrier
 from ..common.mask_apply import KERNEL_OPS, apply_mask_rows_cols
-from ..common.seqinfo import ScoreScalars, SequenceArgs
+from ..common.seqinfo import BlockSparseArgs, BlockTiles, ScoreScalars, SequenceArgs, walked_block
 from ..common.silu import silu_and_grad
 from ..common.sm90 import (
     acc_coords,
@@ -85,10 +85,13 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
                  num_stages: int, fast_silu: bool, fuse_dq: bool = False, persistent: bool = False,
-                 dynamic_tiles: bool = False):
+                 dynamic_tiles: bool = False, block_sparse: bool = False):
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, tile_n // 64,
                          persistent, dynamic_tiles)
         self.fuse_dq = fuse_dq
+        # A block mask (hstu_cute.block_mask): the m-block walk takes the key block's list of
+        # query blocks (seqinfo.walked_block) and masks the mixed tiles by block.
+        self.block_sparse = block_sparse
         # Column halves only where smem is short (rab ring) and a half is whole 128-byte swizzle atoms.
         self.dq_split = fuse_dq and has_rab and head_dim >= 128
         self.dq_cols = head_dim // 2 if self.dq_split else head_dim
@@ -99,8 +102,12 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
     @cute.jit
     def __call__(self, mQ, mK, mV, mdO, mdK, mdV, mdQaccum, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK,
                  mNumContexts, mNumTargets, mFunc, mFuncBlocks, mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
-                 num_n_blocks, num_sms, bh_per_section, mTileCounter, stream):
+                 num_n_blocks, num_sms, bh_per_section, mTileCounter, mBlockCount, mBlockIndex, mBlockState, mBlockKept,
+                 q_block, k_block, stream):
         D = self.head_dim
+        blocks = None
+        if const_expr(self.block_sparse):
+            blocks = BlockSparseArgs(mBlockCount, mBlockIndex, mBlockState, mBlockKept, q_block, k_block)
         self.sK_layout = sm90_smem_layout(self.dtype, self.tile_n, D, None)
         self.sQ_layout = sm90_smem_layout(self.dtype, self.tile_m, D, self.num_stages)
         self.sRab_layout = self.rab_ring_layout()
@@ -133,7 +140,8 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
         if const_expr(self.persistent):
             num_ctas = cutlass.min(num_ctas, num_sms)
         self.launch(*loads, tma_atom_dq, tma_dq, mQ, mK, mdK, mdV,
-                    SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks), mRab,
+                    SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks,
+                                 blocks), mRab,
                     ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_n_blocks,
                     bh_per_section, mTileCounter,
                     statics=dict(sK_layout=self.sK_layout, sQ_layout=self.sQ_layout, sRab_layout=self.sRab_layout,
@@ -181,6 +189,12 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
             n_block = n_part // self.dim_parts
         q_start, k_start, seq = seqinfo.at(batch)
         m_lo, m_hi = masks.m_block_range(self.mask, seq, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
+        if const_expr(self.block_sparse):
+            # The walk takes the entries of the key block's list of query blocks inside [m_lo, m_hi)
+            # (seqinfo.walked_block); the launcher passes the transposed lists.
+            seq.sparse = BlockTiles.of(seqinfo.seqs.blocks, batch, head)
+            first, count = seq.sparse.list_range(n_block, m_lo, m_hi)
+            m_lo, m_hi = first, first + count
         live = n_block * self.tile_n < seq.seqlen_k
         coords = (n_block, head, batch, q_start, k_start, seq, m_lo, m_hi)
         if const_expr(self.dim_parts > 1):
@@ -281,7 +295,8 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
         if const_expr(self.fuse_dq):
             if k_rows < self.tile_n:
                 zero_smem_rows_past(zero_copy, (sK,), (self.tile_n, D), tid_in_wg, wg, k_rows)
-        for m_block in cutlass.range(m_lo, m_hi, unroll=1):
+        for step in cutlass.range(m_lo, m_hi, unroll=1):
+            m_block = walked_block(self.block_sparse, seq, n_block, step)
             if masks.tile_nonempty(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
                 tile_full = None
                 if const_expr(spec.kind == masks.MaskKind.FUNC):

@@ -10,7 +10,9 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from .. import masks
-from ..common.mask_apply import KERNEL_OPS, apply_mask_key_major, apply_mask_key_major_by_query
+from ..common.mask_apply import (KERNEL_OPS, apply_mask_key_major, apply_mask_key_major_by_query,
+                                 mask_dropped_blocks)
+from ..common.seqinfo import walked_block
 from ..common.sm90 import (
     advanced,
     copy_acc_rows,
@@ -58,6 +60,10 @@ class HstuBackwardSm90Base(HstuSm90Base):
     """The sm90 backward kernels: two TMA pipelines, a 1-stage one for the tiles the CTA owns
     (K+V in the dK/dV kernels, Q+dO in the dQ kernel) and a ``num_stages`` ring for the tiles it
     walks; P and G unscaled in the block loop on the tanh SiLU path."""
+
+    # A block mask: the dK/dV kernels walk a key block's list of query blocks (set by the kernels
+    # that take one; common.seqinfo.walked_block).
+    block_sparse = False
 
     def __init__(self, *config, **kw):
         super().__init__(*config, **kw)
@@ -115,6 +121,7 @@ class HstuBackwardSm90Base(HstuSm90Base):
                     col0, q_rows)
             else:
                 apply_mask_key_major(acc_S, acc_dP, tScS, self.mask, seq, row_first, col0, q_rows)
+        mask_dropped_blocks((acc_S, acc_dP), tScS, seq, m_block, n_block, row_first, col0, key_major=True)
 
     def pipeline_states(self, user_type):
         """Fresh states of the two pipelines: the 1-stage one of the tiles the CTA owns, then
@@ -253,7 +260,8 @@ class KeyBlockProducer:
         kv_pending = Int32(1)
         if const_expr(not kv_after_q):
             self.load_kv(tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state, kt)
-        for m_block in cutlass.range(m_lo, m_hi, unroll=1):
+        for step in cutlass.range(m_lo, m_hi, unroll=1):
+            m_block = walked_block(self.block_sparse, seq, n_block, step)
             if masks.tile_nonempty(self.mask, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
                 q_state = load_ring_stage(pipe_q, q_state, m_block, copies)
                 if const_expr(kv_after_q):

@@ -9,7 +9,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .. import masks
-from ..common.mask_apply import KERNEL_OPS, apply_mask_rows_cols
+from ..common.mask_apply import KERNEL_OPS, apply_mask_rows_cols, mask_dropped_blocks
 from ..common.barriers import NamedBarrier
 from ..common.fp8 import (
     rescale_rows_if_needed,
@@ -24,7 +24,7 @@ from ..common.fp8 import (
 )
 from ..fp8_format import BLOCK_TOKENS, vt_column_start
 from ..common.key_blocks import PAGE_CHUNK, KeyBlocks, PagedArgs, cache_row, page_span
-from ..common.seqinfo import ScoreScalars, SequenceArgs
+from ..common.seqinfo import SEQ_WORDS, BlockSparseArgs, BlockTiles, ScoreScalars, SequenceArgs
 from ..common.silu import silu_scaled_inplace
 from ..common.tile_scheduler import SectionWalk, TileScheduler
 from .base import HstuSm90Base, StagedEpilogue, store_rows_staged
@@ -88,7 +88,7 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
                  num_stages: int, fast_silu: bool, intra_wg_overlap: bool = True, pingpong: bool = True,
                  persistent: bool = True, q_stages: int = 1, dynamic_tiles: bool = False, out_dtype=None,
                  scaled_p: bool = False, two_direction: bool = False, paged: bool = False, split_keys: bool = False,
-                 early_silu: bool = False, staged_epilogue: bool = True):
+                 early_silu: bool = False, staged_epilogue: bool = True, block_sparse: bool = False):
         # The CTA launches with 168 x 384 registers; setmaxnreg moves them between roles, so the
         # consumers' 240 must come out of that pool (common.sm90.sm90_register_split).
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, tile_m // 64,
@@ -140,6 +140,15 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
         # Split keys store fp32 partials (store_split_tile); the smem tile is written in 64-column
         # blocks.
         self.staged = staged_epilogue and not split_keys and head_dim % 64 == 0
+        # A block mask (hstu_cute.block_mask): each tile walks its list of key tiles
+        # (common.key_blocks.KeyBlocks.of_list) and masks by block where its blocks are mixed.
+        self.block_sparse = block_sparse
+        assert not (block_sparse and (paged or split_keys or self.fp8)), "block-sparse: plain 16-bit tiles only"
+        # With claims the producer publishes each tile's list range too: the consumers' own list
+        # lookup (the count, then the list's ends: dependent loads at every tile start) cost the
+        # 10%-density causal forward ~X% (docs/dev/perf-log.md, session 31).
+        if block_sparse:
+            self.tile_words = SEQ_WORDS + 2
         assert tile_m % 64 == 0 and tile_n % 16 == 0 and head_dim % 16 == 0
 
     # ------------------------------------------------------------------------------------------
@@ -149,12 +158,16 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
     def __call__(self, mQ, mK, mV, mO, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks, mRab,
                  alpha, inv_scale, window_left, window_right, group_size, is_delta_q, num_m_blocks, num_sms,
                  bh_per_section, mTileCounter, mCache, mPageOffsets, mPageIds, mLastPageLens, log2_page_size, mRabNew,
-                 mPartials, mArrivals, num_splits, stream):
+                 mPartials, mArrivals, num_splits, mBlockCount, mBlockIndex, mBlockState, mBlockKept, q_block,
+                 k_block, stream):
         paged = None
         if const_expr(self.paged):
             paged = PagedArgs(mCache, mPageOffsets, mPageIds, mLastPageLens, log2_page_size, mRabNew)
+        blocks = None
+        if const_expr(self.block_sparse):
+            blocks = BlockSparseArgs(mBlockCount, mBlockIndex, mBlockState, mBlockKept, q_block, k_block)
         self.compile_forward(mQ, mK, mV, mO, SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts,
-                                                          mNumTargets, mFunc, mFuncBlocks), mRab,
+                                                          mNumTargets, mFunc, mFuncBlocks, blocks), mRab,
                              ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q),
                              num_m_blocks, num_sms, bh_per_section, mTileCounter, None, stream, paged,
                              (mPartials, mArrivals, num_splits) if const_expr(self.split_keys) else None)
@@ -324,10 +337,17 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
         if const_expr(self.paged):
             span = page_span(self.paged_args, batch)
         if const_expr(words is not None):
-            q_start, k_start, seq = seqinfo.from_words(words, batch)
+            q_start, k_start, seq = seqinfo.from_words(words[:SEQ_WORDS], batch)
         else:
             q_start, k_start, seq = seqinfo.at(batch, span.cached_len if const_expr(self.paged) else None)
-        blocks = KeyBlocks.of_tile(self.mask, seq, m_block, self.tile_m, self.tile_n, span)
+        if const_expr(self.block_sparse):
+            seq.sparse = BlockTiles.of(seqinfo.seqs.blocks, batch, head)
+            if const_expr(words is not None):
+                blocks = KeyBlocks.of_list_range(seq, m_block, words[SEQ_WORDS], words[SEQ_WORDS + 1])
+            else:
+                blocks = KeyBlocks.of_list(self.mask, seq, m_block, self.tile_m, self.tile_n)
+        else:
+            blocks = KeyBlocks.of_tile(self.mask, seq, m_block, self.tile_m, self.tile_n, span)
         if const_expr(self.split_keys):
             blocks = blocks.part(part, self.num_splits)
         live = m_block * self.tile_m < seq.seqlen_q
@@ -681,6 +701,12 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
             if tidx % 128 < 32:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
+    def extra_tile_words(self, coords):
+        """Block-sparse: the tile's list range after its sequence's words."""
+        if const_expr(self.block_sparse):
+            return coords[6].list_words()
+        return ()
+
     def pending_tag(self, n_last, blocks):
         """What the pending tile's epilogue needs besides its coordinates: its last key block
         (two_direction: the V descales of the output's columns), or with split keys its part."""
@@ -910,9 +936,10 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
             silu_scaled_inplace(acc_S, alpha, self.fast_silu)
         # Otherwise FP8 runs the SiLU in the packing (common.fp8.silu_to_fp8_words,
         # silu_to_scaled_fp8_words), after the mask: masked scores become 0, and silu(0) = 0.
+        acc_rc = cute.make_tensor(acc_S.iterator, wgmma_acc_rows_cols(acc_S.layout))
         if not masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
-            acc_rc = cute.make_tensor(acc_S.iterator, wgmma_acc_rows_cols(acc_S.layout))
             apply_mask_rows_cols(acc_rc, tScS_rc, spec, seq, row_first, n_block * self.tile_n)
+        mask_dropped_blocks((acc_rc,), tScS_rc, seq, m_block, n_block, row_first, n_block * self.tile_n)
 
     @cute.jit
     def scores_to_p(self, acc_S, tOrP, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec: cutlass.Constexpr, seq,

@@ -23,7 +23,8 @@ from .buffers import (
     aligned_16,
 )
 from .heuristics import _backward_kind, _walk_fixed
-from .prepared import Prepared, _call_tensors, _made, _nothing_to_do, _plan, _scalar_args, _sequence_args
+from .prepared import (Prepared, _call_tensors, _made, _nothing_to_do, _plan, _scalar_args, _sequence_args,
+                       block_sparse_args)
 
 
 def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles_dkdv: dict | None = None,
@@ -55,8 +56,9 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
     q, k, v, dout = aligned_16(q), aligned_16(k), aligned_16(v), aligned_16(dout)
     rab, drab, drab_view = _aligned_rab_and_drab(rab, call.has_drab)
     kind = _backward_kind(call, path)
+    block_sparse = call.block_mask is not None
     plan_key = ("bwd", path, kind, rab is not None, q.shape[0], k.shape[0], call.has_drab, call.deterministic,
-                call.alpha, call.target_group_size)
+                call.alpha, call.target_group_size, block_sparse)
 
     def build():
         return _backward_plan(call, device, path, kind, rab is not None, q.shape[0], k.shape[0], tiles_dq, tiles_dkdv)
@@ -65,6 +67,8 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
     values = dict(mQ=q, mK=k, mV=v, mdO=dout, mdQ=dq, mdK=dk, mdV=dv, mRab=rab, **_call_tensors(call))
     with _on_device(device):
         if plan.kind == "fused":
+            if block_sparse:
+                values.update(block_sparse_args(call, plan.first.key, per_key_block=True))
             dq_accum = values["mdQaccum"] = torch.zeros(q.shape, dtype=torch.float32, device=device)
             plan.first(values, device)
             return dq_accum.to(q.dtype), dk, dv, None
@@ -78,7 +82,11 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
         # One stream: the dQ kernel beside the dK/dV kernel on a side stream took the same device
         # time (0.99-1.02x, CUDA graphs, tiny to B8 N4096, the side_stream_ab.py probe at e7fc17c) and
         # ~45-60 us more host time per step (docs/dev/perf-log.md, session 28).
+        if block_sparse:  # each kernel's lists at its own tiles; the dK/dV kernel walks them per key tile
+            values.update(block_sparse_args(call, plan.first.key, per_key_block=True))
         plan.first(values, device)
+        if block_sparse:
+            values.update(block_sparse_args(call, plan.second.key))
         plan.second(values, device)
         if plan.kind == "wide":
             _sum_drab_heads(drab, drab_out)
@@ -118,9 +126,17 @@ def _backward_plan(call: Call, device, path: str, kind: str, has_rab: bool, toke
         key_kv = _made(make_hopper_bwd_key, "wide", *common, tiles_dkdv, has_drab=has_drab, rab_sum_heads=atomic_sum)
         key_q = _made(make_hopper_bwd_key, "dq", *common, tiles_dq)
         return _BackwardPlan("wide", over_keys(key_kv), over_queries(key_q))
+    block_sparse = call.block_mask is not None
     if kind == "fused":
-        return _BackwardPlan("fused", over_keys(_made(make_hopper_bwd_key, "fused", *common, tiles_dkdv)))
+        return _BackwardPlan("fused", over_keys(_made(make_hopper_bwd_key, "fused", *common, tiles_dkdv,
+                                                      block_sparse=block_sparse)))
     sum_heads = has_drab and p.rab_heads == 1 and p.heads > 1
+    if kind == "sm80 pair":  # a block-sparse backward the fused kernel does not serve, on either path
+        if sum_heads and call.block_mask.heads > 1:
+            raise NotImplementedError("block_mask: one mask per head with drab summed over the heads (rab of one "
+                                      "head) is not built; pass a mask shared by the heads (H_mask = 1)")
+        key_dq, key_dkdv = _made(make_bwd_keys, *common, has_drab, sum_heads, True)
+        return _BackwardPlan("pair", over_keys(key_dkdv), over_queries(key_dq), sum_heads)
     key_dq, key_dkdv = _made(make_bwd_keys, *common, has_drab, sum_heads)
     if tiles_dq or tiles_dkdv:  # benchmark sweeps only
         # The Hopper keys below take them whole; with drab the sm80 dQ kernel runs on that path too.

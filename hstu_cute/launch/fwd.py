@@ -13,7 +13,8 @@ from ..validation import Problem
 from .buffers import _on_device, aligned_16, pad_rab_rows, rab_vec, split_arrivals
 from .heuristics import _walk_fixed, key_splits
 from ..kv_cache import cache_rows, rab_among_new, target_key_rows
-from .prepared import Prepared, _call_tensors, _plan, _scalar_args, _sequence_args, fp8_fwd_key, fwd_key
+from .prepared import (Prepared, _call_tensors, _plan, _scalar_args, _sequence_args, block_sparse_args, fp8_fwd_key,
+                       fwd_key)
 
 
 def forward(q, k, v, rab, call: Call, tiles: dict | None = None, out: torch.Tensor | None = None,
@@ -43,8 +44,11 @@ def forward(q, k, v, rab, call: Call, tiles: dict | None = None, out: torch.Tens
     if rab is not None and (path == "hopper" or p.page_size):
         rab = pad_rab_rows(rab)  # TMA (and the paged sm80 key) need 16-byte aligned rows
     fp8_kind = None if fp8 is None else (fp8.out_dtype, fp8.scaled_p, fp8.two_direction)
+    block_sparse = call.block_mask is not None
+    if block_sparse:
+        splits = 1
     plan_key = ("fwd", path, rab_vec(rab) if rab is not None else 0, k.shape[0], splits, fp8_kind, call.alpha,
-                call.target_group_size)
+                call.target_group_size, block_sparse)
 
     def build():
         return _forward_plan(call, device, rab, k.shape[0], path, tiles, fp8, splits)
@@ -60,6 +64,8 @@ def forward(q, k, v, rab, call: Call, tiles: dict | None = None, out: torch.Tens
         values.update(mPartials=torch.empty((splits * q.shape[0],) + tuple(q.shape[1:]), dtype=torch.float32,
                                             device=device),
                       mArrivals=split_arrivals(device, p.batch * p.heads * -(-call.max_seqlen_q // key.tile_m) * 2))
+    if block_sparse:
+        values.update(block_sparse_args(call, key))
     if p.page_size:
         values.update(_paged_args(p, call.paged))
         # Keys past the cache: the targets' rows of k / v (call.seq_offsets_k counts keys, not rows).
@@ -78,7 +84,7 @@ def _forward_plan(call: Call, device, rab, tokens_k: int, path: str, tiles, fp8,
     """(the prepared forward launch, the key splits it takes) of ``call``'s signature."""
     p = call.problem
     if fp8 is None:
-        key = fwd_key(p, device_arch(device), rab, tiles, path)
+        key = fwd_key(p, device_arch(device), rab, tiles, path, block_sparse=call.block_mask is not None)
         if splits is None:
             splits = key_splits(p, key.tile_m, key.tile_n, call.max_seqlen_q, call.max_seqlen_k, num_sms(device))
         fixed = {}

@@ -92,10 +92,20 @@ def _walk_fixed(key, p: Problem, shared_tokens: int, max_seqlen: int) -> dict:
     return dict(bh_per_section=bh_per_section(p, shared_tokens, max_seqlen, key.persistent, key.dynamic_tiles))
 
 
+def block_sparse_fused(call: Call, path: str) -> bool:
+    """Whether the fused Hopper kernel serves a block-sparse backward (D128, no drab, not
+    ``deterministic``, at any key length: skipped tiles cost little there); the sm80 pair serves
+    the others, on either path."""
+    return (path == "hopper" and call.problem.head_dim in HOPPER_FUSED_HEAD_DIMS and not call.has_drab
+            and not call.deterministic)
+
+
 def _backward_kind(call: Call, path: str) -> str:
     """Which kernels a 16-bit backward runs (:class:`_BackwardPlan`); decided per call, outside
     the cached plans (tests and sweeps move ``FUSED_MIN_SEQLEN_K``)."""
     p = call.problem
+    if call.block_mask is not None:
+        return "fused" if block_sparse_fused(call, path) else "sm80 pair"
     if path == "hopper" and p.head_dim in HOPPER_WIDE_HEAD_DIMS:
         return "wide"
     if (path == "hopper" and not call.has_drab and not call.deterministic and p.head_dim in HOPPER_FUSED_HEAD_DIMS

@@ -69,6 +69,19 @@ def func_table(func: torch.Tensor, seq_offsets_q: torch.Tensor, max_seqlen_q: in
     return table
 
 
+def block_sparse_args(call: Call, key, per_key_block: bool = False) -> dict:
+    """The block mask at the key's tiles (:meth:`hstu_cute.BlockMask.tile_lists`; on the device,
+    no sync) and its kept blocks, for masking inside the tiles that mix kept and dropped blocks.
+    The lists a kernel walks: per query block (forward, dQ), or ``per_key_block`` the transposed
+    ones (the Hopper dK/dV kernels)."""
+    bm = call.block_mask
+    tables = bm.kernel_tables(call.seq_offsets_q, call.seq_offsets_k, call.seqused_q, call.seqused_k, key.tile_m,
+                              key.tile_n, call.max_seqlen_q, call.max_seqlen_k, call.problem.mask.is_delta_q)
+    count, index = (tables.t_count, tables.t_index) if per_key_block else (tables.count, tables.index)
+    return dict(mBlockCount=count, mBlockIndex=index, mBlockState=tables.state, mBlockKept=tables.kept_blocks,
+                q_block=bm.q_block, k_block=bm.k_block)
+
+
 def _scalar_args(call: Call) -> dict:
     alpha = float(call.alpha)
     if not math.isfinite(alpha):  # traced calls skip the check in validation (a symbolic alpha)
@@ -154,13 +167,17 @@ def _plan(call: Call, key: tuple, build):
     return plan
 
 
-def fwd_key(p: Problem, arch: str, rab, tiles: dict | None = None, path: str = "ampere", split_keys: bool = False):
+def fwd_key(p: Problem, arch: str, rab, tiles: dict | None = None, path: str = "ampere", split_keys: bool = False,
+            block_sparse: bool = False):
     """The forward compile key of this call (memoized by :func:`_made`); ``split_keys``: the
     variant whose tiles take parts of the key blocks (:func:`key_splits`; sm80: rab rows come
     padded to 16 bytes)."""
     context_target = p.mask.has_context or p.mask.has_target
     dtype = DTYPE_NAMES[p.dtype]
     if path == "hopper":
+        if block_sparse:
+            return _made(make_hopper_fwd_key, arch, dtype, p.head_dim, p.mask.kind, context_target, rab is not None,
+                         tiles, False, True)
         factory = make_hopper_paged_fwd_key if p.page_size else make_hopper_fwd_key
         return _made(factory, arch, dtype, p.head_dim, p.mask.kind, context_target, rab is not None, tiles,
                      split_keys)
@@ -169,7 +186,7 @@ def fwd_key(p: Problem, arch: str, rab, tiles: dict | None = None, path: str = "
                      rab is not None, 8, tiles, split_keys)
     vec = rab_vec(rab) if rab is not None else 8
     return _made(make_fwd_key, arch, dtype, p.head_dim, p.mask.kind, context_target, rab is not None, vec, tiles,
-                 split_keys)
+                 split_keys, block_sparse)
 
 
 def fp8_fwd_key(p: Problem, arch: str, rab, out_dtype: torch.dtype, tiles: dict | None = None,

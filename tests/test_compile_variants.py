@@ -181,17 +181,21 @@ def test_sm80_d256_backward_compiles(tmp_cache, compile_tally):
 @pytest.mark.slow
 def test_func_variants_compile(tmp_cache, compile_tally):
     """FBGEMM's ``func`` masks are compiled on first use (not shipped); their code must still build
-    without a GPU: the per-block table for n_func 1 and 3, and every kernel family a 16-bit D128
+    without a GPU: the per-block table for n_func 1 and 3, every kernel family a 16-bit D128
     func call can take (sm80 forward, dQ, dK/dV; Hopper forward, fused backward, the deterministic
-    dQ + dK/dV pair)."""
-    from hstu_cute.variants import make_func_table_key, make_fwd_key, make_hopper_bwd_key, make_hopper_fwd_key
+    dQ + dK/dV pair), and the FP8 scaled-P forward with its backward pair."""
+    from hstu_cute.variants import (make_func_table_key, make_fwd_key, make_hopper_bwd_key, make_hopper_fp8_bwd_key,
+                                    make_hopper_fp8_fwd_key, make_hopper_fwd_key)
 
     func = int(MaskKind.FUNC)
     sm80 = [make_func_table_key("sm_80", 1), make_func_table_key("sm_80", 3),
             make_fwd_key("sm_80", "bfloat16", 128, func, False, False, 8),
             *make_bwd_keys("sm_80", "bfloat16", 128, func, False, False, False, False)]
     sm90 = [make_func_table_key("sm_90a", 3), make_hopper_fwd_key("sm_90a", "bfloat16", 128, func, False, False),
-            *(make_hopper_bwd_key(role, "sm_90a", "bfloat16", 128, func, False, False) for role in ("fused", "dq", "dkdv"))]
+            *(make_hopper_bwd_key(role, "sm_90a", "bfloat16", 128, func, False, False) for role in ("fused", "dq", "dkdv")),
+            # FP8 (FBGEMM's HSTU8Test draws func masks): the scaled-P forward and the backward pair.
+            make_hopper_fp8_fwd_key("sm_90a", "bfloat16", 128, func, False, False, scaled_p=True),
+            *(make_hopper_fp8_bwd_key(role, "sm_90a", "bfloat16", 128, func, False, False) for role in ("dq", "dkdv"))]
     for arch, keys in (("sm_80", sm80), ("sm_90a", sm90)):
         assert all(k.mask_kind == func for k in keys)
         results = warmup(arch=arch, keys=keys, workers=2, raise_errors=False)

@@ -580,18 +580,18 @@ def test_compile_fullgraph_fp8_meta(quant_mode, no_launch):
 def _fp8_op_call(quant_mode, device):
     """(q, k, v, descales, the call's op arguments) of a small FP8 call on ``device``: the record
     validated on meta tensors, then its tensors moved (the ops' implementations run on CPU tensors)."""
-    from hstu_cute.call import Call, op_arguments
+    from hstu_cute.call import op_arguments
+    from hstu_cute.testing import call_record
 
-    meta = _fp8_inputs(quant_mode, "meta")
+    mq, mk, mv, moff, mtargets, *mdescales = _fp8_inputs(quant_mode, "meta")
     q, k, v, off, targets, dq, dk, dv = _fp8_inputs(quant_mode, device)
     if device != "meta":
         off.copy_(torch.tensor([0, 6, 14], dtype=torch.int32))
         targets.copy_(torch.tensor([2, 3], dtype=torch.int32))
-    descale = dict(descale_q=meta[5], descale_k=meta[6], descale_v=meta[7]) if quant_mode == -1 else {}
-    p = validation.validate(*meta[:3], meta[3], meta[3], 8, 8, None, meta[4], 1, (-1, 0), 0.25, None, False, False,
-                            *(descale.get(n) for n in ("descale_q", "descale_k", "descale_v")), None, quant_mode, -1,
-                            None, None)
-    call = Call(p, off, off, 8, 8, None, targets, alpha=0.25)
+    descale = dict(zip(("descale_q", "descale_k", "descale_v"), mdescales)) if quant_mode == -1 else {}
+    call, _ = call_record(q=mq, k=mk, v=mv, seq_offsets_q=moff, seq_offsets_k=moff, max_seqlen_q=8, max_seqlen_k=8,
+                          num_targets=mtargets, window_size=(-1, 0), alpha=0.25, quant_mode=quant_mode, **descale)
+    call = call._replace(seq_offsets_q=off, seq_offsets_k=off, num_targets=targets)
     descales = (dq, dk, dv) if quant_mode == -1 else (None, None, None)
     return q, k, v, descales, op_arguments(call, None)
 

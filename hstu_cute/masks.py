@@ -54,7 +54,7 @@ class MaskSpec:
     @property
     def semi_local(self) -> bool:
         """A causal band ``(WL, 0)`` with contexts and/or targets (docs/operator.md, "Local window
-        with contexts and targets"): the HSTU rules, and the band for every key but the contexts'."""
+        with contexts and targets"): the HSTU rules AND the band, counted in HSTU's positions."""
         return self.kind == MaskKind.LOCAL and (self.has_context or self.has_target)
 
     @property

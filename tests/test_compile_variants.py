@@ -99,14 +99,16 @@ def test_every_hopper_variant_compiles(tmp_cache, compile_tally):
     kernel; the FP8 kernels, the opt-in fused FP8 backward included) builds for sm_90a."""
     keys = (shipped_hopper_fwd_keys("sm_90a") + shipped_hopper_bwd_keys("sm_90a") + shipped_hopper_fp8_fwd_keys()
             + shipped_hopper_paged_fwd_keys() + shipped_hopper_fp8_bwd_keys())
-    # FP8: the forward with P cast, scaled P and scaled P with mode 1's descales (144), V^T of
-    # e4m3 V (3), the slot quantizers of quant modes 0-5 (72); the paged KV-cache forward (32);
-    # the split-key forward, contiguous and paged (32 each); the FP8 backward pair (64) and its dQ
-    # kernels that write drab (32), at D64/128 and D256 (48 more), each for quant modes 0, 2-5 and for mode 1;
-    # the fused FP8 backward at D128 (8, opt-in).
-    assert len(keys) == len(set(keys)) == (64 + 96 + 16 + 32 + 16 + 144 + 3 + 72 + 32 + 32 + 32
-                                           + 2 * (64 + 32 + 48) + 8)
-    assert sum(getattr(k, "two_direction", False) for k in keys if k.kernel_name.startswith("hopper_bwd_fp8")) == 144
+    # FP8 (bf16 side only, variants.FP8_SHIPPED_DTYPES): the forward with P cast, scaled P and
+    # scaled P with mode 1's descales (72), V^T of e4m3 V (3), the slot quantizers of quant modes
+    # 0-5 (36); the paged KV-cache forward (32); the split-key forward, contiguous and paged (32
+    # each); the FP8 backward pair (32) and its dQ kernels that write drab (16), at D64/128 and D256
+    # (24 more), each for quant modes 0, 2-5 and for mode 1; the fused FP8 backward at D128 (4, opt-in).
+    assert len(keys) == len(set(keys)) == (64 + 96 + 16 + 32 + 16 + 72 + 3 + 36 + 32 + 32 + 32
+                                           + 2 * (32 + 16 + 24) + 4)
+    assert sum(getattr(k, "two_direction", False) for k in keys if k.kernel_name.startswith("hopper_bwd_fp8")) == 72
+    assert all(k.out_dtype == "bfloat16" for k in keys if "fp8" in k.kernel_name)
+    assert all(k.dtype == "bfloat16" for k in keys if k.kernel_name == "hopper_fwd_quant_slots")
     assert sum(k.kernel_name.startswith("hopper_fwd") and getattr(k, "split_keys", False) for k in keys) == 64
     assert {k.kernel_name for k in keys} == {"hopper_fwd", "hopper_bwd_fused", "hopper_bwd_dkdv", "hopper_bwd_dq",
                                              "hopper_bwd_wide", "hopper_fwd_fp8", "hopper_fwd_vt",

@@ -326,9 +326,11 @@ def validate(
         name = "num_contexts" if has_context else "num_targets"
         fail(ValueError, "window_size", f"the causal window (-1, 0) or a causal band (WL >= 0, 0) when {name} is "
              "given", tuple(window_size))
-    if page_size and kind != masks.MaskKind.CAUSAL:
+    if page_size and kind != masks.MaskKind.CAUSAL and not (kind == masks.MaskKind.LOCAL and wr == 0
+                                                            and (has_context or has_target)):
         raise NotImplementedError(f"window_size: a paged KV cache serves the causal family (window (-1, 0), with "
-                                  f"contexts and targets); got {tuple(window_size)}")
+                                  f"contexts and targets, or a causal band (WL, 0) with them); got "
+                                  f"{tuple(window_size)}")
 
     if isinstance(alpha, bool) or not (isinstance(alpha, (numbers.Real, torch.SymFloat, torch.SymInt))):
         fail(TypeError, "alpha", "a finite Python float", repr(alpha))

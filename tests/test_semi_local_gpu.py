@@ -2,8 +2,9 @@
 targets") on the GPU: forward and backward on both kernel paths against the oracle (ratio rule: 2x
 for the output, 5x for gradients), with edge lengths (0, 1, 17, 1111), bands of 0, 1, 17, 300
 and wider than some sequences, contexts alone, targets alone, both, target groups, rab with drab,
-delta_q and seqused; the generative-recommenders drop-in with max_attn_len, contexts and targets
-against its oracle. Outputs are poisoned by check_against_oracle."""
+delta_q and seqused; the paged KV cache (FBGEMM's meaning) against the oracle on the whole
+sequences; the generative-recommenders drop-in with max_attn_len, contexts and targets against its
+oracle. Outputs are poisoned by check_against_oracle."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import zlib
 import pytest
 import torch
 
-from hstu_cute.testing import check_against_oracle, random_jagged_batch
+from hstu_cute import hstu_attn_varlen_func, reference
+from hstu_cute.testing import check_against_oracle, random_jagged_batch, random_paged_batch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -59,3 +61,23 @@ def test_generative_recommenders_window_with_contexts_and_targets(path):
     theirs = reference_hstu_mha(300, 0.3, q, k, v, offsets, **kw, compute_dtype=None)
     ok, err, ref_err = reference.ratio_check(out, fp32, theirs, 2.0)
     assert ok, (err, ref_err)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_paged_cache_with_a_causal_band(path, page_size):
+    """Serving with a causal band over contexts and targets: the new history and the targets attend
+    the cached keys inside their bands (the band reaching the contexts, a target's band ending at
+    the history's end), against the oracle on the whole sequences; NaN in every unused cache row."""
+    cached, new = [0, 17, 1111, 300, 64], [5, 40, 256, 1, 64]
+    whole = [c + n for c, n in zip(cached, new)]
+    targets = [min(n, t) for n, t in zip(new, [2, 8, 64, 1, 16])]
+    contexts = [min(w - t, 9) for w, t in zip(whole, targets)]
+    paged, dense = random_paged_batch(cached, new, 2, 128, page_size, dtype=torch.bfloat16, device="cuda", alpha=0.5,
+                                      num_contexts=contexts, num_targets=targets, window_size=(100, 0),
+                                      rab_heads=1, seed=page_size)
+    with torch.no_grad():
+        out = hstu_attn_varlen_func(**paged)
+    ref32 = reference.hstu_attn_reference(**dense, compute_dtype=torch.float32)
+    ref_same = reference.hstu_attn_reference(**dense, compute_dtype=None)
+    ok, err, ref_err = reference.ratio_check(out, ref32, ref_same, 2.0)
+    assert ok, f"kernel err {err:.3e} vs same-dtype oracle err {ref_err:.3e}"

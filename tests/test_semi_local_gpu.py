@@ -81,3 +81,31 @@ def test_paged_cache_with_a_causal_band(path, page_size):
     ref_same = reference.hstu_attn_reference(**dense, compute_dtype=None)
     ok, err, ref_err = reference.ratio_check(out, ref32, ref_same, 2.0)
     assert ok, f"kernel err {err:.3e} vs same-dtype oracle err {ref_err:.3e}"
+
+
+@pytest.mark.parametrize("mode", [2, 1])
+def test_fp8_with_a_causal_band(mode):
+    """The FP8 kernels (Hopper) with a causal band over contexts and targets: the forward within 2x
+    and the gradients within 5x of the FP8 emulation's error."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the FP8 kernels need a compute capability 9.x GPU")
+    seed = zlib.crc32(repr(("semi-local fp8", mode)).encode())
+    b = random_jagged_batch(4, 2, 128, 700, device="cuda", seed=seed, lengths=[0, 17, 700, 300], alpha=0.5,
+                            window_size=(64, 0), num_contexts=[0, 3, 20, 7], num_targets=[0, 5, 40, 9])
+    rest = {n: x for n, x in b.items() if n not in ("q", "k", "v") and not n.startswith("_")}
+    q, k, v = (b[n].detach().clone().requires_grad_() for n in "qkv")
+    out = hstu_attn_varlen_func(q, k, v, **rest, quant_mode=mode)
+    dout = (torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)) * 1e-2).to(out.dtype).cuda()
+    out.backward(dout)
+    args = {n: b[n] for n in ("seq_offsets_q", "seq_offsets_k", "max_seqlen_q", "max_seqlen_k", "num_contexts",
+                              "num_targets", "target_group_size", "window_size", "alpha")}
+    exact = reference.hstu_attn_reference(b["q"], b["k"], b["v"], **args, compute_dtype=torch.float32)
+    emul = reference.hstu_attn_fp8_emulation(b["q"], b["k"], b["v"], **args, quant_mode=mode)
+    ok, err, ref_err = reference.ratio_check(out.detach(), exact, emul, 2.0)
+    assert ok, f"out: {err:.3e} > 2 x {ref_err:.3e}"
+    grads = reference.hstu_attn_fp8_grad_emulation(b["q"], b["k"], b["v"], dout, **args, quant_mode=mode)
+    exact_grads = reference.hstu_attn_fp8_grad_emulation(b["q"], b["k"], b["v"], dout, **args, quant_mode=mode,
+                                                         quantize_inputs=False, round_products=False)
+    for name, got in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        ok, err, ref_err = reference.ratio_check(got, exact_grads[name], grads[name], 5.0)
+        assert ok, f"{name}: {err:.3e} > 5 x {ref_err:.3e}"

@@ -48,8 +48,14 @@ class MaskSpec:
     is_delta_q: bool = False
 
     def __post_init__(self):
-        if (self.has_context or self.has_target) and self.kind != MaskKind.CAUSAL:
-            raise ValueError("context/target masks require the causal window (-1, 0)")
+        if (self.has_context or self.has_target) and self.kind not in (MaskKind.CAUSAL, MaskKind.LOCAL):
+            raise ValueError("context/target masks take the causal window (-1, 0) or a causal band (WL, 0)")
+
+    @property
+    def semi_local(self) -> bool:
+        """A causal band ``(WL, 0)`` with contexts and/or targets (docs/operator.md, "Local window
+        with contexts and targets"): the HSTU rules AND the band, counted in HSTU's positions."""
+        return self.kind == MaskKind.LOCAL and (self.has_context or self.has_target)
 
     @property
     def name(self) -> str:
@@ -155,6 +161,8 @@ def row_intervals(spec: MaskSpec, seq: SeqMask, r, ops: Ops = GENERIC_OPS):
     """
     if spec.kind == MaskKind.NONE:
         return seq.seqlen_k, 1, 0
+    if spec.semi_local:
+        return _semi_local_intervals(spec, seq, r, ops)
     if spec.kind == MaskKind.LOCAL:
         return 0, r - seq.window_left, r + seq.window_right
     if spec.kind == MaskKind.FUNC:
@@ -176,21 +184,74 @@ def row_intervals(spec: MaskSpec, seq: SeqMask, r, ops: Ops = GENERIC_OPS):
     return lo_end, hi_start, hi_end
 
 
-def in_intervals(j, lo_end, hi_start, hi_end, seqlen_k):
+def _first_key_seen(x, seq: SeqMask, ops: Ops):
+    """The first key the band ``(WL, 0)`` reaches from (anchored) position ``x``: the context keys
+    count as one position just before the history, so they come into the band together, and then
+    every key before ``x`` is in it."""
+    start = x - seq.window_left
+    return ops.select(start < seq.num_context, 0, start)
+
+
+def _semi_local_intervals(spec: MaskSpec, seq: SeqMask, r, ops: Ops):
+    """:func:`row_intervals` of a causal band ``(WL, 0)`` with contexts (``c``) and/or targets
+    (history end ``h``, group size ``g``): the HSTU rules AND the band, the band counted in HSTU's
+    positions, where the ``c`` contexts are one position (just before the history) and every target
+    sits at the history's end (generative-recommenders' attention ids; a target's band does not
+    depend on its order among the targets). Context rows see ``[0, h)``, as in the causal family.
+
+    * context row ``r < c``: ``[0, h)``;
+    * history row ``c <= r < h``: ``[F(r), r]``;
+    * target row ``r >= h``: ``[F(h), h - 1]`` and its group up to itself ``[G, r]``,
+      ``G = h + g * floor((r - h) / g)``;
+
+    with ``F(x) = x - WL``, or 0 once the band reaches the contexts (``x - WL < c``). Three values
+    ``(lo_end, hi_start, hi_end)`` without targets, five ``(lo_end, mid_start, mid_end, hi_start,
+    hi_end)`` with them (a target row's two intervals)."""
+    h_end = seq.history_end
+    lo_end, hi_start, hi_end = 0, _first_key_seen(r, seq, ops), r
+    if spec.has_context:
+        is_context = r < seq.num_context
+        lo_end = ops.select(is_context, h_end, lo_end)
+        hi_start = ops.select(is_context, 1, hi_start)
+        hi_end = ops.select(is_context, 0, hi_end)
+    if not spec.has_target:
+        return lo_end, hi_start, hi_end
+    is_target = r >= h_end
+    # For r < h_end the quotient may be negative (truncated in kernels); it is not selected.
+    group_start = h_end + seq.group_size * ((r - h_end) // seq.group_size)
+    mid_start = ops.select(is_target, _first_key_seen(h_end, seq, ops), 1)
+    mid_end = ops.select(is_target, h_end - 1, 0)
+    hi_start = ops.select(is_target, group_start, hi_start)
+    return lo_end, mid_start, mid_end, hi_start, hi_end
+
+
+def shifted(bounds: tuple, col0) -> tuple:
+    """A row's :func:`row_intervals` in the columns of a tile starting at key ``col0``."""
+    return tuple(b - col0 for b in bounds)
+
+
+def in_intervals(j, bounds: tuple, seqlen_k):
+    """Key ``j`` in a row's :func:`row_intervals` ``bounds`` (three or five values) and ``j < seqlen_k``."""
+    if len(bounds) == 5:
+        lo_end, mid_start, mid_end, hi_start, hi_end = bounds
+        return ((j < lo_end) | ((j >= mid_start) & (j <= mid_end)) | ((j >= hi_start) & (j <= hi_end))) & (
+            j < seqlen_k)
+    lo_end, hi_start, hi_end = bounds
     return ((j < lo_end) | ((j >= hi_start) & (j <= hi_end))) & (j < seqlen_k)
 
 
-def in_row_intervals(spec: MaskSpec, j, lo_end, hi_start, hi_end, seqlen_k):
+def in_row_intervals(spec: MaskSpec, j, bounds: tuple, seqlen_k):
     """:func:`in_intervals` without the compares of an interval that ``spec`` makes empty for
     every row and every column ``j >= 0`` (also after shifting the row's values and ``seqlen_k``
     by the same tile offset ``col0 >= 0``): ``[0, lo_end)`` is ``[0, seqlen_k)`` without a mask
     and ``[0, 0)`` for local; ``[hi_start, hi_end]`` is ``[1, 0]`` unless local or causal with
     targets. Kernels evaluate it per accumulator element: the causal D128 forward lost 4
     instructions per element (LLVM cannot prove ``1 - col0 > -col0`` empty)."""
-    keep_lo = spec.kind in (MaskKind.CAUSAL, MaskKind.FUNC)
+    keep_lo = spec.kind in (MaskKind.CAUSAL, MaskKind.FUNC) or spec.semi_local
     keep_hi = spec.kind in (MaskKind.LOCAL, MaskKind.FUNC) or spec.has_target
-    if keep_lo and keep_hi:
-        return in_intervals(j, lo_end, hi_start, hi_end, seqlen_k)
+    if len(bounds) == 5 or (keep_lo and keep_hi):
+        return in_intervals(j, bounds, seqlen_k)
+    lo_end, hi_start, hi_end = bounds
     in_col_range = j < seqlen_k
     if keep_lo:
         return (j < lo_end) & in_col_range
@@ -202,8 +263,7 @@ def in_row_intervals(spec: MaskSpec, j, lo_end, hi_start, hi_end, seqlen_k):
 def allowed(spec: MaskSpec, seq: SeqMask, r, j, ops: Ops = GENERIC_OPS):
     """M(r, j) for key-coordinate row ``r`` and key column ``j``; elementwise on broadcasting
     tensors. Padded columns (``j >= seqlen_k``) are masked."""
-    lo_end, hi_start, hi_end = row_intervals(spec, seq, r, ops)
-    return in_intervals(j, lo_end, hi_start, hi_end, seq.seqlen_k)
+    return in_intervals(j, row_intervals(spec, seq, r, ops), seq.seqlen_k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,7 +291,19 @@ def n_block_range(spec: MaskSpec, seq: SeqMask, m_block, tile_m, tile_n, ops: Op
     n_total = _ceil_div(seq.seqlen_k, tile_n)
     n_lo = 0
     n_hi = n_total
-    if spec.kind == MaskKind.LOCAL:
+    if spec.semi_local:
+        # Up to the row (context rows: up to the targets); from the first key the band reaches from
+        # the first row (target rows: from the history's end).
+        n_hi = ops.min(n_total, r_last // tile_n + 1)
+        first_key = _first_key_seen(r_first, seq, ops)
+        if spec.has_target:
+            first_key = ops.select(r_last >= seq.history_end,
+                                   ops.min(first_key, _first_key_seen(seq.history_end, seq, ops)), first_key)
+        n_lo = ops.max(first_key, 0) // tile_n
+        if spec.has_context:
+            context_hi = ops.select(r_first < seq.num_context, _ceil_div(seq.history_end, tile_n), 0)
+            n_hi = ops.min(n_total, ops.max(n_hi, context_hi))
+    elif spec.kind == MaskKind.LOCAL:
         n_lo = ops.max(r_first - seq.window_left, 0) // tile_n
         n_hi = ops.min(n_total, (r_last + seq.window_right) // tile_n + 1)
     elif spec.kind == MaskKind.FUNC:
@@ -274,7 +346,19 @@ def tile_is_full(spec: MaskSpec, seq: SeqMask, m_block, n_block, tile_m, tile_n,
     if spec.kind == MaskKind.FUNC:
         common_end, common2_lo, common2_hi = seq.func.common_keys(m_block, tile_m)
         return full & ((j_last < common_end) | ((j_first >= common2_lo) & (j_last < common2_hi)))
-    if spec.kind == MaskKind.LOCAL:
+    if spec.semi_local:
+        # Conservative: a tile of context rows before the targets, of history rows inside their
+        # bands, or of target rows inside the history's band; anything else is partial.
+        c, h_end = seq.num_context, seq.history_end
+        history = (r_first >= c) & (r_last < h_end) & (j_first >= _first_key_seen(r_last, seq, ops)) & (
+            j_last <= r_first)
+        below = history
+        if spec.has_context:
+            below = below | ((r_last < c) & (j_last < h_end))
+        if spec.has_target:
+            below = below | ((r_first >= h_end) & (j_first >= _first_key_seen(h_end, seq, ops)) & (j_last < h_end))
+        full = full & below
+    elif spec.kind == MaskKind.LOCAL:
         full = full & (j_first >= r_last - seq.window_left) & (j_last <= r_first + seq.window_right)
     elif spec.kind == MaskKind.CAUSAL:
         if spec.has_context:
@@ -326,7 +410,17 @@ def m_block_range(spec: MaskSpec, seq: SeqMask, n_block, tile_m, tile_n, ops: Op
     off = seq.row_offset
     m_lo = 0
     m_hi = m_total
-    if spec.kind == MaskKind.LOCAL:
+    if spec.semi_local:
+        # Rows from the key (every row, with contexts: context rows see every key before the
+        # targets) to the last whose band reaches it; a context key sits at the contexts' one
+        # position (c - 1); the target rows see a key inside the history's band, and their own.
+        last_key = ops.select(j_first < seq.num_context, ops.max(j_last, seq.num_context - 1), j_last)
+        m_hi = ops.min(m_total, ops.max(last_key + seq.window_left - off, -1) // tile_m + 1)
+        if spec.has_target:
+            m_hi = ops.select(j_last >= _first_key_seen(seq.history_end, seq, ops), m_total, m_hi)
+        if not spec.has_context:
+            m_lo = ops.max(j_first - off, 0) // tile_m
+    elif spec.kind == MaskKind.LOCAL:
         m_lo = ops.max(j_first - seq.window_right - off, 0) // tile_m
         m_hi = ops.min(m_total, ops.max(j_last + seq.window_left - off, -1) // tile_m + 1)
     elif spec.kind == MaskKind.CAUSAL and not spec.has_context:

@@ -246,6 +246,7 @@ def random_paged_batch(
     target_group_size: int = 1,
     spare_pages: int = 3,
     seed: int = 0,
+    window_size: tuple[int, int] = (-1, 0),
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A serving batch in FBGEMM's meaning (docs/operator.md, "Paged KV cache"): sequence b had
     ``cached_lens[b]`` tokens and gets ``new_lens[b]`` new ones, the last ``num_targets[b]`` of them
@@ -258,7 +259,8 @@ def random_paged_batch(
     Pages are assigned in a shuffled order among ``spare_pages`` extra ones; every cache row that
     holds no token (spare pages, rows past a last page's length) is NaN, and so are the k/v rows of
     the new history (FBGEMM reads those keys from the cache only): a kernel that reads one shows it.
-    ``num_contexts`` count whole-sequence tokens."""
+    ``num_contexts`` count whole-sequence tokens. ``window_size``: the causal window, or a causal
+    band ``(WL, 0)`` with contexts / targets (docs/operator.md)."""
     gen = torch.Generator().manual_seed(seed)
     B, H, D = len(cached_lens), num_heads, head_dim
     new = [int(n) for n in new_lens]
@@ -300,7 +302,7 @@ def random_paged_batch(
         rab = _uniform((B, rab_heads, max_k, max_k), gen, dtype, device, False)
     common = dict(q=q, seq_offsets_q=_offsets(new, device), seq_offsets_k=_offsets(whole, device), max_seqlen_q=max_q,
                   max_seqlen_k=max_k, num_contexts=i32(num_contexts), num_targets=i32(num_targets),
-                  target_group_size=target_group_size, window_size=(-1, 0), alpha=alpha, rab=rab)
+                  target_group_size=target_group_size, window_size=window_size, alpha=alpha, rab=rab)
     empty = torch.empty((0, H, D), dtype=dtype)
     paged = dict(common, k=torch.cat([empty] + k_new).to(device), v=torch.cat([empty] + v_new).to(device),
                  kv_cache=kv_cache.to(device), page_offsets=_offsets(pages, device),

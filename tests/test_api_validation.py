@@ -166,9 +166,9 @@ CASES = [
     ("window-str", lambda a: dict(window_size="causal"), TypeError, "window_size", "a (left, right) pair of ints",
      "'causal'"),
     ("context-needs-causal", lambda a: dict(num_contexts=_i32([1, 1])), ValueError, "window_size",
-     "the causal window (-1, 0) when num_contexts is given", "(-1, -1)"),
-    ("target-needs-causal", lambda a: dict(num_targets=_i32([1, 1]), window_size=(2, 0)), ValueError, "window_size",
-     "the causal window (-1, 0) when num_targets is given", "(2, 0)"),
+     "the causal window (-1, 0) or a causal band (WL >= 0, 0) when num_contexts is given", "(-1, -1)"),
+    ("target-needs-causal-band", lambda a: dict(num_targets=_i32([1, 1]), window_size=(2, 3)), ValueError,
+     "window_size", "the causal window (-1, 0) or a causal band (WL >= 0, 0) when num_targets is given", "(2, 3)"),
     # alpha, scaling_seqlen
     ("alpha-str", lambda a: dict(alpha="1"), TypeError, "alpha", "a finite Python float", "'1'"),
     ("alpha-bool", lambda a: dict(alpha=True), TypeError, "alpha", "a finite Python float", "True"),
@@ -626,3 +626,20 @@ def test_invalid_forced_path_raises_at_validation(value, monkeypatch):
     monkeypatch.setenv("HSTU_CUTE_ARCH", value)
     with pytest.raises(ValueError, match="HSTU_CUTE_ARCH: expected one of sm_80, sm_86, sm_89, sm_90a"):
         validation.validate(*_meta_args())
+
+
+@pytest.mark.parametrize("window", [(0, 0), (3, 0), (100, 0)])
+def test_causal_band_with_contexts_and_targets_validates(window):
+    """A causal band with contexts and targets (docs/operator.md, "Local window with contexts and
+    targets"): the semi-local mask spec (the causal one for a band as wide as the keys); a meta
+    call returns the output's shape."""
+    ctx = torch.empty(2, dtype=torch.int32, device="meta")
+    p = validation.validate(*_meta_args(window_size=window, num_contexts=ctx, num_targets=ctx))
+    if window[0] < 8:
+        assert p.mask.semi_local and p.mask.kind == masks.MaskKind.LOCAL and p.window_left == window[0]
+    else:  # a band as wide as the keys is the causal mask
+        assert p.mask.kind == masks.MaskKind.CAUSAL and not p.mask.semi_local
+    args = dict(zip(("q", "k", "v", "seq_offsets_q", "seq_offsets_k", "max_seqlen_q", "max_seqlen_k"),
+                    _meta_args()[:7]))
+    out = hstu_cute.hstu_attn_varlen_func(**args, window_size=window, num_contexts=ctx, num_targets=ctx)
+    assert out.shape == args["q"].shape

@@ -205,6 +205,28 @@ def test_func_variants_compile(tmp_cache, compile_tally):
 
 
 @pytest.mark.slow
+def test_semi_local_variants_compile(tmp_cache, compile_tally):
+    """A causal band with contexts and targets (mask kind LOCAL with contexts/targets, compiled on
+    first use, not shipped) builds without a GPU: the Hopper forward, its paged forward, its fused
+    backward and deterministic pair at D128, and the sm80 forward, paged forward and backward pair."""
+    from hstu_cute.variants import (make_ampere_paged_fwd_key, make_fwd_key, make_hopper_bwd_key, make_hopper_fwd_key,
+                                    make_hopper_paged_fwd_key)
+
+    local = int(MaskKind.LOCAL)
+    sm90 = [make_hopper_fwd_key("sm_90a", "bfloat16", 128, local, True, False),
+            make_hopper_paged_fwd_key("sm_90a", "bfloat16", 128, local, True, True),
+            *(make_hopper_bwd_key(role, "sm_90a", "bfloat16", 128, local, True, False)
+              for role in ("fused", "dq", "dkdv"))]
+    sm80 = [make_fwd_key("sm_80", "bfloat16", 128, local, True, False, 8),
+            make_ampere_paged_fwd_key("sm_80", "bfloat16", 128, local, True, True, 8),
+            *make_bwd_keys("sm_80", "bfloat16", 128, local, True, False, False, False)]
+    for arch, keys in (("sm_90a", sm90), ("sm_80", sm80)):
+        assert all(k.mask.semi_local for k in keys if hasattr(k, "mask")), keys
+        results = warmup(arch=arch, keys=keys, workers=2, raise_errors=False)
+        _assert_all_built(results, keys, tmp_cache, arch, compile_tally)
+
+
+@pytest.mark.slow
 def test_block_sparse_variants_compile(tmp_cache, compile_tally):
     """The block-sparse Hopper kernels (compiled on first use, not shipped) build without a GPU:
     the forward causal with contexts and targets (the list walk inside the mask's range and the

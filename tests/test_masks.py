@@ -166,9 +166,11 @@ def test_normalize_window(window, max_k, expected):
 
 def test_mask_spec_rejects_context_target_without_causal():
     with pytest.raises(ValueError):
-        MaskSpec(MaskKind.LOCAL, has_context=True)
-    with pytest.raises(ValueError):
         MaskSpec(MaskKind.NONE, has_target=True)
+    with pytest.raises(ValueError):
+        MaskSpec(MaskKind.FUNC, has_context=True)
+    assert MaskSpec(MaskKind.LOCAL, has_context=True).semi_local
+    assert not MaskSpec(MaskKind.LOCAL).semi_local and not MaskSpec(MaskKind.CAUSAL, has_target=True).semi_local
 
 
 # ------------------------------------------------------------------------------------------------
@@ -179,6 +181,17 @@ def test_mask_spec_rejects_context_target_without_causal():
 def _spec_allowed(kind, wl, wr, r, j, c, h_end, g, has_ctx, has_tgt) -> bool:
     if kind == "none":
         return True
+    if kind == "local" and (has_ctx or has_tgt):
+        # A causal band with contexts / targets: the HSTU rules AND the band, counted in positions
+        # where the contexts are one (c - 1) and the targets sit at the history's end (h_end), as
+        # generative-recommenders' attention ids are; the context rows keep their rule.
+        if not _spec_allowed("causal", wl, wr, r, j, c, h_end, g, has_ctx, has_tgt):
+            return False
+        if has_ctx and r < c:
+            return True
+        row = min(r, h_end) if has_tgt else r
+        key = max(j, c - 1) if has_ctx else j
+        return row - key <= wl
     if kind == "local":
         return r - wl <= j <= r + wr
     if has_ctx and r < c and j < h_end:
@@ -190,12 +203,13 @@ def _spec_allowed(kind, wl, wr, r, j, c, h_end, g, has_ctx, has_tgt) -> bool:
     return True
 
 
-FAMILIES = ["none", "causal", "local", "context", "target", "context+target"]
+FAMILIES = ["none", "causal", "local", "context", "target", "context+target", "local+context", "local+target",
+            "local+context+target"]
 
 
 def _draw_config(rng: random.Random, max_len: int):
     fam = rng.choice(FAMILIES)
-    delta = rng.random() < 0.35 and fam in ("none", "causal", "local")
+    delta = rng.random() < 0.35 and fam in ("none", "causal", "local", "local+target")
     Lk = rng.choice([0, 1, rng.randint(0, max_len), rng.randint(max_len // 2, max_len)])
     if delta:
         Lq = rng.randint(0, Lk)
@@ -207,6 +221,8 @@ def _draw_config(rng: random.Random, max_len: int):
     elif fam == "local":
         window = (rng.choice([-1, rng.randint(0, 40), rng.randint(0, max_k + 5)]),
                   rng.choice([-1, 0, rng.randint(0, 40), rng.randint(0, max_k + 5)]))  # fmt: skip
+    elif fam.startswith("local+"):
+        window = (rng.choice([0, 1, rng.randint(0, 40), rng.randint(0, max_k + 5)]), 0)
     else:
         window = (-1, 0)
     kind, wl, wr = normalize_window(window, max_k)
@@ -312,7 +328,8 @@ def test_classify_tiles_agrees_with_dense_predicate(one_torch_thread):
     assert n_configs > 400
     total = {c: sum(counts[f][c] for f in FAMILIES) for c in TileClass}
     assert all(total[c] > 0 for c in TileClass), total
-    for fam in ("causal", "local", "context", "target", "context+target"):
+    for fam in ("causal", "local", "context", "target", "context+target", "local+context", "local+target",
+                "local+context+target"):
         assert all(counts[fam][c] > 0 for c in TileClass), (fam, counts[fam])
     assert counts["none"][TileClass.FULL] > 0 and counts["none"][TileClass.PARTIAL] > 0
     assert counts["none"][TileClass.EMPTY] == 0
@@ -373,12 +390,14 @@ def test_in_row_intervals_matches_in_intervals_in_tile_coordinates():
         spec, seq, cfg = _draw_config(rng, 40)
         off = cfg["Lk"] - cfg["Lq"] if cfg["delta"] else 0
         for i in range(cfg["Lq"]):
-            lo_end, hi_start, hi_end = row_intervals(spec, seq, i + off)
+            bounds = row_intervals(spec, seq, i + off)
+            assert len(bounds) == (5 if spec.semi_local and spec.has_target else 3)
             for col0 in (0, 8, 16, 32):
-                shifted = (lo_end - col0, hi_start - col0, hi_end - col0, seq.seqlen_k - col0)
+                tile_bounds, limit = masks.shifted(bounds, col0), seq.seqlen_k - col0
                 for j in range(16):
-                    want = in_intervals(j, *shifted)
-                    assert in_row_intervals(spec, j, *shifted) == want, (cfg, i, col0, j)
+                    want = in_intervals(j, tile_bounds, limit)
+                    assert want == bool(masks.allowed(spec, seq, i + off, col0 + j)), (cfg, i, col0, j)
+                    assert in_row_intervals(spec, j, tile_bounds, limit) == want, (cfg, i, col0, j)
 
 
 # ---------------------------------------------------------------------------------------------

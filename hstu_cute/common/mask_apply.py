@@ -28,13 +28,12 @@ def apply_mask_inplace(acc: cute.Tensor, tScS: cute.Tensor, spec: cutlass.Conste
     for m in cutlass.range_constexpr(cute.size(acc.shape[1])):
         for half in cutlass.range_constexpr(2):
             r = row0 + tScS[2 * half, m, 0][0]
-            lo_end, hi_start, hi_end = masks.row_intervals(spec, seq, r, KERNEL_OPS)
-            lo_end, hi_start, hi_end = lo_end - col0, hi_start - col0, hi_end - col0
+            bounds = masks.shifted(masks.row_intervals(spec, seq, r, KERNEL_OPS), col0)
             col_limit = seq.seqlen_k - col0
             for n in cutlass.range_constexpr(cute.size(acc.shape[2])):
                 for col_pair in cutlass.range_constexpr(2):
                     v = col_pair + 2 * half
-                    keep = masks.in_row_intervals(spec, tScS[v, m, n][1], lo_end, hi_start, hi_end, col_limit)
+                    keep = masks.in_row_intervals(spec, tScS[v, m, n][1], bounds, col_limit)
                     acc[v, m, n] = cutlass.select_(keep, acc[v, m, n], Float32(0.0))
 
 @cute.jit
@@ -46,10 +45,9 @@ def apply_mask_rows_cols(acc_rc: cute.Tensor, coord_rc: cute.Tensor, spec: cutla
     # A column's coordinate is the same in every row: read each once (fewer traced ops).
     cols = [coord_rc[0, j][1] for j in range(cute.size(acc_rc.shape[1]))]
     for i in cutlass.range_constexpr(cute.size(acc_rc.shape[0])):
-        lo_end, hi_start, hi_end = masks.row_intervals(spec, seq, row0 + coord_rc[i, 0][0], KERNEL_OPS)
-        lo_end, hi_start, hi_end = lo_end - col0, hi_start - col0, hi_end - col0
+        bounds = masks.shifted(masks.row_intervals(spec, seq, row0 + coord_rc[i, 0][0], KERNEL_OPS), col0)
         for j in cutlass.range_constexpr(cute.size(acc_rc.shape[1])):
-            keep = masks.in_row_intervals(spec, cols[j], lo_end, hi_start, hi_end, col_limit)
+            keep = masks.in_row_intervals(spec, cols[j], bounds, col_limit)
             acc_rc[i, j] = cutlass.select_(keep, acc_rc[i, j], Float32(0.0))
 
 
@@ -75,11 +73,10 @@ def apply_mask_key_major_by_query(S_rc: cute.Tensor, dP_rc: cute.Tensor, coord_r
     keys = [coord_rc[i, 0][0] for i in range(cute.size(S_rc.shape[0]))]
     for j in cutlass.range_constexpr(cute.size(S_rc.shape[1])):
         query = coord_rc[0, j][1]
-        lo_end, hi_start, hi_end = masks.row_intervals(spec, seq, row_first + query, KERNEL_OPS)
-        lo_end, hi_start, hi_end = lo_end - col0, hi_start - col0, hi_end - col0
+        bounds = masks.shifted(masks.row_intervals(spec, seq, row_first + query, KERNEL_OPS), col0)
         query_in = query < q_rows
         for i in cutlass.range_constexpr(cute.size(S_rc.shape[0])):
-            keep = masks.in_row_intervals(spec, keys[i], lo_end, hi_start, hi_end, col_limit) & query_in
+            keep = masks.in_row_intervals(spec, keys[i], bounds, col_limit) & query_in
             S_rc[i, j] = cutlass.select_(keep, S_rc[i, j], Float32(0.0))
             dP_rc[i, j] = cutlass.select_(keep, dP_rc[i, j], Float32(0.0))
 

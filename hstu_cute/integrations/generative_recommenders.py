@@ -20,14 +20,14 @@ oracle, tests/test_integrations.py):
 
 * causal: ``window_size=(-1, 0)``, ``num_targets`` as given (group size 1: a target sees the
   history and itself), ``num_contexts = contextual_seq_len`` for every sequence;
-* ``max_attn_len = m`` (no targets, no contexts): ``window_size=(m, 0)``, or ``(m, m)`` when not
-  causal; ``m >= max_seq_len - 1`` is no window at all;
+* ``max_attn_len = m``: ``window_size=(m, 0)`` (with contexts and targets too: hstu-cute's causal
+  band with contexts and targets counts that library's attention ids, docs/operator.md), or
+  ``(m, m)`` when not causal; ``m >= max_seq_len - 1`` is no window at all;
 * not causal, without targets: no mask (contexts then change nothing);
 * ``scaling_seqlen = max_seq_len``.
 
 Not expressible, so refused with ``NotImplementedError`` naming the argument: ``max_attn_len``
-together with targets or contexts (the window then counts attention ids, not positions; our
-operator has no local window with contexts/targets), ``min_full_attn_seq_len`` with a window,
+together with targets or contexts when not causal, ``min_full_attn_seq_len`` with a window,
 ``causal=False`` with ``num_targets`` (history rows would see the targets), and attention dropout
 (``dropout_pr > 0`` with ``training=True``).
 
@@ -86,12 +86,11 @@ def hstu_mha_arguments(
     if not isinstance(causal, bool):
         fail(TypeError, "causal", "a bool", type(causal).__name__)
     window = _window_active(max_attn_len, max_seq_len)
-    if window and (num_targets is not None or contextual_seq_len > 0):
+    if window and not causal and (num_targets is not None or contextual_seq_len > 0):
         which = "num_targets" if num_targets is not None else f"contextual_seq_len={contextual_seq_len}"
         raise NotImplementedError(
-            f"max_attn_len: expected 0 (or >= max_seq_len - 1 = {max_seq_len - 1}) together with {which}, got "
-            f"{max_attn_len}: with targets or contexts that library's window counts attention ids, not positions, "
-            f"and hstu-cute has no local window combined with contexts/targets")
+            f"max_attn_len: expected 0 (or >= max_seq_len - 1 = {max_seq_len - 1}) together with {which} and "
+            f"causal=False, got {max_attn_len}: hstu-cute's window with contexts/targets is a causal band")
     if window and min_full_attn_seq_len > 0:
         raise NotImplementedError(
             f"min_full_attn_seq_len: expected 0 with max_attn_len={max_attn_len}, got {min_full_attn_seq_len}: rows "

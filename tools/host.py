@@ -3,7 +3,7 @@ explained): one subcommand each.
 
     python tools/host.py attribution [--calls 2000]   # GPU: where the tiny step's host time goes
     python tools/host.py primitives [--calls 2000]    # GPU: each host-side primitive alone
-    python tools/host.py standin [--profile]          # CPU: the eager path with launches stubbed
+    python tools/host.py standin [--profile [--mode M]]  # CPU: the eager path with launches stubbed
     python tools/host.py dispatch [--n 20000]         # CPU (+GPU): the torch dispatcher's cost
     python tools/host.py profile [--modes -1,2,5] [--step] [--calls 1000] [--top 15] [--head-dim 128]
 
@@ -216,8 +216,9 @@ def us_per_call(fn, calls: int = 3000) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
-def standin(cprofile: bool) -> None:
-    """Host time of the eager path without a GPU (CPU tensors, launches and device queries stubbed)."""
+def standin(cprofile: bool, profile_mode: int = -1) -> None:
+    """Host time of the eager path without a GPU (CPU tensors, launches and device queries stubbed);
+    ``cprofile``: a cProfile of the training step instead (``profile_mode``: its quant_mode, -1 bf16)."""
     import contextlib
     import functools
 
@@ -291,10 +292,11 @@ def standin(cprofile: bool) -> None:
         import cProfile
         import pstats
 
+        profiled = step if profile_mode == -1 else fp8_step(profile_mode)
         for _ in range(200):
-            step()
+            profiled()
         profiler = cProfile.Profile()
-        profiler.runcall(lambda: [step() for _ in range(2000)])
+        profiler.runcall(lambda: [profiled() for _ in range(2000)])
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     else:
         launches = []
@@ -431,6 +433,7 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=2000)
     p = sub.add_parser("standin", help="CPU: the eager path's host time with the launches stubbed")
     p.add_argument("--profile", action="store_true", help="a cProfile of the training step instead")
+    p.add_argument("--mode", type=int, default=-1, help="with --profile: the step's quant_mode (-1: bf16)")
     p = sub.add_parser("dispatch", help="CPU (+GPU): the torch dispatcher against the direct call")
     p.add_argument("--n", type=int, default=20000, help="calls per timing")
     p = sub.add_parser("profile", help="GPU: host us per call per quant_mode, then a cProfile of each")
@@ -445,7 +448,7 @@ def main(argv=None) -> int:
     elif args.command == "primitives":
         primitives(args.calls)
     elif args.command == "standin":
-        standin(args.profile)
+        standin(args.profile, args.mode)
     elif args.command == "dispatch":
         dispatch(args.n)
     else:

@@ -133,6 +133,23 @@ def _overlap(c_max: int, k_blocks: int, cfg: NSAConfig, device) -> torch.Tensor:
     return ((first[:, None] < (kb[None, :] + 1) * cfg.sel_block) & (last[:, None] >= kb[None, :] * cfg.sel_block)).float()
 
 
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+
+def _tf32_exact_einsum(spec: str, a: torch.Tensor, b: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
+    """``einsum(spec, a, b)`` in ``wide`` precision. 16-bit CUDA inputs take TF32 tensor cores: TF32
+    holds bf16's and fp16's significands exactly (10 stored bits against their 7 and 10), so the
+    products are exact and the sums fp32, the fp32 einsum's result at tensor-core speed."""
+    if a.is_cuda and a.dtype in _SIXTEEN_BIT and b.dtype in _SIXTEEN_BIT:
+        flag = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        try:
+            return torch.einsum(spec, a.to(wide), b.to(wide))
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = flag
+    return torch.einsum(spec, a.to(wide), b.to(wide))
+
+
 def compressed_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, counts: torch.Tensor,
                          seq_offsets: torch.Tensor, max_seqlen: int, *, alpha: float, scaling_seqlen: int,
                          cfg: NSAConfig = PAPER, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +179,7 @@ def compressed_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tens
         allowed = (block_end[None, None, :] <= rows[None, :, None]) & live_c[:, None, :] & (
             rows[None, :, None] < lengths[:, None, None])  # (B, rows, C)
         wide = torch.promote_types(qc.dtype, torch.float32)
-        s = torch.einsum("blhd,bchd->bhlc", qc.to(wide), kc.to(wide)) * alpha
+        s = _tf32_exact_einsum("blhd,bchd->bhlc", qc, kc, wide) * alpha
         p = F.silu(s) / scaling_seqlen * allowed[:, None].to(s.dtype)
         return p, torch.einsum("bhlc,bchd->blhd", p.to(vc.dtype), vc)
 

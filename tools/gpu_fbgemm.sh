@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 41 in one device call: precompile the paged and bf16 dense families, the paged GPU tests,
 # then FBGEMM's own HSTU test module (carried in .peer/fbgemm, never committed) through
-# hstu_cute.integrations.fbgemm. STAGES picks: warmup paged fbgemm_paged fbgemm16 fbgemm8.
+# hstu_cute.integrations.fbgemm. STAGES picks: warmup warmup8 paged fbgemm_paged fbgemm16 fbgemm8
+# (warmup8: the FP8 family and its quantizers, for fbgemm8).
 # FBGEMM_EXAMPLES sets hypothesis examples per test. Logs under $OUT.
 # Usage on the GPU machine: [STAGES="warmup paged fbgemm_paged fbgemm16"] [FBGEMM_EXAMPLES=60] tools/gpu_fbgemm.sh
 if [[ ${1:-} == -h || ${1:-} == --help ]]; then  # usage: the comment block above
@@ -20,6 +21,9 @@ run() {  # name timeout command...
 if [[ $STAGES == *" warmup "* ]]; then
   run warmup-paged "${WARMUP_PAGED_S:-90}" python -m hstu_cute warmup --workers "$(nproc)" --family paged
   run warmup-dense "${WARMUP_DENSE_S:-140}" python -m hstu_cute warmup --workers "$(nproc)" --family dense --dtype bfloat16
+fi
+if [[ $STAGES == *" warmup8 "* ]]; then  # the FP8 kernels and quantizers HSTU8Test runs (cold: minutes)
+  run warmup-fp8 "${WARMUP_FP8_S:-400}" python -m hstu_cute warmup --workers "$(nproc)" --family fp8 --family quantizers
 fi
 [[ $STAGES == *" paged "* ]] && run paged-tests "${PAGED_S:-100}" python -m pytest -q -p no:cacheprovider -m gpu tests/test_paged_gpu.py tests/test_kv_cache.py
 for cls in fbgemm_paged:HSTUPagedKVTest fbgemm16:HSTU16Test fbgemm8:HSTU8Test; do

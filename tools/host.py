@@ -216,9 +216,11 @@ def us_per_call(fn, calls: int = 3000) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
-def standin(cprofile: bool, profile_mode: int = -1) -> None:
+def standin(cprofile: bool, profile_mode: int = -1, count_row: str | None = None, steps: int = 0) -> None:
     """Host time of the eager path without a GPU (CPU tensors, launches and device queries stubbed);
-    ``cprofile``: a cProfile of the training step instead (``profile_mode``: its quant_mode, -1 bf16)."""
+    ``cprofile``: a cProfile of the training step instead (``profile_mode``: its quant_mode, -1 bf16);
+    ``count_row``: only that row, 20 times then ``steps`` times, silently (run it under callgrind
+    with 0 and N steps: the difference over N is the row's instructions, whatever the host's noise)."""
     import contextlib
     import functools
 
@@ -288,6 +290,13 @@ def standin(cprofile: bool, profile_mode: int = -1) -> None:
                                                                                 (qg, kg, vg), dout),
     }
 
+    if count_row is not None:  # for an instruction count (valgrind --tool=callgrind): no timing, no output
+        fn = ROWS[count_row]
+        for _ in range(20):
+            fn()
+        for _ in range(steps):
+            fn()
+        return
     if cprofile:
         import cProfile
         import pstats
@@ -434,6 +443,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("standin", help="CPU: the eager path's host time with the launches stubbed")
     p.add_argument("--profile", action="store_true", help="a cProfile of the training step instead")
     p.add_argument("--mode", type=int, default=-1, help="with --profile: the step's quant_mode (-1: bf16)")
+    p.add_argument("--count", default=None, metavar="ROW", help="run only this row (for callgrind), --steps times")
+    p.add_argument("--steps", type=int, default=0)
     p = sub.add_parser("dispatch", help="CPU (+GPU): the torch dispatcher against the direct call")
     p.add_argument("--n", type=int, default=20000, help="calls per timing")
     p = sub.add_parser("profile", help="GPU: host us per call per quant_mode, then a cProfile of each")
@@ -448,7 +459,7 @@ def main(argv=None) -> int:
     elif args.command == "primitives":
         primitives(args.calls)
     elif args.command == "standin":
-        standin(args.profile, args.mode)
+        standin(args.profile, args.mode, args.count, args.steps)
     elif args.command == "dispatch":
         dispatch(args.n)
     else:

@@ -34,13 +34,13 @@ from .buffers import (
     _on_device,
     _sum_drab_heads,
     aligned_16,
-    tile_counter,
     unit_descale,
     unit_descale_table,
 )
 from .fwd import forward
 from .heuristics import _walk_fixed, fp8_backward_fused, fp8_fused_serves
-from .prepared import _compiled, _launch, _made, _nothing_to_do, _scalar_args, _sequence_args
+from .prepared import (Prepared, _call_tensors, _compiled, _launch, _made, _nothing_to_do, _plan, _scalar_args,
+                       _sequence_args)
 
 
 class Fp8Operands:
@@ -85,6 +85,21 @@ def _quant_plan(mode: int, purpose: str) -> tuple:
     return tuple((launch, tuple(slot[1:] for slot in launch)) for launch in quant_launches(mode, purpose))
 
 
+@functools.lru_cache(maxsize=256)
+def _quant_call_plan(mode: int, purpose: str, arch: str, dtype: str, head_dim: int, empties: tuple) -> tuple:
+    """Per launch of :func:`quantize_for` for one signature: ``(key, slots, runs)``, ``slots`` as
+    ``(argument names, input, table family, plain, transposed)``; ``runs``: some input of the launch
+    has tokens. Derived once: a mode-2 training step asked for these 13 times per step."""
+    r = recipe(mode)
+    plan = []
+    for launch_slots, slot_specs in _quant_plan(mode, purpose):
+        key = _made(make_hopper_quant_slots_key, arch, dtype, head_dim, slot_specs)
+        slots = tuple((names, i, r.table_family(role), plain, transposed)
+                      for names, (i, role, plain, transposed) in zip(_SLOT_ARGS, launch_slots))
+        plan.append((key, slots, not all(empties[i] for i, *_ in launch_slots)))
+    return tuple(plan)
+
+
 def quantize_for(mode, purpose: str, xs: tuple, offsets: tuple, max_seqlens: tuple) -> list[dict]:
     """Quantize the 16-bit (T, H, D) tensors ``xs`` (q, k, v; or dO) with ``mode`` (a quant mode
     0-5 or its :class:`~hstu_cute.fp8_recipe.Fp8Recipe`) for
@@ -102,7 +117,7 @@ def quantize_for(mode, purpose: str, xs: tuple, offsets: tuple, max_seqlens: tup
     batch = offsets[0].shape[0] - 1
     heads, head_dim = x0.shape[1], x0.shape[2]
     blocks = [num_blocks(m) for m in max_seqlens]
-    empty = [batch == 0 or x.shape[0] == 0 for x in xs]
+    empty = tuple(batch == 0 or x.shape[0] == 0 for x in xs)
     copies: list[dict] = [{} for _ in xs]
     tables: dict = {}  # (tensor, role family) -> (the kernel's table, the copies' table)
     cooperative = {}
@@ -122,14 +137,12 @@ def quantize_for(mode, purpose: str, xs: tuple, offsets: tuple, max_seqlens: tup
                 words[i * size:(i + 1) * size].fill_(SCALE_FLOOR)
             tables[i, "group"] = (words.as_strided((batch, blocks[i], heads), strides, i * size),
                                   words.as_strided((batch, 1, heads), strides, i * size))
-    arch = device_arch(device)
-    dtype = DTYPE_NAMES[x0.dtype]
     aligned = [aligned_16(x) for x in xs]
-    for launch_slots, slot_specs in _quant_plan(r.mode, purpose):
+    for key, slots, runs in _quant_call_plan(r.mode, purpose, device_arch(device), DTYPE_NAMES[x0.dtype], head_dim,
+                                              empty):
         values: dict = dict(cooperative)
-        for names, (i, role, plain, transposed) in zip(_SLOT_ARGS, launch_slots):
+        for names, i, family, plain, transposed in slots:
             x = aligned[i]
-            family = r.table_family(role)
             table, copies_table = tables.get((i, family)) or tables.setdefault(
                 (i, family), (_new_quant_table(family, x.shape[0], batch, blocks[i], heads, head_dim, empty[i],
                                                device),) * 2)
@@ -142,8 +155,7 @@ def quantize_for(mode, purpose: str, xs: tuple, offsets: tuple, max_seqlens: tup
                                  device=device)
                 copies[i]["transposed"] = (vt, copies_table)
             values.update(zip(names, (x, offsets[i], table, out, vt, 0 if empty[i] else blocks[i])))
-        if not all(empty[i] for i, *_ in launch_slots):
-            key = _made(make_hopper_quant_slots_key, arch, dtype, head_dim, slot_specs)
+        if runs:
             with _on_device(device):
                 _launch(key, _compiled(key), values)
     return copies
@@ -218,14 +230,6 @@ def forward_fp8(q, k, v, rab, call: Call, tiles: dict | None = None, out: torch.
     return (out, fp8.kept) if keep_quantized else out
 
 
-def _walk_args(key, p: Problem, shared_tokens: int, max_seqlen: int, device) -> dict:
-    """:func:`_walk_fixed` and the tile counter of a kernel that claims its tiles."""
-    args = _walk_fixed(key, p, shared_tokens, max_seqlen)
-    if getattr(key, "dynamic_tiles", False):
-        args["mTileCounter"] = tile_counter(device)
-    return args
-
-
 def check_fp8_backward(p: Problem) -> None:
     """NotImplementedError, naming the argument, for an FP8 training call no backward kernel
     serves: raised before the forward runs, so that a training step fails before any work."""
@@ -263,6 +267,29 @@ def fp8_backward_operands(dout, q, k, v, call: Call, quantized: dict | None = No
     return operands
 
 
+def _fp8_backward_plan(call: Call, device, fused: bool, has_rab: bool, has_drab: bool, atomic_sum: bool,
+                       tokens_q: int, tokens_k: int, tiles: dict) -> tuple:
+    """The FP8 backward's prepared launches (:class:`Prepared`) for one argument signature: the
+    fused kernel alone, or the dK/dV kernel then the dQ kernel. The launches' fixed arguments
+    (scalars, fillers, block counts, the tile walk) are laid out once, as the 16-bit backward's."""
+    p = call.problem
+    max_q, max_k = call.max_seqlen_q, call.max_seqlen_k
+    context_target = p.mask.has_context or p.mask.has_target
+    common = (device_arch(device), DTYPE_NAMES[p.dtype], p.head_dim, p.mask.kind, context_target, has_rab)
+    base = dict(**_sequence_args(call, device, context_target), **_scalar_args(call), num_sms=num_sms(device))
+    if fused:
+        key = _made(make_hopper_fp8_bwd_key, "fused", *common, tiles.get("fused"))
+        return (Prepared(key, dict(base, num_n_blocks=-(-max_k // key.tile_n), **_walk_fixed(key, p, tokens_q, max_q))),)
+    two_direction = p.recipe.two_direction
+    key_kv = _made(make_hopper_fp8_bwd_key, "dkdv", *common, tiles.get("dkdv"), two_direction=two_direction)
+    key_q = _made(make_hopper_fp8_bwd_key, "dq", *common, tiles.get("dq"), has_drab, atomic_sum,
+                  two_direction=two_direction)
+    # The dK/dV walk counts dim_parts n-blocks per key block (D256: two CTAs, each with half of D).
+    return (Prepared(key_kv, dict(base, num_n_blocks=key_kv.dim_parts * -(-max_k // key_kv.tile_n),
+                                  **_walk_fixed(key_kv, p, tokens_q, max_q))),
+            Prepared(key_q, dict(base, num_m_blocks=-(-max_q // key_q.tile_m), **_walk_fixed(key_q, p, tokens_k, max_k))))
+
+
 def backward_fp8(dout, q, k, v, rab, call: Call, operands: dict | None = None, tiles: dict | None = None,
                  kernels=("dkdv", "dq"), quantized: dict | None = None, fused: bool | None = None):
     """The FP8 backward of a validated quant-mode call (:func:`check_fp8_backward`):
@@ -292,37 +319,31 @@ def backward_fp8(dout, q, k, v, rab, call: Call, operands: dict | None = None, t
         operands = fp8_backward_operands(dout, q, k, v, call, quantized)
     rab, drab, drab_view = _aligned_rab_and_drab(rab, has_drab)
     drab_out, atomic_sum = _drab_over_heads(rab, drab, p.heads, deterministic)
-    context_target = p.mask.has_context or p.mask.has_target
-    values = dict(operands, mdQ=dq, mdK=dk, mdV=dv, mRab=rab, mdRab=drab_out, num_sms=num_sms(device),
-                  **_sequence_args(call, device, context_target), **_scalar_args(call))
-    common = (device_arch(device), DTYPE_NAMES[p.dtype], p.head_dim, p.mask.kind, context_target, rab is not None)
     tiles = tiles or {}
-    two_direction = r.two_direction
     if fused is None:
         fused = fp8_backward_fused(p.head_dim, r, max_seqlen_k, rab is not None, has_drab, deterministic)
     elif fused and not fp8_fused_serves(p.head_dim, r, rab is not None, has_drab, deterministic):
         raise ValueError(f"fused=True: the fused FP8 backward serves head dims {FP8_FUSED_HEAD_DIMS}, quant modes "
                          f"0, 2-5, no rab or drab, not deterministic; got head dim {p.head_dim}, quant_mode="
                          f"{r.mode}, rab={rab is not None}, has_drab={has_drab}, deterministic={deterministic}")
-    if fused:
-        key = _made(make_hopper_fp8_bwd_key, "fused", *common, tiles.get("fused"))
-        dq_accum = torch.zeros(q.shape, dtype=torch.float32, device=device)
-        with _on_device(device):
-            _launch(key, _compiled(key), dict(values, mdQaccum=dq_accum, num_n_blocks=-(-max_seqlen_k // key.tile_n),
-                                              **_walk_args(key, p, q.shape[0], max_seqlen_q, device)))
-        return dq_accum.to(q.dtype), dk, dv, None
-    key_kv = _made(make_hopper_fp8_bwd_key, "dkdv", *common, tiles.get("dkdv"), two_direction=two_direction)
-    key_q = _made(make_hopper_fp8_bwd_key, "dq", *common, tiles.get("dq"), has_drab, atomic_sum,
-                  two_direction=two_direction)
+    plan_key = ("bwd_fp8", fused, rab is not None, q.shape[0], k.shape[0], has_drab, atomic_sum, call.alpha,
+                call.target_group_size)
+
+    def build():
+        return _fp8_backward_plan(call, device, fused, rab is not None, has_drab, atomic_sum, q.shape[0], k.shape[0],
+                                  tiles)
+
+    plan = _plan(call, plan_key, build) if not tiles else build()
+    values = dict(operands, mdQ=dq, mdK=dk, mdV=dv, mRab=rab, mdRab=drab_out, **_call_tensors(call))
     with _on_device(device):
+        if fused:
+            dq_accum = values["mdQaccum"] = torch.zeros(q.shape, dtype=torch.float32, device=device)
+            plan[0](values, device)
+            return dq_accum.to(q.dtype), dk, dv, None
         if "dkdv" in kernels:
-            # The walk counts dim_parts n-blocks per key block (D256: two CTAs, each with half of D).
-            n_blocks = key_kv.dim_parts * -(-max_seqlen_k // key_kv.tile_n)
-            _launch(key_kv, _compiled(key_kv), dict(values, num_n_blocks=n_blocks,
-                                                    **_walk_args(key_kv, p, q.shape[0], max_seqlen_q, device)))
+            plan[0](values, device)
         if "dq" in kernels:
             with _beside(device):
-                _launch(key_q, _compiled(key_q), dict(values, num_m_blocks=-(-max_seqlen_q // key_q.tile_m),
-                                                      **_walk_args(key_q, p, k.shape[0], max_seqlen_k, device)))
+                plan[1](values, device)
     _sum_drab_heads(drab, drab_out)
     return dq, dk, dv, drab_view

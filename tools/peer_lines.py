@@ -1,12 +1,20 @@
-"""Same-run reference line: Meta's Triton HSTU attention (generative-recommenders' ``triton_hstu_mha``)
-against hstu-cute on the jagged rows of ``hstu_cute.bench.recsys_grid()``. Measurement only.
+"""Same-run reference lines from peers whose code stays out of this repository. Measurement only.
+
+* ``triton-hstu`` (default): Meta's Triton HSTU attention (generative-recommenders'
+  ``triton_hstu_mha``) against hstu-cute on the jagged rows of ``hstu_cute.bench.recsys_grid()``.
+* ``--hbsa``: HBSA's block-sparse forward (zhengqigao/hbsattn, Triton, softmax) against our
+  block-sparse forward on ``bench --grid blocksparse``'s uniform-length workloads, the same kept
+  blocks (HBSA's jagged layout: one (H, total query blocks, total key blocks) bool, block-diagonal
+  over the batch). HBSA's package lives in ``$HBSA_DIR`` (default ``<repo>/.peer/hbsattn``, the
+  repository's root: ``hbsattn/hbsa_interface.py``). TF/s count the same allowed pairs for both.
 
 The Triton module is NOT part of this repository and never a dependency: a copy of its files lives in
 a git-ignored directory, ``$TRITON_HSTU_DIR`` (default ``<repo>/.triton_hstu``), laid out as the
 ``generative_recommenders`` package (``ops/triton/triton_hstu_attention.py`` and what it imports).
 
-Usage (GPU machine, repo root):  python tools/triton_hstu_line.py
-Output: JSON lines on stdout, appended to ``$OUT/triton.jsonl`` (OUT defaults to '.'); progress with
+Usage (GPU machine, repo root):  python tools/peer_lines.py [--hbsa [--limit N]]
+Output: JSON lines on stdout, appended to ``$OUT/<ref>.jsonl`` (``triton_hstu.jsonl``, ``hbsa.jsonl``;
+OUT defaults to '.'); progress with
 elapsed seconds on stderr.
 
 Order: for every jagged workload, (1) Triton forward: all autotune configs compiled in parallel
@@ -17,7 +25,8 @@ subprocess so that a crash (illegal memory access, ...) is recorded instead of k
 
 Environment:
   TRITON_HSTU_DIR        where the copied ``generative_recommenders`` package lives
-  OUT                    output folder for triton.jsonl (default '.')
+  OUT                    output folder for the JSON lines (default '.')
+  HBSA_DIR               where HBSA's repository lives (--hbsa; default <repo>/.peer/hbsattn)
   TRITON_HSTU_FWD_CONFIGS, TRITON_HSTU_BWD_CONFIGS
                          comma-separated indices into the upstream autotune config lists (29 forward,
                          20 backward on CUDA >= 12.8) to autotune over only those; the JSON rows report
@@ -67,6 +76,9 @@ from dataclasses import replace
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Environment: see the module docstring "
                                      "(TRITON_HSTU_DIR, OUT, TRITON_HSTU_*).")
+    parser.add_argument("--hbsa", action="store_true",
+                        help="HBSA's block-sparse forward beside ours instead of the Triton HSTU line")
+    parser.add_argument("--limit", type=int, default=None, help="with --hbsa: the first N workloads")
     # Internal: the Triton backward of one workload, run in a subprocess by backward_row().
     parser.add_argument("--bwd-child", nargs="+", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -99,7 +111,7 @@ def emit(row: dict) -> None:
     line = json.dumps(row)
     print(line, flush=True)
     os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "triton.jsonl"), "a") as f:
+    with open(os.path.join(OUT, f"{row['ref']}.jsonl"), "a") as f:
         f.write(line + "\n")
 
 
@@ -387,8 +399,54 @@ def main() -> None:
     log("done")
 
 
+def hbsa_main(limit: int | None) -> None:
+    """One row per uniform-length blocksparse workload: HBSA's forward and ours, same inputs and blocks."""
+    hbsa_dir = os.environ.get("HBSA_DIR", os.path.join(REPO, ".peer", "hbsattn"))
+    if hbsa_dir not in sys.path:
+        sys.path.insert(0, hbsa_dir)
+    from hbsattn.hbsa_interface import HBSAttention
+
+    from hstu_cute.bench_sparse import allowed_pairs, kept_blocks, run_sparse, sparse_grid
+
+    emit(dict(ref="hbsa", mode="header", device=torch.cuda.get_device_name(), torch=torch.__version__,
+              source=hbsa_dir))
+    for w in [w for w in sparse_grid() if not w.lengths][:limit]:
+        kept = kept_blocks(w)  # (B, 1, M, M), the bench's own draw
+        batch, m = w.batch, kept.shape[-1]
+        jagged = torch.zeros((w.heads, batch * m, batch * m), dtype=torch.bool, device="cuda")
+        for b in range(batch):
+            jagged[:, b * m:(b + 1) * m, b * m:(b + 1) * m] = kept[b, 0]
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        q, k, v = ((torch.rand((batch * w.seqlen, w.heads, w.head_dim), generator=gen, device="cuda") * 2 - 1)
+                   .to(torch.bfloat16) for _ in range(3))
+        cu = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * w.seqlen
+        scale = w.head_dim ** -0.5
+
+        def call():
+            with torch.no_grad():
+                return HBSAttention(q, k, v, cu, cu, jagged, w.block, w.block, w.causal, scale)
+
+        t = time.time()
+        try:
+            call()
+            ms, iqr = bench.time_cuda([call])
+        except Exception as e:  # a Python-level failure; a CUDA fault ends the run
+            emit(dict(ref="hbsa", workload=w.name, error=repr(e)[:1000]))
+            continue
+        ours = run_sparse(w, "fwd", flex=False)
+        per_ms = 4.0 * w.heads * w.head_dim * allowed_pairs(w, kept) / 1e9
+        row = dict(ref="hbsa", workload=w.name, mode="fwd", hbsa_ms=ms, hbsa_iqr_ms=iqr, hbsa_tflops=per_ms / ms,
+                   ours_ms=ours["ms"], ours_kernel_ms=ours["kernel_ms"], ours_tflops=ours["tflops"],
+                   x_hbsa=ms / ours["ms"])
+        log(f"{w.name}: HBSA {ms:.3f} ms, ours {ours['ms']:.3f} ms ({time.time() - t:.1f}s)")
+        emit(row)
+    log("done")
+
+
 if __name__ == "__main__":
-    if ARGS.bwd_child:
+    if ARGS.hbsa:
+        hbsa_main(ARGS.limit)
+    elif ARGS.bwd_child:
         child = ARGS.bwd_child
         backward_child(int(child[0]), int(child[1]) if len(child) > 1 and child[1] else None)
     else:

@@ -7,12 +7,17 @@
   blocks (HBSA's jagged layout: one (H, total query blocks, total key blocks) bool, block-diagonal
   over the batch). HBSA's package lives in ``$HBSA_DIR`` (default ``<repo>/.peer/hbsattn``, the
   repository's root: ``hbsattn/hbsa_interface.py``). TF/s count the same allowed pairs for both.
+* ``--nsa``: an open NSA (XunhaoLai/native-sparse-attention-triton, Triton, softmax): its average-pooled
+  compression, compressed attention with top-k selection and top-k sparse attention, forward and
+  forward + backward, beside ``hstu_cute.nsa`` on ``bench --grid nsa``'s workloads in the same
+  configuration without the window branch (that NSA's window runs on the flash_attn package). Its
+  package lives in ``$NSA_DIR`` (default ``<repo>/.peer/nsa``, the repository's root).
 
 The Triton module is NOT part of this repository and never a dependency: a copy of its files lives in
 a git-ignored directory, ``$TRITON_HSTU_DIR`` (default ``<repo>/.triton_hstu``), laid out as the
 ``generative_recommenders`` package (``ops/triton/triton_hstu_attention.py`` and what it imports).
 
-Usage (GPU machine, repo root):  python tools/peer_lines.py [--hbsa [--limit N]]
+Usage (GPU machine, repo root):  python tools/peer_lines.py [--hbsa | --nsa] [--limit N]
 Output: JSON lines on stdout, appended to ``$OUT/<ref>.jsonl`` (``triton_hstu.jsonl``, ``hbsa.jsonl``;
 OUT defaults to '.'); progress with
 elapsed seconds on stderr.
@@ -27,6 +32,7 @@ Environment:
   TRITON_HSTU_DIR        where the copied ``generative_recommenders`` package lives
   OUT                    output folder for the JSON lines (default '.')
   HBSA_DIR               where HBSA's repository lives (--hbsa; default <repo>/.peer/hbsattn)
+  NSA_DIR                where the open NSA's repository lives (--nsa; default <repo>/.peer/nsa)
   TRITON_HSTU_FWD_CONFIGS, TRITON_HSTU_BWD_CONFIGS
                          comma-separated indices into the upstream autotune config lists (29 forward,
                          20 backward on CUDA >= 12.8) to autotune over only those; the JSON rows report
@@ -78,7 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      "(TRITON_HSTU_DIR, OUT, TRITON_HSTU_*).")
     parser.add_argument("--hbsa", action="store_true",
                         help="HBSA's block-sparse forward beside ours instead of the Triton HSTU line")
-    parser.add_argument("--limit", type=int, default=None, help="with --hbsa: the first N workloads")
+    parser.add_argument("--nsa", action="store_true",
+                        help="an open NSA's forward and forward + backward beside hstu_cute.nsa")
+    parser.add_argument("--limit", type=int, default=None, help="with --hbsa / --nsa: the first N workloads")
     # Internal: the Triton backward of one workload, run in a subprocess by backward_row().
     parser.add_argument("--bwd-child", nargs="+", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -443,9 +451,78 @@ def hbsa_main(limit: int | None) -> None:
     log("done")
 
 
+def nsa_main(limit: int | None) -> None:
+    """One row per bench --grid nsa workload and direction: the open NSA's three kernels and ours,
+    the same inputs and configuration (no window branch on either side)."""
+    nsa_dir = os.environ.get("NSA_DIR", os.path.join(REPO, ".peer", "nsa"))
+    if nsa_dir not in sys.path:
+        sys.path.insert(0, nsa_dir)
+    try:
+        import einops  # noqa: F401  (its package imports it; the three kernels timed here never call it)
+    except ImportError:
+        import types
+
+        def absent(*args, **kwargs):
+            raise RuntimeError("einops is not installed on this machine")
+
+        sys.modules["einops"] = types.SimpleNamespace(einsum=absent, rearrange=absent)
+    from native_sparse_attention.ops.triton.compressed_attention import compressed_attention
+    from native_sparse_attention.ops.triton.topk_sparse_attention import topk_sparse_attention
+    from native_sparse_attention.ops.triton.weighted_pool import avgpool_compress
+
+    from hstu_cute.bench_nsa import nsa_grid, run_nsa
+
+    emit(dict(ref="nsa", mode="header", device=torch.cuda.get_device_name(), torch=torch.__version__, source=nsa_dir))
+    for w in nsa_grid()[:limit]:
+        cfg = replace(w.cfg, window=0)
+        ours_w = replace(w, cfg=cfg)
+        tokens = w.batch * w.seqlen
+        cu = torch.arange(0, w.batch + 1, dtype=torch.int32, device="cuda") * w.seqlen
+        for direction in ("fwd", "fwd+bwd"):
+            backward = direction == "fwd+bwd"
+            gen = torch.Generator(device="cuda").manual_seed(2)
+            q, k, v = ((torch.rand((tokens, w.heads, w.head_dim), generator=gen, device="cuda") * 2 - 1)
+                       .to(torch.bfloat16).requires_grad_(backward) for _ in range(3))
+            grad = torch.randn_like(q) if backward else None
+
+            def step():
+                ck, cu_c = avgpool_compress(k, None, cu, cfg.cmp_block, cfg.cmp_stride)
+                cv, _ = avgpool_compress(v, None, cu, cfg.cmp_block, cfg.cmp_stride)
+                max_c = int((cu_c[1:] - cu_c[:-1]).max())
+                o_cmp, top = compressed_attention(q, ck, cv, cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.top_n,
+                                                  cu, cu_c, w.seqlen, max_c, None, cfg.num_initial, cfg.num_local)
+                o = o_cmp + topk_sparse_attention(q, k, v, top, cfg.sel_block, cu)
+                if backward:
+                    q.grad = k.grad = v.grad = None
+                    o.backward(grad)
+
+            def run():
+                if backward:
+                    step()
+                else:
+                    with torch.no_grad():
+                        step()
+
+            t = time.time()
+            try:
+                run()
+                ms, iqr = bench.time_cuda([run], warmup=2, reps=10)
+            except Exception as e:  # a Python-level failure; a CUDA fault ends the run
+                emit(dict(ref="nsa", workload=w.name, mode=direction, error=repr(e)[:1000]))
+                continue
+            q = k = v = grad = None  # noqa: F841  (free the inputs before our line allocates its own)
+            ours = run_nsa(ours_w, direction)
+            emit(dict(ref="nsa", workload=w.name, mode=direction, nsa_ms=ms, nsa_iqr_ms=iqr, ours_ms=ours["ms"],
+                      ours_dense_ms=ours["dense_ms"], x_nsa=ms / ours["ms"], cfg=vars(cfg)))
+            log(f"{w.name} {direction}: open NSA {ms:.3f} ms, ours {ours['ms']:.3f} ms ({time.time() - t:.1f}s)")
+    log("done")
+
+
 if __name__ == "__main__":
     if ARGS.hbsa:
         hbsa_main(ARGS.limit)
+    elif ARGS.nsa:
+        nsa_main(ARGS.limit)
     elif ARGS.bwd_child:
         child = ARGS.bwd_child
         backward_child(int(child[0]), int(child[1]) if len(child) > 1 and child[1] else None)

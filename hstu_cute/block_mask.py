@@ -230,11 +230,15 @@ class BlockMask:
         backward costs its ~40 small tensor ops (~0.3 ms of device time and more of host at
         B8 N16384) once (docs/dev/perf-log.md, session 31). The batch layout is recognised by the
         very tensor objects (held by the entry, so their memory is not reused) and their version
-        counters: an in-place change rebuilds the tables. Traced calls build them afresh."""
+        counters: an in-place change rebuilds the tables."""
         layout = (seq_offsets_q, seq_offsets_k, seqused_q, seqused_k)
         static = (tile_m, tile_n, int(max_seqlen_q), int(max_seqlen_k), bool(is_delta_q))
+        # Traced calls and CUDA-graph captures build them afresh and keep nothing: a capture
+        # records the building kernels without running them, so its tables hold their values
+        # only when the graph replays.
         tracing = torch.compiler.is_compiling() or any(
-            isinstance(t, torch.Tensor) and type(t) is not torch.Tensor for t in (self.kv_count, *layout))
+            isinstance(t, torch.Tensor) and type(t) is not torch.Tensor for t in (self.kv_count, *layout)) or (
+            self.kv_count.is_cuda and torch.cuda.is_current_stream_capturing())
         versions = tuple(None if t is None else t._version for t in layout) if not tracing else None
         cache = self.__dict__.get("_kernel_tables")
         if cache is None and not tracing:

@@ -44,6 +44,31 @@ def _uniform(shape, gen, dtype, device, requires_grad) -> torch.Tensor:
     return x.requires_grad_(requires_grad)
 
 
+def gaussian_jagged_batch(lengths_q: Sequence[int], lengths_k: Sequence[int], heads: int, head_dim: int,
+                          dtype: torch.dtype, gen: torch.Generator, *, rab_heads: int | None = None,
+                          seqused: bool = False, alpha: float = 0.5, device="cuda") -> dict:
+    """Keyword arguments of one call on explicit lengths, drawn from ``gen`` in a fixed order (q,
+    k, v, then rab): q, k ~ N(0, 0.25), v ~ N(0, 1); ``is_delta_q`` where the lengths differ;
+    ``rab_heads``: a (B, rab_heads, L_k, L_k) bias; ``seqused``: 3 rows fewer per sequence (queries
+    capped by keys under delta_q). The GPU test files' common batch."""
+    lengths_q, lengths_k = list(lengths_q), list(lengths_k)
+    q = (torch.randn(sum(lengths_q), heads, head_dim, generator=gen) * 0.5).to(dtype).to(device)
+    k = (torch.randn(sum(lengths_k), heads, head_dim, generator=gen) * 0.5).to(dtype).to(device)
+    v = torch.randn(sum(lengths_k), heads, head_dim, generator=gen).to(dtype).to(device)
+    b = dict(q=q, k=k, v=v, seq_offsets_q=_offsets(lengths_q, device), seq_offsets_k=_offsets(lengths_k, device),
+             max_seqlen_q=max(lengths_q + [1]), max_seqlen_k=max(lengths_k + [1]), is_delta_q=lengths_q != lengths_k,
+             alpha=alpha)
+    if rab_heads:
+        n = b["max_seqlen_k"]
+        b["rab"] = (torch.randn(len(lengths_k), rab_heads, n, n, generator=gen) * 0.5).to(dtype).to(device)
+    if seqused:
+        b["seqused_q"] = torch.tensor([max(n - 3, 0) for n in lengths_q], dtype=torch.int32, device=device)
+        b["seqused_k"] = torch.tensor([max(n - 3, 0) for n in lengths_k], dtype=torch.int32, device=device)
+        if b["is_delta_q"]:
+            b["seqused_q"] = torch.minimum(b["seqused_q"], b["seqused_k"])
+    return b
+
+
 def random_jagged_batch(
     batch_size: int,
     num_heads: int,

@@ -343,3 +343,18 @@ def test_kernel_tables_are_built_once_per_batch_layout():
         other = torch.tensor([0, 100 + i, 150 + i], dtype=torch.int32)
         bm.kernel_tables(other, other, None, None, 64, 64, 200, 200)
     assert len(bm.__dict__["_kernel_tables"]) <= 4
+
+
+def test_kernel_tables_made_during_a_graph_capture_are_not_kept(monkeypatch):
+    """A CUDA-graph capture records the tables' kernels without running them: what it builds must
+    not serve a later eager call (CPU stand-in: the capture flag forced on a CUDA-looking mask)."""
+    bm = BlockMask.from_dense(_random_dense((1, 1, 4, 4), 0.5, 2), 32, 32)
+    offsets = torch.tensor([0, 100], dtype=torch.int32)
+    args = (offsets, offsets, None, None, 64, 64, 100, 100)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    captured = bm.kernel_tables(*args)
+    assert not bm.__dict__.get("_kernel_tables")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert bm.kernel_tables(*args) is not captured
+    assert bm.kernel_tables(*args) is bm.kernel_tables(*args)

@@ -13,7 +13,7 @@ import torch
 
 from hstu_cute import BlockMask, hstu_attn_varlen_func, reference
 from hstu_cute.block_mask import blocks_for
-from hstu_cute.testing import check_against_oracle
+from hstu_cute.testing import check_against_oracle, gaussian_jagged_batch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,22 +26,8 @@ def _seed(*parts) -> int:
 
 
 def _batch(lengths_q, lengths_k, heads, head_dim, dtype, gen, rab_heads=None, seqused=False):
-    offsets_q = torch.tensor([0] + torch.tensor(lengths_q).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    offsets_k = torch.tensor([0] + torch.tensor(lengths_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    q = (torch.randn(sum(lengths_q), heads, head_dim, generator=gen) * 0.5).to(dtype).cuda()
-    k = (torch.randn(sum(lengths_k), heads, head_dim, generator=gen) * 0.5).to(dtype).cuda()
-    v = torch.randn(sum(lengths_k), heads, head_dim, generator=gen).to(dtype).cuda()
-    b = dict(q=q, k=k, v=v, seq_offsets_q=offsets_q, seq_offsets_k=offsets_k, max_seqlen_q=max(lengths_q + [1]),
-             max_seqlen_k=max(lengths_k + [1]), is_delta_q=lengths_q != lengths_k, alpha=0.5)
-    if rab_heads:
-        n = b["max_seqlen_k"]
-        b["rab"] = (torch.randn(len(lengths_k), rab_heads, n, n, generator=gen) * 0.5).to(dtype).cuda()
-    if seqused:
-        b["seqused_q"] = torch.tensor([max(n - 3, 0) for n in lengths_q], dtype=torch.int32, device="cuda")
-        b["seqused_k"] = torch.tensor([max(n - 3, 0) for n in lengths_k], dtype=torch.int32, device="cuda")
-        if b["is_delta_q"]:
-            b["seqused_q"] = torch.minimum(b["seqused_q"], b["seqused_k"])
-    return b
+    return gaussian_jagged_batch(lengths_q, lengths_k, heads, head_dim, dtype, gen, rab_heads=rab_heads,
+                                 seqused=seqused)
 
 
 def _dense_blocks(batch, heads_mask, rows, keys, q_block, k_block, density, gen):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hstu_cute import hstu_attn_varlen_func, masks
-from hstu_cute.testing import check_against_oracle
+from hstu_cute.testing import check_against_oracle, gaussian_jagged_batch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,19 +37,7 @@ def _func(lengths, lengths_k, n_func, gen, device="cuda"):
 
 
 def _batch(lengths, lengths_k, heads, head_dim, dtype, gen, seqused=False):
-    offsets_q = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    offsets_k = torch.tensor([0] + torch.tensor(lengths_k).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    q = (torch.randn(sum(lengths), heads, head_dim, generator=gen) * 0.5).to(dtype).cuda()
-    k = (torch.randn(sum(lengths_k), heads, head_dim, generator=gen) * 0.5).to(dtype).cuda()
-    v = torch.randn(sum(lengths_k), heads, head_dim, generator=gen).to(dtype).cuda()
-    b = dict(q=q, k=k, v=v, seq_offsets_q=offsets_q, seq_offsets_k=offsets_k, max_seqlen_q=max(lengths + [1]),
-             max_seqlen_k=max(lengths_k + [1]), is_delta_q=lengths != lengths_k, alpha=0.5)
-    if seqused:
-        b["seqused_q"] = torch.tensor([max(n - 3, 0) for n in lengths], dtype=torch.int32, device="cuda")
-        b["seqused_k"] = torch.tensor([max(n - 3, 0) for n in lengths_k], dtype=torch.int32, device="cuda")
-        if b["is_delta_q"]:
-            b["seqused_q"] = torch.minimum(b["seqused_q"], b["seqused_k"])
-    return b
+    return gaussian_jagged_batch(lengths, lengths_k, heads, head_dim, dtype, gen, seqused=seqused)
 
 
 def _check(b, func, seed, backward=True):

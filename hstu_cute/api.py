@@ -27,6 +27,7 @@ from .launch import backward, backward_fp8, check_fp8_backward, forward, forward
 from .validation import (
     check_device_data,
     device_checks_enabled,
+    expand_kv_heads,
     fail,
     output_dtype,
     validate,
@@ -353,7 +354,9 @@ def hstu_attn_varlen_func(
         q: ``(T_q, H, D)`` bf16/fp16 CUDA tensor (or float8_e4m3fn, pre-quantized, on sm90:
             forward only); queries of all sequences packed along dim 0. ``D`` in {32, 64, 128,
             256} (FP8: 64, 128, 256); last dim stride 1.
-        k: ``(T_k, H, D)`` keys; same dtype, device, ``H`` (no GQA) and ``D`` as q.
+        k: ``(T_k, H, D)`` keys; same dtype, device and ``D`` as q; ``H`` heads, or (16-bit k and
+            v, no paged cache) ``H_kv`` heads dividing ``H``: query head ``h`` reads key head
+            ``h // (H / H_kv)`` (GQA / MQA; docs/operator.md, "Grouped query heads").
         v: ``(T_k, H, D)`` values; same shape, dtype and device as k.
         seq_offsets_q: ``(B+1,)`` int32 cumulative row offsets of each sequence's queries
             (``[0] == 0``, non-decreasing, ``1 <= B <= 65535``).
@@ -414,7 +417,7 @@ def hstu_attn_varlen_func(
             masks (n_func 1 or 3; 16-bit, forward and backward, Hopper and sm80).
         block_mask: keyword-only :class:`hstu_cute.BlockMask`, or None: an element is attended
             only if the mask allows it and its (query block, key block) is kept for its sequence
-            and head (docs/dev/block-sparse.md). In progress: 16-bit, forward and backward on
+            and head (docs/operator.md, "Block-sparse masks"): 16-bit, forward and backward on
             Hopper and sm80 (no FP8, paged cache or ``func``).
 
     Returns:
@@ -434,6 +437,7 @@ def hstu_attn_varlen_func(
     """
     if not isinstance(deterministic, bool):
         fail(TypeError, "deterministic", "a bool", type(deterministic).__name__)
+    k, v = expand_kv_heads(q, k, v, kv_cache is not None)
     eager = _eager(q)
     args = (q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
             target_group_size, window_size, alpha, rab, has_drab, is_delta_q, descale_q, descale_k, descale_v,

@@ -101,6 +101,10 @@ def hstu_attn_reference(
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor (T, H, D), got {getattr(t, 'shape', t)}")
+    if k.shape[1] != q.shape[1] and k.shape[1] and q.shape[1] % k.shape[1] == 0 and v.shape[1] == k.shape[1]:
+        # GQA / MQA: query head h reads key head h // (H_q // H_kv) (docs/operator.md).
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     T_q, H, D = q.shape
     if k.shape[1:] != (H, D) or v.shape[1] != H or k.shape[0] != v.shape[0]:
         raise ValueError(

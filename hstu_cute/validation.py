@@ -42,6 +42,29 @@ def output_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == FP8_INPUT_DTYPE else dtype
 
 
+def kv_group(q, k, v, paged: bool = False) -> int:
+    """GQA / MQA (docs/operator.md, "Grouped query heads"): ``H_q // H_kv`` when k and v hold
+    ``H_kv`` heads, a proper divisor of q's ``H_q``, shared by groups of consecutive query heads
+    (query head ``h`` reads key head ``h // group``); 1 otherwise (validation then names what does
+    not match). 16-bit k and v only, and not with a paged cache, whose pages hold ``H_q`` heads."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (q, k, v)) or paged:
+        return 1
+    h_q, h_kv = q.shape[1], k.shape[1]
+    if (h_kv == h_q or h_kv < 1 or h_q % h_kv or v.shape[1] != h_kv
+            or k.dtype not in (torch.bfloat16, torch.float16) or v.dtype != k.dtype):
+        return 1
+    return h_q // h_kv
+
+
+def expand_kv_heads(q, k, v, paged: bool = False):
+    """``(k, v)`` with each key head repeated for its group of query heads (:func:`kv_group`; a
+    copy, differentiable: the backward sums each group's gradients), or unchanged."""
+    group = kv_group(q, k, v, paged)
+    if group == 1:
+        return k, v
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+
 def fail(exc, name, expected, actual):
     raise exc(f"{name}: expected {expected}, got {actual}")
 
@@ -212,7 +235,8 @@ def validate(
     if fp8 and head_dim not in FP8_HEAD_DIMS:
         raise NotImplementedError(f"q.shape[2] (head dim): the FP8 forward supports {FP8_HEAD_DIMS}, got {head_dim}")
     if k.shape[1] != heads:
-        fail(ValueError, "k.shape[1] (heads)", f"{heads} (q's heads; no GQA)", k.shape[1])
+        fail(ValueError, "k.shape[1] (heads)", f"{heads} (q's heads), or a divisor of them for GQA / MQA with "
+             "16-bit k and v, without a paged cache", k.shape[1])
     if k.shape[2] != head_dim:
         fail(ValueError, "k.shape[2] (head dim)", f"{head_dim} (q's head dim)", k.shape[2])
     if v.shape[1] != heads or v.shape[2] != head_dim:

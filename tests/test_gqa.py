@@ -1,0 +1,81 @@
+"""GQA / MQA (docs/operator.md, "Grouped query heads") on CPU: the oracle's rule (query head h
+reads key head h // (H_q / H_kv)) against a direct per-head computation, gradients of the shared
+key heads summed over their groups, the public call on meta tensors (eager autograd, torch.compile)
+and what stays refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hstu_cute import hstu_attn_varlen_func, reference, validation
+
+BF16 = torch.bfloat16
+
+
+def _batch(h_q, h_kv, lengths=(9, 17, 1), head_dim=32, device="cpu", dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    offsets = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    t = sum(lengths)
+    q = torch.randn(t, h_q, head_dim, generator=gen, dtype=torch.float64).to(dtype)
+    k, v = (torch.randn(t, h_kv, head_dim, generator=gen, dtype=torch.float64).to(dtype) for _ in range(2))
+    return dict(q=q.to(device), k=k.to(device), v=v.to(device), seq_offsets_q=offsets.to(device),
+                seq_offsets_k=offsets.to(device), max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
+
+
+@pytest.mark.parametrize("h_q,h_kv", [(4, 1), (4, 2), (6, 3)])
+def test_oracle_reads_key_head_h_over_group(h_q, h_kv):
+    b = _batch(h_q, h_kv)
+    out = reference.hstu_attn_reference(**b, window_size=(-1, 0), alpha=0.5, compute_dtype=torch.float64)
+    group = h_q // h_kv
+    for h in range(h_q):
+        one = dict(b, q=b["q"][:, h:h + 1], k=b["k"][:, h // group:h // group + 1], v=b["v"][:, h // group:h // group + 1])
+        want = reference.hstu_attn_reference(**one, window_size=(-1, 0), alpha=0.5, compute_dtype=torch.float64)
+        assert torch.allclose(out[:, h:h + 1], want, rtol=1e-12, atol=1e-12), h
+
+
+def test_shared_key_heads_get_their_groups_gradients():
+    b = _batch(4, 2)
+    leaves = {n: b[n].clone().requires_grad_() for n in ("q", "k", "v")}
+    out = reference.hstu_attn_reference(**dict(b, **leaves), window_size=(-1, 0))
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    # The same call with each key head copied for its group: its gradients summed per group.
+    expanded = {"q": b["q"].clone().requires_grad_(),
+                "k": b["k"].repeat_interleave(2, dim=1).requires_grad_(),
+                "v": b["v"].repeat_interleave(2, dim=1).requires_grad_()}
+    reference.hstu_attn_reference(**dict(b, **expanded), window_size=(-1, 0)).backward(dout)
+    for n in ("k", "v"):
+        summed = expanded[n].grad.unflatten(1, (2, 2)).sum(dim=2)
+        assert torch.allclose(leaves[n].grad, summed, rtol=1e-12, atol=1e-12), n
+    assert torch.allclose(leaves["q"].grad, expanded["q"].grad)
+
+
+def test_the_public_call_takes_grouped_heads_on_meta_tensors(monkeypatch):
+    """Eager autograd and torch.compile(fullgraph=True) on meta tensors (nothing launched): the
+    output has q's heads, k's and v's gradients k's and v's shapes."""
+    import hstu_cute.compile
+
+    monkeypatch.setattr(hstu_cute.compile, "build", lambda *a, **k: pytest.fail("compiled a kernel"))
+    b = _batch(8, 2, device="meta", dtype=BF16)
+    for n in ("q", "k", "v"):
+        b[n].requires_grad_()
+    out = hstu_attn_varlen_func(**b, window_size=(-1, 0))
+    assert out.shape == b["q"].shape
+    out.sum().backward()
+    assert b["k"].grad.shape == b["k"].shape and b["v"].grad.shape == b["v"].shape
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: hstu_attn_varlen_func(q, k, v, b["seq_offsets_q"], b["seq_offsets_k"],
+                                                                   17, 17, window_size=(-1, 0)),
+                             fullgraph=True, backend="eager")
+    assert compiled(b["q"].detach(), b["k"].detach(), b["v"].detach()).shape == b["q"].shape
+
+
+def test_what_stays_refused():
+    assert validation.kv_group(*(_batch(4, 2, dtype=BF16)[n] for n in ("q", "k", "v"))) == 2
+    b = _batch(4, 3, dtype=BF16, device="meta")  # not a divisor
+    with pytest.raises(ValueError, match=r"k\.shape\[1\] \(heads\): expected 4 \(q's heads\), or a divisor"):
+        hstu_attn_varlen_func(**b)
+    b = _batch(4, 2, dtype=torch.float32, device="meta")  # 16-bit k and v only
+    assert validation.kv_group(b["q"], b["k"], b["v"]) == 1
+    assert validation.kv_group(*(_batch(4, 2, dtype=BF16)[n] for n in ("q", "k", "v")), paged=True) == 1

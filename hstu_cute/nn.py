@@ -97,10 +97,12 @@ def _check_qkv(q, k, v, seq_offsets, max_seqlen) -> None:
         if t.dim() != 3:
             fail(ValueError, name, "a 3-D tensor (tokens, heads, head_dim)", f"shape {tuple(t.shape)}")
     tokens, heads, head_dim = q.shape
-    if tuple(k.shape) != (tokens, heads, head_dim):
-        fail(ValueError, "k.shape", f"{(tokens, heads, head_dim)} (q's shape: self-attention)", tuple(k.shape))
-    if tuple(v.shape[:2]) != (tokens, heads):
-        fail(ValueError, "v.shape[:2]", f"{(tokens, heads)} (q's tokens and heads)", tuple(v.shape[:2]))
+    kv_heads = k.shape[1]  # q's heads, or a divisor of them (GQA / MQA: docs/operator.md)
+    if k.shape[0] != tokens or k.shape[2] != head_dim or kv_heads < 1 or heads % kv_heads:
+        fail(ValueError, "k.shape", f"({tokens}, H_kv, {head_dim}) with H_kv dividing {heads} (q's tokens, heads and "
+             "head dim: self-attention)", tuple(k.shape))
+    if tuple(v.shape[:2]) != (tokens, kv_heads):
+        fail(ValueError, "v.shape[:2]", f"{(tokens, kv_heads)} (k's tokens and heads)", tuple(v.shape[:2]))
     if k.dtype != q.dtype or v.dtype != q.dtype:
         fail(TypeError, "k/v dtype", f"{q.dtype} (same as q)", f"k {k.dtype}, v {v.dtype}")
     if not isinstance(seq_offsets, torch.Tensor):
@@ -294,7 +296,9 @@ class HSTUBlock(nn.Module):
         out        = x + Dropout(y) W_out                  # output projection, residual
 
     ``q``, ``k`` have ``head_dim`` per head, ``u``, ``v`` have ``hidden_dim`` (default
-    ``head_dim``). ``alpha`` defaults to ``1/sqrt(head_dim)``. The attention is causal by default
+    ``head_dim``). ``num_kv_heads`` (default ``num_heads``, a divisor of it): the heads of k and v,
+    shared by groups of query heads (GQA / MQA; docs/operator.md). ``alpha`` defaults to
+    ``1/sqrt(head_dim)``. The attention is causal by default
     (``window``), with optional contexts, targets and rab per call.
 
     On the kernel path (CUDA), q, k, v that are not 16-bit (an fp32 model without autocast) are cast
@@ -307,11 +311,14 @@ class HSTUBlock(nn.Module):
                  alpha: float | None = None, window: tuple[int, int] = CAUSAL, scaling_seqlen: int = -1,
                  target_group_size: int = 1, dropout: float = 0.0, eps: float = 1e-6, deterministic: bool = False,
                  quant_mode: int = -1, attention_dtype: torch.dtype = torch.bfloat16, backend: str = "auto",
-                 device=None, dtype=None):
+                 num_kv_heads: int | None = None, device=None, dtype=None):
         super().__init__()
         for name, value in (("d_model", d_model), ("num_heads", num_heads), ("head_dim", head_dim)):
             if not _is_int(value) or value < 1:
                 fail(ValueError, name, "an int >= 1", repr(value))
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if not _is_int(num_kv_heads) or num_kv_heads < 1 or num_heads % num_kv_heads:
+            fail(ValueError, "num_kv_heads", f"an int >= 1 dividing num_heads ({num_heads}), or None", repr(num_kv_heads))
         hidden_dim = head_dim if hidden_dim is None else hidden_dim
         if not _is_int(hidden_dim) or hidden_dim < 1:
             fail(ValueError, "hidden_dim", "an int >= 1 or None (= head_dim)", repr(hidden_dim))
@@ -320,23 +327,30 @@ class HSTUBlock(nn.Module):
         if attention_dtype not in _KERNEL_DTYPES:
             fail(TypeError, "attention_dtype", "torch.bfloat16 or torch.float16", attention_dtype)
         self.d_model, self.num_heads, self.head_dim, self.hidden_dim = d_model, num_heads, head_dim, hidden_dim
+        self.num_kv_heads = num_kv_heads
         self.attention_dtype = attention_dtype
         self.dropout = float(dropout)
         factory = dict(device=device, dtype=dtype)
         self.input_norm = nn.LayerNorm(d_model, eps=eps, **factory)
-        self.uvqk = nn.Linear(d_model, num_heads * (2 * hidden_dim + 2 * head_dim), **factory)
+        self.uvqk = nn.Linear(d_model, sum(self.uvqk_sizes()), **factory)
         self.output_norm = nn.LayerNorm(num_heads * hidden_dim, eps=eps, **factory)
         self.output = nn.Linear(num_heads * hidden_dim, d_model, bias=False, **factory)
         self.attention = HSTUAttention(1.0 / math.sqrt(head_dim) if alpha is None else alpha, window, scaling_seqlen,
                                        deterministic, quant_mode, target_group_size, backend)
 
+    def uvqk_sizes(self) -> list[int]:
+        """Columns of the fused projection's u, v, q and k: u and q per query head, v and k per key
+        head."""
+        H, H_kv, dv, da = self.num_heads, self.num_kv_heads, self.hidden_dim, self.head_dim
+        return [H * dv, H_kv * dv, H * da, H_kv * da]
+
     def split_uvqk(self, h: torch.Tensor):
-        """The fused projection's four parts: u, v as (T, H, hidden_dim), q, k as (T, H, head_dim),
-        views of one (T, H * (2 * hidden_dim + 2 * head_dim)) product (no copies)."""
-        H, dv, da = self.num_heads, self.hidden_dim, self.head_dim
-        u, v, q, k = self.uvqk(h).split([H * dv, H * dv, H * da, H * da], dim=-1)
-        return (u.unflatten(-1, (H, dv)), v.unflatten(-1, (H, dv)), q.unflatten(-1, (H, da)),
-                k.unflatten(-1, (H, da)))
+        """The fused projection's four parts: u as (T, H, hidden_dim), v as (T, H_kv, hidden_dim),
+        q as (T, H, head_dim), k as (T, H_kv, head_dim): views of one product (no copies)."""
+        u, v, q, k = self.uvqk(h).split(self.uvqk_sizes(), dim=-1)
+        H, H_kv, dv, da = self.num_heads, self.num_kv_heads, self.hidden_dim, self.head_dim
+        return (u.unflatten(-1, (H, dv)), v.unflatten(-1, (H_kv, dv)), q.unflatten(-1, (H, da)),
+                k.unflatten(-1, (H_kv, da)))
 
     def _kernel_path(self, x: torch.Tensor) -> bool:
         backend = self.attention.backend
@@ -360,7 +374,8 @@ class HSTUBlock(nn.Module):
         return x + self.output(F.dropout(y, self.dropout, self.training))
 
     def extra_repr(self) -> str:
-        return (f"d_model={self.d_model}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+        return (f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, "
                 f"hidden_dim={self.hidden_dim}, dropout={self.dropout:g}")
 
 
@@ -384,11 +399,12 @@ def hstu_block_reference(block: HSTUBlock, x, seq_offsets, max_seqlen, num_conte
     norm_in, norm_out = block.input_norm, block.output_norm
     h = F.layer_norm(x, (block.d_model,), cast(norm_in.weight), cast(norm_in.bias), norm_in.eps)
     projected = h @ cast(block.uvqk.weight).t() + cast(block.uvqk.bias)
-    u, v, q, k = torch.split(projected, [H * dv, H * dv, H * da, H * da], dim=1)
+    u, v, q, k = torch.split(projected, block.uvqk_sizes(), dim=1)
     rows = x.shape[0]
     att = block.attention
+    H_kv = block.num_kv_heads
     a = hstu_attention_reference(
-        q.reshape(rows, H, da), k.reshape(rows, H, da), v.reshape(rows, H, dv), seq_offsets, max_seqlen,
+        q.reshape(rows, H, da), k.reshape(rows, H_kv, da), v.reshape(rows, H_kv, dv), seq_offsets, max_seqlen,
         num_contexts=num_contexts, num_targets=num_targets, target_group_size=att.target_group_size,
         window_size=att.window, alpha=att.alpha, rab=cast(rab), scaling_seqlen=att.scaling_seqlen,
         compute_dtype=None).reshape(rows, H * dv)

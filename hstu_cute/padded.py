@@ -121,10 +121,10 @@ def hstu_attn_padded(
     _check_backend(backend)
     flat = [_flatten_batch(name, t) for name, t in (("q", q), ("k", k), ("v", v))]
     batch, max_len = q.shape[:2]
-    for name, t in (("k", k), ("v", v)):
-        if tuple(t.shape[:3]) != tuple(q.shape[:3]):
-            fail(ValueError, f"{name}.shape[:3]", f"{tuple(q.shape[:3])} (q's batch, max_len, heads)",
-                 tuple(t.shape[:3]))
+    for name, t in (("k", k), ("v", v)):  # heads: q's, or a divisor of them (GQA / MQA)
+        if tuple(t.shape[:2]) != tuple(q.shape[:2]) or t.shape[2] < 1 or q.shape[2] % t.shape[2] or t.shape[2] != k.shape[2]:
+            fail(ValueError, f"{name}.shape[:3]", f"{tuple(q.shape[:2])} + (H_kv,) with H_kv dividing {q.shape[2]} "
+                 "(q's batch, max_len; k's and v's heads alike)", tuple(t.shape[:3]))
     seqused = _lengths_tensor(lengths, batch, max_len, q.device)
     offsets = _uniform_offsets(batch, max_len, q.device)
     out = hstu_attention(

@@ -79,3 +79,36 @@ def test_what_stays_refused():
     b = _batch(4, 2, dtype=torch.float32, device="meta")  # 16-bit k and v only
     assert validation.kv_group(b["q"], b["k"], b["v"]) == 1
     assert validation.kv_group(*(_batch(4, 2, dtype=BF16)[n] for n in ("q", "k", "v")), paged=True) == 1
+
+
+def test_modules_and_the_padded_entry_take_fewer_key_heads():
+    """HSTUBlock(num_kv_heads=...) projects k and v per key head; on CPU (the reference path) it
+    matches hstu_block_reference with every gradient; hstu_attention and hstu_attn_padded take k, v
+    with H_kv heads as the operator does."""
+    import warnings
+
+    from hstu_cute import HSTUBlock, hstu_attn_padded
+    from hstu_cute.nn import hstu_attention, hstu_block_reference
+
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    block = HSTUBlock(32, 4, 16, num_kv_heads=2, dtype=torch.float64)
+    assert block.uvqk.out_features == 4 * 16 + 2 * 16 + 4 * 16 + 2 * 16
+    offsets = torch.tensor([0, 10, 27, 28], dtype=torch.int32)
+    x = torch.randn(28, 32, dtype=torch.float64, requires_grad=True)
+    out = block(x, offsets, 17)
+    ref = hstu_block_reference(block, x, offsets, 17, compute_dtype=torch.float64)
+    assert torch.allclose(out, ref, rtol=1e-10, atol=1e-12)
+    leaves = [x, *block.parameters()]
+    dout = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, leaves, dout), torch.autograd.grad(ref, leaves, dout)):
+        assert torch.allclose(a, b, rtol=1e-9, atol=1e-11)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        HSTUBlock(32, 4, 16, num_kv_heads=3)
+
+    b = _batch(4, 2, lengths=(7, 7))
+    want = reference.hstu_attn_reference(**b, window_size=(-1, 0), compute_dtype=torch.float64)
+    got = hstu_attention(b["q"], b["k"], b["v"], b["seq_offsets_q"], 7)
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)
+    padded = hstu_attn_padded(*(b[n].view(2, 7, *b[n].shape[1:]) for n in ("q", "k", "v")), [7, 7])
+    assert torch.allclose(padded.reshape(14, 4, -1), want, rtol=1e-10, atol=1e-12)

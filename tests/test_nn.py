@@ -140,7 +140,8 @@ def test_attention_call_errors_name_the_argument():
     attn = hnn.HSTUAttention()
     cases = [
         ((q[0], k, v, offs, 9), ValueError, r"q: expected a 3-D tensor .*, got shape \(2, 8\)"),
-        ((q, k[:-1], v, offs, 9), ValueError, r"k\.shape: expected \(16, 2, 8\) .*, got \(15, 2, 8\)"),
+        ((q, k[:-1], v, offs, 9), ValueError, r"k\.shape: expected \(16, H_kv, 8\) with H_kv dividing 2 .*, "
+         r"got \(15, 2, 8\)"),
         ((q, k, v[:, :1], offs, 9), ValueError, r"v\.shape\[:2\]: expected \(16, 2\) .*, got \(16, 1\)"),
         ((q, k.float(), v, offs, 9), TypeError, r"k/v dtype: expected torch.float64"),
         ((q, k, v, offs.float(), 9), TypeError, r"seq_offsets\.dtype: expected torch.int32 or torch.int64"),

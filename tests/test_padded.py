@@ -110,8 +110,9 @@ def test_padded_errors_name_the_argument():
     q, k, v = _padded()
     cases = [
         ((q[0], k, v, LENGTHS), ValueError, r"q: expected a 4-D tensor .*, got shape \(7, 2, 8\)"),
-        ((q, k[:, :6], v, LENGTHS), ValueError, r"k\.shape\[:3\]: expected \(5, 7, 2\) .*, got \(5, 6, 2\)"),
-        ((q, k, v[:4], LENGTHS), ValueError, r"v\.shape\[:3\]: expected \(5, 7, 2\)"),
+        ((q, k[:, :6], v, LENGTHS), ValueError,
+         r"k\.shape\[:3\]: expected \(5, 7\) \+ \(H_kv,\) with H_kv dividing 2 .*, got \(5, 6, 2\)"),
+        ((q, k, v[:4], LENGTHS), ValueError, r"v\.shape\[:3\]: expected \(5, 7\) \+ \(H_kv,\)"),
         ((q, k, v, LENGTHS[:4]), ValueError, r"len\(lengths\): expected 5 .*, got 4"),
         ((q, k, v, [7, 0, 1, 4, 8]), ValueError, r"lengths: expected values in \[0, 7\] .*, got \[8\]"),
         ((q, k, v, torch.tensor(LENGTHS, dtype=torch.float32)), TypeError,

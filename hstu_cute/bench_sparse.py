@@ -140,16 +140,12 @@ def _kernel_ms(call, reps: int = 10) -> float:
     return sum(e.device_time_total for e in prof.key_averages() if e.key.startswith("kernel_cutlass")) / reps / 1e3
 
 
-#: FLOPs of a direction over the forward's (docs/operator.md: the backward counts 2.5x).
-DIRECTION_FLOPS = {"fwd": 1.0, "fwd+bwd": 3.5}
-
-
 def run_sparse(w: SparseWorkload, direction: str = "fwd", flex: bool = True) -> dict:
     """One row: ours sparse, ours dense (the same inputs, no block mask), FlexAttention; the
     forward alone (``fwd``, no grad) or forward + backward (``fwd+bwd``: autograd, the output's
     gradient random, the inputs' gradients dropped before each call)."""
     from .api import hstu_attn_varlen_func
-    from .bench import time_cuda
+    from .bench import _STEP_FLOPS, time_cuda
 
     lengths = _seq_lengths(w)
     tokens = sum(lengths)
@@ -192,7 +188,8 @@ def run_sparse(w: SparseWorkload, direction: str = "fwd", flex: bool = True) -> 
         ms_flex, _ = time_cuda([flex_step])
     pairs = allowed_pairs(w, kept)
     dense_pairs = sum(n * (n + 1) // 2 if w.causal else n * n for n in lengths)
-    per_pair = 4.0 * w.heads * w.head_dim * DIRECTION_FLOPS[direction] / 1e9
+    # The forward's FLOPs, or a training step's (3.5x: bench's convention, docs/operator.md).
+    per_pair = 4.0 * w.heads * w.head_dim * _STEP_FLOPS["step" if backward else "fwd"] / 1e9
     return dict(workload=w.name, direction=direction, density=pairs / dense_pairs, ms=ms_sparse, iqr_ms=iqr,
                 kernel_ms=kernel_ms,
                 tflops=per_pair * pairs / ms_sparse, dense_ms=ms_dense, dense_tflops=per_pair * dense_pairs / ms_dense,

@@ -176,13 +176,14 @@ class BlockMask:
 
     def tile_lists(self, seq_offsets_q: torch.Tensor, seq_offsets_k: torch.Tensor, seqused_q, seqused_k,
                    tile_m: int, tile_n: int, max_seqlen_q: int, max_seqlen_k: int,
-                   is_delta_q: bool = False) -> TileLists:
+                   is_delta_q: bool = False, dense: torch.Tensor | None = None) -> TileLists:
         """The mask at a kernel's ``tile_m x tile_n`` tiles (:class:`TileLists`), on the device
         without a sync: a 2-D prefix sum of the kept blocks, read at each tile's rectangle of
         blocks (clipped to the sequence's valid rows and keys). Query 0 sits at key-coordinate
-        row ``L_k - L_q`` with ``is_delta_q`` and at row 0 without, as in the kernels' masks."""
+        row ``L_k - L_q`` with ``is_delta_q`` and at row 0 without, as in the kernels' masks.
+        ``dense``: :meth:`to_dense`, when the caller has it already."""
         device = self.device
-        dense = self.to_dense().to(torch.int32)
+        dense = (self.to_dense() if dense is None else dense).to(torch.int32)
         batch, heads, mq, mk = dense.shape
         prefix = torch.zeros((batch, heads, mq + 1, mk + 1), dtype=torch.int32, device=device)
         prefix[:, :, 1:, 1:] = dense.cumsum(2).cumsum(3)
@@ -249,9 +250,10 @@ class BlockMask:
                 if (entry_static == static and entry_versions == versions
                         and all(a is b for a, b in zip(entry_layout, layout))):
                     return tables
-        lists = self.tile_lists(*layout, tile_m, tile_n, max_seqlen_q, max_seqlen_k, is_delta_q)
+        dense = self.to_dense()
+        lists = self.tile_lists(*layout, tile_m, tile_n, max_seqlen_q, max_seqlen_k, is_delta_q, dense)
         tables = KernelTables(lists.count, lists.index, lists.t_count, lists.t_index, lists.state(),
-                              self.to_dense().to(torch.uint8))
+                              dense.to(torch.uint8))
         if not tracing:
             cache.append((static, layout, versions, tables))
             del cache[:-KERNEL_TABLES_KEPT]

@@ -94,8 +94,11 @@ def _bwd_fake(dout, q, k, v, *args):
 
 # FP8: quantization (quant_mode 0..5) and the kernel in one opaque op, so that torch.compile and
 # torch.export never trace the quantizers' data-dependent work (a peer's host loops broke export).
+# No defaults in the schema: torch leaves trailing arguments equal to their defaults out of the
+# implementation's arguments, and an unpacking from the end then read q_block as quant_mode
+# (every FP8 forward through the op ran quant_mode 0 until session 32).
 _FWD_FP8_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, Tensor? descale_q, Tensor? descale_k, Tensor? descale_v, "
-                   f"{_OP_ARGS}, int quant_mode, bool has_drab=False, bool deterministic=False) -> Tensor")
+                   f"{_OP_ARGS}, int quant_mode, bool has_drab, bool deterministic) -> Tensor")
 
 
 def _fwd_fp8_call(q, args) -> tuple[Call, object]:

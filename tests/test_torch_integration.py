@@ -561,7 +561,8 @@ def test_export_fp8_fake_cuda(quant_mode, strict, no_launch):
     ep = torch.export.export(Fp8Attn(quant_mode), inputs, strict=strict)
     nodes = _op_nodes(ep.graph_module, "hstu_cute.fwd_fp8")
     assert len(nodes) == 1, _graph_targets(ep.graph_module)
-    assert nodes[0].args[-1] == max(quant_mode, -1)
+    names = [a.name for a in torch.ops.hstu_cute.fwd_fp8.default._schema.arguments]
+    assert nodes[0].args[names.index("quant_mode")] == max(quant_mode, -1)
     out = nodes[0].meta["val"]
     assert out.shape == (14, H, 64) and out.dtype == BF16 and out.device.type == "cuda"
 
@@ -576,12 +577,59 @@ def test_compile_fullgraph_fp8_meta(quant_mode, no_launch):
     assert len(_op_nodes(graphs["fw"], "hstu_cute.fwd_fp8")) == 1
 
 
+def _fp8_op_call(quant_mode, device):
+    """(q, k, v, descales, the call's op arguments) of a small FP8 call on ``device``: the record
+    validated on meta tensors, then its tensors moved (the ops' implementations run on CPU tensors)."""
+    from hstu_cute.call import Call, op_arguments
+
+    meta = _fp8_inputs(quant_mode, "meta")
+    q, k, v, off, targets, dq, dk, dv = _fp8_inputs(quant_mode, device)
+    if device != "meta":
+        off.copy_(torch.tensor([0, 6, 14], dtype=torch.int32))
+        targets.copy_(torch.tensor([2, 3], dtype=torch.int32))
+    descale = dict(descale_q=meta[5], descale_k=meta[6], descale_v=meta[7]) if quant_mode == -1 else {}
+    p = validation.validate(*meta[:3], meta[3], meta[3], 8, 8, None, meta[4], 1, (-1, 0), 0.25, None, False, False,
+                            *(descale.get(n) for n in ("descale_q", "descale_k", "descale_v")), None, quant_mode, -1,
+                            None, None)
+    call = Call(p, off, off, 8, 8, None, targets, alpha=0.25)
+    descales = (dq, dk, dv) if quant_mode == -1 else (None, None, None)
+    return q, k, v, descales, op_arguments(call, None)
+
+
+@pytest.mark.parametrize("quant_mode", FP8_ENTRY_MODES, ids=FP8_ENTRY_IDS)
+@pytest.mark.parametrize("has_drab, deterministic", [(False, False), (True, True), (False, True)])
+def test_fp8_ops_carry_quant_mode_and_flags(quant_mode, has_drab, deterministic, monkeypatch):
+    """What reaches the launchers through hstu_cute::fwd_fp8 / bwd_fp8 (the path of torch.compile,
+    torch.export and dispatch modes) is the caller's quant_mode, has_drab and deterministic, and the
+    call's own arguments; flags equal to a default among them included."""
+    seen = []
+
+    def forward_fp8(q, k, v, rab, call):
+        seen.append(call)
+        return torch.zeros(q.shape, dtype=BF16)
+
+    def backward_fp8(dout, q, k, v, rab, call):
+        seen.append(call)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None
+
+    monkeypatch.setattr(api, "forward_fp8", forward_fp8)
+    monkeypatch.setattr(api, "backward_fp8", backward_fp8)
+    q, k, v, descales, op_args = _fp8_op_call(quant_mode, "cpu")
+    torch.ops.hstu_cute.fwd_fp8(q, k, v, *descales, *op_args, quant_mode, has_drab, deterministic)
+    if quant_mode >= 0:
+        torch.ops.hstu_cute.bwd_fp8(torch.zeros_like(q), q, k, v, *op_args, quant_mode, has_drab, deterministic)
+    for call in seen:
+        assert call.problem.quant_mode == quant_mode
+        assert (call.has_drab, call.deterministic) == (has_drab, deterministic)
+        assert (call.max_seqlen_q, call.max_seqlen_k, call.alpha, call.problem.window_right) == (8, 8, 0.25, 0)
+        assert call.block_mask is None and call.func is None and call.num_targets is op_args[5]
+    assert len(seen) == (2 if quant_mode >= 0 else 1)
+
+
 @pytest.mark.parametrize("quant_mode", FP8_ENTRY_MODES, ids=FP8_ENTRY_IDS)
 def test_opcheck_fwd_fp8(quant_mode):
-    q, k, v, off, targets, dq, dk, dv = _fp8_inputs(quant_mode, "meta")
-    descales = (dq, dk, dv) if quant_mode == -1 else (None, None, None)
-    args = (q, k, v, *descales, off, off, 8, 8, None, targets, 1, 8, 0, 0.25, None, False, -1, None, None, None,
-            quant_mode)
+    q, k, v, descales, op_args = _fp8_op_call(quant_mode, "meta")
+    args = (q, k, v, *descales, *op_args, quant_mode, False, False)
     result = torch.library.opcheck(torch.ops.hstu_cute.fwd_fp8.default, args,
                                    test_utils=("test_schema", "test_faketensor"))
     assert all(v == "SUCCESS" for v in result.values()), result

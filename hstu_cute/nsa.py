@@ -125,12 +125,15 @@ def compress_kv(k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor, max
     return pool(kp) * live, pool(vp) * live, counts
 
 
-def _overlap(c_max: int, k_blocks: int, cfg: NSAConfig, device) -> torch.Tensor:
-    """(C, M_k) float: 1 where compressed block c's keys overlap selection key block kb."""
+def _key_blocks_of_tokens(c_max: int, cfg: NSAConfig, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(first, last, span): the selection key blocks compressed token c's keys
+    ``[c * cmp_stride, c * cmp_stride + cmp_block)`` overlap, ``first[c] .. last[c]``, and the most
+    blocks any token overlaps (a Python int)."""
     c = torch.arange(c_max, device=device)
-    first, last = c * cfg.cmp_stride, c * cfg.cmp_stride + cfg.cmp_block - 1
-    kb = torch.arange(k_blocks, device=device)
-    return ((first[:, None] < (kb[None, :] + 1) * cfg.sel_block) & (last[:, None] >= kb[None, :] * cfg.sel_block)).float()
+    first = c * cfg.cmp_stride // cfg.sel_block
+    last = (c * cfg.cmp_stride + cfg.cmp_block - 1) // cfg.sel_block
+    span = -(-(cfg.cmp_block - 1) // cfg.sel_block) + 1
+    return first, last, span
 
 
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
@@ -152,56 +155,113 @@ def _tf32_exact_einsum(spec: str, a: torch.Tensor, b: torch.Tensor, wide: torch.
 
 def compressed_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, counts: torch.Tensor,
                          seq_offsets: torch.Tensor, max_seqlen: int, *, alpha: float, scaling_seqlen: int,
-                         cfg: NSAConfig = PAPER, rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+                         cfg: NSAConfig = PAPER, rows_per_chunk: int = 4096,
+                         backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """The compressed branch: ``(o_cmp (T, H, D), importance (B, H, M, M))`` with ``M =
     ceil(max_seqlen / sel_block)``. Query ``i`` attends compressed token ``c`` iff
     ``c * cmp_stride + cmp_block - 1 <= i`` and ``c < counts[b]``; the scores are
     ``silu(alpha * q.k_cmp) / scaling_seqlen``. ``importance[b, h, qb, kb]`` sums the scores of the rows
     of query block ``qb`` over the compressed tokens overlapping key block ``kb`` (no gradient).
-    Rows run in chunks of ``rows_per_chunk`` (bounded memory; each chunk is recomputed in the
-    backward)."""
+
+    ``o_cmp`` runs on the attention kernels where they serve (CUDA, 16-bit, ``backend`` not
+    "reference"): the compressed tokens sit in each sequence's first rows and a ``func`` mask gives
+    row ``i`` the tokens ``[0, min(counts[b], (i + 1 - cmp_block) // cmp_stride + 1))``. Elsewhere,
+    and for the importance, rows run in chunks of ``rows_per_chunk`` (bounded memory; each chunk is
+    recomputed in the backward)."""
     sequences = seq_offsets.numel() - 1
     heads = q.shape[1]
-    batch, pos = _token_positions(seq_offsets, q.shape[0])
     m_blocks = blocks_for(max_seqlen, cfg.sel_block)
     c_max = k_cmp.shape[1]
     importance = q.new_zeros((sequences, heads, m_blocks, m_blocks), dtype=torch.float32)
     if c_max == 0 or q.shape[0] == 0:
         return q.new_zeros(q.shape[:2] + v_cmp.shape[-1:]), importance
+    batch, pos = _token_positions(seq_offsets, q.shape[0])
     qp = _padded(q, batch, pos, sequences, max_seqlen)  # (B, N, H, D)
     lengths = _lengths(seq_offsets)
-    overlap = _overlap(c_max, m_blocks, cfg, q.device)
     block_end = torch.arange(c_max, device=q.device) * cfg.cmp_stride + cfg.cmp_block - 1
     live_c = torch.arange(c_max, device=q.device)[None, :] < counts[:, None]  # (B, C)
+    wide = torch.promote_types(q.dtype, torch.float32)
+
+    def scores(r0: int, r1: int, qc, kc):
+        """(B, H, rows, C') SiLU scores of rows [r0, r1) against the first C' tokens, masked."""
+        tokens = kc.shape[1]
+        rows = torch.arange(r0, r1, device=q.device)
+        allowed = (block_end[None, None, :tokens] <= rows[None, :, None]) & live_c[:, None, :tokens] & (
+            rows[None, :, None] < lengths[:, None, None])  # (B, rows, C')
+        s = _tf32_exact_einsum("blhd,bchd->bhlc", qc, kc, wide) * alpha
+        return F.silu(s) / scaling_seqlen * allowed[:, None].to(s.dtype)
+
+    # Importance: per chunk of whole query blocks, the scores summed over each block's rows, then
+    # scattered onto the (at most ``span``) key blocks each token overlaps. Only the tokens that
+    # some row of the chunk can see are scored (causal: half of them on average).
+    first, last, span = _key_blocks_of_tokens(c_max, cfg, q.device)
+    step = max(cfg.sel_block, rows_per_chunk // cfg.sel_block * cfg.sel_block)
+    with torch.no_grad():
+        for r0 in range(0, max_seqlen, step):
+            r1 = min(r0 + step, max_seqlen)
+            visible = min(c_max, (r1 - cfg.cmp_block) // cfg.cmp_stride + 1) if r1 >= cfg.cmp_block else 0
+            if visible == 0:
+                continue
+            p = scores(r0, r1, qp[:, r0:r1], k_cmp[:, :visible])
+            q_blocks = -(-(r1 - r0) // cfg.sel_block)
+            p = F.pad(p, (0, 0, 0, q_blocks * cfg.sel_block - (r1 - r0)))
+            per_query_block = p.reshape(sequences, heads, q_blocks, cfg.sel_block, visible).sum(dim=3)
+            part = torch.zeros((sequences, heads, q_blocks, m_blocks), dtype=per_query_block.dtype, device=q.device)
+            for o in range(span):
+                kb = first[:visible] + o
+                part.index_add_(3, kb.clamp(max=m_blocks - 1), per_query_block * (kb <= last[:visible]))
+            qb0 = r0 // cfg.sel_block
+            importance[:, :, qb0:qb0 + q_blocks] += part.to(importance.dtype)
+
+    if _kernels_serve(q, v_cmp, backend):
+        return _compressed_output_on_kernels(q, k_cmp, v_cmp, counts, seq_offsets, max_seqlen, batch, pos,
+                                             alpha, scaling_seqlen, cfg), importance
 
     def chunk(r0: int, r1: int, qc, kc, vc):
-        rows = torch.arange(r0, r1, device=q.device)
-        allowed = (block_end[None, None, :] <= rows[None, :, None]) & live_c[:, None, :] & (
-            rows[None, :, None] < lengths[:, None, None])  # (B, rows, C)
-        wide = torch.promote_types(qc.dtype, torch.float32)
-        s = _tf32_exact_einsum("blhd,bchd->bhlc", qc, kc, wide) * alpha
-        p = F.silu(s) / scaling_seqlen * allowed[:, None].to(s.dtype)
-        return p, torch.einsum("bhlc,bchd->blhd", p.to(vc.dtype), vc)
+        return torch.einsum("bhlc,bchd->blhd", scores(r0, r1, qc, kc).to(vc.dtype), vc)
 
     outs = []
     for r0 in range(0, max_seqlen, rows_per_chunk):
         r1 = min(r0 + rows_per_chunk, max_seqlen)
         qc = qp[:, r0:r1]
-        with torch.no_grad():
-            p, _ = chunk(r0, r1, qc, k_cmp, v_cmp)
-            per_key_block = torch.einsum("bhlc,ck->bhlk", p, overlap.to(p.dtype)).to(importance.dtype)
-            qb = torch.arange(r0, r1, device=q.device) // cfg.sel_block
-            importance.index_add_(2, qb, per_key_block)
         if torch.is_grad_enabled() and (qc.requires_grad or k_cmp.requires_grad or v_cmp.requires_grad):
             from torch.utils.checkpoint import checkpoint
 
-            o = checkpoint(lambda a, b_, c_, r0=r0, r1=r1: chunk(r0, r1, a, b_, c_)[1], qc, k_cmp, v_cmp,
+            o = checkpoint(lambda a, b_, c_, r0=r0, r1=r1: chunk(r0, r1, a, b_, c_), qc, k_cmp, v_cmp,
                            use_reentrant=False)
         else:
-            o = chunk(r0, r1, qc, k_cmp, v_cmp)[1]
+            o = chunk(r0, r1, qc, k_cmp, v_cmp)
         outs.append(o)
     o_padded = torch.cat(outs, dim=1)
     return o_padded[batch, pos].to(q.dtype), importance
+
+
+def _kernels_serve(q: torch.Tensor, v_cmp: torch.Tensor, backend: str) -> bool:
+    """The compressed branch's output on the attention kernels: CUDA, 16-bit, v's head dim q's."""
+    return (backend != "reference" and q.is_cuda and q.dtype in _SIXTEEN_BIT and v_cmp.dtype == q.dtype
+            and v_cmp.shape[-1] == q.shape[-1])
+
+
+def _compressed_output_on_kernels(q, k_cmp, v_cmp, counts, seq_offsets, max_seqlen, batch, pos, alpha,
+                                  scaling_seqlen, cfg: NSAConfig) -> torch.Tensor:
+    """``o_cmp`` by one ``hstu_attn_varlen_func`` call with a ``func`` mask: sequence b's compressed
+    tokens in its first ``counts[b]`` key rows (zeros after them; a sequence has at least as many
+    rows as tokens), row ``i`` allowed ``[0, min(counts[b], (i + 1 - cmp_block) // cmp_stride + 1))``.
+    Differentiable in q, k_cmp and v_cmp; no host sync."""
+    from .api import hstu_attn_varlen_func
+    from .masks import FUNC_ROW_PADDING
+
+    c_max = k_cmp.shape[1]
+    live = (pos < counts[batch])[:, None, None]
+    slot = pos.clamp(max=c_max - 1)
+    k_rows = k_cmp[batch, slot] * live
+    v_rows = v_cmp[batch, slot] * live
+    bound = torch.div(pos + 1 - cfg.cmp_block, cfg.cmp_stride, rounding_mode="floor") + 1
+    bound = torch.minimum(bound.clamp(min=0), counts[batch])
+    func = torch.zeros((1, 1, q.shape[0] + FUNC_ROW_PADDING), dtype=torch.int32, device=q.device)
+    func[0, 0, :q.shape[0]] = bound.to(torch.int32)
+    return hstu_attn_varlen_func(q, k_rows.to(q.dtype), v_rows.to(q.dtype), seq_offsets, seq_offsets, max_seqlen,
+                                 max_seqlen, alpha=alpha, scaling_seqlen=scaling_seqlen, func=func)
 
 
 def select_blocks(importance: torch.Tensor, seq_offsets: torch.Tensor, cfg: NSAConfig = PAPER) -> BlockMask:
@@ -251,7 +311,7 @@ def hstu_nsa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets
     scale = max_seqlen if scaling_seqlen == -1 else scaling_seqlen
     k_cmp, v_cmp, counts = compress_kv(k, v, seq_offsets, max_seqlen, cfg)
     o_cmp, importance = compressed_attention(q, k_cmp, v_cmp, counts, seq_offsets, max_seqlen, alpha=alpha,
-                                             scaling_seqlen=scale, cfg=cfg)
+                                             scaling_seqlen=scale, cfg=cfg, backend=backend)
     bm = select_blocks(importance, seq_offsets, cfg)
     kw = dict(alpha=alpha, scaling_seqlen=scale, backend=backend)
     o_slc = hstu_attention(q, k, v, seq_offsets, max_seqlen, window_size=CAUSAL, block_mask=bm, **kw)

@@ -69,6 +69,33 @@ def test_importance_matches_the_oracle_and_chunks_do_not_matter():
     assert torch.allclose(outs[0], outs[2]) and torch.allclose(outs[1], outs[2])
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_compressed_output_through_a_func_mask_equals_the_chunked_one(name, monkeypatch):
+    """What the CUDA path hands the kernels (each sequence's compressed tokens in its first rows, a
+    func bound per query row) computes the chunked branch: here with the kernels replaced by the
+    fp64 oracle, which reads the same func mask; gradients reach q, k_cmp and v_cmp alike."""
+    import hstu_cute.api
+    from hstu_cute import reference
+
+    def oracle(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, **kw):
+        return reference.hstu_attn_reference(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, **kw,
+                                             compute_dtype=torch.float64)
+
+    monkeypatch.setattr(hstu_cute.api, "hstu_attn_varlen_func", oracle)
+    cfg = CONFIGS[name]
+    lengths = [300, 17, 0, 129, 31, 32]
+    q, k, v, offsets, _ = _batch(lengths, seed=5)
+    k_cmp, v_cmp, counts = nsa.compress_kv(k, v, offsets, 300, cfg)
+    want, _ = nsa.compressed_attention(q, k_cmp, v_cmp, counts, offsets, 300, alpha=0.3, scaling_seqlen=300, cfg=cfg)
+    batch, pos = nsa._token_positions(offsets, q.shape[0])
+    got = nsa._compressed_output_on_kernels(q, k_cmp, v_cmp, counts, offsets, 300, batch, pos, 0.3, 300, cfg)
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)
+    dout = torch.randn(want.shape, generator=torch.Generator().manual_seed(6), dtype=want.dtype)
+    got_grads = torch.autograd.grad(got, (q, k, v), dout, retain_graph=True)
+    for g, w in zip(got_grads, torch.autograd.grad(want, (q, k, v), dout)):
+        assert torch.allclose(g, w, rtol=1e-10, atol=1e-12)
+
+
 def test_selection_rule_against_a_brute_force():
     cfg = NSAConfig(cmp_block=16, cmp_stride=16, sel_block=16, top_n=5, window=0, num_initial=1, num_local=2)
     lengths = [160, 33, 0, 16]

@@ -417,7 +417,7 @@ def hstu_attn_varlen_func(
             ``C_b = (pages - 1) * page_size + last_page_lens[b]``.
         func: keyword-only arbitrary mask, ``(1, n_func, T_q + 256)`` int32 per-row key intervals
             (FBGEMM's layout; docs/operator.md, "Arbitrary masks"), or None; replaces the other
-            masks (n_func 1 or 3; 16-bit, forward and backward, Hopper and sm80).
+            masks (n_func 1 or 3; 16-bit on Hopper and sm80, FP8 on Hopper; forward and backward).
         block_mask: keyword-only :class:`hstu_cute.BlockMask`, or None: an element is attended
             only if the mask allows it and its (query block, key block) is kept for its sequence
             and head (docs/operator.md, "Block-sparse masks"): 16-bit, forward and backward on

@@ -465,7 +465,8 @@ def hstu_attn_fp8_grad_emulation(q, k, v, dout, seq_offsets_q, seq_offsets_k, ma
                                  num_contexts=None, num_targets=None, target_group_size=1, window_size=(-1, -1),
                                  alpha=1.0, rab=None, is_delta_q=False, *, quant_mode: int, scaling_seqlen=-1,
                                  quantize_inputs: bool = True, round_products: bool = True, tile_m: int = 64,
-                                 tile_n: int = 128, fused_dq: bool = False, seqused_q=None, seqused_k=None) -> dict:
+                                 tile_n: int = 128, fused_dq: bool = False, seqused_q=None, seqused_k=None,
+                                 func=None) -> dict:
     """The FP8 backward's oracle (docs/design/fp8-backward.md): ``dict(dq, dk, dv, drab)`` in fp32.
 
     With ``quantize_inputs``, q, k, v and dO (dO with q's groups) are quantized with
@@ -482,7 +483,8 @@ def hstu_attn_fp8_grad_emulation(q, k, v, dout, seq_offsets_q, seq_offsets_k, ma
     with autograd of :func:`hstu_attn_reference`). ``seqused_q`` / ``seqused_k``: each sequence
     attends over its valid prefixes only (the padding rows' gradients are zeros), while the
     quantization groups still span the whole storage, padding included, as the device quantizers'
-    do (they see the offsets, not seqused)."""
+    do (they see the offsets, not seqused). ``func``: FBGEMM's arbitrary mask in place of the
+    window, context and target masks (:func:`hstu_attn_reference`)."""
     from .fp8_format import P_AMAX_FLOOR
     from .fp8_recipe import recipe
     from .quantize import dequantize, quantize
@@ -522,7 +524,10 @@ def hstu_attn_fp8_grad_emulation(q, k, v, dout, seq_offsets_q, seq_offsets_k, ma
             continue
         seq = seq_mask_from_lengths(spec, Lq, Lk, wl, wr, ctx[b] if ctx else 0, tgt[b] if tgt else 0,
                                     int(target_group_size))
-        mask = dense_mask(spec, seq, device=q.device).expand(Lq, Lk)
+        if func is None:
+            mask = dense_mask(spec, seq, device=q.device).expand(Lq, Lk)
+        else:
+            mask = func_dense_mask(func, sq, Lq, Lk, device=q.device)
         row0 = seq.row_offset
 
         def heads(x, start, length):

@@ -69,6 +69,23 @@ def gaussian_jagged_batch(lengths_q: Sequence[int], lengths_k: Sequence[int], he
     return b
 
 
+def random_func(lengths_q: Sequence[int], lengths_k: Sequence[int], n_func: int, gen: torch.Generator,
+                device="cuda") -> torch.Tensor:
+    """An arbitrary ``func`` mask ``(1, n_func, T_q + 256)`` int32 (docs/operator.md, "Arbitrary
+    masks"): each row's bounds uniform in ``[-2, L_k + 2]`` of its sequence (out-of-range bounds
+    included: the kernels and the oracle clamp them), the padding rows garbage (never read as
+    bounds)."""
+    from .masks import FUNC_ROW_PADDING
+
+    total = sum(lengths_q)
+    func = torch.randint(-(1 << 30), 1 << 30, (1, n_func, total + FUNC_ROW_PADDING), generator=gen, dtype=torch.int32)
+    row = 0
+    for lq, lk in zip(lengths_q, lengths_k):
+        func[0, :, row:row + lq] = torch.randint(-2, lk + 3, (n_func, lq), generator=gen, dtype=torch.int32)
+        row += lq
+    return func.to(device)
+
+
 def random_jagged_batch(
     batch_size: int,
     num_heads: int,

@@ -354,7 +354,7 @@ def validate(
         rab_heads = rab.shape[1]
 
     if func is not None:
-        _check_func(func, q, window_size, num_contexts, num_targets, page_size, fp8)
+        _check_func(func, q, window_size, num_contexts, num_targets, page_size)
         kind = masks.MaskKind.FUNC
     if block_mask is not None:
         _check_block_mask(block_mask, batch, heads, max_seqlen_k, device, page_size, fp8, func)
@@ -392,10 +392,10 @@ def _check_block_mask(block_mask, batch, heads, max_seqlen_k, device, page_size,
                                   "or func")
 
 
-def _check_func(func, q, window_size, num_contexts, num_targets, page_size, fp8) -> None:
+def _check_func(func, q, window_size, num_contexts, num_targets, page_size) -> None:
     """An arbitrary ``func`` mask (docs/operator.md, "Arbitrary masks"): ``(1, n_func, T_q + 256)``
     int32 on q's device, ``n_func`` odd (1 or 3: the kernels' two intervals per row), last dim
-    contiguous, with no other mask; 16-bit inputs without a paged cache."""
+    contiguous, with no other mask; 16-bit or FP8, without a paged cache."""
     if not isinstance(func, torch.Tensor):
         fail(TypeError, "func", "a torch.Tensor or None", type(func).__name__)
     if func.dtype != torch.int32:
@@ -418,8 +418,6 @@ def _check_func(func, q, window_size, num_contexts, num_targets, page_size, fp8)
                                   f"intervals), got {func.shape[1]}")
     if page_size:
         raise NotImplementedError("func: not with a paged KV cache")
-    if fp8:
-        raise NotImplementedError("func: the FP8 kernels take the window, context and target masks only")
 
 
 def cached_lengths(page_offsets: torch.Tensor, last_page_lens: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -679,10 +679,17 @@ def shipped_hopper_paged_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims
             for kind, context_target in PAGED_MASKS for has_rab in (False, True)]
 
 
+#: The 16-bit side (output, rab, quantizer input) of the shipped FP8 variants. fp16's FP8 kernels
+#: compile on first use: shipping them took 256 variants, about 12 of the cold CI compile's 50
+#: minutes on 2 cores (docs/dev/perf-log.md, session 32).
+FP8_SHIPPED_DTYPES = ("bfloat16",)
+
+
 def shipped_hopper_fp8_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
-    """FP8 forward variants (``dtypes`` are the output and rab types; P cast, scaled P, then
-    scaled P with mode 1's descales), then the V^T kernel of the pre-quantized entry (e4m3 V) and
-    the slot quantizers of quant modes 0-5."""
+    """FP8 forward variants (``dtypes`` are the output and rab types, those of
+    :data:`FP8_SHIPPED_DTYPES`; P cast, scaled P, then scaled P with mode 1's descales), then the
+    V^T kernel of the pre-quantized entry (e4m3 V) and the slot quantizers of quant modes 0-5."""
+    dtypes = [d for d in dtypes if d in FP8_SHIPPED_DTYPES]
     fp8_dims = [d for d in head_dims if d in FP8_HEAD_DIMS]
     return ([make_hopper_fp8_fwd_key(arch, *variant, has_rab, scaled_p=scaled_p, two_direction=two_direction)
              for scaled_p, two_direction in FP8_P_SCALINGS for variant in _shipped_variants(dtypes, fp8_dims)
@@ -702,9 +709,11 @@ def shipped_hopper_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_
 
 
 def shipped_hopper_fp8_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
-    """FP8 backward pairs (``dtypes``: the gradients' and rab's types), then the dQ kernels that
-    write drab (per rab head, or summed over heads with atomics); quant modes 0, 2-5, then mode 1
-    (``two_direction``); then the fused kernels (quant modes 0, 2-5, no rab)."""
+    """FP8 backward pairs (``dtypes``: the gradients' and rab's types, those of
+    :data:`FP8_SHIPPED_DTYPES`), then the dQ kernels that write drab (per rab head, or summed over
+    heads with atomics); quant modes 0, 2-5, then mode 1 (``two_direction``); then the fused
+    kernels (quant modes 0, 2-5, no rab)."""
+    dtypes = [d for d in dtypes if d in FP8_SHIPPED_DTYPES]
     variants = _shipped_variants(dtypes, [d for d in head_dims if d in FP8_BWD_HEAD_DIMS])
     pairs = [key for two_direction in (False, True) for key in (
         [make_hopper_fp8_bwd_key(role, arch, *variant, has_rab, two_direction=two_direction)

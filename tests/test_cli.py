@@ -180,18 +180,18 @@ def test_warmup_select_keys_filters():
     assert len(select_keys("sm_80", limit=5)) == 5
     # sm_90a: the Hopper forward and backward kernels too (hstu_cute.variants.shipped_keys): the
     # fused D128 kernel (16), the deterministic pair (96) and at D256 the wide dK/dV/drab kernel
-    # (2 dtypes x 4 masks x 4 rab/drab modes) with its dQ kernel (16); the FP8 forward (2 output
-    # dtypes x 3 head dims x 4 masks x rab or not x P cast, scaled or scaled with mode 1's
-    # descales: 144), its V^T kernel for e4m3 V (3 head dims), the quantizers of quant modes 0-5
-    # (2 x 3 x 12 slot sets); the paged forward, sm80 and Hopper (32 each);
+    # (2 dtypes x 4 masks x 4 rab/drab modes) with its dQ kernel (16); the FP8 forward (bf16
+    # output only, variants.FP8_SHIPPED_DTYPES, x 3 head dims x 4 masks x rab or not x P cast,
+    # scaled or scaled with mode 1's descales: 72), its V^T kernel for e4m3 V (3 head dims), the
+    # quantizers of quant modes 0-5 (3 x 12 slot sets); the paged forward, sm80 and Hopper (32 each);
     # the split-key Hopper forward, contiguous and paged (2 dtypes x 4 head dims x 2 masks x rab or not);
-    # the FP8 backward pair and its drab dQ kernels (64 + 32 at D64/128, 48 at D256), for quant modes 0,
-    # 2-5 and for mode 1, and the fused FP8 backward (2 dtypes x 4 masks at D128).
-    assert len(select_keys("sm_90a")) == (96 + 192 + 64 + 96 + 16 + 32 + 16 + 144 + 3 + 72 + 32 + 32 + 32
-                                          + 32 + 64 + 2 * (64 + 32 + 48) + 8)
-    assert len(select_keys("sm_90a", kernels="fwd")) == 96 + 64 + 144 + 3 + 72 + 32 + 32 + 32 + 32 + 64
+    # the FP8 backward pair and its drab dQ kernels (32 + 16 at D64/128, 24 at D256), for quant modes 0,
+    # 2-5 and for mode 1, and the fused FP8 backward (4 masks at D128).
+    assert len(select_keys("sm_90a")) == (96 + 192 + 64 + 96 + 16 + 32 + 16 + 72 + 3 + 36 + 32 + 32 + 32
+                                          + 32 + 64 + 2 * (32 + 16 + 24) + 4)
+    assert len(select_keys("sm_90a", kernels="fwd")) == 96 + 64 + 72 + 3 + 36 + 32 + 32 + 32 + 32 + 64
     # + the FP8 pair and drab dQ kernels, for quant modes 0, 2-5 and for mode 1, and the fused FP8 kernel
-    assert len(select_keys("sm_90a", kernels="bwd")) == 192 + 96 + 16 + 32 + 16 + 2 * (64 + 32 + 48) + 8
+    assert len(select_keys("sm_90a", kernels="bwd")) == 192 + 96 + 16 + 32 + 16 + 2 * (32 + 16 + 24) + 4
     # --dtype bfloat16 selects the 16-bit kernels only; the FP8 ones come with float8_e4m3fn (their
     # 16-bit side narrowed by the 16-bit dtypes named beside it)
     keys = select_keys("sm_90a", ["bfloat16"], [128], ["causal"], "none", kernels="fwd")
@@ -205,7 +205,7 @@ def test_warmup_select_keys_filters():
     assert [(k.scaled_p, k.two_direction) for k in fp8 if k.kernel_name == "hopper_fwd_fp8"] == [
         (False, False), (True, False), (True, True)]
     assert all(k.out_dtype == "bfloat16" for k in fp8 if k.kernel_name == "hopper_fwd_fp8")
-    assert len(select_keys("sm_90a", ["float8_e4m3fn"])) == 144 + 3 + 72 + 2 * (64 + 32 + 48) + 8
+    assert len(select_keys("sm_90a", ["float8_e4m3fn"])) == 72 + 3 + 36 + 2 * (32 + 16 + 24) + 4
     assert select_keys("sm_80", ["float8_e4m3fn"]) == []
     # --family narrows to one kernel family; families partition the shipped set
     from hstu_cute.cli import FAMILIES
@@ -232,7 +232,7 @@ def test_key_variant_parses_every_key_class():
     from hstu_cute.variants import shipped_keys
     from hstu_cute.warmup import describe_variant
 
-    keys = shipped_keys("sm_90a", ("float16",), (64,))
+    keys = shipped_keys("sm_90a", ("bfloat16",), (64,))
     assert {k.kernel_name for k in keys} == {"ampere_fwd", "ampere_bwd_dq", "ampere_bwd_dkdv", "hopper_fwd",
                                              "hopper_bwd_dkdv", "hopper_bwd_dq", "hopper_fwd_fp8", "hopper_fwd_vt",
                                              "hopper_fwd_quant_slots",

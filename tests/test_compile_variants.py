@@ -99,14 +99,16 @@ def test_every_hopper_variant_compiles(tmp_cache, compile_tally):
     kernel; the FP8 kernels, the opt-in fused FP8 backward included) builds for sm_90a."""
     keys = (shipped_hopper_fwd_keys("sm_90a") + shipped_hopper_bwd_keys("sm_90a") + shipped_hopper_fp8_fwd_keys()
             + shipped_hopper_paged_fwd_keys() + shipped_hopper_fp8_bwd_keys())
-    # FP8: the forward with P cast, scaled P and scaled P with mode 1's descales (144), V^T of
-    # e4m3 V (3), the slot quantizers of quant modes 0-5 (72); the paged KV-cache forward (32);
-    # the split-key forward, contiguous and paged (32 each); the FP8 backward pair (64) and its dQ
-    # kernels that write drab (32), at D64/128 and D256 (48 more), each for quant modes 0, 2-5 and for mode 1;
-    # the fused FP8 backward at D128 (8, opt-in).
-    assert len(keys) == len(set(keys)) == (64 + 96 + 16 + 32 + 16 + 144 + 3 + 72 + 32 + 32 + 32
-                                           + 2 * (64 + 32 + 48) + 8)
-    assert sum(getattr(k, "two_direction", False) for k in keys if k.kernel_name.startswith("hopper_bwd_fp8")) == 144
+    # FP8 (bf16 side only, variants.FP8_SHIPPED_DTYPES): the forward with P cast, scaled P and
+    # scaled P with mode 1's descales (72), V^T of e4m3 V (3), the slot quantizers of quant modes
+    # 0-5 (36); the paged KV-cache forward (32); the split-key forward, contiguous and paged (32
+    # each); the FP8 backward pair (32) and its dQ kernels that write drab (16), at D64/128 and D256
+    # (24 more), each for quant modes 0, 2-5 and for mode 1; the fused FP8 backward at D128 (4, opt-in).
+    assert len(keys) == len(set(keys)) == (64 + 96 + 16 + 32 + 16 + 72 + 3 + 36 + 32 + 32 + 32
+                                           + 2 * (32 + 16 + 24) + 4)
+    assert sum(getattr(k, "two_direction", False) for k in keys if k.kernel_name.startswith("hopper_bwd_fp8")) == 72
+    assert all(k.out_dtype == "bfloat16" for k in keys if "fp8" in k.kernel_name)
+    assert all(k.dtype == "bfloat16" for k in keys if k.kernel_name == "hopper_fwd_quant_slots")
     assert sum(k.kernel_name.startswith("hopper_fwd") and getattr(k, "split_keys", False) for k in keys) == 64
     assert {k.kernel_name for k in keys} == {"hopper_fwd", "hopper_bwd_fused", "hopper_bwd_dkdv", "hopper_bwd_dq",
                                              "hopper_bwd_wide", "hopper_fwd_fp8", "hopper_fwd_vt",
@@ -181,17 +183,21 @@ def test_sm80_d256_backward_compiles(tmp_cache, compile_tally):
 @pytest.mark.slow
 def test_func_variants_compile(tmp_cache, compile_tally):
     """FBGEMM's ``func`` masks are compiled on first use (not shipped); their code must still build
-    without a GPU: the per-block table for n_func 1 and 3, and every kernel family a 16-bit D128
+    without a GPU: the per-block table for n_func 1 and 3, every kernel family a 16-bit D128
     func call can take (sm80 forward, dQ, dK/dV; Hopper forward, fused backward, the deterministic
-    dQ + dK/dV pair)."""
-    from hstu_cute.variants import make_func_table_key, make_fwd_key, make_hopper_bwd_key, make_hopper_fwd_key
+    dQ + dK/dV pair), and the FP8 scaled-P forward with its backward pair."""
+    from hstu_cute.variants import (make_func_table_key, make_fwd_key, make_hopper_bwd_key, make_hopper_fp8_bwd_key,
+                                    make_hopper_fp8_fwd_key, make_hopper_fwd_key)
 
     func = int(MaskKind.FUNC)
     sm80 = [make_func_table_key("sm_80", 1), make_func_table_key("sm_80", 3),
             make_fwd_key("sm_80", "bfloat16", 128, func, False, False, 8),
             *make_bwd_keys("sm_80", "bfloat16", 128, func, False, False, False, False)]
     sm90 = [make_func_table_key("sm_90a", 3), make_hopper_fwd_key("sm_90a", "bfloat16", 128, func, False, False),
-            *(make_hopper_bwd_key(role, "sm_90a", "bfloat16", 128, func, False, False) for role in ("fused", "dq", "dkdv"))]
+            *(make_hopper_bwd_key(role, "sm_90a", "bfloat16", 128, func, False, False) for role in ("fused", "dq", "dkdv")),
+            # FP8 (FBGEMM's HSTU8Test draws func masks): the scaled-P forward and the backward pair.
+            make_hopper_fp8_fwd_key("sm_90a", "bfloat16", 128, func, False, False, scaled_p=True),
+            *(make_hopper_fp8_bwd_key(role, "sm_90a", "bfloat16", 128, func, False, False) for role in ("dq", "dkdv"))]
     for arch, keys in (("sm_80", sm80), ("sm_90a", sm90)):
         assert all(k.mask_kind == func for k in keys)
         results = warmup(arch=arch, keys=keys, workers=2, raise_errors=False)

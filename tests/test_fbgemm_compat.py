@@ -91,6 +91,20 @@ def test_func_call_has_the_output_shape(n_func):
     assert out.shape == q.shape
 
 
+@pytest.mark.parametrize("quant_mode", [0, 1, 2, 5])
+def test_func_with_fp8_has_the_output_shape(quant_mode):
+    """FBGEMM's HSTU8Test draws func masks with FP8: both entries take them (the FP8 kernels read
+    the same per-row intervals), forward and, for quant modes, training."""
+    (q, k, v), off = _jagged([5, 17])
+    func = torch.empty(1, 3, 22 + 256, dtype=torch.int32, device="meta")
+    out = fbgemm.hstu_attn_varlen_func(q, k, v, off, off, None, None, 17, 17, -1, None, None, func=func,
+                                       quant_mode=quant_mode)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
+    out = hstu_cute.hstu_attn_varlen_func(q8, k8, v8, off, off, 17, 17, func=func)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+
+
 def test_func_with_another_mask_is_an_error():
     (q, k, v), off = _jagged([5, 17])
     func = torch.empty(1, 3, 22 + 256, dtype=torch.int32, device="meta")

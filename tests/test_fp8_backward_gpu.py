@@ -15,7 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hstu_cute import hstu_attn_varlen_func, launch, reference
 from hstu_cute.fp8_recipe import recipe
 from hstu_cute.launch import fp8_backward_fused
-from hstu_cute.testing import random_jagged_batch
+from hstu_cute.quantize import QuantMode, quantize_batch
+from hstu_cute.testing import gaussian_jagged_batch, random_func, random_jagged_batch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -286,3 +287,53 @@ def test_training_through_op_equals_eager(mode, head_dim):
 
     for want, got in zip(step(eager), step(through_op)):
         assert torch.equal(want, got)
+
+
+# FBGEMM's func masks with FP8 (its HSTU8Test draws them): (entry, n_func, head dim, dtype, lengths q, lengths k,
+# fused). The forward within 2x of the FP8 emulation's error, the gradients within 5x.
+FUNC_GRID = [
+    (2, 3, 128, torch.bfloat16, [0, 1, 17, 1111], [0, 1, 17, 1111], False),
+    (0, 1, 128, torch.float16, [300, 64, 129], [300, 64, 129], False),
+    (1, 3, 128, torch.bfloat16, [256, 17, 200], [256, 17, 200], False),
+    (5, 3, 64, torch.bfloat16, [8, 51, 400], [99, 256, 400], False),  # delta_q
+    (2, 3, 128, torch.bfloat16, [2100, 40], [2100, 40], True),
+    (-1, 3, 128, torch.bfloat16, [0, 1, 17, 1111], [0, 1, 17, 1111], False),  # pre-quantized, forward only
+]
+
+
+@pytest.mark.parametrize("case", FUNC_GRID, ids=lambda c: f"mode{c[0]}-n{c[1]}-d{c[2]}-{str(c[3])[6:]}-{c[4][-1]}x{c[5][-1]}"
+                         + ("-fused" if c[6] else ""))
+def test_fp8_func_matches_emulation(case, monkeypatch):
+    mode, n_func, head_dim, dtype, lengths_q, lengths_k, fused = case
+    seed = _seed("func", case)
+    gen = torch.Generator().manual_seed(seed)
+    b = gaussian_jagged_batch(lengths_q, lengths_k, 2, head_dim, dtype, gen)
+    func = random_func(lengths_q, lengths_k, n_func, gen)
+    args = {n: b[n] for n in ("seq_offsets_q", "seq_offsets_k", "max_seqlen_q", "max_seqlen_k", "alpha", "is_delta_q")}
+    exact = reference.hstu_attn_reference(b["q"], b["k"], b["v"], **args, func=func, compute_dtype=torch.float32)
+    if mode == -1:
+        pq = {n: x for n, x in zip("qkv", quantize_batch(b, QuantMode.PER_TENSOR))}
+        out = hstu_attn_varlen_func(*(pq[n].data for n in "qkv"), **args, func=func, descale_q=pq["q"].scale,
+                                    descale_k=pq["k"].scale, descale_v=pq["v"].scale)
+        emul = reference.hstu_attn_reference(*(pq[n].data.float() * pq[n].scale for n in "qkv"), **args, func=func,
+                                             compute_dtype=torch.float32, p_round=lambda p, _: reference.cast_p_e4m3(p))
+        ok, err, emul_err = reference.ratio_check(out, exact, emul, 2.0)
+        assert ok, f"[{case}] out: kernel err {err:.3e} > 2 x emulation err {emul_err:.3e}"
+        return
+    if fused:
+        monkeypatch.setattr(launch.heuristics, "FP8_FUSED_BY_DEFAULT", True)
+        assert fp8_backward_fused(head_dim, recipe(mode), max(lengths_k), False, False, False)
+    dout = (torch.randn(b["q"].shape, generator=gen) * 1e-2).to(dtype).cuda()
+    q, k, v = (b[n].detach().clone().requires_grad_() for n in "qkv")
+    out = hstu_attn_varlen_func(q, k, v, **args, func=func, quant_mode=mode)
+    out.backward(dout)
+    emul_out = reference.hstu_attn_fp8_emulation(b["q"], b["k"], b["v"], **args, func=func, quant_mode=mode)
+    ok, err, emul_err = reference.ratio_check(out.detach(), exact, emul_out, 2.0)
+    assert ok, f"[{case}] out: kernel err {err:.3e} > 2 x emulation err {emul_err:.3e}"
+    grad_args = dict(args, func=func, quant_mode=mode, fused_dq=fused)
+    emul = reference.hstu_attn_fp8_grad_emulation(b["q"], b["k"], b["v"], dout, **grad_args)
+    exact_grads = reference.hstu_attn_fp8_grad_emulation(b["q"], b["k"], b["v"], dout, **grad_args,
+                                                         quantize_inputs=False, round_products=False)
+    for name, got in (("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
+        ok, err, emul_err = reference.ratio_check(got, exact_grads[name], emul[name], 5.0)
+        assert ok, f"[{case}] {name}: kernel err {err:.3e} > 5 x emulation err {emul_err:.3e}"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hstu_cute import hstu_attn_varlen_func, masks
-from hstu_cute.testing import check_against_oracle, gaussian_jagged_batch
+from hstu_cute.testing import check_against_oracle, gaussian_jagged_batch, random_func
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,19 +21,6 @@ pytestmark = [
 
 def _seed(*parts) -> int:
     return zlib.crc32(repr(parts).encode())
-
-
-def _func(lengths, lengths_k, n_func, gen, device="cuda"):
-    """(1, n_func, T_q + 256) int32: per row random bounds within [-2, Lk + 2] of its sequence;
-    the padding rows garbage."""
-    total = sum(lengths)
-    func = torch.randint(-(1 << 30), 1 << 30, (1, n_func, total + masks.FUNC_ROW_PADDING), generator=gen,
-                         dtype=torch.int32)
-    row = 0
-    for lq, lk in zip(lengths, lengths_k):
-        func[0, :, row:row + lq] = torch.randint(-2, lk + 3, (n_func, lq), generator=gen, dtype=torch.int32)
-        row += lq
-    return func.to(device)
 
 
 def _batch(lengths, lengths_k, heads, head_dim, dtype, gen, seqused=False):
@@ -60,7 +47,7 @@ def test_func_matches_oracle(path, lengths, lengths_k, n_func, dtype, head_dim, 
     seed = _seed(lengths, lengths_k, n_func, str(dtype), head_dim, seqused)
     gen = torch.Generator().manual_seed(seed)
     b = _batch(lengths, lengths_k, 2, head_dim, dtype, gen, seqused)
-    _check(b, _func(lengths, lengths_k, n_func, gen), seed)
+    _check(b, random_func(lengths, lengths_k, n_func, gen), seed)
 
 
 def test_func_spelling_causal_equals_causal(path):

@@ -302,7 +302,7 @@ def trivial_mma(dtype, n: int, b_mn_major: bool, num_mma_wg: int, atom_layout=No
     import cutlass.utils.hopper_helpers as sm90_helpers
     from cutlass.cute.nvgpu import warpgroup
 
-    major = warpgroup.OperandMajorMode
+    major = cute.nvgpu.OperandMajorMode
     return sm90_helpers.make_trivial_tiled_mma(
         dtype, dtype, major.MN if a_mn_major else major.K, major.MN if b_mn_major else major.K, Float32,
         atom_layout_mnk=atom_layout or (num_mma_wg, 1, 1), tiler_mn=(64, n),

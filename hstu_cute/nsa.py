@@ -191,6 +191,18 @@ def compressed_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tens
         s = _tf32_exact_einsum("blhd,bchd->bhlc", qc, kc, wide) * alpha
         return F.silu(s) / scaling_seqlen * allowed[:, None].to(s.dtype)
 
+    def unscaled_scores_in_place(r0: int, r1: int, qc, kc):
+        """:func:`scores` times ``scaling_seqlen``, without autograd and in place: four passes over
+        the (B, H, rows, C') block instead of eight (the importance's cost is these passes)."""
+        tokens = kc.shape[1]
+        rows = torch.arange(r0, r1, device=q.device)
+        masked = (block_end[None, None, :tokens] > rows[None, :, None]) | ~live_c[:, None, :tokens] | (
+            rows[None, :, None] >= lengths[:, None, None])  # (B, rows, C')
+        s = _tf32_exact_einsum("blhd,bchd->bhlc", qc, kc, wide)
+        s.mul_(alpha)
+        F.silu(s, inplace=True)
+        return s.masked_fill_(masked[:, None], 0.0)
+
     # Importance: per chunk of whole query blocks, the scores summed over each block's rows, then
     # scattered onto the (at most ``span``) key blocks each token overlaps. Only the tokens that
     # some row of the chunk can see are scored (causal: half of them on average).
@@ -202,16 +214,18 @@ def compressed_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tens
             visible = min(c_max, (r1 - cfg.cmp_block) // cfg.cmp_stride + 1) if r1 >= cfg.cmp_block else 0
             if visible == 0:
                 continue
-            p = scores(r0, r1, qp[:, r0:r1], k_cmp[:, :visible])
-            q_blocks = -(-(r1 - r0) // cfg.sel_block)
-            p = F.pad(p, (0, 0, 0, q_blocks * cfg.sel_block - (r1 - r0)))
-            per_query_block = p.reshape(sequences, heads, q_blocks, cfg.sel_block, visible).sum(dim=3)
+            p = unscaled_scores_in_place(r0, r1, qp[:, r0:r1], k_cmp[:, :visible])
+            whole = (r1 - r0) // cfg.sel_block
+            per_query_block = p[:, :, :whole * cfg.sel_block].unflatten(2, (whole, cfg.sel_block)).sum(dim=3)
+            if whole * cfg.sel_block < r1 - r0:  # the last chunk's partial query block
+                per_query_block = torch.cat([per_query_block, p[:, :, whole * cfg.sel_block:].sum(2, keepdim=True)], 2)
+            q_blocks = per_query_block.shape[2]
             part = torch.zeros((sequences, heads, q_blocks, m_blocks), dtype=per_query_block.dtype, device=q.device)
             for o in range(span):
                 kb = first[:visible] + o
                 part.index_add_(3, kb.clamp(max=m_blocks - 1), per_query_block * (kb <= last[:visible]))
             qb0 = r0 // cfg.sel_block
-            importance[:, :, qb0:qb0 + q_blocks] += part.to(importance.dtype)
+            importance[:, :, qb0:qb0 + q_blocks] += (part / scaling_seqlen).to(importance.dtype)
 
     if _kernels_serve(q, v_cmp, backend):
         return _compressed_output_on_kernels(q, k_cmp, v_cmp, counts, seq_offsets, max_seqlen, batch, pos,

@@ -820,21 +820,29 @@ def _bench_serving(args, console, dev, name: str) -> int:
     return 0
 
 
-def _bench_sparse(args, console, dev, name: str) -> int:
-    """``bench --grid blocksparse``: the block-sparse forward, and forward + backward, beside our
-    dense call and FlexAttention with the same kept blocks (hstu_cute.bench_sparse)."""
+def _grid_rows(args, console, dev, workloads: list, run) -> list[dict]:
+    """``run(w, direction)`` over the first ``--limit`` of ``workloads`` for each ``--direction``
+    (``bwd`` meaning forward + backward), each time printed as it lands."""
     import torch
-    from rich.table import Table
-
-    from .bench_sparse import run_sparse, sparse_grid
 
     rows = []
     directions = {"fwd": ("fwd",), "bwd": ("fwd+bwd",), "both": ("fwd", "fwd+bwd")}[args.direction]
     with torch.cuda.device(dev):
         for direction in directions:
-            for w in sparse_grid()[: args.limit]:
-                rows.append(run_sparse(w, direction))
+            for w in workloads[: args.limit]:
+                rows.append(run(w, direction))
                 console.print(f"{w.name} {direction}: {rows[-1]['ms']:.3f} ms")
+    return rows
+
+
+def _bench_sparse(args, console, dev, name: str) -> int:
+    """``bench --grid blocksparse``: the block-sparse forward, and forward + backward, beside our
+    dense call and FlexAttention with the same kept blocks (hstu_cute.bench_sparse)."""
+    from rich.table import Table
+
+    from .bench_sparse import run_sparse, sparse_grid
+
+    rows = _grid_rows(args, console, dev, sparse_grid(), run_sparse)
     table = Table(title=f"hstu_cute block-sparse on {name}: H32 D128 bf16, block 128; TF/s on the allowed pairs of "
                         "the kept blocks (fwd+bwd: 3.5x the forward's FLOPs); FlexAttention is softmax")
     for col in ("workload", "direction", "kept", "sparse ms", "kernels ms", "TF/s", "dense ms", "dense TF/s", "x dense",
@@ -857,18 +865,11 @@ def _bench_sparse(args, console, dev, name: str) -> int:
 def _bench_nsa(args, console, dev, name: str) -> int:
     """``bench --grid nsa``: sparse HSTU (hstu_cute.nsa) beside our dense causal call, forward
     and forward + backward (hstu_cute.bench_nsa)."""
-    import torch
     from rich.table import Table
 
     from .bench_nsa import nsa_grid, run_nsa
 
-    rows = []
-    directions = {"fwd": ("fwd",), "bwd": ("fwd+bwd",), "both": ("fwd", "fwd+bwd")}[args.direction]
-    with torch.cuda.device(dev):
-        for direction in directions:
-            for w in nsa_grid()[: args.limit]:
-                rows.append(run_nsa(w, direction))
-                console.print(f"{w.name} {direction}: {rows[-1]['ms']:.3f} ms")
+    rows = _grid_rows(args, console, dev, nsa_grid(), run_nsa)
     table = Table(title=f"hstu_cute sparse HSTU (NSA-style) on {name}: H4 D128 bf16, 64K tokens per batch; times "
                         "beside our dense causal call on the same inputs")
     for col in ("workload", "direction", "B x N", "sparse ms", "dense ms", "x dense"):

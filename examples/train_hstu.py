@@ -6,13 +6,14 @@ entropy of the walk. The model embeds item ids (plus positions), runs ``--layers
 (causal HSTU attention over the jagged batch) and scores the next item with a full softmax over
 the vocabulary (the output layer shares the item embedding).
 
-Runs on one GPU, on several with ``torchrun`` + DDP, or on the CPU (the blocks then run the
-PyTorch reference of the attention: slow, but it trains; CI does this)::
+Runs on one GPU, on several with ``torchrun`` (DDP, or FSDP2 with ``--fsdp``), or on the CPU
+(the blocks then run the PyTorch reference of the attention: slow, but it trains; CI does this)::
 
     python examples/train_hstu.py --steps 200                      # the GPU if there is one
     python examples/train_hstu.py --device cpu --steps 30
     python examples/train_hstu.py --compile                        # torch.compile, reduce-overhead
     HSTU_CUTE_CACHE_DIR=/shared/hstu-cache torchrun --nproc_per_node=2 examples/train_hstu.py
+    torchrun --nproc_per_node=2 examples/train_hstu.py --fsdp      # FSDP2 (fully_shard per block)
 
 Each step's batch is a jagged batch whose lengths are a shuffle of one fixed length profile:
 sequences of varied lengths, but the same token count every step, so compiled graphs (and the
@@ -23,7 +24,9 @@ On a GPU, one eager step runs before training (its gradients discarded): it comp
 variants the model needs, or loads them from the module cache, outside the timed steps and outside
 the memory pool of the compiled CUDA graphs. Under ``torchrun``, rank 0 runs it alone while the
 others wait: it fills the module cache (``HSTU_CUTE_CACHE_DIR``, shared by all ranks of the
-machine), and the other ranks then load the variants from disk instead of compiling them too.
+machine), and the other ranks then load the variants from disk instead of compiling them too. Each
+rank reports how many variants it compiled and how many it loaded (``cache_compiles``,
+``cache_disk_hits`` in the result).
 
 ``--attention sparse`` swaps each block's attention for sparse HSTU (``hstu_cute.nsa``: compressed,
 selected and window branches, gated), with block sizes scaled to ``--max-len``.
@@ -81,11 +84,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(hstu_cute.nsa, NSA-style; docs/nsa.md), with blocks scaled to --max-len")
     parser.add_argument("--cache-dir", default=None, help="sets HSTU_CUTE_CACHE_DIR (the shared module cache)")
     parser.add_argument("--out", default=None, help="write the loss curve and step times as JSON here")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="under torchrun: FSDP2 (torch.distributed.fsdp.fully_shard per HSTU block, then the "
+                             "model) instead of DDP")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1 or args.max_len < 2 or args.vocab < 2:
         parser.error("--steps, --batch-size must be >= 1; --max-len, --vocab >= 2")
     if args.attention == "sparse" and (args.quant_mode != -1 or args.deterministic):
         parser.error("--attention sparse takes neither --quant-mode nor --deterministic")
+    if args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        parser.error("--fsdp: run under torchrun with 2 or more processes (WORLD_SIZE >= 2)")
     return args
 
 
@@ -184,12 +192,20 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     data = CatalogWalks(args.vocab, args.batch_size, args.max_len, args.seed)
     model = NextItemModel(args, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     train_model = model
-    if world > 1:
+    if world > 1 and args.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)  # the embeddings and the norm; the optimizer sees the sharded parameters
+    elif world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
         train_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)  # after fully_shard: its DTensor shards
     if args.compile:
         train_model = torch.compile(train_model, mode="reduce-overhead")
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast(
@@ -217,7 +233,11 @@ def main(argv=None) -> dict:
 
     warm_s = None
     try:
-        if world > 1:
+        if world > 1 and args.fsdp:
+            # Every rank at once (FSDP's all-gathers need them all): the module cache's file lock lets
+            # one rank compile each variant while the other waits, then loads it.
+            warm_s = warm_step()
+        elif world > 1:
             import torch.distributed as dist
 
             # Rank 0 fills the shared module cache first; the others then load it from disk.
@@ -234,6 +254,11 @@ def main(argv=None) -> dict:
     if warm_s is not None:
         log(f"warm step (kernels compiled or loaded from {os.environ.get('HSTU_CUTE_CACHE_DIR', 'the default cache')}): "
             f"{warm_s:.2f} s")
+    from hstu_cute.cache import default_cache
+
+    stats = default_cache().stats
+    if device.type == "cuda":
+        print(f"rank {rank}: {stats.compiles} kernel variants compiled, {stats.disk_hits} loaded from the module cache")
 
     log(f"device {device} x {world}, {sum(p.numel() for p in model.parameters()) / 1e3:.1f}k parameters, "
         f"{args.layers} HSTU blocks (H={args.heads}, D={args.head_dim}), vocab {args.vocab}, "
@@ -255,6 +280,8 @@ def main(argv=None) -> dict:
             log(f"step {i:5d}  loss {value:.4f}  {step_ms[-1]:8.2f} ms")
     tail = max(1, len(step_ms) // 2)
     result = {"device": str(device), "world_size": world, "steps": args.steps, "compile": args.compile,
+              "parallel": ("fsdp2" if args.fsdp else "ddp") if world > 1 else "none", "rank": rank,
+              "cache_compiles": stats.compiles, "cache_disk_hits": stats.disk_hits,
               "warm_step_s": warm_s, "losses": losses, "step_ms": step_ms,
               "median_step_ms_second_half": sorted(step_ms[-tail:])[tail // 2],
               "tokens_per_step": int(data.profile.sum()) * world}

@@ -29,6 +29,7 @@ from .validation import (
     device_checks_enabled,
     expand_kv_heads,
     fail,
+    fp32_as_bf16,
     output_dtype,
     validate,
     validate_memoized,
@@ -441,6 +442,7 @@ def hstu_attn_varlen_func(
     if not isinstance(deterministic, bool):
         fail(TypeError, "deterministic", "a bool", type(deterministic).__name__)
     k, v = expand_kv_heads(q, k, v, kv_cache is not None)
+    q, k, v, rab, widened = fp32_as_bf16(q, k, v, rab, kv_cache is not None)
     eager = _eager(q)
     args = (q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
             target_group_size, window_size, alpha, rab, has_drab, is_delta_q, descale_q, descale_k, descale_v,
@@ -453,8 +455,18 @@ def hstu_attn_varlen_func(
                 plans, func, block_mask)
     if eager:
         _check_data(call, q, k)
+    out = _attend(call, q, k, v, rab, eager)
+    # fp32 inputs ran in bf16 (validation.fp32_as_bf16): the output, and through the cast the
+    # gradients, come back in fp32.
+    return out.float() if widened else out
+
+
+def _attend(call: Call, q, k, v, rab, eager: bool):
+    """The validated call's forward, with its autograd: the launchers directly (eager) or the
+    custom ops (traced, or under a dispatch mode)."""
+    p, paged = call.problem, call.paged
     needs_grad = torch.is_grad_enabled() and (
-        q.requires_grad or k.requires_grad or v.requires_grad or (has_drab and rab.requires_grad))
+        q.requires_grad or k.requires_grad or v.requires_grad or (call.has_drab and rab.requires_grad))
     if paged is not None:
         if needs_grad or (rab is not None and rab.requires_grad and torch.is_grad_enabled()):
             raise NotImplementedError(
@@ -471,8 +483,8 @@ def hstu_attn_varlen_func(
                 return _HstuAttnFp8Eager.apply(call, q, k, v, rab)
         if eager:
             return forward_fp8(q, k, v, rab, call)
-        return torch.ops.hstu_cute.fwd_fp8(q, k, v, descale_q, descale_k, descale_v, *op_arguments(call, rab),
-                                           quant_mode, has_drab, deterministic)
+        return torch.ops.hstu_cute.fwd_fp8(q, k, v, *call.descales, *op_arguments(call, rab), p.quant_mode,
+                                           call.has_drab, call.deterministic)
     if needs_grad:
         if eager:
             return _HstuAttnEager.apply(call, q, k, v, rab)

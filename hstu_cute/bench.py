@@ -286,10 +286,20 @@ def time_flushed(fns, warmup: int = 3, reps: int = 20) -> tuple[float, float]:
     return statistics.median(times), times[(3 * len(times)) // 4] - times[len(times) // 4]
 
 
+def graphed_step(fn, inputs: tuple, dout: torch.Tensor):
+    """A training step of ``fn(*inputs)`` (gradients of ``inputs``) replayed from CUDA graphs:
+    ``torch.cuda.make_graphed_callables`` captures its forward and backward once, so a step costs
+    two graph launches of host time. What a model that graphs its layers gets (issue 40: the
+    eager step waits on Python, docs/dev/perf-log.md session 32)."""
+    graphed = torch.cuda.make_graphed_callables(fn, inputs)
+    return lambda: torch.autograd.grad(graphed(*inputs), inputs, dout)
+
+
 def sdpa_ms(w: Workload, backend: str, mode: str = "fwd") -> float | None:
     """torch SDPA (softmax) on the dense (padded) shape of ``w``, in ms: ``fwd``, ``bwd`` (the
-    gradient pass alone, from a saved forward) or ``step`` (autograd forward + backward, L2
-    flushed before each sample). None where the backend cannot run the shape."""
+    gradient pass alone, from a saved forward), ``step`` (autograd forward + backward, L2
+    flushed before each sample) or ``graph`` (that step replayed from CUDA graphs,
+    :func:`graphed_step`). None where the backend cannot run the shape."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
@@ -309,15 +319,18 @@ def sdpa_ms(w: Workload, backend: str, mode: str = "fwd") -> float | None:
                 elif mode == "step":
                     fns.append(lambda q=q, k=k, v=v, dout=torch.randn_like(q): torch.autograd.grad(
                         sdpa(q, k, v, is_causal=causal), (q, k, v), dout))
+                elif mode == "graph":
+                    fns.append(graphed_step(lambda q, k, v: sdpa(q, k, v, is_causal=causal), (q, k, v),
+                                            torch.randn_like(q)))
                 else:
                     fns.append(lambda q=q, k=k, v=v: sdpa(q, k, v, is_causal=causal))
-            ms, _ = time_flushed(fns) if mode == "step" else time_cuda(fns)
+            ms, _ = time_flushed(fns) if mode in ("step", "graph") else time_cuda(fns)
     except RuntimeError:
         return None
     return ms
 
 
-_STEP_FLOPS = {"fwd": 1.0, "bwd": 2.5, "step": 3.5}
+_STEP_FLOPS = {"fwd": 1.0, "bwd": 2.5, "step": 3.5, "graph": 3.5}
 
 
 def sdpa_tflops(w: Workload, backend: str, mode: str = "fwd", flop_count: float | None = None) -> float | None:
@@ -338,7 +351,7 @@ def _sdpa_lines(w: Workload, row: dict, f: float, mode: str) -> None:
     if not w.sdpa:
         return
     jagged = None if w.lengths == "full" else f
-    row["sdpa_flash"] = sdpa_tflops(w, "flash", mode=mode, flop_count=jagged) if mode != "step" else None
+    row["sdpa_flash"] = sdpa_tflops(w, "flash", mode=mode, flop_count=jagged) if mode in ("fwd", "bwd") else None
     row["sdpa_cudnn"] = sdpa_tflops(w, "cudnn", mode=mode, flop_count=jagged)
     if jagged is not None:
         row["sdpa_padded"] = True
@@ -510,11 +523,13 @@ def run_workload_bwd_fp8(w: Workload, mode: int, entry: str = "kernel", sets: in
     return row
 
 
-def run_training_step(w: Workload, sets: int = 3, quant_mode: int = -1, has_drab: bool = False) -> dict:
+def run_training_step(w: Workload, sets: int = 3, quant_mode: int = -1, has_drab: bool = False,
+                      graphed: bool = False) -> dict:
     """A training step as a model runs it: autograd forward + backward of the public call per
     sample (gradients of q, k, v, and rab with ``has_drab``: ``w`` needs rab), L2 flushed before
     each sample, launches queued with no host sync inside; FLOPs 3.5 x the forward's.
-    ``quant_mode`` >= 0: the FP8 path (quantizers included)."""
+    ``quant_mode`` >= 0: the FP8 path (quantizers included). ``graphed``: the step replayed from
+    CUDA graphs (:func:`graphed_step`), beside cuDNN's step graphed the same way."""
     from .api import hstu_attn_varlen_func
 
     calls = []
@@ -528,14 +543,19 @@ def run_training_step(w: Workload, sets: int = 3, quant_mode: int = -1, has_drab
         for name in names:
             kw[name].requires_grad_(True)
         dout = torch.rand_like(kw["q"])
-        calls.append(lambda kw=kw, dout=dout, names=names: torch.autograd.grad(
-            hstu_attn_varlen_func(**kw), tuple(kw[n] for n in names), dout))
+        if graphed:
+            calls.append(graphed_step(lambda *xs, kw=kw, names=names: hstu_attn_varlen_func(
+                **{**kw, **dict(zip(names, xs))}), tuple(kw[n] for n in names), dout))
+        else:
+            calls.append(lambda kw=kw, dout=dout, names=names: torch.autograd.grad(
+                hstu_attn_varlen_func(**kw), tuple(kw[n] for n in names), dout))
     ms, iqr = time_flushed(calls)
     f, convention = flops(w, full["_lens_q"], full["_lens_k"])
-    row = dict(workload=w.name + " step", ms=ms, iqr_ms=iqr, tflops=3.5 * f / ms / 1e9, flops=convention + " x3.5",
+    row = dict(workload=w.name + (" step, CUDA graph" if graphed else " step"), ms=ms, iqr_ms=iqr,
+               tflops=3.5 * f / ms / 1e9, flops=convention + " x3.5",
                tiles="training step" + (f" fp8 mode{quant_mode}" if quant_mode >= 0 else "") + (
-                   " +drab" if has_drab else ""))
-    _sdpa_lines(w, row, f, "step")
+                   " +drab" if has_drab else "") + (" graphed" if graphed else ""))
+    _sdpa_lines(w, row, f, "graph" if graphed else "step")
     return row
 
 

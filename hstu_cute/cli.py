@@ -719,6 +719,13 @@ def _bench_gpu(args, console, dev, name: str) -> int:
                     row["spec"] = dataclasses.asdict(w)
                     row["direction"] = direction
                     rows[direction].append(row)
+                    if direction == "step":  # the same step replayed from CUDA graphs: Python's host cost removed
+                        try:
+                            graph_row = bench.run_training_step(w, graphed=True)
+                        except Exception as exc:
+                            graph_row = dict(workload=w.name + " step, CUDA graph",
+                                             error=f"{type(exc).__name__}: {exc}")
+                        rows[direction].append(dict(graph_row, spec=dataclasses.asdict(w), direction=direction))
                     if fp8:
                         rows["fp8"] += _bench_fp8_rows(bench, w, row, direction)
                     bar.advance(task)
@@ -729,7 +736,8 @@ def _bench_gpu(args, console, dev, name: str) -> int:
 
     for direction in directions:
         title = {"fwd": "forward", "bwd": "backward (dq, dk, dv)",
-                 "step": "training step (autograd forward + backward, L2 flushed before each sample)"}[direction]
+                 "step": "training step (autograd forward + backward, L2 flushed before each sample; 'CUDA graph' "
+                         "rows: the step replayed from graphs, cuDNN's too)"}[direction]
         console.print(_bench_table(f"hstu_cute {title} on {name} ({arch}, {path} kernels)", rows[direction], gemm,
                                    both))
     if fp8:

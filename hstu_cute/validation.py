@@ -65,6 +65,22 @@ def expand_kv_heads(q, k, v, paged: bool = False):
     return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
 
+def fp32_as_bf16(q, k, v, rab, paged: bool = False):
+    """fp32 inputs (docs/operator.md, "fp32 inputs"): ``(q, k, v, rab, widened)`` with q, k, v (and
+    an fp32 rab) cast to bf16 when q, k and v are all fp32 (not with a paged cache, whose pages hold
+    16-bit keys), ``widened`` saying so; the caller casts the output back. The casts are
+    differentiable: the gradients come back in fp32. bf16, not fp16: the same exponent range as
+    fp32, so no input overflows and no gradient underflows (an fp16 cast was 1.5x TF32's error and
+    bf16 10x at unit scale, both within that library's fp32 tolerances on its own grid;
+    docs/dev/perf-log.md, session 32)."""
+    if paged or getattr(q, "dtype", None) != torch.float32 or not all(
+            isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in (q, k, v)):
+        return q, k, v, rab, False
+    if isinstance(rab, torch.Tensor) and rab.dtype == torch.float32:
+        rab = rab.to(torch.bfloat16)
+    return q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16), rab, True
+
+
 def fail(exc, name, expected, actual):
     raise exc(f"{name}: expected {expected}, got {actual}")
 

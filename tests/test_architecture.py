@@ -104,7 +104,7 @@ def test_api_holds_only_the_public_surface():
                        "_fwd_impl", "_fwd_fake", "_bwd_impl", "_bwd_fake", "_empty_drab", "_eager", "_dedupe",
                        "_check_data", "_fwd_fp8_impl", "_fwd_fp8_fake", "_fwd_paged_impl", "_bwd_fp8_impl",
                        "_bwd_fp8_fake", "_fwd_fp8_setup_context", "_fwd_fp8_backward", "_HstuAttnFp8Eager",
-                       "_bwd_fp8_through_op", "_fwd_fp8_call", "_traced_op_arguments"}, defined
+                       "_bwd_fp8_through_op", "_fwd_fp8_call", "_traced_op_arguments", "_attend"}, defined
 
 
 def _one_key_per_family():

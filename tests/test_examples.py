@@ -1,5 +1,6 @@
 """examples/train_hstu.py on CPU (the PyTorch reference path): the loss goes down, runs are
-repeatable from the seed, and an FP8 quant_mode stops with a clear message and a non-zero exit."""
+repeatable from the seed, two processes train under torchrun (gloo) with DDP and with FSDP2, and
+an FP8 quant_mode stops with a clear message and a non-zero exit."""
 
 from __future__ import annotations
 
@@ -39,6 +40,30 @@ def test_training_on_cpu_lowers_the_loss_and_repeats(example, tmp_path):
     assert out.exists()
     again = _train(example, "--steps", "3", "--seed", "3")
     assert again["losses"] == losses[:3]  # the seed fixes data and weights
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_two_processes_train(parallel, tmp_path):
+    """torchrun with 2 CPU processes (gloo): DDP, or FSDP2 with --fsdp (fully_shard per block).
+    The loss falls, and the result says which wrapper ran on how many ranks."""
+    import json
+
+    out = tmp_path / "curve.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(EXAMPLE),
+           *SMALL, "--steps", "20", "--out", str(out)] + (["--fsdp"] if parallel == "fsdp2" else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert (result["world_size"], result["parallel"], result["rank"]) == (2, parallel, 0)
+    losses = result["losses"]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses  # from ~log(64) = 4.16
+
+
+def test_fsdp_needs_torchrun(example, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        example.parse_args(["--fsdp"])
+    assert exc.value.code == 2
 
 
 def test_fp8_training_exits_non_zero_with_a_clear_message():

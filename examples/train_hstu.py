@@ -28,6 +28,9 @@ machine), and the other ranks then load the variants from disk instead of compil
 rank reports how many variants it compiled and how many it loaded (``cache_compiles``,
 ``cache_disk_hits`` in the result).
 
+``--attention sparse`` swaps each block's attention for sparse HSTU (``hstu_cute.nsa``: compressed,
+selected and window branches, gated), with block sizes scaled to ``--max-len``.
+
 ``--quant-mode`` is passed to the attention. FP8 trains on Hopper GPUs with quant modes 0-5 at
 head dims 64, 128 and 256; anywhere else (CPU tensors, sm80, other head dims) the first
 training step raises the library's ``NotImplementedError``, reported plainly, and the script exits
@@ -52,6 +55,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hstu_cute.nn import HSTUBlock  # noqa: E402
+from hstu_cute.nsa import HSTUSparseBlock, NSAConfig  # noqa: E402
 
 EXIT_NOT_IMPLEMENTED = 2
 
@@ -75,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--deterministic", action="store_true", help="bitwise reproducible attention backward")
+    parser.add_argument("--attention", choices=("dense", "sparse"), default="dense",
+                        help="dense HSTU attention, or sparse: compressed, selected and window branches "
+                             "(hstu_cute.nsa, NSA-style; docs/nsa.md), with blocks scaled to --max-len")
     parser.add_argument("--cache-dir", default=None, help="sets HSTU_CUTE_CACHE_DIR (the shared module cache)")
     parser.add_argument("--out", default=None, help="write the loss curve and step times as JSON here")
     parser.add_argument("--fsdp", action="store_true",
@@ -83,6 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1 or args.max_len < 2 or args.vocab < 2:
         parser.error("--steps, --batch-size must be >= 1; --max-len, --vocab >= 2")
+    if args.attention == "sparse" and (args.quant_mode != -1 or args.deterministic):
+        parser.error("--attention sparse takes neither --quant-mode nor --deterministic")
     if args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) < 2:
         parser.error("--fsdp: run under torchrun with 2 or more processes (WORLD_SIZE >= 2)")
     return args
@@ -126,11 +135,19 @@ class NextItemModel(nn.Module):
         self.positions = nn.Embedding(args.max_len, args.d_model, device=device)
         nn.init.normal_(self.items.weight, std=0.02)
         nn.init.normal_(self.positions.weight, std=0.02)
-        self.blocks = nn.ModuleList(
-            HSTUBlock(args.d_model, args.heads, args.head_dim, scaling_seqlen=args.max_len,
-                      deterministic=args.deterministic, quant_mode=args.quant_mode, device=device)
-            for _ in range(args.layers))
+        self.blocks = nn.ModuleList(self.block(args, device) for _ in range(args.layers))
         self.norm = nn.LayerNorm(args.d_model, device=device)
+
+    @staticmethod
+    def block(args, device):
+        if args.attention == "sparse":
+            # Short sequences here: blocks of 16 keys, a quarter of the blocks selected.
+            cfg = NSAConfig(cmp_block=16, cmp_stride=8, sel_block=16, top_n=max(2, args.max_len // 64),
+                            window=max(16, args.max_len // 4), num_initial=1, num_local=1)
+            return HSTUSparseBlock(args.d_model, args.heads, args.head_dim, cfg=cfg, scaling_seqlen=args.max_len,
+                                   device=device)
+        return HSTUBlock(args.d_model, args.heads, args.head_dim, scaling_seqlen=args.max_len,
+                         deterministic=args.deterministic, quant_mode=args.quant_mode, device=device)
 
     def forward(self, items, positions, offsets):
         x = self.items(items) + self.positions(positions)
@@ -143,8 +160,8 @@ def refuse(args, error: NotImplementedError):
     """FP8 training: say plainly what is missing, exit non-zero. Anything else propagates."""
     if args.quant_mode == -1:
         raise error
-    print(f"--quant-mode {args.quant_mode}: FP8 training needs a Hopper GPU, quant mode 0 or 2-5 and head dim 64 "
-          f"or 128; train with --quant-mode -1 otherwise. The library said: {error}", file=sys.stderr)
+    print(f"--quant-mode {args.quant_mode}: FP8 training needs a Hopper GPU, quant modes 0-5 and head dim 64, "
+          f"128 or 256; train with --quant-mode -1 otherwise. The library said: {error}", file=sys.stderr)
     sys.exit(EXIT_NOT_IMPLEMENTED)
 
 

@@ -27,16 +27,17 @@ except ImportError:  # pragma: no cover
     __version__ = "0.1.0"
 
 __all__ = ["hstu_attn_varlen_func", "warmup", "__version__", "HSTUAttention", "HSTUBlock", "hstu_attn_padded",
-           "to_jagged", "to_padded", "BlockMask"]
+           "to_jagged", "to_padded", "BlockMask", "HSTUSparseBlock"]
 
 # Names loaded on first use: public name -> the submodule that defines it.
 _LAZY = {"HSTUAttention": "nn", "HSTUBlock": "nn", "hstu_attn_padded": "padded", "to_jagged": "padded",
-         "to_padded": "padded", "BlockMask": "block_mask"}
+         "to_padded": "padded", "BlockMask": "block_mask", "HSTUSparseBlock": "nsa"}
 
 if TYPE_CHECKING:  # pragma: no cover
     from .api import hstu_attn_varlen_func
     from .block_mask import BlockMask
     from .nn import HSTUAttention, HSTUBlock
+    from .nsa import HSTUSparseBlock
     from .padded import hstu_attn_padded, to_jagged, to_padded
 
 

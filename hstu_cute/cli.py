@@ -676,6 +676,8 @@ def _bench_gpu(args, console, dev, name: str) -> int:
         return _bench_serving(args, console, dev, name)
     if args.grid == "blocksparse":
         return _bench_sparse(args, console, dev, name)
+    if args.grid == "nsa":
+        return _bench_nsa(args, console, dev, name)
     if args.host:
         return _bench_host(args, console, dev, name)
     workloads = {"headline": lambda: [bench.headline()], "full": bench.default_grid,
@@ -826,21 +828,29 @@ def _bench_serving(args, console, dev, name: str) -> int:
     return 0
 
 
-def _bench_sparse(args, console, dev, name: str) -> int:
-    """``bench --grid blocksparse``: the block-sparse forward, and forward + backward, beside our
-    dense call and FlexAttention with the same kept blocks (hstu_cute.bench_sparse)."""
+def _grid_rows(args, console, dev, workloads: list, run) -> list[dict]:
+    """``run(w, direction)`` over the first ``--limit`` of ``workloads`` for each ``--direction``
+    (``bwd`` meaning forward + backward), each time printed as it lands."""
     import torch
-    from rich.table import Table
-
-    from .bench_sparse import run_sparse, sparse_grid
 
     rows = []
     directions = {"fwd": ("fwd",), "bwd": ("fwd+bwd",), "both": ("fwd", "fwd+bwd")}[args.direction]
     with torch.cuda.device(dev):
         for direction in directions:
-            for w in sparse_grid()[: args.limit]:
-                rows.append(run_sparse(w, direction))
+            for w in workloads[: args.limit]:
+                rows.append(run(w, direction))
                 console.print(f"{w.name} {direction}: {rows[-1]['ms']:.3f} ms")
+    return rows
+
+
+def _bench_sparse(args, console, dev, name: str) -> int:
+    """``bench --grid blocksparse``: the block-sparse forward, and forward + backward, beside our
+    dense call and FlexAttention with the same kept blocks (hstu_cute.bench_sparse)."""
+    from rich.table import Table
+
+    from .bench_sparse import run_sparse, sparse_grid
+
+    rows = _grid_rows(args, console, dev, sparse_grid(), run_sparse)
     table = Table(title=f"hstu_cute block-sparse on {name}: H32 D128 bf16, block 128; TF/s on the allowed pairs of "
                         "the kept blocks (fwd+bwd: 3.5x the forward's FLOPs); FlexAttention is softmax")
     for col in ("workload", "direction", "kept", "sparse ms", "kernels ms", "TF/s", "dense ms", "dense TF/s", "x dense",
@@ -857,6 +867,26 @@ def _bench_sparse(args, console, dev, name: str) -> int:
                       fmt(r["flex_ms"], ".3f"), fmt(r["flex_tflops"], ".0f"), fmt(r["x_flex"], ".2f"))
     console.print(table)
     _append_json_lines(args.out, rows, gpu=name, grid="blocksparse")
+    return 0
+
+
+def _bench_nsa(args, console, dev, name: str) -> int:
+    """``bench --grid nsa``: sparse HSTU (hstu_cute.nsa) beside our dense causal call, forward
+    and forward + backward (hstu_cute.bench_nsa)."""
+    from rich.table import Table
+
+    from .bench_nsa import nsa_grid, run_nsa
+
+    rows = _grid_rows(args, console, dev, nsa_grid(), run_nsa)
+    table = Table(title=f"hstu_cute sparse HSTU (NSA-style) on {name}: H4 D128 bf16, 64K tokens per batch; times "
+                        "beside our dense causal call on the same inputs")
+    for col in ("workload", "direction", "B x N", "sparse ms", "dense ms", "x dense"):
+        table.add_column(col, justify="left" if col == "workload" else "right")
+    for r in rows:
+        table.add_row(r["workload"], r["direction"], f"{r['batch']} x {r['seqlen']}", f"{r['ms']:.3f}",
+                      f"{r['dense_ms']:.3f}", f"{r['x_dense']:.2f}")
+    console.print(table)
+    _append_json_lines(args.out, rows, gpu=name, grid="nsa")
     return 0
 
 
@@ -1049,12 +1079,12 @@ def build_parser() -> argparse.ArgumentParser:
             "Time the kernels on the benchmark workloads, with the bf16 GEMM peak and torch SDPA (flash, "
             "cuDNN) timed in the same run as reference lines; FLOPs by the convention of docs/operator.md. "
             "Needs a GPU (without one it says so and exits 0).")
-    p.add_argument("--grid", choices=("headline", "full", "recsys", "func", "blocksparse", "serving"),
+    p.add_argument("--grid", choices=("headline", "full", "recsys", "func", "blocksparse", "nsa", "serving"),
                    default="headline",
                    help="headline: B8 N4096 D128 causal; full: the whole workload grid (docs/operator.md); recsys: "
                         "short and jagged recommender shapes with a training-step row each; func: FBGEMM's func "
                         "masks beside our causal mask; blocksparse: block masks (forward; fwd+bwd with --direction both or bwd) beside our dense call and "
-                        "FlexAttention; serving: new tokens against a paged KV cache beside contiguous keys and recomputing the history")
+                        "FlexAttention; nsa: sparse HSTU (hstu_cute.nsa) beside our dense call; serving: new tokens against a paged KV cache beside contiguous keys and recomputing the history")
     p.add_argument("--direction", choices=("fwd", "bwd", "both"), default="both",
                    help="time the forward, the backward or both")
     p.add_argument("--out", default=None, metavar="FILE",

@@ -80,3 +80,13 @@ def test_bad_arguments_are_refused(example):
     assert exc.value.code == 2
     with pytest.raises(SystemExit):
         example.parse_args(["--steps", "0"])
+
+
+def test_sparse_attention_trains_on_cpu(example):
+    """--attention sparse (hstu_cute.nsa's HSTUSparseBlock) lowers the loss on CPU too."""
+    result = _train(example, "--steps", "30", "--seed", "3", "--attention", "sparse", "--max-len", "64")
+    losses = result["losses"]
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < first - 0.5, (first, last)
+    with pytest.raises(SystemExit):
+        example.parse_args(["--attention", "sparse", "--quant-mode", "2"])

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The one GPU call: precompile (parallel) -> GPU tests -> compute-sanitizer -> backward smoke -> benchmark
 # -> serving (paged and split-key calls beside their same-run lines) -> sparse (block-sparse and func
-# masks: their GPU tests, compute-sanitizer over them, bench --grid blocksparse and --grid func).
-# Usage on the GPU machine: [STAGES="warmup tests shards sanitizer smoke perf serving sparse"] tools/gpu_check.sh [perf modes]
+# masks: their GPU tests, compute-sanitizer over them, bench --grid blocksparse and --grid func) -> nsa
+# (hstu_cute.nsa's GPU tests and bench --grid nsa).
+# Usage on the GPU machine: [STAGES="warmup tests shards sanitizer smoke perf serving sparse nsa"] tools/gpu_check.sh [perf modes]
 # (perf modes: tools/gpu_perf.py's, default all). Logs under $OUT (or ./gpu-out). STAGES picks a
 # subset, so a long check can be split over two calls within one device command's time limit;
 # GPU_TESTS picks test files, WARMUP_ARGS narrows the warmup (its filters). STAGES="shards" runs
@@ -91,6 +92,14 @@ if [[ $STAGES == *" sparse "* ]]; then
   status+=("bench blocksparse rc=$?: $OUT/blocksparse.jsonl")
   python -m hstu_cute bench --grid func --out "$OUT/func.jsonl" > "$OUT/func.log" 2>&1
   status+=("bench func rc=$?: $OUT/func.jsonl")
+fi
+if [[ $STAGES == *" nsa "* ]]; then
+  t0=$(date +%s)
+  shards tests/test_nsa_gpu.py > "$OUT/nsa-tests.log" 2>&1; rc=$?
+  status+=("NSA GPU tests rc=$rc $(( $(date +%s) - t0 ))s: $(shard_counts)")
+  grep -E "FAILED|ERROR" "$OUT/nsa-tests.log" | head -n 20
+  timeout "${NSA_BENCH_TIMEOUT:-300}" python -m hstu_cute bench --grid nsa --out "$OUT/nsa.jsonl" > "$OUT/nsa.log" 2>&1
+  status+=("bench nsa rc=$?: $OUT/nsa.jsonl")
 fi
 echo "=== gpu_check ==="
 printf '%s\n' "${status[@]}"

@@ -2,8 +2,10 @@
 # The one GPU call: precompile (parallel) -> GPU tests -> compute-sanitizer -> backward smoke -> benchmark
 # -> serving (paged and split-key calls beside their same-run lines) -> sparse (block-sparse and func
 # masks: their GPU tests, compute-sanitizer over them, bench --grid blocksparse and --grid func) -> nsa
-# (hstu_cute.nsa's GPU tests and bench --grid nsa).
-# Usage on the GPU machine: [STAGES="warmup tests shards sanitizer smoke perf serving sparse nsa"] tools/gpu_check.sh [perf modes]
+# (hstu_cute.nsa's GPU tests and bench --grid nsa) -> multi (two GPUs: the training example under
+# torchrun, DDP / FSDP2 / --compile / FP8 from a cold shared module cache, one GPU against two for weak
+# scaling, tests/test_multi_gpu.py).
+# Usage on the GPU machine: [STAGES="warmup tests shards sanitizer smoke perf serving sparse nsa multi"] tools/gpu_check.sh [perf modes]
 # (perf modes: tools/gpu_perf.py's, default all). Logs under $OUT (or ./gpu-out). STAGES picks a
 # subset, so a long check can be split over two calls within one device command's time limit;
 # GPU_TESTS picks test files, WARMUP_ARGS narrows the warmup (its filters). STAGES="shards" runs
@@ -100,6 +102,28 @@ if [[ $STAGES == *" nsa "* ]]; then
   grep -E "FAILED|ERROR" "$OUT/nsa-tests.log" | head -n 20
   timeout "${NSA_BENCH_TIMEOUT:-300}" python -m hstu_cute bench --grid nsa --out "$OUT/nsa.jsonl" > "$OUT/nsa.log" 2>&1
   status+=("bench nsa rc=$?: $OUT/nsa.jsonl")
+fi
+if [[ $STAGES == *" multi "* ]]; then
+  cache=/tmp/hstu-multi-cache
+  example() {  # name nproc fresh-cache(0/1) args...: one torchrun of the example, its per-rank compile counts
+    local name=$1 nproc=$2 fresh=$3; shift 3; local t0=$(date +%s)
+    (( fresh )) && rm -rf "$cache"
+    timeout "${MULTI_RUN_S:-240}" torchrun --standalone --nproc_per_node="$nproc" examples/train_hstu.py \
+      --cache-dir "$cache" --log-every 50 --out "$OUT/multi-$name.json" "$@" > "$OUT/multi-$name.log" 2>&1
+    status+=("example $name rc=$? $(( $(date +%s) - t0 ))s: $(grep -E '^rank .* compiled' "$OUT/multi-$name.log" | sort | tr '\n' ';') $(grep -E '^loss ' "$OUT/multi-$name.log")")
+  }
+  example ddp 2 1 --steps 100
+  example fsdp2 2 1 --fsdp --steps 100
+  example ddp-compile 2 0 --compile --steps 100
+  example ddp-fp8 2 0 --quant-mode 2 --head-dim 64 --steps 100
+  # Weak scaling: the same batch per rank on one GPU and on two (DDP), the cache warm.
+  scale=(--batch-size 64 --max-len 256 --d-model 128 --heads 4 --layers 4 --vocab 2048 --steps 200)
+  example scale1 1 0 "${scale[@]}"
+  example scale2 2 0 "${scale[@]}"
+  example scale2-fsdp2 2 0 --fsdp "${scale[@]}"
+  t0=$(date +%s)
+  timeout "${MULTI_TESTS_S:-240}" python -m pytest -q -m gpu -p no:cacheprovider tests/test_multi_gpu.py > "$OUT/multi-tests.log" 2>&1
+  status+=("tests/test_multi_gpu.py rc=$? $(( $(date +%s) - t0 ))s: $(tail -n 1 "$OUT/multi-tests.log")")
 fi
 echo "=== gpu_check ==="
 printf '%s\n' "${status[@]}"

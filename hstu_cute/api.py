@@ -23,7 +23,8 @@ from .call import (
     op_values,
     sequence_tensors,
 )
-from .launch import backward, backward_fp8, check_fp8_backward, forward, forward_fp8
+from .launch import backward, backward_fp8, check_fp8_backward, forward, forward_fp8, on_device
+from .launch.buffers import _NO_SWITCH
 from .validation import (
     check_device_data,
     device_checks_enabled,
@@ -455,7 +456,10 @@ def hstu_attn_varlen_func(
                 plans, func, block_mask)
     if eager:
         _check_data(call, q, k)
-    out = _attend(call, q, k, v, rab, eager)
+    # The whole call on q's device, not only the launches: a call on cuda:1 made while cuda:0 is
+    # current faulted on the H200 pair (illegal address, session 33) with only the launches switched.
+    with on_device(q.device) if eager else _NO_SWITCH:
+        out = _attend(call, q, k, v, rab, eager)
     # fp32 inputs ran in bf16 (validation.fp32_as_bf16): the output, and through the cast the
     # gradients, come back in fp32.
     return out.float() if widened else out

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from hstu_cute import api, arch, hstu_attn_varlen_func, reference, validation, variants
-from hstu_cute.testing import random_jagged_batch
+from hstu_cute.call import op_arguments
+from hstu_cute.testing import call_record, random_jagged_batch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -83,13 +84,9 @@ def test_dispatcher_path_matches_eager(monkeypatch):
 
 
 def _fwd_op_args(b):
-    p = validation.validate(*(b.get(n) for n in ("q", "k", "v", "seq_offsets_q", "seq_offsets_k", "max_seqlen_q",
-                                           "max_seqlen_k", "num_contexts", "num_targets", "target_group_size",
-                                           "window_size", "alpha", "rab")), False, b["is_delta_q"], None, None, None,
-                     None, -1, b["scaling_seqlen"], b["seqused_q"], b["seqused_k"])
-    return (b["q"], b["k"], b["v"], b["seq_offsets_q"], b["seq_offsets_k"], b["max_seqlen_q"], b["max_seqlen_k"],
-            b["num_contexts"], b["num_targets"], b["target_group_size"], p.window_left, p.window_right, b["alpha"],
-            b["rab"], b["is_delta_q"], b["scaling_seqlen"], b["seqused_q"], b["seqused_k"], None)
+    """The 16-bit ops' arguments for batch ``b``, as the public API builds them (its call record)."""
+    call, rab = call_record(**b)
+    return (b["q"], b["k"], b["v"]) + op_arguments(call, rab)
 
 
 def test_opcheck_fwd_cuda(path):

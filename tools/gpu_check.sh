@@ -104,6 +104,9 @@ if [[ $STAGES == *" nsa "* ]]; then
   status+=("bench nsa rc=$?: $OUT/nsa.jsonl")
 fi
 if [[ $STAGES == *" multi "* ]]; then
+  # MULTI picks parts: cold (DDP / FSDP2 from an empty cache, then --compile and FP8 from it),
+  # scale (one GPU against two, the same batch per rank, eager and compiled), tests.
+  MULTI=" ${MULTI:-cold scale tests} "
   cache=/tmp/hstu-multi-cache
   example() {  # name nproc fresh-cache(0/1) args...: one torchrun of the example, its per-rank compile counts
     local name=$1 nproc=$2 fresh=$3; shift 3; local t0=$(date +%s)
@@ -112,18 +115,27 @@ if [[ $STAGES == *" multi "* ]]; then
       --cache-dir "$cache" --log-every 50 --out "$OUT/multi-$name.json" "$@" > "$OUT/multi-$name.log" 2>&1
     status+=("example $name rc=$? $(( $(date +%s) - t0 ))s: $(grep -E '^rank .* compiled' "$OUT/multi-$name.log" | sort | tr '\n' ';') $(grep -E '^loss ' "$OUT/multi-$name.log")")
   }
-  example ddp 2 1 --steps 100
-  example fsdp2 2 1 --fsdp --steps 100
-  example ddp-compile 2 0 --compile --steps 100
-  example ddp-fp8 2 0 --quant-mode 2 --head-dim 64 --steps 100
-  # Weak scaling: the same batch per rank on one GPU and on two (DDP), the cache warm.
-  scale=(--batch-size 64 --max-len 256 --d-model 128 --heads 4 --layers 4 --vocab 2048 --steps 200)
-  example scale1 1 0 "${scale[@]}"
-  example scale2 2 0 "${scale[@]}"
-  example scale2-fsdp2 2 0 --fsdp "${scale[@]}"
-  t0=$(date +%s)
-  timeout "${MULTI_TESTS_S:-240}" python -m pytest -q -m gpu -p no:cacheprovider tests/test_multi_gpu.py > "$OUT/multi-tests.log" 2>&1
-  status+=("tests/test_multi_gpu.py rc=$? $(( $(date +%s) - t0 ))s: $(tail -n 1 "$OUT/multi-tests.log")")
+  if [[ $MULTI == *" cold "* ]]; then
+    example ddp 2 1 --steps 100
+    example fsdp2 2 1 --fsdp --steps 100
+    example ddp-compile 2 0 --compile --steps 100
+    example ddp-fp8 2 0 --quant-mode 2 --head-dim 64 --steps 100
+  fi
+  if [[ $MULTI == *" scale "* ]]; then
+    # Weak scaling: the same batch per rank (41k tokens) on one GPU and on two.
+    scale=(--batch-size 128 --max-len 512 --d-model 256 --heads 4 --head-dim 64 --layers 4 --vocab 4096
+           --steps "${SCALE_STEPS:-150}")
+    example scale1 1 0 "${scale[@]}"
+    example scale2 2 0 "${scale[@]}"
+    example scale1-compile 1 0 --compile "${scale[@]}"
+    example scale2-compile 2 0 --compile "${scale[@]}"
+    [[ $MULTI == *" fsdp "* ]] && example scale2-fsdp2 2 0 --fsdp "${scale[@]}"
+  fi
+  if [[ $MULTI == *" tests "* ]]; then
+    t0=$(date +%s)
+    timeout "${MULTI_TESTS_S:-240}" python -m pytest -q -m gpu -p no:cacheprovider tests/test_multi_gpu.py > "$OUT/multi-tests.log" 2>&1
+    status+=("tests/test_multi_gpu.py rc=$? $(( $(date +%s) - t0 ))s: $(tail -n 1 "$OUT/multi-tests.log")")
+  fi
 fi
 echo "=== gpu_check ==="
 printf '%s\n' "${status[@]}"

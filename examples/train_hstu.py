@@ -12,6 +12,7 @@ Runs on one GPU, on several with ``torchrun`` (DDP, or FSDP2 with ``--fsdp``), o
     python examples/train_hstu.py --steps 200                      # the GPU if there is one
     python examples/train_hstu.py --device cpu --steps 30
     python examples/train_hstu.py --compile                        # torch.compile, reduce-overhead
+    python examples/train_hstu.py --profile-dir prof/              # torch.profiler trace of steps 10-14
     HSTU_CUTE_CACHE_DIR=/shared/hstu-cache torchrun --nproc_per_node=2 examples/train_hstu.py
     torchrun --nproc_per_node=2 examples/train_hstu.py --fsdp      # FSDP2 (fully_shard per block)
 
@@ -87,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fsdp", action="store_true",
                         help="under torchrun: FSDP2 (torch.distributed.fsdp.fully_shard per HSTU block, then the "
                              "model) instead of DDP")
+    parser.add_argument("--profile-dir", default=None,
+                        help="trace steps 10-14 with torch.profiler: one Chrome trace per rank here, and the "
+                             "top operators (GPU time on a GPU) printed by rank 0")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.batch_size < 1 or args.max_len < 2 or args.vocab < 2:
         parser.error("--steps, --batch-size must be >= 1; --max-len, --vocab >= 2")
@@ -183,6 +187,23 @@ def setup_device(requested: str):
     return torch.device(requested), 0, 1
 
 
+def _step_profiler(directory: str, rank: int, device):
+    """A started torch.profiler over steps 10-14 (after 10 steps of warm-up), writing
+    ``rank<r>.json`` (a Chrome trace) into ``directory``."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
+
+    def write(prof):
+        prof.export_chrome_trace(str(Path(directory) / f"rank{rank}.json"))
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    prof = profile(activities=activities,
+                   schedule=schedule(wait=9, warmup=1, active=5, repeat=1), on_trace_ready=write)
+    prof.start()
+    return prof
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.cache_dir:
@@ -264,7 +285,10 @@ def main(argv=None) -> dict:
         f"{args.layers} HSTU blocks (H={args.heads}, D={args.head_dim}), vocab {args.vocab}, "
         f"{int(data.profile.sum())} tokens per step and rank; uniform-guess loss {math.log(args.vocab):.3f}")
     losses, step_ms = [], []
+    profiler = _step_profiler(args.profile_dir, rank, device) if args.profile_dir else None
     for i in range(args.steps):
+        if profiler is not None:
+            profiler.step()
         batch = data.batch(gen)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
@@ -278,6 +302,10 @@ def main(argv=None) -> dict:
         losses.append(value)
         if i % args.log_every == 0 or i == args.steps - 1:
             log(f"step {i:5d}  loss {value:.4f}  {step_ms[-1]:8.2f} ms")
+    if profiler is not None:
+        profiler.stop()
+        by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+        log(profiler.key_averages().table(sort_by=by, row_limit=15))
     tail = max(1, len(step_ms) // 2)
     result = {"device": str(device), "world_size": world, "steps": args.steps, "compile": args.compile,
               "parallel": ("fsdp2" if args.fsdp else "ddp") if world > 1 else "none", "rank": rank,

@@ -90,3 +90,17 @@ def test_sparse_attention_trains_on_cpu(example):
     assert last < first - 0.5, (first, last)
     with pytest.raises(SystemExit):
         example.parse_args(["--attention", "sparse", "--quant-mode", "2"])
+
+
+def test_profile_dir_writes_a_trace_of_the_profiled_steps(example, tmp_path):
+    """--profile-dir traces steps 10-14 into rank0.json (a Chrome trace whose events include the
+    attention's reference ops on CPU), and training goes on as without it."""
+    import json
+
+    result = _train(example, "--steps", "16", "--seed", "3", "--profile-dir", str(tmp_path / "prof"))
+    assert len(result["losses"]) == 16
+    trace = json.loads((tmp_path / "prof" / "rank0.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert "aten::matmul" in names or "aten::bmm" in names, sorted(n for n in names if n)[:20]
+    steps = {e["name"] for e in trace["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")}
+    assert steps == {f"ProfilerStep#{i}" for i in range(10, 15)}, steps

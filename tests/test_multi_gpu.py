@@ -32,6 +32,21 @@ def _step(b, stream=None):
     return [out.detach()] + [leaves[n].grad for n in ("q", "k", "v")]
 
 
+def test_first_call_on_the_second_gpu_from_the_first(path):
+    """The process's first calls for cuda:1 made while cuda:0 is current (the per-device state,
+    counters and fillers, is created then), forward and backward, with no oracle in the way: the
+    same bits as the same step made under ``torch.cuda.device(1)``. First in the file: later tests
+    find that state made."""
+    torch.cuda.set_device(0)
+    b1 = _batch("cuda:1")
+    got = _step(b1)
+    assert torch.cuda.current_device() == 0
+    with torch.cuda.device(1):
+        want = _step(b1)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
 def test_tensors_on_the_second_gpu(path):
     torch.cuda.set_device(0)
     b1 = _batch("cuda:1")

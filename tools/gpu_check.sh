@@ -105,7 +105,8 @@ if [[ $STAGES == *" nsa "* ]]; then
 fi
 if [[ $STAGES == *" multi "* ]]; then
   # MULTI picks parts: cold (DDP / FSDP2 from an empty cache, then --compile and FP8 from it),
-  # scale (one GPU against two, the same batch per rank, eager and compiled), tests.
+  # scale (one GPU against two, the same batch per rank, eager and compiled; "fsdp" adds FSDP2),
+  # profile (torch.profiler traces of the eager step on one GPU and two), tests.
   MULTI=" ${MULTI:-cold scale tests} "
   cache=/tmp/hstu-multi-cache
   example() {  # name nproc fresh-cache(0/1) args...: one torchrun of the example, its per-rank compile counts
@@ -130,6 +131,11 @@ if [[ $STAGES == *" multi "* ]]; then
     example scale1-compile 1 0 --compile "${scale[@]}"
     example scale2-compile 2 0 --compile "${scale[@]}"
     [[ $MULTI == *" fsdp "* ]] && example scale2-fsdp2 2 0 --fsdp "${scale[@]}"
+  fi
+  if [[ $MULTI == *" profile "* ]]; then  # where an eager DDP step goes: torch.profiler, steps 10-14
+    scale=(--batch-size 128 --max-len 512 --d-model 256 --heads 4 --head-dim 64 --layers 4 --vocab 4096)
+    example profile1 1 0 "${scale[@]}" --steps 16 --profile-dir "$OUT/profile1"
+    example profile2 2 0 "${scale[@]}" --steps 16 --profile-dir "$OUT/profile2"
   fi
   if [[ $MULTI == *" tests "* ]]; then
     t0=$(date +%s)

@@ -6,6 +6,8 @@ launch in :mod:`hstu_cute.launch`.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import tvm_ffi  # noqa: F401  (the kernels' calling convention; importing it here keeps its ~50 ms
 #                  one-time cost out of the first call, e.g. out of a disk-cache load)
@@ -24,7 +26,6 @@ from .call import (
     sequence_tensors,
 )
 from .launch import backward, backward_fp8, check_fp8_backward, forward, forward_fp8, on_device
-from .launch.buffers import _NO_SWITCH
 from .validation import (
     check_device_data,
     device_checks_enabled,
@@ -456,9 +457,10 @@ def hstu_attn_varlen_func(
                 plans, func, block_mask)
     if eager:
         _check_data(call, q, k)
-    # The whole call on q's device, not only the launches: a call on cuda:1 made while cuda:0 is
-    # current faulted on the H200 pair (illegal address, session 33) with only the launches switched.
-    with on_device(q.device) if eager else _NO_SWITCH:
+    # The whole call on q's device, so that the per-device state it makes (counters, fillers,
+    # constants) is made there too. A call on cuda:1 made while cuda:0 is current still faulted on
+    # the H200 pair with this in place (illegal address, docs/dev/perf-log.md session 33): open.
+    with on_device(q.device) if eager else contextlib.nullcontext():
         out = _attend(call, q, k, v, rab, eager)
     # fp32 inputs ran in bf16 (validation.fp32_as_bf16): the output, and through the cast the
     # gradients, come back in fp32.

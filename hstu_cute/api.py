@@ -6,8 +6,6 @@ launch in :mod:`hstu_cute.launch`.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import tvm_ffi  # noqa: F401  (the kernels' calling convention; importing it here keeps its ~50 ms
 #                  one-time cost out of the first call, e.g. out of a disk-cache load)
@@ -25,7 +23,7 @@ from .call import (
     op_values,
     sequence_tensors,
 )
-from .launch import backward, backward_fp8, check_fp8_backward, forward, forward_fp8, on_device
+from .launch import backward, backward_fp8, check_fp8_backward, forward, forward_fp8
 from .validation import (
     check_device_data,
     device_checks_enabled,
@@ -457,11 +455,7 @@ def hstu_attn_varlen_func(
                 plans, func, block_mask)
     if eager:
         _check_data(call, q, k)
-    # The whole call on q's device, so that the per-device state it makes (counters, fillers,
-    # constants) is made there too. A call on cuda:1 made while cuda:0 is current still faulted on
-    # the H200 pair with this in place (illegal address, docs/dev/perf-log.md session 33): open.
-    with on_device(q.device) if eager else contextlib.nullcontext():
-        out = _attend(call, q, k, v, rab, eager)
+    out = _attend(call, q, k, v, rab, eager)
     # fp32 inputs ran in bf16 (validation.fp32_as_bf16): the output, and through the cast the
     # gradients, come back in fp32.
     return out.float() if widened else out

@@ -182,22 +182,21 @@ def compressed_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tens
     live_c = torch.arange(c_max, device=q.device)[None, :] < counts[:, None]  # (B, C)
     wide = torch.promote_types(q.dtype, torch.float32)
 
+    def allowed(r0: int, r1: int, tokens: int) -> torch.Tensor:
+        """(B, rows, C') bool: row ``i`` of [r0, r1) sees compressed token ``c < C'``."""
+        rows = torch.arange(r0, r1, device=q.device)
+        return (block_end[None, None, :tokens] <= rows[None, :, None]) & live_c[:, None, :tokens] & (
+            rows[None, :, None] < lengths[:, None, None])
+
     def scores(r0: int, r1: int, qc, kc):
         """(B, H, rows, C') SiLU scores of rows [r0, r1) against the first C' tokens, masked."""
-        tokens = kc.shape[1]
-        rows = torch.arange(r0, r1, device=q.device)
-        allowed = (block_end[None, None, :tokens] <= rows[None, :, None]) & live_c[:, None, :tokens] & (
-            rows[None, :, None] < lengths[:, None, None])  # (B, rows, C')
         s = _tf32_exact_einsum("blhd,bchd->bhlc", qc, kc, wide) * alpha
-        return F.silu(s) / scaling_seqlen * allowed[:, None].to(s.dtype)
+        return F.silu(s) / scaling_seqlen * allowed(r0, r1, kc.shape[1])[:, None].to(s.dtype)
 
     def unscaled_scores_in_place(r0: int, r1: int, qc, kc):
         """:func:`scores` times ``scaling_seqlen``, without autograd and in place: four passes over
         the (B, H, rows, C') block instead of eight (the importance's cost is these passes)."""
-        tokens = kc.shape[1]
-        rows = torch.arange(r0, r1, device=q.device)
-        masked = (block_end[None, None, :tokens] > rows[None, :, None]) | ~live_c[:, None, :tokens] | (
-            rows[None, :, None] >= lengths[:, None, None])  # (B, rows, C')
+        masked = ~allowed(r0, r1, kc.shape[1])
         s = _tf32_exact_einsum("blhd,bchd->bhlc", qc, kc, wide)
         s.mul_(alpha)
         F.silu(s, inplace=True)

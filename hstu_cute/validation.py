@@ -319,15 +319,14 @@ def validate(
         fail(TypeError, "window_size", "a (left, right) pair of ints", repr(window_size))
     kind, wl, wr = masks.normalize_window(tuple(window_size), max_seqlen_k)
     has_context, has_target = num_contexts is not None, num_targets is not None
-    if (has_context or has_target) and kind != masks.MaskKind.CAUSAL and not (kind == masks.MaskKind.LOCAL
-                                                                              and wr == 0):
-        # A local window with contexts / targets is a causal band (WL, 0) (docs/operator.md, "Local
-        # window with contexts and targets"): the HSTU rules already end every row at itself.
+    # A local window with contexts / targets is a causal band (WL, 0) (docs/operator.md, "Local
+    # window with contexts and targets"): the HSTU rules already end every row at itself.
+    causal_family = kind == masks.MaskKind.CAUSAL or (kind == masks.MaskKind.LOCAL and wr == 0)
+    if (has_context or has_target) and not causal_family:
         name = "num_contexts" if has_context else "num_targets"
         fail(ValueError, "window_size", f"the causal window (-1, 0) or a causal band (WL >= 0, 0) when {name} is "
              "given", tuple(window_size))
-    if page_size and kind != masks.MaskKind.CAUSAL and not (kind == masks.MaskKind.LOCAL and wr == 0
-                                                            and (has_context or has_target)):
+    if page_size and kind != masks.MaskKind.CAUSAL and not (causal_family and (has_context or has_target)):
         raise NotImplementedError(f"window_size: a paged KV cache serves the causal family (window (-1, 0), with "
                                   f"contexts and targets, or a causal band (WL, 0) with them); got "
                                   f"{tuple(window_size)}")

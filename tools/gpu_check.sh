@@ -109,6 +109,8 @@ if [[ $STAGES == *" multi "* ]]; then
   # profile (torch.profiler traces of the eager step on one GPU and two), tests.
   MULTI=" ${MULTI:-cold scale tests} "
   cache=/tmp/hstu-multi-cache
+  # The weak-scaling model: the same batch per rank (41k tokens) on one GPU and on two.
+  scale=(--batch-size 128 --max-len 512 --d-model 256 --heads 4 --head-dim 64 --layers 4 --vocab 4096)
   example() {  # name nproc fresh-cache(0/1) args...: one torchrun of the example, its per-rank compile counts
     local name=$1 nproc=$2 fresh=$3; shift 3; local t0=$(date +%s)
     (( fresh )) && rm -rf "$cache"
@@ -123,17 +125,14 @@ if [[ $STAGES == *" multi "* ]]; then
     example ddp-fp8 2 0 --quant-mode 2 --head-dim 64 --steps 100
   fi
   if [[ $MULTI == *" scale "* ]]; then
-    # Weak scaling: the same batch per rank (41k tokens) on one GPU and on two.
-    scale=(--batch-size 128 --max-len 512 --d-model 256 --heads 4 --head-dim 64 --layers 4 --vocab 4096
-           --steps "${SCALE_STEPS:-150}")
-    example scale1 1 0 "${scale[@]}"
-    example scale2 2 0 "${scale[@]}"
-    example scale1-compile 1 0 --compile "${scale[@]}"
-    example scale2-compile 2 0 --compile "${scale[@]}"
-    [[ $MULTI == *" fsdp "* ]] && example scale2-fsdp2 2 0 --fsdp "${scale[@]}"
+    steps=(--steps "${SCALE_STEPS:-150}")
+    example scale1 1 0 "${scale[@]}" "${steps[@]}"
+    example scale2 2 0 "${scale[@]}" "${steps[@]}"
+    example scale1-compile 1 0 --compile "${scale[@]}" "${steps[@]}"
+    example scale2-compile 2 0 --compile "${scale[@]}" "${steps[@]}"
+    [[ $MULTI == *" fsdp "* ]] && example scale2-fsdp2 2 0 --fsdp "${scale[@]}" "${steps[@]}"
   fi
   if [[ $MULTI == *" profile "* ]]; then  # where an eager DDP step goes: torch.profiler, steps 10-14
-    scale=(--batch-size 128 --max-len 512 --d-model 256 --heads 4 --head-dim 64 --layers 4 --vocab 4096)
     example profile1 1 0 "${scale[@]}" --steps 16 --profile-dir "$OUT/profile1"
     example profile2 2 0 "${scale[@]}" --steps 16 --profile-dir "$OUT/profile2"
   fi

@@ -99,7 +99,7 @@ def attribution(calls: int) -> None:
     torch.cuda.synchronize()
     modules = (launch.buffers, launch.prepared, launch.fwd, launch.bwd, api)
     for name in ("forward", "backward", "_gradient_buffers", "aligned_16", "_aligned_rab_and_drab", "_plan",
-                 "_launch_prepared", "tile_counter", "on_device", "kernel_path", "_call_tensors"):
+                 "_launch_prepared", "tile_counter", "_on_device", "kernel_path", "_call_tensors"):
         wrapped = None
         for module in modules:  # each module holds its own reference to what it imports
             if hasattr(module, name):
@@ -236,7 +236,7 @@ def standin(cprofile: bool, profile_mode: int = -1, count_row: str | None = None
     _counter = torch.zeros(2, dtype=torch.int32)
     STUBS = dict(kernel_path=lambda device: "hopper", device_arch=lambda device: "sm_90a", num_sms=lambda device: 132,
                  _compiled=lambda key: (lambda *args: None), _beside=lambda device: contextlib.nullcontext(),
-                 on_device=lambda device: contextlib.nullcontext(), tile_counter=lambda device: _counter)
+                 _on_device=lambda device: contextlib.nullcontext(), tile_counter=lambda device: _counter)
     LAUNCH_MODULES = (launch.buffers, launch.prepared, launch.fwd, launch.bwd, launch.fp8)
 
     def stub(name, value):

@@ -12,7 +12,6 @@ from .buffers import (
     _TILE_COUNTERS,
     aligned_16,
     constant_prefix,
-    on_device,
     pad_rab_rows,
     rab_vec,
     split_arrivals,
@@ -50,8 +49,7 @@ from .prepared import Prepared, _scalar_args, fp8_fwd_key, fwd_key
 
 __all__ = [
     "INT32_MAX", "_FILLERS", "_SPLIT_ARRIVALS", "_TILE_COUNTERS", "aligned_16", "constant_prefix", "pad_rab_rows",
-    "on_device", "rab_vec", "split_arrivals", "tile_counter", "unit_descale", "unit_descale_table", "backward",
-    "Fp8Operands",
+    "rab_vec", "split_arrivals", "tile_counter", "unit_descale", "unit_descale_table", "backward", "Fp8Operands",
     "backward_fp8", "check_fp8_backward", "fp8_backward_operands", "forward_fp8", "kept_for_backward", "prepare_fp8",
     "quantize_for", "transposed_for_pv", "forward", "CLAIM_MAX_PAIRS", "CLAIM_MIN_PAIRS", "FP8_FUSED_BY_DEFAULT",
     "L2_SECTION_BYTES", "MAX_SPLITS", "MIN_BLOCKS_PER_SPLIT", "MIN_SPLITS", "bh_per_section", "fp8_backward_fused",

@@ -216,13 +216,10 @@ def _beside(device):
 _NO_SWITCH = contextlib.nullcontext()
 
 
-def on_device(device):
-    """The device's context, or nothing when it is already current or not a CUDA device (switching
-    costs ~2 us; the raw query skips torch.cuda.current_device's lazy-init check, a call that runs
-    every launch)."""
-    if device.type != "cuda" or device.index == torch._C._cuda_getDevice():
-        return _NO_SWITCH
-    return torch.cuda.device(device)
+def _on_device(device):
+    """The device's context, or nothing when it is already current (switching costs ~2 us; the
+    raw query skips torch.cuda.current_device's lazy-init check, a call that runs every launch)."""
+    return _NO_SWITCH if device.index == torch._C._cuda_getDevice() else torch.cuda.device(device)
 
 
 def _gradient_buffers(q, k, v, seqused_q, seqused_k) -> tuple:

@@ -18,7 +18,7 @@ from .buffers import (
     _drab_over_heads,
     _drab_sums_atomically,
     _gradient_buffers,
-    on_device,
+    _on_device,
     _sum_drab_heads,
     aligned_16,
 )
@@ -65,7 +65,7 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
 
     plan = _plan(call, plan_key, build) if tiles_dq is None and tiles_dkdv is None else build()
     values = dict(mQ=q, mK=k, mV=v, mdO=dout, mdQ=dq, mdK=dk, mdV=dv, mRab=rab, **_call_tensors(call))
-    with on_device(device):
+    with _on_device(device):
         if plan.kind == "fused":
             if block_sparse:
                 values.update(block_sparse_args(call, plan.first.key, per_key_block=True))

@@ -31,7 +31,7 @@ from .buffers import (
     _beside,
     _drab_over_heads,
     _gradient_buffers,
-    on_device,
+    _on_device,
     _sum_drab_heads,
     aligned_16,
     unit_descale,
@@ -69,7 +69,7 @@ def transposed_for_pv(v: torch.Tensor, seq_offsets: torch.Tensor) -> torch.Tenso
                      device=v.device)
     if tokens:
         key = _made(make_hopper_vt_key, device_arch(v.device), FP8_DTYPE, head_dim)
-        with on_device(v.device):
+        with _on_device(v.device):
             _launch(key, _compiled(key), dict(mV=v, mVt=vt, mOffsets=seq_offsets))
     return vt
 
@@ -156,7 +156,7 @@ def quantize_for(mode, purpose: str, xs: tuple, offsets: tuple, max_seqlens: tup
                 copies[i]["transposed"] = (vt, copies_table)
             values.update(zip(names, (x, offsets[i], table, out, vt, 0 if empty[i] else blocks[i])))
         if runs:
-            with on_device(device):
+            with _on_device(device):
                 _launch(key, _compiled(key), values)
     return copies
 
@@ -335,7 +335,7 @@ def backward_fp8(dout, q, k, v, rab, call: Call, operands: dict | None = None, t
 
     plan = _plan(call, plan_key, build) if not tiles else build()
     values = dict(operands, mdQ=dq, mdK=dk, mdV=dv, mRab=rab, mdRab=drab_out, **_call_tensors(call))
-    with on_device(device):
+    with _on_device(device):
         if fused:
             dq_accum = values["mdQaccum"] = torch.zeros(q.shape, dtype=torch.float32, device=device)
             plan[0](values, device)

@@ -10,7 +10,7 @@ from ..arch import device_arch, kernel_path, num_sms
 from ..call import Call
 from ..validation import Problem
 
-from .buffers import on_device, aligned_16, pad_rab_rows, rab_vec, split_arrivals
+from .buffers import _on_device, aligned_16, pad_rab_rows, rab_vec, split_arrivals
 from .heuristics import _walk_fixed, key_splits
 from ..kv_cache import cache_rows, rab_among_new, target_key_rows
 from .prepared import (Prepared, _call_tensors, _plan, _scalar_args, _sequence_args, block_sparse_args, fp8_fwd_key,
@@ -75,7 +75,7 @@ def forward(q, k, v, rab, call: Call, tiles: dict | None = None, out: torch.Tens
                                               history, call.max_seqlen_q)
     # The launch goes to the current device's current stream (TVM-FFI env stream); switching
     # devices costs ~10 us, so only do it when q lives elsewhere.
-    with on_device(device):
+    with _on_device(device):
         prepared(values, device)
     return out
 

@@ -26,7 +26,7 @@ from ..variants import (
     make_func_table_key,
 )
 
-from .buffers import INT32_MAX, _filler, on_device, rab_vec, tile_counter
+from .buffers import INT32_MAX, _filler, _on_device, rab_vec, tile_counter
 
 
 def _sequence_args(call: Call, device, context_target: bool) -> dict:
@@ -64,7 +64,7 @@ def func_table(func: torch.Tensor, seq_offsets_q: torch.Tensor, max_seqlen_q: in
     table = torch.zeros((batch, func_table_blocks(max_seqlen_q, max_seqlen_k), len(FUNC_TABLE_COLUMNS)), dtype=torch.int32, device=func.device)
     if batch:
         key = _made(make_func_table_key, device_arch(func.device), func.shape[1])
-        with on_device(func.device):
+        with _on_device(func.device):
             _launch(key, _compiled(key), dict(mFunc=func, mOffsetsQ=seq_offsets_q, mTable=table))
     return table
 

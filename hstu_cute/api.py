@@ -27,9 +27,9 @@ from .launch import backward, backward_fp8, check_fp8_backward, forward, forward
 from .validation import (
     check_device_data,
     device_checks_enabled,
-    expand_kv_heads,
     fail,
     fp32_as_bf16,
+    kv_heads_for_kernels,
     output_dtype,
     validate,
     validate_memoized,
@@ -441,8 +441,8 @@ def hstu_attn_varlen_func(
     """
     if not isinstance(deterministic, bool):
         fail(TypeError, "deterministic", "a bool", type(deterministic).__name__)
-    k, v = expand_kv_heads(q, k, v, kv_cache is not None)
     q, k, v, rab, widened = fp32_as_bf16(q, k, v, rab, kv_cache is not None)
+    k, v = kv_heads_for_kernels(q, k, v, rab, quant_mode, kv_cache is not None)
     eager = _eager(q)
     args = (q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
             target_group_size, window_size, alpha, rab, has_drab, is_delta_q, descale_q, descale_k, descale_v,

@@ -41,6 +41,8 @@ class FakeShapes:
         # The output's (and rab's) type: the inputs' except for FP8 keys.
         self.out_dtype = dsl_dtype(getattr(key, "out_dtype", key.dtype))
         self.tokens_q, self.tokens_k, self.heads = cute.sym_int(), cute.sym_int(), cute.sym_int()
+        # The 16-bit forwards' k and v: H_q / group heads (GQA / MQA), their own size.
+        self.heads_kv = cute.sym_int()
         self.batch, self.batch1 = cute.sym_int(), cute.sym_int()
         self.pages = cute.sym_int()
         self.arrivals = cute.sym_int()
@@ -52,10 +54,10 @@ class FakeShapes:
 # ---------------------------------------------------------------------------------------------
 # Fake values, one builder per kind of argument
 # ---------------------------------------------------------------------------------------------
-def _tokens(tokens_attr: str, elem=None, divisibility: int = 8, align: int = 16):
+def _tokens(tokens_attr: str, elem=None, divisibility: int = 8, align: int = 16, heads_attr: str = "heads"):
     """(T, H, D) with a 64-bit token stride (global offsets never overflow int32) and a head
     stride that keeps every row 16-byte aligned. ``elem``: a cutlass type name, or "out" for the
-    key's output type (default: the input type)."""
+    key's output type (default: the input type); ``heads_attr``: which head count H is."""
 
     def fake(s: FakeShapes):
         import cutlass
@@ -64,7 +66,7 @@ def _tokens(tokens_attr: str, elem=None, divisibility: int = 8, align: int = 16)
         dtype = s.dtype if elem is None else s.out_dtype if elem == "out" else getattr(cutlass, elem)
         stride_t = cute.sym_int64(divisibility=divisibility)
         stride_h = cute.sym_int(divisibility=divisibility)
-        return cute.runtime.make_fake_tensor(dtype, (getattr(s, tokens_attr), s.heads, s.key.head_dim),
+        return cute.runtime.make_fake_tensor(dtype, (getattr(s, tokens_attr), getattr(s, heads_attr), s.key.head_dim),
                                              (stride_t, stride_h, 1), assumed_align=align)
 
     return fake
@@ -270,6 +272,10 @@ _SCALARS = (
 )
 _Q, _K, _V, _DO = (Arg("mQ", _tokens("tokens_q")), Arg("mK", _tokens("tokens_k")), Arg("mV", _tokens("tokens_k")),
                    Arg("mdO", _tokens("tokens_q")))
+# The 16-bit forwards read k and v natively under GQA / MQA (H_kv heads; the kernels map query
+# head h to key head h // (H_q / H_kv)).
+_K_KV = Arg("mK", _tokens("tokens_k", heads_attr="heads_kv"))
+_V_KV = Arg("mV", _tokens("tokens_k", heads_attr="heads_kv"))
 _DK, _DV = Arg("mdK", _tokens("tokens_k")), Arg("mdV", _tokens("tokens_k"))
 _DQ = Arg("mdQ", _tokens("tokens_q"))
 _TMA_RAB = Arg("mRab", _slab(4, 8, last_stride_64=True), _has_rab)  # rows 16-byte aligned (TMA)
@@ -354,7 +360,7 @@ def _wide_drab(s: FakeShapes):
 
 
 SPECS: dict[str, tuple[Arg, ...]] = {
-    "ampere_fwd": (_Q, _K, _V, Arg("mO", _tokens("tokens_q")), *_SEQUENCES, Arg("mRab", _ampere_rab, _has_rab),
+    "ampere_fwd": (_Q, _K_KV, _V_KV, Arg("mO", _tokens("tokens_q")), *_SEQUENCES, Arg("mRab", _ampere_rab, _has_rab),
                    *_SCALARS, Arg("num_m_blocks", _i32), *_PAGES, *_SPLITS, *_BLOCKS),
     "ampere_bwd_dq": (_Q, _K, _V, _DO, _DQ, *_SEQUENCES, _SM80_RAB16,
                       Arg("mdRab", _slab(4, 1), lambda key: key.has_drab),
@@ -362,7 +368,7 @@ SPECS: dict[str, tuple[Arg, ...]] = {
                       *_SCALARS, Arg("num_m_blocks", _i32), *_BLOCKS),
     "ampere_bwd_dkdv": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _SM80_RAB16, *_SCALARS, Arg("num_n_blocks", _i32),
                         *_BLOCKS),
-    "hopper_fwd": (_Q, _K, _V, Arg("mO", _tokens("tokens_q")), *_SEQUENCES, _TMA_RAB, *_SCALARS,
+    "hopper_fwd": (_Q, _K_KV, _V_KV, Arg("mO", _tokens("tokens_q")), *_SEQUENCES, _TMA_RAB, *_SCALARS,
                    Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER, *_PAGES, *_SPLITS, *_BLOCKS),
     # FP8: mV is V^T (hstu_cute.hopper.vt, made by "hopper_fwd_vt"); the descales are (1,) fp32
     # tensors, or (B, blocks, H) tables with scaled P (read on the device: no host sync).

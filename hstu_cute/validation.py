@@ -65,6 +65,17 @@ def expand_kv_heads(q, k, v, paged: bool = False):
     return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
 
+def kv_heads_for_kernels(q, k, v, rab, quant_mode, paged: bool = False):
+    """``(k, v)`` as the kernels take them under GQA / MQA: as given (H_kv heads, read natively
+    by the forward kernels) for a 16-bit forward without autograd; else :func:`expand_kv_heads`
+    (the backward and FP8 kernels take H_q heads; autograd sums the copies' gradients back)."""
+    # Any value: validation names what is not a tensor.
+    wanted = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, rab))
+    if quant_mode == -1 and not wanted:
+        return k, v
+    return expand_kv_heads(q, k, v, paged)
+
+
 def fp32_as_bf16(q, k, v, rab, paged: bool = False):
     """fp32 inputs (docs/operator.md, "fp32 inputs"): ``(q, k, v, rab, widened)`` with q, k, v (and
     an fp32 rab) cast to bf16 when q, k and v are all fp32 (not with a paged cache, whose pages hold
@@ -250,13 +261,16 @@ def validate(
                                   "(mma.sync) kernels, which have no FP8; the FP8 kernels are Hopper-only (sm90)")
     if fp8 and head_dim not in FP8_HEAD_DIMS:
         raise NotImplementedError(f"q.shape[2] (head dim): the FP8 forward supports {FP8_HEAD_DIMS}, got {head_dim}")
-    if k.shape[1] != heads:
+    # GQA / MQA reach validation with H_kv heads only where the 16-bit forward kernels read them
+    # natively (a forward without autograd, hstu_attn_varlen_func); elsewhere they come expanded.
+    kv_heads = k.shape[1] if not fp8 and kv_group(q, k, v, kv_cache is not None) > 1 else heads
+    if k.shape[1] != kv_heads:
         fail(ValueError, "k.shape[1] (heads)", f"{heads} (q's heads), or a divisor of them for GQA / MQA with "
              "16-bit k and v, without a paged cache", k.shape[1])
     if k.shape[2] != head_dim:
         fail(ValueError, "k.shape[2] (head dim)", f"{head_dim} (q's head dim)", k.shape[2])
-    if v.shape[1] != heads or v.shape[2] != head_dim:
-        fail(ValueError, "v.shape[1:]", f"({heads}, {head_dim})", tuple(v.shape[1:]))
+    if v.shape[1] != kv_heads or v.shape[2] != head_dim:
+        fail(ValueError, "v.shape[1:]", f"({kv_heads}, {head_dim})", tuple(v.shape[1:]))
     if v.shape[0] != k.shape[0]:
         fail(ValueError, "v.shape[0]", f"{k.shape[0]} (k's tokens)", v.shape[0])
     device = q.device

@@ -112,3 +112,32 @@ def test_modules_and_the_padded_entry_take_fewer_key_heads():
     assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)
     padded = hstu_attn_padded(*(b[n].view(2, 7, *b[n].shape[1:]) for n in ("q", "k", "v")), [7, 7])
     assert torch.allclose(padded.reshape(14, 4, -1), want, rtol=1e-10, atol=1e-12)
+
+
+def test_forward_without_autograd_takes_the_key_heads_natively(monkeypatch):
+    """A 16-bit forward without autograd reaches the launchers with k and v of H_kv heads (the
+    forward kernels map query head h to key head h // group); with autograd they arrive with each
+    key head repeated for its group (the backward kernels take H_q heads). fp32 inputs are cast
+    first, then take the same road. Meta tensors: nothing launched."""
+    import hstu_cute.api as api
+    import hstu_cute.compile
+
+    monkeypatch.setattr(hstu_cute.compile, "build", lambda *a, **k: pytest.fail("compiled a kernel"))
+    seen = []
+    real = api._attend
+
+    def spy(call, q, k, v, rab, eager):
+        seen.append((q.shape[1], k.shape[1], v.shape[1]))
+        return real(call, q, k, v, rab, eager)
+
+    monkeypatch.setattr(api, "_attend", spy)
+    b = _batch(8, 2, device="meta", dtype=BF16)
+    assert hstu_attn_varlen_func(**b, window_size=(-1, 0)).shape == b["q"].shape
+    leaves = {n: b[n].clone().requires_grad_() for n in ("q", "k", "v")}
+    with torch.no_grad():
+        hstu_attn_varlen_func(**dict(b, **leaves), window_size=(-1, 0))
+    hstu_attn_varlen_func(**dict(b, **leaves), window_size=(-1, 0))
+    hstu_attn_varlen_func(**dict(b, k=leaves["k"]), window_size=(-1, 0))  # only k requires grad
+    b32 = _batch(8, 2, device="meta", dtype=torch.float32)
+    assert hstu_attn_varlen_func(**b32, window_size=(-1, 0)).dtype == torch.float32
+    assert seen == [(8, 2, 2), (8, 2, 2), (8, 8, 8), (8, 8, 8), (8, 2, 2)]

@@ -25,14 +25,34 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"case{i}" for i in range(len(CASES))])
-def test_grouped_query_heads_match_the_oracle(path, case):
+def _case(case: int, tag: str) -> tuple[dict, int, int]:
+    """(batch keyword dict with k and v cut to their first H_kv heads, seed, group) of CASES[case]."""
     lengths, h_q, h_kv, head_dim, dtype, mask_kw, rab_heads, seqused = CASES[case]
-    seed = zlib.crc32(repr(("gqa", case)).encode())
+    seed = zlib.crc32(repr((tag, case)).encode())
     gen = torch.Generator().manual_seed(seed)
     b = gaussian_jagged_batch(lengths, lengths, h_q, head_dim, dtype, gen, rab_heads=rab_heads, seqused=seqused)
     # Keep the first H_kv key heads: query head h reads key head h // (H_q / H_kv).
     b["k"], b["v"] = b["k"][:, :h_kv].contiguous(), b["v"][:, :h_kv].contiguous()
-    kw = {n: (torch.tensor(x, dtype=torch.int32, device="cuda") if n.startswith("num_") else x)
-          for n, x in mask_kw.items()}
-    check_against_oracle(dict(b, **kw), seed, has_drab=rab_heads is not None)
+    b.update({n: (torch.tensor(x, dtype=torch.int32, device="cuda") if n.startswith("num_") else x)
+              for n, x in mask_kw.items()})
+    return b, seed, h_q // h_kv
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"case{i}" for i in range(len(CASES))])
+def test_grouped_query_heads_match_the_oracle(path, case):
+    b, seed, _ = _case(case, "gqa")
+    check_against_oracle(b, seed, has_drab=CASES[case][6] is not None)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"case{i}" for i in range(len(CASES))])
+def test_forward_without_autograd_reads_the_key_heads_natively(path, case):
+    """Without autograd the forward kernels take k and v with H_kv heads (query head h reads key
+    head h // group): the ratio rule against the oracle, and the same bits as the forward over
+    k and v with each head repeated (the path autograd takes)."""
+    from hstu_cute import hstu_attn_varlen_func
+
+    b, seed, group = _case(case, "gqa-native")
+    native = check_against_oracle(b, seed, backward=False)["out"]
+    expanded = hstu_attn_varlen_func(**dict(b, k=b["k"].repeat_interleave(group, dim=1),
+                                            v=b["v"].repeat_interleave(group, dim=1)))
+    assert torch.equal(native, expanded)

@@ -5,7 +5,7 @@ Writes JSON lines to $OUT/perf.jsonl (or ./perf.jsonl) and prints a short table 
 
 Modes: headline (default), grid, bwd, ptxas, sweep (forward tiles), all (= those five); and the
 experiments kept for reruns: hopper, bwdsweep, bwdpersist, fusedpersist, dqpersist, bwdquick,
-fusedvspair, fusedthreshold, fp16, timing, bwd256, bwd256sm80 (read the code for what each times).
+fusedvspair, fusedthreshold, fp16, timing, bwd256, bwd256sm80, gqa (read the code for what each times).
 """
 
 import argparse
@@ -77,6 +77,31 @@ def main(argv=None) -> int:
         short = bench.Workload("uniform90 B1024 N256", 1024, 256, lengths="uniform90", sdpa=True)
         emit(bench.run_workload(short, path="hopper"))
         emit(bench.run_workload(bench.replace(short, sdpa=False), path="ampere"))
+    if "gqa" in modes:
+        # Issue 46's GQA bar: B8 N4096 H16 D128 causal, k and v with 16 heads (MHA) against 4
+        # (group 4): the forward without autograd (native key heads), the training step (expanded,
+        # gradients summed by autograd); same run, interleaved, L2 flushed before each sample.
+        from hstu_cute import hstu_attn_varlen_func
+
+        w = bench.replace(bench.headline(), name="full B8 N4096 H16 D128", heads=16, sdpa=False)
+        sets = [bench.make_inputs(w, seed=s) for s in range(2)]
+        f_fwd, kind = bench.flops(w, [w.max_len] * w.batch, [w.max_len] * w.batch)
+        for rep in range(2):
+            for h_kv in (16, 4):
+                calls, steps = [], []
+                for b in sets:
+                    kw = {n: x for n, x in b.items() if not n.startswith("_")}
+                    kw["k"], kw["v"] = b["k"][:, :h_kv].contiguous(), b["v"][:, :h_kv].contiguous()
+                    calls.append(lambda kw=kw: hstu_attn_varlen_func(**kw))
+                    leaves = {n: kw[n].detach().clone().requires_grad_() for n in ("q", "k", "v")}
+                    dout = torch.randn_like(kw["q"])
+                    steps.append(lambda kw=kw, leaves=leaves, dout=dout: torch.autograd.grad(
+                        hstu_attn_varlen_func(**dict(kw, **leaves)), tuple(leaves.values()), dout))
+                ms, iqr = bench.time_flushed(calls)
+                step_ms, step_iqr = bench.time_flushed(steps)
+                emit({"workload": w.name, "mode": "gqa", "h_kv": h_kv, "rep": rep, "fwd_ms": ms, "fwd_iqr": iqr,
+                      "fwd_tflops": f_fwd / ms / 1e9, "step_ms": step_ms, "step_iqr": step_iqr,
+                      "step_tflops": 3.5 * f_fwd / step_ms / 1e9, "flops": kind})
     if "headline" in modes:
         emit(bench.run_workload(bench.headline()))
     if "grid" in modes:

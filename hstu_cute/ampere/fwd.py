@@ -159,9 +159,10 @@ class HstuForwardSm80(Sm80Kernel):
             n_count, block_at = blocks.count, blocks.at
             row_first = seq.row_offset + m_block * self.tile_m
 
-            gQ, gO, gK, gV = self._head_tiles(head, (mQ, q_start, self.tile_m, m_block),
-                                              (mO, q_start, self.tile_m, m_block), (mK, k_start, self.tile_n, None),
-                                              (mV, k_start, self.tile_n, None))
+            gQ, gO = self._head_tiles(head, (mQ, q_start, self.tile_m, m_block), (mO, q_start, self.tile_m, m_block))
+            # GQA / MQA: k and v hold H_q / group heads; query head h reads key head h // group.
+            kv_head = head // (mQ.shape[1] // mK.shape[1])
+            gK, gV = self._head_tiles(kv_head, (mK, k_start, self.tile_n, None), (mV, k_start, self.tile_n, None))
 
             storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
             sQ = storage.sQ.get_tensor(sQ_layout)

@@ -265,6 +265,8 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
                 page_loads[0][0] if const_expr(self.has_rab) else None,)
         tidx, warp_idx = self.prologue(tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_rab, *page_atoms)
         self.paged_args = paged
+        # GQA / MQA: k and v hold H_q / group heads; query head h reads key head h // group.
+        self.kv_group = mQ.shape[1] // mK.shape[1]
         if const_expr(self.split_keys):
             self.mPartials, self.mArrivals, self.num_splits = split
             # Part p of a tile stores rows q_start + p * T_q of the partial outputs.
@@ -380,17 +382,18 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
                              (m_block, 0))
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, no_mcast, cute.group_modes(sQ, 0, 2),
                                            cute.group_modes(gQ, 0, 2))
-        gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_k[None, None, head]), (self.tile_n, D),
+        kv_head = head // self.kv_group
+        gK = cute.local_tile(cute.domain_offset((k_start, 0), tma_k[None, None, kv_head]), (self.tile_n, D),
                              (None, 0))
         tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, no_mcast, cute.group_modes(sK, 0, 2),
                                            cute.group_modes(gK, 0, 2))
         if const_expr(self.fp8):
             # Each sequence starts 16-byte aligned in V^T (hopper.vt: a TMA box must start 16-byte
             # aligned along the contiguous dimension).
-            gV = cute.local_tile(cute.domain_offset((0, vt_column_start(k_start, batch)), tma_v[None, None, head]),
+            gV = cute.local_tile(cute.domain_offset((0, vt_column_start(k_start, batch)), tma_v[None, None, kv_head]),
                                  (D, self.tile_n), (0, None))
         else:
-            gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_v[None, None, head]), (self.tile_n, D),
+            gV = cute.local_tile(cute.domain_offset((k_start, 0), tma_v[None, None, kv_head]), (self.tile_n, D),
                                  (None, 0))
         tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, no_mcast, cute.group_modes(sV, 0, 2),
                                            cute.group_modes(gV, 0, 2))

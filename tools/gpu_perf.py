@@ -17,6 +17,7 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("modes", nargs="?", default="headline", help="comma-separated modes (default: headline)")
     args = parser.parse_args(argv)
+    import dataclasses
     import json
     import os
 
@@ -45,14 +46,14 @@ def main(argv=None) -> int:
     if "ptxas" in modes:
         from hstu_cute.variants import default_fwd_tiles
         for d in (64, 128, 256):
-            w = bench.replace(bench.headline(), name=f"full B8 N4096 D{d}", head_dim=d, sdpa=False)
+            w = dataclasses.replace(bench.headline(), name=f"full B8 N4096 D{d}", head_dim=d, sdpa=False)
             for rep in range(2):  # interleaved, twice: the difference must beat the run-to-run spread
                 for opt in (3, 2):
                     tiles = dict(default_fwd_tiles(d), lpt_grid=True, ptxas_opt=opt)
                     emit(bench.run_workload(w, tiles))
     if "sweep" in modes:
         for d, configs in SWEEP.items():
-            w = bench.replace(bench.headline(), name=f"full B8 N4096 D{d}", head_dim=d, sdpa=False)
+            w = dataclasses.replace(bench.headline(), name=f"full B8 N4096 D{d}", head_dim=d, sdpa=False)
             for tm, tn, nw, st in configs:
                 tiles = dict(tile_m=tm, tile_n=tn, num_warps=nw, num_stages=st, lpt_grid=True)
                 try:
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
         # gradients summed by autograd); same run, interleaved, L2 flushed before each sample.
         from hstu_cute import hstu_attn_varlen_func
 
-        w = bench.replace(bench.headline(), name="full B8 N4096 H16 D128", heads=16, sdpa=False)
+        w = dataclasses.replace(bench.headline(), name="full B8 N4096 H16 D128", heads=16, sdpa=False)
         sets = [bench.make_inputs(w, seed=s) for s in range(2)]
         f_fwd, kind = bench.flops(w, [w.max_len] * w.batch, [w.max_len] * w.batch)
         for rep in range(2):
@@ -126,7 +127,7 @@ def main(argv=None) -> int:
         t = dict(tile_m=64, tile_n=128)
         emit(bench.run_workload_bwd(bench.headline()))
         for d in (128, 64, 32):
-            w = bench.replace(bench.headline(), name=f"full B8 N4096 D{d}", head_dim=d, sdpa=False)
+            w = dataclasses.replace(bench.headline(), name=f"full B8 N4096 D{d}", head_dim=d, sdpa=False)
             for tkv in (None, dict(t, persistent=False)):
                 emit(bench.run_workload_bwd(w, tiles_dkdv=tkv, deterministic=d == 128))
         emit(bench.run_workload_bwd(bench.headline()))
@@ -185,7 +186,7 @@ def main(argv=None) -> int:
     if "fp16" in modes:
         # fp16 forward and backward (precise SiLU: ex2 + reciprocal) with the SDPA lines.
         for d in (128, 64, 256):
-            w = bench.replace(bench.headline(), name=f"fp16 B8 N4096 D{d}", head_dim=d, dtype="float16")
+            w = dataclasses.replace(bench.headline(), name=f"fp16 B8 N4096 D{d}", head_dim=d, dtype="float16")
             emit(bench.run_workload(w, path="hopper"))
             emit(bench.run_workload_bwd(w))
     if "bwd" in modes:

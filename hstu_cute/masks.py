@@ -121,11 +121,21 @@ def _is_tensor(x) -> bool:
     return type(x).__module__.startswith("torch")
 
 
+def _tensors(*xs):
+    """``xs`` as tensors on the device of the first tensor among them. A Python int left as a CPU
+    scalar lets ``torch.where`` launch on the current device rather than the operands' (measured on
+    torch 2.13: an illegal address with the operands on cuda:1 and cuda:0 current)."""
+    import torch
+
+    device = next((x.device for x in xs if isinstance(x, torch.Tensor)), None)
+    return [torch.as_tensor(x, device=device) for x in xs]
+
+
 def _gmin(a, b):
     if _is_tensor(a) or _is_tensor(b):
         import torch
 
-        return torch.minimum(torch.as_tensor(a), torch.as_tensor(b))
+        return torch.minimum(*_tensors(a, b))
     return min(a, b)
 
 
@@ -133,7 +143,7 @@ def _gmax(a, b):
     if _is_tensor(a) or _is_tensor(b):
         import torch
 
-        return torch.maximum(torch.as_tensor(a), torch.as_tensor(b))
+        return torch.maximum(*_tensors(a, b))
     return max(a, b)
 
 
@@ -141,7 +151,7 @@ def _gselect(c, a, b):
     if _is_tensor(c):
         import torch
 
-        return torch.where(c, torch.as_tensor(a), torch.as_tensor(b))
+        return torch.where(*_tensors(c, a, b))
     return a if c else b
 
 

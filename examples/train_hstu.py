@@ -303,9 +303,7 @@ def main(argv=None) -> dict:
         if i % args.log_every == 0 or i == args.steps - 1:
             log(f"step {i:5d}  loss {value:.4f}  {step_ms[-1]:8.2f} ms")
     if profiler is not None:
-        profiler.stop()
-        by = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-        log(profiler.key_averages().table(sort_by=by, row_limit=15))
+        profiler.stop()  # the traces only: key_averages over five DDP steps ran past two minutes
     tail = max(1, len(step_ms) // 2)
     result = {"device": str(device), "world_size": world, "steps": args.steps, "compile": args.compile,
               "parallel": ("fsdp2" if args.fsdp else "ddp") if world > 1 else "none", "rank": rank,

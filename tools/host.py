@@ -290,7 +290,7 @@ def standin(cprofile: bool, profile_mode: int = -1, count_row: str | None = None
                                                                                 (qg, kg, vg), dout),
     }
 
-    if count_row is not None:  # for an instruction count (valgrind --tool=callgrind): no timing, no output
+    if count_row is not None and not cprofile:  # for an instruction count (valgrind --tool=callgrind): no timing, no output
         fn = ROWS[count_row]
         for _ in range(20):
             fn()
@@ -301,7 +301,7 @@ def standin(cprofile: bool, profile_mode: int = -1, count_row: str | None = None
         import cProfile
         import pstats
 
-        profiled = step if profile_mode == -1 else fp8_step(profile_mode)
+        profiled = ROWS[count_row] if count_row else step if profile_mode == -1 else fp8_step(profile_mode)
         for _ in range(200):
             profiled()
         profiler = cProfile.Profile()

@@ -272,15 +272,18 @@ def _dtype_matches(key, dtypes: tuple) -> bool:
 
 
 def select_keys(arch: str, dtypes=None, head_dims=None, masks_=None, rab: str = "all", limit=None,
-                kernels: str = "all", families=None) -> list:
+                kernels: str = "all", families=None, unshipped: bool = False) -> list:
     """The shipped forward and backward variants for ``arch`` (:func:`hstu_cute.variants.shipped_keys`:
-    the Hopper kernels too on sm_90a) filtered like the ``warmup`` options. ``arch`` must be a
-    supported arch (:func:`hstu_cute.arch.check_arch`, ``ValueError`` otherwise)."""
+    the Hopper kernels too on sm_90a), with ``unshipped`` also those compiled on first use
+    (:func:`hstu_cute.variants.jit_only_keys`), filtered like the ``warmup`` options. ``arch`` must
+    be a supported arch (:func:`hstu_cute.arch.check_arch`, ``ValueError`` otherwise)."""
     from .masks import MaskKind
-    from .variants import shipped_keys
+    from .variants import jit_only_keys, shipped_keys
 
     check_arch(arch, name="arch")
     keys = shipped_keys(arch, DTYPES, tuple(head_dims or HEAD_DIMS))
+    if unshipped:
+        keys += jit_only_keys(arch, DTYPES, tuple(head_dims or HEAD_DIMS))
     if dtypes:
         keys = [k for k in keys if _dtype_matches(k, tuple(dtypes))]
     if families:
@@ -351,7 +354,7 @@ def cmd_warmup(args, console) -> int:
         except ValueError as exc:
             return _error(args, str(exc))
     keys = select_keys(arch, args.dtype, args.head_dim, args.mask, "none" if args.no_rab else args.rab, args.limit,
-                       args.kernels, args.family)
+                       args.kernels, args.family, args.unshipped)
     if not keys:
         console.print("[yellow]No variant matches these options[/]; nothing to compile.")
         return 0
@@ -1038,6 +1041,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--direction", "--kernels", dest="kernels", choices=("all", "fwd", "bwd"), default="all",
                    help="forward (fwd), backward (bwd) or both (all); on sm_90a the Hopper kernels as well as "
                         "the sm80 ones")
+    p.add_argument("--unshipped", action="store_true",
+                   help="also the variants the API compiles on first use rather than ships (the FP8 kernels with "
+                        "float16 outputs)")
     p.add_argument("--dry-run", action="store_true", help="list the variants that would compile, compile nothing")
     p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failed compiles")
     p.set_defaults(func=cmd_warmup)

@@ -685,11 +685,12 @@ def shipped_hopper_paged_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims
 FP8_SHIPPED_DTYPES = ("bfloat16",)
 
 
-def shipped_hopper_fp8_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
-    """FP8 forward variants (``dtypes`` are the output and rab types, those of
-    :data:`FP8_SHIPPED_DTYPES`; P cast, scaled P, then scaled P with mode 1's descales), then the
-    V^T kernel of the pre-quantized entry (e4m3 V) and the slot quantizers of quant modes 0-5."""
-    dtypes = [d for d in dtypes if d in FP8_SHIPPED_DTYPES]
+def shipped_hopper_fp8_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS,
+                                shipped=FP8_SHIPPED_DTYPES) -> list:
+    """FP8 forward variants (``dtypes`` are the output and rab types, those among ``shipped``;
+    P cast, scaled P, then scaled P with mode 1's descales), then the V^T kernel of the
+    pre-quantized entry (e4m3 V) and the slot quantizers of quant modes 0-5."""
+    dtypes = [d for d in dtypes if d in shipped]
     fp8_dims = [d for d in head_dims if d in FP8_HEAD_DIMS]
     return ([make_hopper_fp8_fwd_key(arch, *variant, has_rab, scaled_p=scaled_p, two_direction=two_direction)
              for scaled_p, two_direction in FP8_P_SCALINGS for variant in _shipped_variants(dtypes, fp8_dims)
@@ -708,12 +709,12 @@ def shipped_hopper_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_
     ]
 
 
-def shipped_hopper_fp8_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
-    """FP8 backward pairs (``dtypes``: the gradients' and rab's types, those of
-    :data:`FP8_SHIPPED_DTYPES`), then the dQ kernels that write drab (per rab head, or summed over
+def shipped_hopper_fp8_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS,
+                                shipped=FP8_SHIPPED_DTYPES) -> list:
+    """FP8 backward pairs (``dtypes``: the gradients' and rab's types, those among ``shipped``), then the dQ kernels that write drab (per rab head, or summed over
     heads with atomics); quant modes 0, 2-5, then mode 1 (``two_direction``); then the fused
     kernels (quant modes 0, 2-5, no rab)."""
-    dtypes = [d for d in dtypes if d in FP8_SHIPPED_DTYPES]
+    dtypes = [d for d in dtypes if d in shipped]
     variants = _shipped_variants(dtypes, [d for d in head_dims if d in FP8_BWD_HEAD_DIMS])
     pairs = [key for two_direction in (False, True) for key in (
         [make_hopper_fp8_bwd_key(role, arch, *variant, has_rab, two_direction=two_direction)
@@ -726,7 +727,8 @@ def shipped_hopper_fp8_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=H
 
 
 def shipped_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
-    """Every compile key (forward and backward, every kernel family) the API can select for ``arch``."""
+    """Every shipped compile key (forward and backward, every kernel family) for ``arch``; the API
+    can also select :func:`jit_only_keys`, compiled on first use."""
     dtypes, head_dims = tuple(dtypes), tuple(head_dims)
     keys = (shipped_ampere_fwd_keys(arch, dtypes, head_dims) + shipped_ampere_bwd_keys(arch, dtypes, head_dims)
             + shipped_ampere_paged_fwd_keys(arch, dtypes, head_dims))
@@ -736,3 +738,14 @@ def shipped_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
                  + shipped_hopper_fp8_bwd_keys(arch, dtypes, head_dims)
                  + shipped_hopper_paged_fwd_keys(arch, dtypes, head_dims))
     return keys
+
+
+def jit_only_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
+    """The variants the API selects but the package does not ship (compiled on first use): the FP8
+    kernels and quantizers of the 16-bit types outside :data:`FP8_SHIPPED_DTYPES`."""
+    if not has_hopper_kernels(arch):
+        return []
+    others = tuple(d for d in dtypes if d not in FP8_SHIPPED_DTYPES)
+    shipped = set(shipped_keys(arch, dtypes, head_dims))  # the V^T kernels (e4m3 only) are shipped
+    return [k for k in (shipped_hopper_fp8_fwd_keys(arch, others, head_dims, shipped=others)
+                        + shipped_hopper_fp8_bwd_keys(arch, others, head_dims, shipped=others)) if k not in shipped]

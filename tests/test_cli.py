@@ -227,6 +227,22 @@ def test_warmup_dry_run_lists_without_compiling(tmp_path):
     assert "No variant matches these options" in none
 
 
+def test_warmup_unshipped_adds_the_fp16_fp8_variants():
+    """HSTU8Test draws fp16 FP8 calls, whose kernels are compiled on first use, not shipped:
+    ``--unshipped`` lets a warmup compile them ahead (and only them beside the shipped ones)."""
+    from hstu_cute.cli import select_keys
+    from hstu_cute.variants import jit_only_keys, shipped_keys
+
+    extra = jit_only_keys("sm_90a")
+    assert extra and not set(extra) & set(shipped_keys("sm_90a"))
+    assert {getattr(k, "out_dtype", k.dtype) for k in extra if k.kernel_name != "hopper_fwd_quant_slots"} == {"float16"}
+    assert {k.dtype for k in extra if k.kernel_name == "hopper_fwd_quant_slots"} == {"float16"}
+    assert jit_only_keys("sm_80") == []
+    fp16_fp8 = select_keys("sm_90a", ["float8_e4m3fn", "float16"], families=["fp8", "quantizers"], unshipped=True)
+    assert set(extra) <= set(fp16_fp8)
+    assert select_keys("sm_90a", unshipped=True) == select_keys("sm_90a") + extra
+
+
 def test_key_variant_parses_every_key_class():
     from hstu_cute.cli import _key_variant
     from hstu_cute.variants import shipped_keys

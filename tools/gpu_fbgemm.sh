@@ -26,7 +26,8 @@ if [[ $STAGES == *" warmup8 "* ]]; then  # the FP8 kernels and quantizers HSTU8T
   run warmup-fp8 "${WARMUP_FP8_S:-400}" python -m hstu_cute warmup --workers "$(nproc)" --family fp8 --family quantizers
   # fp16 FP8 variants are not shipped (CI time); HSTU8Test draws fp16 too, and compiling them in the
   # test process ran it past 330 s twice (session 33).
-  run warmup-fp8-fp16 "${WARMUP_FP8_S:-400}" python -m hstu_cute warmup --workers "$(nproc)" --family fp8 --dtype float16
+  run warmup-fp8-fp16 "${WARMUP_FP8_S:-400}" python -m hstu_cute warmup --workers "$(nproc)" --unshipped \
+    --family fp8 --family quantizers --dtype float8_e4m3fn --dtype float16
 fi
 [[ $STAGES == *" paged "* ]] && run paged-tests "${PAGED_S:-100}" python -m pytest -q -p no:cacheprovider -m gpu tests/test_paged_gpu.py tests/test_kv_cache.py
 for cls in fbgemm_paged:HSTUPagedKVTest fbgemm16:HSTU16Test fbgemm8:HSTU8Test; do

@@ -21,6 +21,7 @@ from .buffers import (
     _on_device,
     _sum_drab_heads,
     aligned_16,
+    zeros_as,
 )
 from .heuristics import _backward_kind, _walk_fixed
 from .prepared import (Prepared, _call_tensors, _made, _nothing_to_do, _plan, _scalar_args, _sequence_args,
@@ -51,7 +52,7 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
     dq, dk, dv = _gradient_buffers(q, k, v, call.seqused_q, call.seqused_k)
     if _nothing_to_do(q, k, call.max_seqlen_q, p):
         return dq.zero_(), dk.zero_(), dv.zero_(), (torch.zeros_like(rab) if call.has_drab else None)
-    if dout.stride(-1) != 1:
+    if dout.stride()[-1] != 1:
         dout = dout.contiguous()
     q, k, v, dout = aligned_16(q), aligned_16(k), aligned_16(v), aligned_16(dout)
     rab, drab, drab_view = _aligned_rab_and_drab(rab, call.has_drab)
@@ -69,7 +70,7 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
         if plan.kind == "fused":
             if block_sparse:
                 values.update(block_sparse_args(call, plan.first.key, per_key_block=True))
-            dq_accum = values["mdQaccum"] = torch.zeros(q.shape, dtype=torch.float32, device=device)
+            dq_accum = values["mdQaccum"] = zeros_as(q, torch.float32)
             plan.first(values, device)
             return dq_accum.to(q.dtype), dk, dv, None
         drab_out = drab

@@ -34,8 +34,10 @@ from .buffers import (
     _on_device,
     _sum_drab_heads,
     aligned_16,
+    empty_as,
     unit_descale,
     unit_descale_table,
+    zeros_as,
 )
 from .fwd import forward
 from .heuristics import _walk_fixed, fp8_backward_fused, fp8_fused_serves
@@ -148,7 +150,7 @@ def quantize_for(mode, purpose: str, xs: tuple, offsets: tuple, max_seqlens: tup
                                                device),) * 2)
             out = vt = None
             if plain:
-                out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=device)
+                out = empty_as(x, torch.float8_e4m3fn)
                 copies[i]["plain"] = (out, copies_table)
             if transposed:
                 vt = torch.empty((heads, head_dim, vt_width(x.shape[0], batch)), dtype=torch.float8_e4m3fn,
@@ -251,7 +253,7 @@ def fp8_backward_operands(dout, q, k, v, call: Call, quantized: dict | None = No
     read); dO and dO^T take one launch (modes 3-5: two). Mode 1's token-contiguous copies are
     scaled along tokens, with their own (B, blocks, H, 2, D) tables. Benchmarks time this apart
     from the kernels."""
-    if dout.stride(-1) != 1:
+    if dout.stride()[-1] != 1:
         dout = dout.contiguous()
     r = call.problem.recipe
     two_direction = r.two_direction
@@ -337,7 +339,7 @@ def backward_fp8(dout, q, k, v, rab, call: Call, operands: dict | None = None, t
     values = dict(operands, mdQ=dq, mdK=dk, mdV=dv, mRab=rab, mdRab=drab_out, **_call_tensors(call))
     with _on_device(device):
         if fused:
-            dq_accum = values["mdQaccum"] = torch.zeros(q.shape, dtype=torch.float32, device=device)
+            dq_accum = values["mdQaccum"] = zeros_as(q, torch.float32)
             plan[0](values, device)
             return dq_accum.to(q.dtype), dk, dv, None
         if "dkdv" in kernels:

@@ -10,7 +10,7 @@ from ..arch import device_arch, kernel_path, num_sms
 from ..call import Call
 from ..validation import Problem
 
-from .buffers import _on_device, aligned_16, pad_rab_rows, rab_vec, split_arrivals
+from .buffers import _on_device, aligned_16, empty_as, pad_rab_rows, rab_vec, split_arrivals
 from .heuristics import _walk_fixed, key_splits
 from ..kv_cache import cache_rows, rab_among_new, target_key_rows
 from .prepared import (Prepared, _call_tensors, _plan, _scalar_args, _sequence_args, block_sparse_args, fp8_fwd_key,
@@ -34,7 +34,7 @@ def forward(q, k, v, rab, call: Call, tiles: dict | None = None, out: torch.Tens
     elif path is None:
         path = kernel_path(device)
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype if fp8 is None else fp8.out_dtype, device=device)
+        out = empty_as(q, None if fp8 is None else fp8.out_dtype)
     if call.seqused_q is not None:
         out.zero_()  # padding rows (past seqused_q) are never written by the kernel
     if q.shape[0] == 0 or call.max_seqlen_q == 0 or p.batch == 0 or k.shape[0] == 0:

@@ -66,12 +66,11 @@ def expand_kv_heads(q, k, v, paged: bool = False):
 
 
 def kv_heads_for_kernels(q, k, v, rab, quant_mode, paged: bool = False):
-    """``(k, v)`` as the kernels take them under GQA / MQA: as given (H_kv heads, read natively
-    by the forward kernels) for a 16-bit forward without autograd; else :func:`expand_kv_heads`
-    (the backward and FP8 kernels take H_q heads; autograd sums the copies' gradients back)."""
-    # Any value: validation names what is not a tensor.
-    wanted = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, rab))
-    if quant_mode == -1 and not wanted:
+    """``(k, v)`` as the kernels take them under GQA / MQA: as given (H_kv heads) for 16-bit
+    calls, whose forward and backward kernels read key head ``h // group`` in place (the backward
+    sums each group's dK / dV); :func:`expand_kv_heads` for FP8 calls (the FP8 kernels take H_q
+    heads; autograd sums the copies' gradients back)."""
+    if quant_mode == -1:
         return k, v
     return expand_kv_heads(q, k, v, paged)
 

@@ -65,7 +65,7 @@ def expand_kv_heads(q, k, v, paged: bool = False):
     return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
 
-def kv_heads_for_kernels(q, k, v, rab, quant_mode, paged: bool = False):
+def kv_heads_for_kernels(q, k, v, quant_mode, paged: bool = False):
     """``(k, v)`` as the kernels take them under GQA / MQA: as given (H_kv heads) for 16-bit
     calls, whose forward and backward kernels read key head ``h // group`` in place (the backward
     sums each group's dK / dV); :func:`expand_kv_heads` for FP8 calls (the FP8 kernels take H_q

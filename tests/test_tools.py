@@ -86,3 +86,23 @@ def test_no_reference_to_scripts_dir():
         text = path.read_text(errors="replace")
         hits += [f"{rel}:{i}" for i, line in enumerate(text.splitlines(), 1) if "scripts/" in line]
     assert not hits, hits
+
+
+def test_tools_name_only_what_the_package_has():
+    """Every ``bench.X`` / ``launch.X`` a Python tool reads exists (the modes run only on a GPU, so
+    a renamed or removed helper would otherwise fail there first: gpu_perf's modes called a
+    ``bench.replace`` that a cleanup had removed)."""
+    import ast
+    import importlib
+
+    missing = []
+    for path in (p for p in _tools() if p.suffix == ".py"):
+        tree = ast.parse(path.read_text())
+        imported = {alias.asname or alias.name: f"{node.module}.{alias.name}" for node in ast.walk(tree)
+                    if isinstance(node, ast.ImportFrom) and node.module == "hstu_cute" for alias in node.names}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in imported:
+                module = importlib.import_module(imported[node.value.id])
+                if not hasattr(module, node.attr):
+                    missing.append(f"{path.name}: {imported[node.value.id]}.{node.attr}")
+    assert not missing, missing

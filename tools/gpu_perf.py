@@ -67,17 +67,17 @@ def main(argv=None) -> int:
 
         head = bench.headline()
         for d in (128, 256, 64):
-            w = bench.replace(head, name=f"full B8 N4096 D{d}", head_dim=d)
+            w = dataclasses.replace(head, name=f"full B8 N4096 D{d}", head_dim=d)
             emit(bench.run_workload(w, path="hopper"))
-            w = bench.replace(w, sdpa=False)
+            w = dataclasses.replace(w, sdpa=False)
             for rep in range(2):
                 emit(bench.run_workload(w, dict(default_hopper_fwd_tiles(d, False), persistent=False),
                                         path="hopper"))
                 emit(bench.run_workload(w, path="hopper"))
-        emit(bench.run_workload(bench.replace(head, sdpa=False), path="ampere"))
+        emit(bench.run_workload(dataclasses.replace(head, sdpa=False), path="ampere"))
         short = bench.Workload("uniform90 B1024 N256", 1024, 256, lengths="uniform90", sdpa=True)
         emit(bench.run_workload(short, path="hopper"))
-        emit(bench.run_workload(bench.replace(short, sdpa=False), path="ampere"))
+        emit(bench.run_workload(dataclasses.replace(short, sdpa=False), path="ampere"))
     if "gqa" in modes:
         # Issue 46's GQA bar: B8 N4096 H16 D128 causal, k and v with 16 heads (MHA) against 4
         # (group 4): the forward without autograd (native key heads), the training step (expanded,
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
         for w in bench.default_grid():
             emit(bench.run_workload(w))
     if "bwdsweep" in modes:
-        w = bench.replace(bench.headline(), sdpa=False)
+        w = dataclasses.replace(bench.headline(), sdpa=False)
         t = dict(tile_m=64, tile_n=128)
         configs = [None, dict(t, ptxas_opt=2), dict(t, num_stages=1)]
         for rep in range(2):
@@ -134,16 +134,16 @@ def main(argv=None) -> int:
     if "fusedpersist" in modes:
         # The fused D128 kernel: one CTA per n-block (default) against persistent.
         t = dict(tile_m=64, tile_n=128)
-        w = bench.replace(bench.headline(), sdpa=False)
+        w = dataclasses.replace(bench.headline(), sdpa=False)
         for rep in range(2):
             emit(bench.run_workload_bwd(bench.headline()))
             emit(bench.run_workload_bwd(w, tiles_dkdv=dict(t, persistent=True)))
     if "dqpersist" in modes:
         # The pair's dQ kernel persistent (one CTA per SM walking the m-blocks) against one CTA per m-block.
-        w = bench.replace(bench.headline(), sdpa=False)
+        w = dataclasses.replace(bench.headline(), sdpa=False)
         cases = [(w, dict(tile_m=128, tile_n=64), True),
-                 (bench.replace(w, name="full B8 N4096 D64", head_dim=64), dict(tile_m=128, tile_n=64), False),
-                 (bench.replace(w, name="full B8 N4096 D256", head_dim=256), dict(tile_m=128, tile_n=48, num_stages=2),
+                 (dataclasses.replace(w, name="full B8 N4096 D64", head_dim=64), dict(tile_m=128, tile_n=64), False),
+                 (dataclasses.replace(w, name="full B8 N4096 D256", head_dim=256), dict(tile_m=128, tile_n=48, num_stages=2),
                   False)]
         for rep in range(2):
             emit(bench.run_workload_bwd(bench.headline()))
@@ -152,14 +152,14 @@ def main(argv=None) -> int:
                     emit(bench.run_workload_bwd(wl, tiles_dq=dict(tq, persistent=pers), deterministic=det))
     if "bwdquick" in modes:
         # One line each: D128 default (with the SDPA lines), D128 deterministic pair, D64, D32.
-        w = bench.replace(bench.headline(), sdpa=False)
+        w = dataclasses.replace(bench.headline(), sdpa=False)
         emit(bench.run_workload_bwd(bench.headline()))
         emit(bench.run_workload_bwd(w, deterministic=True))
         for d in (64, 32):
-            emit(bench.run_workload_bwd(bench.replace(w, name=f"full B8 N4096 D{d}", head_dim=d)))
+            emit(bench.run_workload_bwd(dataclasses.replace(w, name=f"full B8 N4096 D{d}", head_dim=d)))
     if "fusedvspair" in modes:
         # The fused D128 kernel against the deterministic pair over shapes, interleaved twice.
-        shapes = [bench.replace(bench.headline(), sdpa=False),
+        shapes = [dataclasses.replace(bench.headline(), sdpa=False),
                   bench.Workload("noncausal B8 N4096", 8, 4096, window=(-1, -1)),
                   bench.Workload("uniform90 B1024 N256", 1024, 256, lengths="uniform90"),
                   bench.Workload("zipf1.2 B64 N4096", 64, 4096, lengths="zipf"),
@@ -190,13 +190,13 @@ def main(argv=None) -> int:
             emit(bench.run_workload(w, path="hopper"))
             emit(bench.run_workload_bwd(w))
     if "bwd" in modes:
-        for w in (bench.headline(), bench.replace(bench.headline(), name="full B8 N4096 D64", head_dim=64),
+        for w in (bench.headline(), dataclasses.replace(bench.headline(), name="full B8 N4096 D64", head_dim=64),
                   bench.Workload("rab H_rab=1 B8 N2048", 8, 2048, rab_heads=1)):
             emit(bench.run_workload_bwd(w))
             if torch.cuda.get_device_capability()[0] == 9:
-                emit(bench.run_workload_bwd(bench.replace(w, sdpa=False), deterministic=True))
-                emit(bench.run_workload_bwd(bench.replace(w, sdpa=False), path="ampere"))
-        emit(bench.run_workload_bwd(bench.replace(bench.headline(), sdpa=False)))
+                emit(bench.run_workload_bwd(dataclasses.replace(w, sdpa=False), deterministic=True))
+                emit(bench.run_workload_bwd(dataclasses.replace(w, sdpa=False), path="ampere"))
+        emit(bench.run_workload_bwd(dataclasses.replace(bench.headline(), sdpa=False)))
     if "timing" in modes:
         # The two timing methods side by side (bench.SYNC_EACH_CALL): per-call synchronization adds the
         # host launch time of every call to its sample.
@@ -207,7 +207,7 @@ def main(argv=None) -> int:
             emit(row)
         bench.SYNC_EACH_CALL = False
     if "bwd256" in modes:
-        d256 = bench.replace(bench.headline(), name="full B8 N4096 D256", head_dim=256)
+        d256 = dataclasses.replace(bench.headline(), name="full B8 N4096 D256", head_dim=256)
         for w in (d256, d256, bench.Workload("rab H_rab=1 B8 N2048 D256", 8, 2048, head_dim=256, rab_heads=1),
                   bench.Workload("rab H_rab=H B8 N2048 D256", 8, 2048, head_dim=256, rab_heads=4)):
             try:
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     if "bwd256sm80" in modes:
         # The sm80 D256 backward: defaults, then the 4-warp register-resident dQ kernel (spills only
         # for fp16 with drab summed over heads) for comparison.
-        d256 = bench.replace(bench.headline(), name="full B8 N4096 D256", head_dim=256, sdpa=False)
+        d256 = dataclasses.replace(bench.headline(), name="full B8 N4096 D256", head_dim=256, sdpa=False)
         rab1 = bench.Workload("rab H_rab=1 B8 N2048 D256", 8, 2048, head_dim=256, rab_heads=1)
         for tiles_dq in (None, dict(tile_m=64, tile_n=32, num_warps=4, warps_d=1, ptxas_opt=2)):
             for w in (d256, rab1):

@@ -5,6 +5,7 @@
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -18,7 +19,7 @@ def main(argv=None) -> int:
     print(f"GEMM bf16 8192^3: {bench.gemm_tflops():.1f} TF/s", flush=True)
     for dtype in ("bfloat16", "float16"):
         for d in (64, 128, 256):
-            w = bench.replace(bench.headline(), name=f"full B8 N4096 D{d} {dtype}", head_dim=d, dtype=dtype)
+            w = dataclasses.replace(bench.headline(), name=f"full B8 N4096 D{d} {dtype}", head_dim=d, dtype=dtype)
             for run in (bench.run_workload, bench.run_workload_bwd):
                 row = run(w)
                 cudnn = row.get("sdpa_cudnn") or 0

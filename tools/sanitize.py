@@ -10,8 +10,9 @@ kernel paths (hopper, then ampere, forced through HSTU_CUTE_ARCH). The backward 
 too, three ways per case: the default (on hopper at D128 forced to the fused dK/dV/dQ kernel, which
 these short keys would not take by default; rab without drab included), deterministic=True (the
 dK/dV + dQ pair; not at D256) and, with rab, has_drab=True (on hopper at D256 all of them run the
-one wide kernel). ``--forward``: the forward only; ``--hopper``: the hopper path only (a quick
-check of a forward change).
+one wide kernel). A multi-query case gives k and v one head for q's two. ``--forward``: the
+forward only; ``--hopper``: the hopper path only (a quick check of a forward change);
+``--head-dim``: other head dims than 32, 128 and 256; ``--only TEXT``: the cases named so.
 
 ``fp8``: the Hopper FP8 forward, every entry (pre-quantized e4m3 with descales; quant_mode 0;
 quant_mode 1, 2 and 4: the per-token and per-dim descales, the quantizer's one-pass and cooperative
@@ -43,6 +44,8 @@ CASES = {
     "delta_q none": dict(window_size=(-1, -1), is_delta_q=True, max_seqlen_k=150),
     "rab H_rab=1 (odd row stride)": dict(window_size=(-1, 0), rab_heads=1),
     "rab H_rab=H, seqused": dict(window_size=(-1, 0), rab_heads=2, seqused=True),
+    # k and v with one head for q's two (MQA): query head h reads key head h // 2
+    "MQA, context+target": dict(window_size=(-1, 0), num_contexts=9, num_targets=40, kv_heads=1),
 }
 
 FP8_CASES = {
@@ -58,7 +61,7 @@ FP8_CASES = {
 FP8_BWD_CASES = {name: kw for name, kw in FP8_CASES.items() if name != "delta_q local"}
 
 
-def cases(forward_only: bool, hopper_only: bool) -> None:
+def cases(forward_only: bool, hopper_only: bool, head_dims=(32, 128, 256), only: str = "") -> None:
     import torch
 
     from hstu_cute import arch, hstu_attn_varlen_func, launch, testing
@@ -71,9 +74,15 @@ def cases(forward_only: bool, hopper_only: bool) -> None:
         os.environ["HSTU_CUTE_ARCH"] = {"hopper": "sm90", "ampere": "sm80"}[path]
         arch._kernel_path.cache_clear()
         for name, kw in CASES.items():
-            for head_dim in (32, 128, 256):
+            if only not in name:
+                continue
+            kw = dict(kw)
+            kv_heads = kw.pop("kv_heads", None)
+            for head_dim in head_dims:
                 b = testing.random_jagged_batch(5, 2, head_dim, 99 if kw.get("is_delta_q") else 131,
                                                 device="cuda", seed=7, **kw)
+                if kv_heads is not None:
+                    b["k"], b["v"] = b["k"][:, :kv_heads].contiguous(), b["v"][:, :kv_heads].contiguous()
                 hstu_attn_varlen_func(**b)
                 if forward_only:
                     continue
@@ -183,11 +192,14 @@ def main(argv=None) -> int:
     p = sub.add_parser("cases", help="the 16-bit forward and backward, both kernel paths")
     p.add_argument("--forward", action="store_true", help="the forward only")
     p.add_argument("--hopper", action="store_true", help="the hopper path only")
+    p.add_argument("--head-dim", type=int, action="append", default=None,
+                   help="this head dim; repeatable (default: 32, 128 and 256)")
+    p.add_argument("--only", default="", metavar="TEXT", help="only the cases whose name contains TEXT")
     sub.add_parser("fp8", help="the Hopper FP8 forward, every entry (skips without sm90)")
     sub.add_parser("fp8-bwd", help="the Hopper FP8 backward, then the opt-in fused kernel (skips without sm90)")
     args = parser.parse_args(argv)
     if args.command == "cases":
-        cases(args.forward, args.hopper)
+        cases(args.forward, args.hopper, tuple(args.head_dim or (32, 128, 256)), args.only)
     elif args.command == "fp8":
         fp8_forward()
     else:

@@ -443,7 +443,7 @@ def main(argv=None) -> int:
     p = sub.add_parser("standin", help="CPU: the eager path's host time with the launches stubbed")
     p.add_argument("--profile", action="store_true", help="a cProfile of the training step instead")
     p.add_argument("--mode", type=int, default=-1, help="with --profile: the step's quant_mode (-1: bf16)")
-    p.add_argument("--count", default=None, metavar="ROW", help="run only this row (for callgrind), --steps times")
+    p.add_argument("--count", default=None, metavar="ROW", help="run only this row (for callgrind), --steps times; with --profile: profile this row")
     p.add_argument("--steps", type=int, default=0)
     p = sub.add_parser("dispatch", help="CPU (+GPU): the torch dispatcher against the direct call")
     p.add_argument("--n", type=int, default=20000, help="calls per timing")

@@ -48,7 +48,7 @@ def zeros_as(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
 def rab_vec(rab: torch.Tensor) -> int:
     """Elements per rab load: 8 (16-byte cp.async) when every row starts 16-byte aligned, else 1
     (scalar loads; e.g. max_seqlen_k not a multiple of 8 -- pad rab's last dim to avoid it)."""
-    aligned = rab.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in (rab.stride(0), rab.stride(1), rab.stride(2)))
+    aligned = rab.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in rab.stride()[:3])
     return 8 if aligned else 1
 
 

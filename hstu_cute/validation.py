@@ -260,8 +260,8 @@ def validate(
                                   "(mma.sync) kernels, which have no FP8; the FP8 kernels are Hopper-only (sm90)")
     if fp8 and head_dim not in FP8_HEAD_DIMS:
         raise NotImplementedError(f"q.shape[2] (head dim): the FP8 forward supports {FP8_HEAD_DIMS}, got {head_dim}")
-    # GQA / MQA reach validation with H_kv heads only where the 16-bit forward kernels read them
-    # natively (a forward without autograd, hstu_attn_varlen_func); elsewhere they come expanded.
+    # GQA / MQA reach validation with H_kv heads only where the 16-bit kernels read them natively
+    # (hstu_attn_varlen_func); FP8 calls come expanded.
     kv_heads = k.shape[1] if not fp8 and kv_group(q, k, v, kv_cache is not None) > 1 else heads
     if k.shape[1] != kv_heads:
         fail(ValueError, "k.shape[1] (heads)", f"{heads} (q's heads), or a divisor of them for GQA / MQA with "

@@ -442,7 +442,7 @@ def hstu_attn_varlen_func(
     if not isinstance(deterministic, bool):
         fail(TypeError, "deterministic", "a bool", type(deterministic).__name__)
     q, k, v, rab, widened = fp32_as_bf16(q, k, v, rab, kv_cache is not None)
-    k, v = kv_heads_for_kernels(q, k, v, rab, quant_mode, kv_cache is not None)
+    k, v = kv_heads_for_kernels(q, k, v, quant_mode, kv_cache is not None)
     eager = _eager(q)
     args = (q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, num_contexts, num_targets,
             target_group_size, window_size, alpha, rab, has_drab, is_delta_q, descale_q, descale_k, descale_v,

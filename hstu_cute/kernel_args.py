@@ -272,8 +272,8 @@ _SCALARS = (
 )
 _Q, _K, _V, _DO = (Arg("mQ", _tokens("tokens_q")), Arg("mK", _tokens("tokens_k")), Arg("mV", _tokens("tokens_k")),
                    Arg("mdO", _tokens("tokens_q")))
-# The 16-bit forwards read k and v natively under GQA / MQA (H_kv heads; the kernels map query
-# head h to key head h // (H_q / H_kv)).
+# The 16-bit forwards and backwards read k and v natively under GQA / MQA (H_kv heads; the
+# kernels map query head h to key head h // (H_q / H_kv)); dK and dV stay per query head.
 _K_KV = Arg("mK", _tokens("tokens_k", heads_attr="heads_kv"))
 _V_KV = Arg("mV", _tokens("tokens_k", heads_attr="heads_kv"))
 _DK, _DV = Arg("mdK", _tokens("tokens_k")), Arg("mdV", _tokens("tokens_k"))
@@ -362,11 +362,11 @@ def _wide_drab(s: FakeShapes):
 SPECS: dict[str, tuple[Arg, ...]] = {
     "ampere_fwd": (_Q, _K_KV, _V_KV, Arg("mO", _tokens("tokens_q")), *_SEQUENCES, Arg("mRab", _ampere_rab, _has_rab),
                    *_SCALARS, Arg("num_m_blocks", _i32), *_PAGES, *_SPLITS, *_BLOCKS),
-    "ampere_bwd_dq": (_Q, _K, _V, _DO, _DQ, *_SEQUENCES, _SM80_RAB16,
+    "ampere_bwd_dq": (_Q, _K_KV, _V_KV, _DO, _DQ, *_SEQUENCES, _SM80_RAB16,
                       Arg("mdRab", _slab(4, 1), lambda key: key.has_drab),
                       Arg("mdRabAccum", _slab(3, 1, "Float32"), lambda key: key.rab_sum_heads),
                       *_SCALARS, Arg("num_m_blocks", _i32), *_BLOCKS),
-    "ampere_bwd_dkdv": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _SM80_RAB16, *_SCALARS, Arg("num_n_blocks", _i32),
+    "ampere_bwd_dkdv": (_Q, _K_KV, _V_KV, _DO, _DK, _DV, *_SEQUENCES, _SM80_RAB16, *_SCALARS, Arg("num_n_blocks", _i32),
                         *_BLOCKS),
     "hopper_fwd": (_Q, _K_KV, _V_KV, Arg("mO", _tokens("tokens_q")), *_SEQUENCES, _TMA_RAB, *_SCALARS,
                    Arg("num_m_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER, *_PAGES, *_SPLITS, *_BLOCKS),
@@ -384,9 +384,9 @@ SPECS: dict[str, tuple[Arg, ...]] = {
     # With "group" slots: the grid barrier's arrival count (zero at launch) and the SM count.
     "hopper_fwd_quant_slots": (*(arg for i in range(QUANT_MAX_SLOTS) for arg in _quant_slot_args(i)),
                                Arg("mBarrier", _int_words(1, 4), _cooperative), Arg("num_sms", _i32, _cooperative)),
-    "hopper_bwd_dq": (_Q, _K, _V, _DO, _DQ, *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS,
+    "hopper_bwd_dq": (_Q, _K_KV, _V_KV, _DO, _DQ, *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_m_blocks", _i32), _NUM_SMS,
                       _BH_PER_SECTION, _TILE_COUNTER),
-    "hopper_bwd_wide": (_Q, _K, _V, _DO, _DK, _DV, *_SEQUENCES, _TMA_RAB,
+    "hopper_bwd_wide": (_Q, _K_KV, _V_KV, _DO, _DK, _DV, *_SEQUENCES, _TMA_RAB,
                         Arg("mdRab", _wide_drab, lambda key: key.has_drab), *_SCALARS, Arg("num_n_blocks", _i32)),
 }
 # The dK/dV kernel with and without its fused dQ reduction: an fp32 (T_q, H, D) accumulator that
@@ -394,7 +394,7 @@ SPECS: dict[str, tuple[Arg, ...]] = {
 SPECS["hopper_fwd_paged"] = SPECS["hopper_fwd"]
 SPECS["ampere_fwd_paged"] = SPECS["ampere_fwd"]
 SPECS["hopper_bwd_dkdv"] = SPECS["hopper_bwd_fused"] = (
-    _Q, _K, _V, _DO, _DK, _DV, Arg("mdQaccum", _tokens("tokens_q", "Float32", 4), lambda key: key.role == "fused"),
+    _Q, _K_KV, _V_KV, _DO, _DK, _DV, Arg("mdQaccum", _tokens("tokens_q", "Float32", 4), lambda key: key.role == "fused"),
     *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_n_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER,
     *_BLOCKS,
 )

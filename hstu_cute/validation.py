@@ -65,13 +65,12 @@ def expand_kv_heads(q, k, v, paged: bool = False):
     return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
 
-def kv_heads_for_kernels(q, k, v, rab, quant_mode, paged: bool = False):
-    """``(k, v)`` as the kernels take them under GQA / MQA: as given (H_kv heads, read natively
-    by the forward kernels) for a 16-bit forward without autograd; else :func:`expand_kv_heads`
-    (the backward and FP8 kernels take H_q heads; autograd sums the copies' gradients back)."""
-    # Any value: validation names what is not a tensor.
-    wanted = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v, rab))
-    if quant_mode == -1 and not wanted:
+def kv_heads_for_kernels(q, k, v, quant_mode, paged: bool = False):
+    """``(k, v)`` as the kernels take them under GQA / MQA: as given (H_kv heads) for 16-bit
+    calls, whose forward and backward kernels read key head ``h // group`` in place (the backward
+    sums each group's dK / dV); :func:`expand_kv_heads` for FP8 calls (the FP8 kernels take H_q
+    heads; autograd sums the copies' gradients back)."""
+    if quant_mode == -1:
         return k, v
     return expand_kv_heads(q, k, v, paged)
 
@@ -261,8 +260,8 @@ def validate(
                                   "(mma.sync) kernels, which have no FP8; the FP8 kernels are Hopper-only (sm90)")
     if fp8 and head_dim not in FP8_HEAD_DIMS:
         raise NotImplementedError(f"q.shape[2] (head dim): the FP8 forward supports {FP8_HEAD_DIMS}, got {head_dim}")
-    # GQA / MQA reach validation with H_kv heads only where the 16-bit forward kernels read them
-    # natively (a forward without autograd, hstu_attn_varlen_func); elsewhere they come expanded.
+    # GQA / MQA reach validation with H_kv heads only where the 16-bit kernels read them natively
+    # (hstu_attn_varlen_func); FP8 calls come expanded.
     kv_heads = k.shape[1] if not fp8 and kv_group(q, k, v, kv_cache is not None) > 1 else heads
     if k.shape[1] != kv_heads:
         fail(ValueError, "k.shape[1] (heads)", f"{heads} (q's heads), or a divisor of them for GQA / MQA with "

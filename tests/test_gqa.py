@@ -114,11 +114,11 @@ def test_modules_and_the_padded_entry_take_fewer_key_heads():
     assert torch.allclose(padded.reshape(14, 4, -1), want, rtol=1e-10, atol=1e-12)
 
 
-def test_forward_without_autograd_takes_the_key_heads_natively(monkeypatch):
-    """A 16-bit forward without autograd reaches the launchers with k and v of H_kv heads (the
-    forward kernels map query head h to key head h // group); with autograd they arrive with each
-    key head repeated for its group (the backward kernels take H_q heads). fp32 inputs are cast
-    first, then take the same road. Meta tensors: nothing launched."""
+def test_16bit_calls_take_the_key_heads_natively(monkeypatch):
+    """A 16-bit call reaches the launchers with k and v of H_kv heads, with autograd or without
+    (the forward and backward kernels map query head h to key head h // group; the backward sums
+    each group's dK / dV), and its gradients have k's and v's shapes. fp32 inputs are cast first,
+    then take the same road. Meta tensors: nothing launched."""
     import hstu_cute.api as api
     import hstu_cute.compile
 
@@ -136,8 +136,10 @@ def test_forward_without_autograd_takes_the_key_heads_natively(monkeypatch):
     leaves = {n: b[n].clone().requires_grad_() for n in ("q", "k", "v")}
     with torch.no_grad():
         hstu_attn_varlen_func(**dict(b, **leaves), window_size=(-1, 0))
-    hstu_attn_varlen_func(**dict(b, **leaves), window_size=(-1, 0))
+    out = hstu_attn_varlen_func(**dict(b, **leaves), window_size=(-1, 0))
+    dq, dk, dv = torch.autograd.grad(out, tuple(leaves.values()), torch.ones_like(out))
+    assert (dq.shape, dk.shape, dv.shape) == (b["q"].shape, b["k"].shape, b["v"].shape)
     hstu_attn_varlen_func(**dict(b, k=leaves["k"]), window_size=(-1, 0))  # only k requires grad
     b32 = _batch(8, 2, device="meta", dtype=torch.float32)
     assert hstu_attn_varlen_func(**b32, window_size=(-1, 0)).dtype == torch.float32
-    assert seen == [(8, 2, 2), (8, 2, 2), (8, 8, 8), (8, 8, 8), (8, 2, 2)]
+    assert seen == [(8, 2, 2), (8, 2, 2), (8, 2, 2), (8, 2, 2), (8, 2, 2)]

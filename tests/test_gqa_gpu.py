@@ -56,3 +56,26 @@ def test_forward_without_autograd_reads_the_key_heads_natively(path, case):
     expanded = hstu_attn_varlen_func(**dict(b, k=b["k"].repeat_interleave(group, dim=1),
                                             v=b["v"].repeat_interleave(group, dim=1)))
     assert torch.equal(native, expanded)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"case{i}" for i in range(len(CASES))])
+def test_training_reads_the_key_heads_natively(path, case):
+    """Under autograd the backward kernels also read key head h // group in place and the launcher
+    sums each group's dK / dV: with the deterministic backward, the same bits as the call over k
+    and v with each head repeated, whose copies' gradients autograd sums."""
+    from hstu_cute import hstu_attn_varlen_func
+
+    b, seed, group = _case(case, "gqa-training")
+    b.update(has_drab=False, deterministic=True)
+    dout = torch.randn(b["q"].shape, generator=torch.Generator().manual_seed(seed)).to(b["q"].dtype).cuda()
+
+    def grads(expand: bool):
+        leaves = {n: b[n].detach().clone().requires_grad_() for n in ("q", "k", "v")}
+        k, v = leaves["k"], leaves["v"]
+        if expand:
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = hstu_attn_varlen_func(**dict(b, q=leaves["q"], k=k, v=v))
+        return (out, *torch.autograd.grad(out, tuple(leaves.values()), dout))
+
+    for native, expanded in zip(grads(False), grads(True)):
+        assert torch.equal(native, expanded)

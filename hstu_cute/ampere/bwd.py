@@ -308,7 +308,9 @@ class HstuBackwardDqSm80(_BackwardBase):
                 head_end = mQ.shape[1]
             for head in cutlass.range(head_begin, head_end, unroll=1):
                 gQ, gdO, gdQ = [self._head_tile(t, q_start, head, self.tile_m, m_block) for t in (mQ, mdO, mdQ)]
-                gK, gV = [self._head_tile(t, k_start, head, self.tile_n, None) for t in (mK, mV)]
+                # GQA / MQA: k and v hold H_q / group heads; query head h reads key head h // group.
+                kv_head = head // (mQ.shape[1] // mK.shape[1])
+                gK, gV = [self._head_tile(t, k_start, kv_head, self.tile_n, None) for t in (mK, mV)]
                 # K is dQ's B operand: rows past seqlen_k must be finite (G is 0 there).
                 kv_tiles = ((thr_copy.partition_S(gK), thr_copy.partition_D(sK), True),
                             (thr_copy.partition_S(gV), thr_copy.partition_D(sV), False))
@@ -419,7 +421,11 @@ class HstuBackwardDkDvSm80(_BackwardBase):
             sQt = transposed_view(sQ, self.tile_m, self.head_dim, 2)
             sdOt = transposed_view(sdO, self.tile_m, self.head_dim, 2)
 
-            gK, gV, gdK, gdV = [self._head_tile(t, k_start, head, self.tile_n, n_block) for t in (mK, mV, mdK, mdV)]
+            # GQA / MQA: k and v hold H_q / group heads (query head h reads key head h // group);
+            # dK and dV stay per query head, the launcher sums each group.
+            kv_head = head // (mQ.shape[1] // mK.shape[1])
+            gK, gV = [self._head_tile(t, k_start, kv_head, self.tile_n, n_block) for t in (mK, mV)]
+            gdK, gdV = [self._head_tile(t, k_start, head, self.tile_n, n_block) for t in (mdK, mdV)]
             gQ, gdO = [self._head_tile(t, q_start, head, self.tile_m, None) for t in (mQ, mdO)]
 
             thr_copy = gmem_copy.get_slice(tidx)

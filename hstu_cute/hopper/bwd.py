@@ -83,6 +83,8 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
     adding them into the next sequence's rows is harmless, and the TMA clips rows past T_q.
     """
 
+    native_kv_heads = True
+
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
                  num_stages: int, fast_silu: bool, fuse_dq: bool = False, persistent: bool = False,
                  dynamic_tiles: bool = False, block_sparse: bool = False):
@@ -155,6 +157,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
                tma_rab, tma_atom_dq, tma_dq, mQ, mK, mdK, mdV, seqs, mRab, scalars, num_n_blocks: Int32,
                bh_per_section: Int32, mTileCounter, statics):
         self.bind(statics)
+        self.kv_group = mQ.shape[1] // mK.shape[1]
         tidx, warp_idx = self.prologue(tma_atom_k, tma_atom_v, tma_atom_q, tma_atom_do, tma_atom_rab, tma_atom_dq)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         pipe_kv, pipe_q = sm90_bwd_pipelines(storage.mbar_kv, storage.mbar_q, self.kv_bytes,
@@ -412,6 +415,8 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
     0 * NaN would be NaN). Epilogue: dQ stored from registers, query rows past seqlen_q skipped.
     """
 
+    native_kv_heads = True
+
     # The FP8 kernel's K^T loads (atom, tensor, smem ring): they go with K and V.
     transposed_k_loads = None
 
@@ -463,6 +468,7 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
                tma_rab, mQ, mK, mdQ, seqs, mRab, scalars, num_m_blocks: Int32,
                bh_per_section: Int32, mTileCounter, statics):
         self.bind(statics)
+        self.kv_group = mQ.shape[1] // mK.shape[1]
         tidx, warp_idx = self.prologue(tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_rab)
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         pipe_q, pipe_kv = sm90_bwd_pipelines(storage.mbar_q, storage.mbar_kv, self.q_bytes,
@@ -519,8 +525,9 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         if n_count > 0:
             tQsQ, tQgQ = token_tiles(tma_atom_q, tma_q, sQ, q_start, head, (self.tile_m, D), (m_block, 0))
             tOsO, tOgO = token_tiles(tma_atom_do, tma_do, sdO, q_start, head, (self.tile_m, D), (m_block, 0))
-            tKsK, tKgK = token_tiles(tma_atom_k, tma_k, sK, k_start, head, (self.tile_n, D), (None, 0))
-            tVsV, tVgV = token_tiles(tma_atom_v, tma_v, sV, k_start, head, (self.tile_n, D), (None, 0))
+            kv_head = head // self.kv_group if const_expr(self.native_kv_heads) else head
+            tKsK, tKgK = token_tiles(tma_atom_k, tma_k, sK, k_start, kv_head, (self.tile_n, D), (None, 0))
+            tVsV, tVgV = token_tiles(tma_atom_v, tma_v, sV, k_start, kv_head, (self.tile_n, D), (None, 0))
             # What each n-block loads into the ring.
             copies = [(tma_atom_k, tKgK, tKsK), (tma_atom_v, tVgV, tVsV)]
             if const_expr(self.has_rab):

@@ -64,6 +64,10 @@ class HstuBackwardSm90Base(HstuSm90Base):
     # A block mask: the dK/dV kernels walk a key block's list of query blocks (set by the kernels
     # that take one; common.seqinfo.walked_block).
     block_sparse = False
+    # GQA / MQA: the 16-bit kernels read k and v with H_q / group heads, query head h reading key
+    # head h // group (``kv_group``, set in their kernel bodies from mQ and mK); the FP8 kernels
+    # take k and v expanded to H_q heads.
+    native_kv_heads = False
 
     def __init__(self, *config, **kw):
         super().__init__(*config, **kw)
@@ -233,8 +237,9 @@ class KeyBlockProducer:
         kv_after_q = kv_state is not None
         if const_expr(not kv_after_q):
             kv_state, q_state = self.pipeline_states(pipeline.PipelineUserType.Producer)
-        tKsK, tKgK = token_tiles(tma_atom_k, tma_k, sK, k_start, head, (self.tile_n, D), (n_block, 0))
-        tVsV, tVgV = token_tiles(tma_atom_v, tma_v, sV, k_start, head, (self.tile_n, D), (n_block, 0))
+        kv_head = head // self.kv_group if const_expr(self.native_kv_heads) else head
+        tKsK, tKgK = token_tiles(tma_atom_k, tma_k, sK, k_start, kv_head, (self.tile_n, D), (n_block, 0))
+        tVsV, tVgV = token_tiles(tma_atom_v, tma_v, sV, k_start, kv_head, (self.tile_n, D), (n_block, 0))
         tQsQ, tQgQ = token_tiles(tma_atom_q, tma_q, sQ, q_start, head, (self.tile_m, D), (None, 0))
         tOsO, tOgO = token_tiles(tma_atom_do, tma_do, sdO, q_start, head, (self.tile_m, D), (None, 0))
         # What each m-block loads into the ring.

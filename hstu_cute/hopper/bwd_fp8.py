@@ -213,6 +213,8 @@ class HstuBackwardDkDvFp8Sm90(StagedEpilogue, HstuBackwardDkDvSm90):
     16-bit fused kernel's dQ owner (barriers 6 + parity, 8/9) forms dQ_i = G K_j from the two key
     halves, smaller scale first (:meth:`dq_partial`), and reduce-adds it through TMA."""
 
+    native_kv_heads = False  # FP8 takes k and v expanded to H_q heads
+
     transposed_q_tiles = True
 
     def __init__(self, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
@@ -580,6 +582,8 @@ class HstuBackwardDqFp8Sm90(StagedEpilogue, HstuBackwardDqSm90):
     sequence and the tiles fit (:class:`~hstu_cute.hopper.bwd_base.StagedEpilogue`). ``has_drab``: drab = G
     in fp32 before its re-quantization, stored per head (each element has one writer) or, with
     ``rab_sum_heads``, added over the heads into an fp32 (B, L_q, L_k) sum (red.global.add)."""
+
+    native_kv_heads = False  # FP8 takes k and v expanded to H_q heads
 
     def __init__(self, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
                  num_stages: int, grad_dtype, persistent: bool = False, dynamic_tiles: bool = False,

@@ -68,6 +68,8 @@ class HstuBackwardWideSm90(KeyBlockProducer, HstuBackwardSm90Base):
     512, and beside the dQ kernel (which recomputes S and dP) the pair reaches 356.
     """
 
+    native_kv_heads = True
+
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, has_drab: bool,
                  rab_sum_heads: bool, tile_m: int, tile_n: int, num_stages: int, fast_silu: bool):
         assert tile_n == 64 and tile_m % 64 == 0 and head_dim % 128 == 0, (tile_m, tile_n, head_dim)
@@ -117,6 +119,7 @@ class HstuBackwardWideSm90(KeyBlockProducer, HstuBackwardSm90Base):
     def kernel(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
                tma_rab, mQ, mK, mdK, mdV, seqs, mRab, mdRab, scalars, statics):
         self.bind(statics)
+        self.kv_group = mQ.shape[1] // mK.shape[1]
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         n_block, head, batch = cute.arch.block_idx()

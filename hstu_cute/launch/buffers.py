@@ -240,13 +240,28 @@ def _on_device(device):
     return _NO_SWITCH if device.index == torch._C._cuda_getDevice() else torch.cuda.device(device)
 
 
-def _gradient_buffers(q, k, v, seqused_q, seqused_k) -> tuple:
+def _gradient_buffers(q, k, v, seqused_q, seqused_k, kv_group: int = 1) -> tuple:
     """dq, dk, dv shaped like q, k, v: zeros where seqused leaves rows the kernels do not write.
     Three allocations: views of one buffer would alias each other, which the ops' outputs must not
     (compiled graphs assume fresh outputs)."""
     zero_q, zero_k = seqused_q is not None, seqused_k is not None
+    if kv_group > 1:  # GQA / MQA: dK and dV per query head, summed over each group afterwards
+        shape = (k.shape[0], q.shape[1], k.shape[2])
+        make = torch.zeros if zero_k else torch.empty
+        return ((zeros_as if zero_q else empty_as)(q), make(shape, dtype=k.dtype, device=k.device),
+                make(shape, dtype=v.dtype, device=v.device))
     return ((zeros_as if zero_q else empty_as)(q), (zeros_as if zero_k else empty_as)(k),
             (zeros_as if zero_k else empty_as)(v))
+
+
+def group_sums(dk: torch.Tensor, dv: torch.Tensor, kv_group: int) -> tuple:
+    """dK and dV of the key heads from those of the query heads (GQA / MQA: query head h reads
+    key head h // kv_group), summed in a fixed order."""
+    if kv_group == 1:
+        return dk, dv
+    tokens, heads, dim = dk.shape
+    return (dk.view(tokens, heads // kv_group, kv_group, dim).sum(2),
+            dv.view(tokens, heads // kv_group, kv_group, dim).sum(2))
 
 
 def _aligned_rab_and_drab(rab, has_drab: bool) -> tuple:

@@ -21,6 +21,7 @@ from .buffers import (
     _on_device,
     _sum_drab_heads,
     aligned_16,
+    group_sums,
     zeros_as,
 )
 from .heuristics import _backward_kind, _walk_fixed
@@ -49,9 +50,11 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
         path = kernel_path(device)
     if p.head_dim not in HEAD_DIMS:
         raise NotImplementedError(f"q.shape[2] (head dim): the backward kernels support {HEAD_DIMS}, got {p.head_dim}")
-    dq, dk, dv = _gradient_buffers(q, k, v, call.seqused_q, call.seqused_k)
+    kv_group = q.shape[1] // k.shape[1]
+    dq, dk, dv = _gradient_buffers(q, k, v, call.seqused_q, call.seqused_k, kv_group)
     if _nothing_to_do(q, k, call.max_seqlen_q, p):
-        return dq.zero_(), dk.zero_(), dv.zero_(), (torch.zeros_like(rab) if call.has_drab else None)
+        return (dq.zero_(), *group_sums(dk.zero_(), dv.zero_(), kv_group),
+                (torch.zeros_like(rab) if call.has_drab else None))
     if dout.stride()[-1] != 1:
         dout = dout.contiguous()
     q, k, v, dout = aligned_16(q), aligned_16(k), aligned_16(v), aligned_16(dout)
@@ -72,7 +75,7 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
                 values.update(block_sparse_args(call, plan.first.key, per_key_block=True))
             dq_accum = values["mdQaccum"] = zeros_as(q, torch.float32)
             plan.first(values, device)
-            return dq_accum.to(q.dtype), dk, dv, None
+            return (dq_accum.to(q.dtype), *group_sums(dk, dv, kv_group), None)
         drab_out = drab
         if plan.kind == "wide":
             drab_out, _ = _drab_over_heads(rab, drab, p.heads, call.deterministic)
@@ -91,7 +94,7 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
         plan.second(values, device)
         if plan.kind == "wide":
             _sum_drab_heads(drab, drab_out)
-    return dq, dk, dv, drab_view
+    return (dq, *group_sums(dk, dv, kv_group), drab_view)
 
 
 class _BackwardPlan:

@@ -5,7 +5,8 @@ Writes JSON lines to $OUT/perf.jsonl (or ./perf.jsonl) and prints a short table 
 
 Modes: headline (default), grid, bwd, ptxas, sweep (forward tiles), all (= those five); and the
 experiments kept for reruns: hopper, bwdsweep, bwdpersist, fusedpersist, dqpersist, bwdquick,
-fusedvspair, fusedthreshold, fp16, timing, bwd256, bwd256sm80, gqa (read the code for what each times).
+fusedvspair, fusedthreshold, fp16, timing, bwd256, bwd256sm80, gqa, headdims, hd96tiles, semilocal (read the
+code for what each times).
 """
 
 import argparse
@@ -103,6 +104,34 @@ def main(argv=None) -> int:
                 emit({"workload": w.name, "mode": "gqa", "h_kv": h_kv, "rep": rep, "fwd_ms": ms, "fwd_iqr": iqr,
                       "fwd_tflops": f_fwd / ms / 1e9, "step_ms": step_ms, "step_iqr": step_iqr,
                       "step_tflops": 3.5 * f_fwd / step_ms / 1e9, "flops": kind})
+    if "hd96tiles" in modes:
+        # D96 at 0.83x of D128 on D128's tiles (session 35): wider key tiles give the GEMMs more
+        # work per tile's SiLU and masking. Default, then key tiles of 144-192 (smem: 2 Q stages
+        # and 2 K/V stages fit up to 192), the D128 line beside them, two rounds.
+        from hstu_cute.variants import default_hopper_fwd_tiles
+
+        w96 = dataclasses.replace(bench.headline(), name="full B8 N4096 D96", head_dim=96, sdpa=False)
+        w128 = dataclasses.replace(w96, name="full B8 N4096 D128", head_dim=128)
+        for rep in range(2):
+            emit(dict(bench.run_workload(w128, path="hopper"), mode="hd96tiles", rep=rep))
+            for tile_n in (128, 144, 160, 176, 192):
+                tiles = dict(default_hopper_fwd_tiles(96, False), tile_n=tile_n)
+                try:
+                    emit(dict(bench.run_workload(w96, tiles, path="hopper"), mode="hd96tiles", rep=rep))
+                except Exception as e:  # a config may not fit smem or registers
+                    emit({"workload": w96.name, "tiles": tiles, "mode": "hd96tiles", "error": repr(e)[:300]})
+    if "semilocal" in modes:
+        # Issue 46's window bar at the recsys jagged shape with 8 contexts and 32 targets: a causal
+        # band (window_size=(W, 0)) with contexts and targets against causal + contexts + targets,
+        # forward kernel and training step; W = N - 1 covers every sequence (bar: >= 0.9x of causal's
+        # speed, i.e. time <= causal / 0.9), shorter W must be faster. Two rounds.
+        base = bench.Workload("jagged u[1,N] B128 N2048 ctx8 tgt32", 128, 2048, lengths="uniform1", contexts=8,
+                              targets=32)
+        for rep in range(2):
+            for window in ((-1, 0), (2047, 0), (1024, 0), (256, 0), (64, 0)):
+                w = dataclasses.replace(base, name=f"{base.name} window {window}", window=window)
+                emit(dict(bench.run_workload(w), mode="semilocal", rep=rep, window=list(window)))
+                emit(dict(bench.run_training_step(w), mode="semilocal", rep=rep, window=list(window)))
     if "headline" in modes:
         emit(bench.run_workload(bench.headline()))
     if "grid" in modes:

@@ -1,5 +1,5 @@
 """notebooks/quickstart.ipynb executes without errors (CPU cells run; kernel cells print a skip
-message and GPU measurements come from the stored H100 results), and the committed copy is
+message and GPU measurements come from the stored GPU results), and the committed copy is
 executed and small."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb"
-STORED = NOTEBOOK.parent / "h100_results.json"
+STORED = NOTEBOOK.parent / "gpu_results.json"
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -59,9 +59,9 @@ def test_quickstart_executes(tmp_path, monkeypatch):
 
 
 def test_stored_gpu_results_are_complete():
-    """The stored H100 results the notebook shows without a GPU: every section, with provenance."""
+    """The stored GPU results the notebook shows without a GPU: every section, with provenance."""
     stored = json.loads(STORED.read_text())
-    assert stored["commit"] and stored["date"] and "H100" in stored["gpu"]
+    assert stored["commit"] and stored["date"] and stored["gpu"].startswith("NVIDIA")
     assert len(stored["forward_tflops"]) == 4 and all(r["tflops"] > 0 for r in stored["forward_tflops"])
     assert {"eager", "compiled"} <= set(stored["training_example"])
     assert {"cold_compile", "disk_load", "warmup"} <= set(stored["module_cache"])

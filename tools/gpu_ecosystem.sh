@@ -59,7 +59,7 @@ if [[ $STAGES == *" results "* ]]; then
   t0=$(date +%s)
   timeout "${RESULTS_TIMEOUT:-240}" python tools/notebook_results.py --commit "${GIT_COMMIT:-unknown}" \
     --example-eager "$OUT/example-eager.json" --example-compiled "$OUT/example-compiled.json" \
-    --out "$OUT/h100_results.json" > "$OUT/results.log" 2>&1
+    --out "$OUT/gpu_results.json" > "$OUT/results.log" 2>&1
   status+=("notebook results rc=$? $(stamp $t0): $(tail -n 1 "$OUT/results.log")")
 fi
 echo "=== gpu_ecosystem ==="

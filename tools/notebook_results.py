@@ -1,8 +1,8 @@
 """Measure on a GPU what notebooks/quickstart.ipynb shows as stored results when it runs without
-one, and write them to a small JSON file (default notebooks/h100_results.json).
+one, and write them to a small JSON file (default notebooks/gpu_results.json).
 
     python tools/notebook_results.py --commit $(git rev-parse --short HEAD) \
-        --example-eager eager.json --example-compiled compiled.json --out notebooks/h100_results.json
+        --example-eager eager.json --example-compiled compiled.json --out notebooks/gpu_results.json
 
 Sections: the forward TFLOP/s of a few ``hstu_cute.bench`` workloads beside torch SDPA (the
 notebook's performance plot); the padded entry against the jagged call (and against converting to
@@ -167,7 +167,7 @@ def main() -> None:
     parser.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
     parser.add_argument("--example-eager")
     parser.add_argument("--example-compiled")
-    parser.add_argument("--out", default=str(ROOT / "notebooks" / "h100_results.json"))
+    parser.add_argument("--out", default=str(ROOT / "notebooks" / "gpu_results.json"))
     parser.add_argument("--skip", nargs="*", default=[], choices=["perf", "padded", "cache"])
     args = parser.parse_args()
     import torch

@@ -5,8 +5,8 @@ Writes JSON lines to $OUT/perf.jsonl (or ./perf.jsonl) and prints a short table 
 
 Modes: headline (default), grid, bwd, ptxas, sweep (forward tiles), all (= those five); and the
 experiments kept for reruns: hopper, bwdsweep, bwdpersist, fusedpersist, dqpersist, bwdquick,
-fusedvspair, fusedthreshold, fp16, timing, bwd256, bwd256sm80, gqa, headdims, hd96tiles, semilocal (read the
-code for what each times).
+fusedvspair, fusedthreshold, fp16, timing, bwd256, bwd256sm80, gqa, headdims, hd96tiles, semilocal,
+shorttiles (read the code for what each times).
 """
 
 import argparse
@@ -120,6 +120,24 @@ def main(argv=None) -> int:
                     emit(dict(bench.run_workload(w96, tiles, path="hopper"), mode="hd96tiles", rep=rep))
                 except Exception as e:  # a config may not fit smem or registers
                     emit({"workload": w96.name, "tiles": tiles, "mode": "hd96tiles", "error": repr(e)[:300]})
+    if "shorttiles" in modes:
+        # Issue 45's "tile shapes chosen by length": the short jagged recsys forward (u[1,256] B4096,
+        # 8 targets) on the default 128 x 128 persistent tiles against 64-row tiles (one consumer
+        # warpgroup; non-persistent ones let smem decide how many CTAs share an SM) and 128 x 64.
+        from hstu_cute.variants import default_hopper_fwd_tiles
+
+        short = [x for x in bench.recsys_grid() if x.name.startswith("short jagged")][0]
+        short = dataclasses.replace(short, sdpa=False)
+        configs = [{}, dict(tile_m=64, tile_n=128, persistent=False, dynamic_tiles=False),
+                   dict(tile_m=64, tile_n=64, persistent=False, dynamic_tiles=False, q_stages=1),
+                   dict(tile_m=64, tile_n=128), dict(tile_m=128, tile_n=64)]
+        for rep in range(2):
+            for config in configs:
+                tiles = dict(default_hopper_fwd_tiles(short.head_dim, False), **config) if config else None
+                try:
+                    emit(dict(bench.run_workload(short, tiles, path="hopper"), mode="shorttiles", rep=rep))
+                except Exception as e:  # a config may not fit smem or registers
+                    emit({"workload": short.name, "tiles": tiles, "mode": "shorttiles", "error": repr(e)[:300]})
     if "semilocal" in modes:
         # Issue 46's window bar at the recsys jagged shape with 8 contexts and 32 targets: a causal
         # band (window_size=(W, 0)) with contexts and targets against causal + contexts + targets,

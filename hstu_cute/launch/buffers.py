@@ -244,14 +244,14 @@ def _gradient_buffers(q, k, v, seqused_q, seqused_k, kv_group: int = 1) -> tuple
     """dq, dk, dv shaped like q, k, v: zeros where seqused leaves rows the kernels do not write.
     Three allocations: views of one buffer would alias each other, which the ops' outputs must not
     (compiled graphs assume fresh outputs)."""
-    zero_q, zero_k = seqused_q is not None, seqused_k is not None
-    if kv_group > 1:  # GQA / MQA: dK and dV per query head, summed over each group afterwards
-        shape = (k.shape[0], q.shape[1], k.shape[2])
-        make = torch.zeros if zero_k else torch.empty
-        return ((zeros_as if zero_q else empty_as)(q), make(shape, dtype=k.dtype, device=k.device),
-                make(shape, dtype=v.dtype, device=v.device))
-    return ((zeros_as if zero_q else empty_as)(q), (zeros_as if zero_k else empty_as)(k),
-            (zeros_as if zero_k else empty_as)(v))
+    dq = (zeros_as if seqused_q is not None else empty_as)(q)
+    if kv_group == 1:
+        make_k = zeros_as if seqused_k is not None else empty_as
+        return dq, make_k(k), make_k(v)
+    # GQA / MQA: dK and dV per query head, summed over each group afterwards (group_sums).
+    make = torch.zeros if seqused_k is not None else torch.empty
+    shape = (k.shape[0], q.shape[1], k.shape[2])
+    return dq, make(shape, dtype=k.dtype, device=k.device), make(shape, dtype=v.dtype, device=v.device)
 
 
 def group_sums(dk: torch.Tensor, dv: torch.Tensor, kv_group: int) -> tuple:

@@ -29,7 +29,7 @@ from typing import Any
 
 from .arch import SUPPORTED_ARCHS, check_arch, forced_path
 from .fp8_format import BUILT_QUANT_MODES
-from .variants import DTYPES, FP8_DTYPE, HEAD_DIMS
+from .variants import DTYPES, FP8_DTYPE, HEAD_DIMS, SHIPPED_HEAD_DIMS
 from .warmup import describe_variant, strip_ansi
 
 #: Mask families of the ``--mask`` options ('target': causal with contexts and targets).
@@ -356,7 +356,10 @@ def cmd_warmup(args, console) -> int:
     keys = select_keys(arch, args.dtype, args.head_dim, args.mask, "none" if args.no_rab else args.rab, args.limit,
                        args.kernels, args.family, args.unshipped)
     if not keys:
-        console.print("[yellow]No variant matches these options[/]; nothing to compile.")
+        jit_dims = sorted(set(args.head_dim or ()) - set(SHIPPED_HEAD_DIMS))
+        hint = (f" Head dim{'s' if len(jit_dims) > 1 else ''} {', '.join(map(str, jit_dims))} compile on first "
+                "use; --unshipped compiles them ahead." if jit_dims and not args.unshipped else "")
+        console.print(f"[yellow]No variant matches these options[/]; nothing to compile.{hint}")
         return 0
     if args.dry_run:
         from .warmup import describe_variant
@@ -1042,8 +1045,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="forward (fwd), backward (bwd) or both (all); on sm_90a the Hopper kernels as well as "
                         "the sm80 ones")
     p.add_argument("--unshipped", action="store_true",
-                   help="also the variants the API compiles on first use rather than ships (the FP8 kernels with "
-                        "float16 outputs)")
+                   help="also the variants the API compiles on first use rather than ships (head dims "
+                        f"{', '.join(str(d) for d in HEAD_DIMS if d not in SHIPPED_HEAD_DIMS)}; the FP8 kernels "
+                        "with float16 outputs)")
     p.add_argument("--dry-run", action="store_true", help="list the variants that would compile, compile nothing")
     p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failed compiles")
     p.set_defaults(func=cmd_warmup)

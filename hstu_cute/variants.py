@@ -23,7 +23,11 @@ from .fp8_recipe import QUANT_PURPOSES, quant_launches
 from .masks import MaskKind, MaskSpec
 
 #: The head dims every kernel family supports (forward and backward, sm80 and sm90).
-HEAD_DIMS = (32, 64, 128, 256)
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+#: The head dims of the shipped (precompiled) lists. D96 and D192 compile on first use
+#: (:func:`jit_only_keys`): shipping them would add 336 sm_90a variants, about a third of CI's cold
+#: compile on 2 cores.
+SHIPPED_HEAD_DIMS = (32, 64, 128, 256)
 #: The 16-bit input dtypes, by DSL name.
 DTYPES = ("bfloat16", "float16")
 # (mask_kind, context+target): none, local, causal, causal with contexts/targets. Context and
@@ -32,7 +36,7 @@ DTYPES = ("bfloat16", "float16")
 SHIPPED_MASKS = ((MaskKind.NONE, False), (MaskKind.LOCAL, False), (MaskKind.CAUSAL, False), (MaskKind.CAUSAL, True))
 
 __all__ = [
-    "HEAD_DIMS", "DTYPES", "SHIPPED_MASKS", "AmpereFwdKey", "AmpereBwdKey", "HopperFwdKey", "HopperBwdKey",
+    "HEAD_DIMS", "SHIPPED_HEAD_DIMS", "DTYPES", "SHIPPED_MASKS", "AmpereFwdKey", "AmpereBwdKey", "HopperFwdKey", "HopperBwdKey",
     "KEY_CLASSES", "make_fwd_key", "make_bwd_keys", "make_hopper_fwd_key", "make_hopper_bwd_key",
     "HopperFp8FwdKey", "make_hopper_fp8_fwd_key", "FP8_DTYPE", "FP8_HEAD_DIMS", "HopperFp8BwdKey",
     "make_hopper_fp8_bwd_key", "FP8_BWD_HEAD_DIMS", "FP8_FUSED_HEAD_DIMS", "HopperVtKey",
@@ -643,7 +647,7 @@ def _shipped_variants(dtypes, head_dims) -> list[tuple]:
             for dtype in dtypes for head_dim in head_dims for kind, context_target in SHIPPED_MASKS]
 
 
-def shipped_ampere_fwd_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[AmpereFwdKey]:
+def shipped_ampere_fwd_keys(arch: str, dtypes=DTYPES, head_dims=SHIPPED_HEAD_DIMS) -> list[AmpereFwdKey]:
     """Every mask's variants, then the split-key ones of the causal family (rab rows 16-byte
     aligned: the launcher pads others when it splits)."""
     return ([make_fwd_key(arch, *variant, has_rab, rab_vec) for variant in _shipped_variants(dtypes, head_dims)
@@ -653,20 +657,20 @@ def shipped_ampere_fwd_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> li
                for has_rab in (False, True)])
 
 
-def shipped_ampere_paged_fwd_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
+def shipped_ampere_paged_fwd_keys(arch: str, dtypes=DTYPES, head_dims=SHIPPED_HEAD_DIMS) -> list:
     # rab rows 16-byte aligned only (the launcher pads others): serving calls are few and long.
     return [make_ampere_paged_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, 8, split_keys=split_keys)
             for split_keys in (False, True) for dtype in dtypes for head_dim in head_dims
             for kind, context_target in PAGED_MASKS for has_rab in (False, True)]
 
 
-def shipped_ampere_bwd_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[AmpereBwdKey]:
+def shipped_ampere_bwd_keys(arch: str, dtypes=DTYPES, head_dims=SHIPPED_HEAD_DIMS) -> list[AmpereBwdKey]:
     # Each call's (dq, dkdv) pair; the dkdv key does not depend on drab, so it is listed once.
     return list(dict.fromkeys(key for variant in _shipped_variants(dtypes, head_dims) for rab in _BWD_RAB
                               for key in make_bwd_keys(arch, *variant, *rab)))
 
 
-def shipped_hopper_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[HopperFwdKey]:
+def shipped_hopper_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=SHIPPED_HEAD_DIMS) -> list[HopperFwdKey]:
     """Every mask's variants, then the split-key ones of the causal family (serving calls and
     other few-tile calls over long keys)."""
     return ([make_hopper_fwd_key(arch, *variant, has_rab) for variant in _shipped_variants(dtypes, head_dims)
@@ -676,7 +680,7 @@ def shipped_hopper_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_
                for has_rab in (False, True)])
 
 
-def shipped_hopper_paged_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
+def shipped_hopper_paged_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=SHIPPED_HEAD_DIMS) -> list:
     return [make_hopper_paged_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, split_keys=split_keys)
             for split_keys in (False, True) for dtype in dtypes for head_dim in head_dims
             for kind, context_target in PAGED_MASKS for has_rab in (False, True)]
@@ -688,7 +692,7 @@ def shipped_hopper_paged_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims
 FP8_SHIPPED_DTYPES = ("bfloat16",)
 
 
-def shipped_hopper_fp8_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS,
+def shipped_hopper_fp8_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=SHIPPED_HEAD_DIMS,
                                 shipped=FP8_SHIPPED_DTYPES) -> list:
     """FP8 forward variants (``dtypes`` are the output and rab types, those among ``shipped``;
     P cast, scaled P, then scaled P with mode 1's descales), then the V^T kernel of the
@@ -703,7 +707,7 @@ def shipped_hopper_fp8_fwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=H
                for slots in shipped_quant_slots()])
 
 
-def shipped_hopper_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS) -> list[HopperBwdKey]:
+def shipped_hopper_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=SHIPPED_HEAD_DIMS) -> list[HopperBwdKey]:
     return [
         make_hopper_bwd_key(role, arch, *variant, has_rab, has_drab=has_drab, rab_sum_heads=sum_heads)
         for role in HOPPER_BWD_ROLES
@@ -712,7 +716,7 @@ def shipped_hopper_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_
     ]
 
 
-def shipped_hopper_fp8_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=HEAD_DIMS,
+def shipped_hopper_fp8_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=SHIPPED_HEAD_DIMS,
                                 shipped=FP8_SHIPPED_DTYPES) -> list:
     """FP8 backward pairs (``dtypes``: the gradients' and rab's types, those among ``shipped``), then the dQ kernels that write drab (per rab head, or summed over
     heads with atomics); quant modes 0, 2-5, then mode 1 (``two_direction``); then the fused
@@ -729,10 +733,15 @@ def shipped_hopper_fp8_bwd_keys(arch: str = "sm_90a", dtypes=DTYPES, head_dims=H
                     if variant[1] in FP8_FUSED_HEAD_DIMS]
 
 
-def shipped_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
+def shipped_keys(arch: str, dtypes=DTYPES, head_dims=SHIPPED_HEAD_DIMS) -> list:
     """Every shipped compile key (forward and backward, every kernel family) for ``arch``; the API
-    can also select :func:`jit_only_keys`, compiled on first use."""
-    dtypes, head_dims = tuple(dtypes), tuple(head_dims)
+    can also select :func:`jit_only_keys`, compiled on first use. Head dims outside
+    :data:`SHIPPED_HEAD_DIMS` are left out."""
+    return _family_keys(arch, tuple(dtypes), tuple(d for d in head_dims if d in SHIPPED_HEAD_DIMS))
+
+
+def _family_keys(arch: str, dtypes: tuple, head_dims: tuple) -> list:
+    """Every kernel family's keys at ``head_dims``, shipped or not."""
     keys = (shipped_ampere_fwd_keys(arch, dtypes, head_dims) + shipped_ampere_bwd_keys(arch, dtypes, head_dims)
             + shipped_ampere_paged_fwd_keys(arch, dtypes, head_dims))
     if has_hopper_kernels(arch):
@@ -744,11 +753,16 @@ def shipped_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
 
 
 def jit_only_keys(arch: str, dtypes=DTYPES, head_dims=HEAD_DIMS) -> list:
-    """The variants the API selects but the package does not ship (compiled on first use): the FP8
-    kernels and quantizers of the 16-bit types outside :data:`FP8_SHIPPED_DTYPES`."""
+    """The variants the API selects but the package does not ship (compiled on first use): every
+    family at the head dims outside :data:`SHIPPED_HEAD_DIMS`, and the FP8 kernels and quantizers of
+    the 16-bit types outside :data:`FP8_SHIPPED_DTYPES`."""
+    dtypes, head_dims = tuple(dtypes), tuple(head_dims)
+    keys = _family_keys(arch, dtypes, tuple(d for d in head_dims if d not in SHIPPED_HEAD_DIMS))
     if not has_hopper_kernels(arch):
-        return []
+        return keys
     others = tuple(d for d in dtypes if d not in FP8_SHIPPED_DTYPES)
     shipped = set(shipped_keys(arch, dtypes, head_dims))  # the V^T kernels (e4m3 only) are shipped
-    return [k for k in (shipped_hopper_fp8_fwd_keys(arch, others, head_dims, shipped=others)
-                        + shipped_hopper_fp8_bwd_keys(arch, others, head_dims, shipped=others)) if k not in shipped]
+    shipped_dims = tuple(d for d in head_dims if d in SHIPPED_HEAD_DIMS)
+    return keys + [k for k in (shipped_hopper_fp8_fwd_keys(arch, others, shipped_dims, shipped=others)
+                               + shipped_hopper_fp8_bwd_keys(arch, others, shipped_dims, shipped=others))
+                   if k not in shipped]

@@ -71,6 +71,8 @@ CASES = [
                                                     num_targets=[20, 5], target_group_size=4), 1, None, False,
      torch.bfloat16, 32),
     ([300, 17], [300, 17], (64, 64), 0.0, dict(window_size=(-1, 0)), 1, None, False, torch.bfloat16, 128),
+    ([0, 17, 600], [0, 17, 600], (64, 128), 0.3, dict(window_size=(-1, 0)), 2, 1, False, torch.bfloat16, 96),
+    ([513, 129], [513, 129], (128, 64), 0.5, dict(), 1, None, True, torch.float16, 192),
 ]
 
 
@@ -149,6 +151,9 @@ BWD_CASES = [
     ([300, 17], (64, 64), 0.0, dict(window_size=(-1, 0)), 1, False, 128, {}),
     ([400, 129], (32, 64), 0.5, dict(window_size=(-1, 0)), 1, False, 256, dict(rab_heads=1, has_drab=True)),
     ([333, 64], (64, 32), 0.5, dict(window_size=(40, 8)), 2, False, 32, dict(rab_heads=2, has_drab=True)),
+    ([700, 1], (64, 128), 0.3, dict(window_size=(-1, 0)), 2, False, 96, {}),
+    ([513, 200], (128, 128), 0.5, dict(window_size=(-1, 0), num_targets=[30, 7]), 1, False, 192,
+     dict(rab_heads=1, has_drab=True)),
 ]
 
 

@@ -227,19 +227,29 @@ def test_warmup_dry_run_lists_without_compiling(tmp_path):
     assert "No variant matches these options" in none
 
 
-def test_warmup_unshipped_adds_the_fp16_fp8_variants():
-    """HSTU8Test draws fp16 FP8 calls, whose kernels are compiled on first use, not shipped:
-    ``--unshipped`` lets a warmup compile them ahead (and only them beside the shipped ones)."""
+def test_warmup_unshipped_adds_the_fp16_fp8_and_unshipped_head_dim_variants():
+    """HSTU8Test draws fp16 FP8 calls, and head dims 96 / 192 are served too; their kernels are
+    compiled on first use, not shipped: ``--unshipped`` lets a warmup compile them ahead (and only
+    them beside the shipped ones)."""
     from hstu_cute.cli import select_keys
-    from hstu_cute.variants import jit_only_keys, shipped_keys
+    from hstu_cute.variants import HEAD_DIMS, SHIPPED_HEAD_DIMS, jit_only_keys, shipped_keys
 
     extra = jit_only_keys("sm_90a")
     assert extra and not set(extra) & set(shipped_keys("sm_90a"))
-    assert {getattr(k, "out_dtype", k.dtype) for k in extra if k.kernel_name != "hopper_fwd_quant_slots"} == {"float16"}
-    assert {k.dtype for k in extra if k.kernel_name == "hopper_fwd_quant_slots"} == {"float16"}
-    assert jit_only_keys("sm_80") == []
+    unshipped_dims = set(HEAD_DIMS) - set(SHIPPED_HEAD_DIMS)
+    assert unshipped_dims == {96, 192} and {k.head_dim for k in shipped_keys("sm_90a")} == set(SHIPPED_HEAD_DIMS)
+    fp8 = [k for k in extra if k.head_dim in SHIPPED_HEAD_DIMS]
+    assert {getattr(k, "out_dtype", k.dtype) for k in fp8 if k.kernel_name != "hopper_fwd_quant_slots"} == {"float16"}
+    assert {k.dtype for k in fp8 if k.kernel_name == "hopper_fwd_quant_slots"} == {"float16"}
+    odd = [k for k in extra if k.head_dim in unshipped_dims]
+    # Every 16-bit family at D96 / D192, both dtypes; no FP8 kernel there (FP8_HEAD_DIMS).
+    assert {k.kernel_name for k in odd} == {"ampere_fwd", "ampere_fwd_paged", "ampere_bwd_dq", "ampere_bwd_dkdv",
+                                            "hopper_fwd", "hopper_fwd_paged", "hopper_bwd_dkdv", "hopper_bwd_dq"}
+    assert {k.dtype for k in odd} == {"bfloat16", "float16"}
+    assert {k.head_dim for k in jit_only_keys("sm_80")} == unshipped_dims
+    assert not set(jit_only_keys("sm_80")) & set(shipped_keys("sm_80"))
     fp16_fp8 = select_keys("sm_90a", ["float8_e4m3fn", "float16"], families=["fp8", "quantizers"], unshipped=True)
-    assert set(extra) <= set(fp16_fp8)
+    assert set(fp8) <= set(fp16_fp8)
     assert select_keys("sm_90a", unshipped=True) == select_keys("sm_90a") + extra
 
 

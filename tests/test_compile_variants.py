@@ -245,3 +245,29 @@ def test_block_sparse_variants_compile(tmp_cache, compile_tally):
             *make_bwd_keys("sm_80", "bfloat16", 128, int(MaskKind.CAUSAL), True, True, True, True, block_sparse=True)]
     results = warmup(arch="sm_80", keys=sm80, workers=1, raise_errors=False)
     _assert_all_built(results, sm80, tmp_cache, "sm_80", compile_tally)
+
+
+@pytest.mark.slow
+def test_jit_head_dims_compile(tmp_cache, compile_tally):
+    """Head dims 96 and 192 (compiled on first use, not shipped; ``warmup --unshipped`` lists them)
+    build without a GPU: the Hopper forward with and without rab, its paged forward, the dK/dV + dQ
+    pair; the sm80 forward and its pair with drab."""
+    from hstu_cute.variants import (jit_only_keys, make_fwd_key, make_hopper_bwd_key, make_hopper_fwd_key,
+                                    make_hopper_paged_fwd_key)
+
+    causal, target = int(MaskKind.CAUSAL), True
+    sm90 = [make_hopper_fwd_key("sm_90a", "bfloat16", 96, causal, False, False),
+            make_hopper_fwd_key("sm_90a", "bfloat16", 96, causal, target, True),
+            make_hopper_fwd_key("sm_90a", "float16", 192, causal, target, False),
+            make_hopper_fwd_key("sm_90a", "bfloat16", 192, int(MaskKind.LOCAL), False, True),
+            make_hopper_paged_fwd_key("sm_90a", "bfloat16", 96, causal, target, False),
+            make_hopper_paged_fwd_key("sm_90a", "bfloat16", 192, causal, False, False),
+            *(make_hopper_bwd_key(role, "sm_90a", "bfloat16", d, causal, target, False)
+              for d in (96, 192) for role in ("dkdv", "dq"))]
+    sm80 = [make_fwd_key("sm_80", "bfloat16", 96, causal, target, True, 8),
+            make_fwd_key("sm_80", "float16", 192, causal, False, False, 8),
+            *make_bwd_keys("sm_80", "bfloat16", 192, causal, target, True, True, False)]
+    for arch, keys in (("sm_90a", sm90), ("sm_80", sm80)):
+        assert set(keys) <= set(jit_only_keys(arch)), [k for k in keys if k not in set(jit_only_keys(arch))]
+        results = warmup(arch=arch, keys=keys, workers=2, raise_errors=False)
+        _assert_all_built(results, keys, tmp_cache, arch, compile_tally)

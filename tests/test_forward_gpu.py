@@ -47,7 +47,7 @@ def _grid():
         cases.append(pytest.param(
             dict(
                 max_seqlen_q=mq, max_seqlen_k=mk, is_delta_q=delta, mask=mask,
-                dtype=DTYPES[i % 2], head_dim=HEAD_DIMS[(i // 2) % 4], rab=RABS[i % 3],
+                dtype=DTYPES[i % 2], head_dim=HEAD_DIMS[(i // 2) % len(HEAD_DIMS)], rab=RABS[i % 3],
                 alpha=(1.0, 0.1)[(i // 3) % 2], lengths=("random", "full")[(i // 5) % 2],
                 seqused=(i % 4) == 1,
             ),

@@ -38,6 +38,8 @@ CASES = [
     ([256, 17, 129], [256, 17, 129], 3, torch.bfloat16, 256, True),
     ([33, 200], [33, 200], 3, torch.float16, 32, False),
     ([8, 51], [99, 256], 3, torch.bfloat16, 128, False),  # delta_q: shorter queries, end-aligned
+    ([0, 17, 300], [0, 17, 300], 3, torch.bfloat16, 96, False),  # head dims compiled on first use
+    ([129, 64], [129, 64], 1, torch.float16, 192, True),
 ]
 
 

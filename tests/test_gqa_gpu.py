@@ -22,6 +22,8 @@ CASES = [
     ([300, 129], 8, 2, 64, torch.float16, dict(window_size=(-1, 0), num_targets=[20, 5]), 1, True),
     ([513, 64], 4, 1, 256, torch.bfloat16, dict(window_size=(40, 8)), 4, False),
     ([200, 33], 6, 3, 32, torch.bfloat16, dict(), None, True),
+    ([0, 17, 600], 4, 1, 96, torch.bfloat16, dict(window_size=(-1, 0), num_targets=[0, 3, 40]), 4, False),
+    ([300, 129], 6, 2, 192, torch.float16, dict(window_size=(64, 0)), None, True),
 ]
 
 

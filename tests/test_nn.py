@@ -166,7 +166,7 @@ def test_meta_tensors_take_the_kernel_path_and_give_shapes():
     # A value head dim other than q's, and a head dim between the built ones: padded, then sliced.
     out = hnn.HSTUAttention()(meta(48), meta(48), meta(24), offs, 9)
     assert out.shape == (T, H, 24) and out.device.type == "meta"
-    with pytest.raises(ValueError, match=r"head dim\): expected one of \(32, 64, 128, 256\), got 320"):
+    with pytest.raises(ValueError, match=r"head dim\): expected one of \(32, 64, 96, 128, 192, 256\), got 320"):
         hnn.HSTUAttention()(meta(320), meta(320), meta(320), offs, 9)
 
 

@@ -126,6 +126,19 @@ def test_split_keys_match_dense_oracle(path, mname, dtype, head_dim):
         _check(_run_contiguous(dense, splits, path), dense, seed)
 
 
+@pytest.mark.parametrize("mname,dtype,head_dim", [("ctx+tgt g1", torch.bfloat16, 96), ("tgt g11 rabH", torch.float16, 192)])
+def test_paged_head_dims_96_and_192(path, mname, dtype, head_dim):
+    """Head dims 96 and 192 (compiled on first use): the paged forward over edge lengths, then keys
+    split in 3 and 16 parts, paged and on contiguous keys, against the oracle."""
+    seed = _seed("head-dims", mname, str(dtype), head_dim)
+    paged, dense = _batch(32, LENGTHS["edges"], MASKS[mname], dtype, head_dim, seed)
+    _check(_run(paged, path), dense, seed)
+    paged, dense = _batch(64, ([4096, 17, 0, 300], [256, 1, 5, 64]), MASKS[mname], dtype, head_dim, seed)
+    for splits in (3, 16):
+        _check(_run(paged, path, splits=splits), dense, seed)
+        _check(_run_contiguous(dense, splits, path), dense, seed)
+
+
 def test_split_keys_default_and_seqused(path):
     """The launcher splits one user's decode-like call by itself (launch.key_splits), and rows
     past seqused_q stay zero with split keys (their partials are zeros)."""

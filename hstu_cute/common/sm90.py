@@ -215,7 +215,11 @@ def sm90_tma_atom_rab(mRab: cute.Tensor, sRab_layout, tile_m: int, tile_n: int):
 def rows_zero_copy(dtype, cols: int) -> cute.TiledCopy:
     """128 threads (one warpgroup) storing 16-byte zero vectors over (rows, cols) smem tiles."""
     vec = 128 // dtype.width
-    threads_per_row = min(cols // vec, 16)
+    vectors = cols // vec
+    # The copy tile must divide the smem tile: a row's threads are the largest power of two (at most
+    # 16) dividing its vectors. min(vectors, 16) put 16 threads on D192's 24 vectors, and they wrote
+    # past the tile into the next buffer.
+    threads_per_row = min(vectors & -vectors, 16)
     return cute.make_tiled_copy_tv(
         cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128),
         cute.make_ordered_layout((128 // threads_per_row, threads_per_row), order=(1, 0)),

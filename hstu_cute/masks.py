@@ -70,9 +70,14 @@ class MaskSpec:
 
 
 def normalize_window(window_size: tuple[int, int], max_seqlen_k: int) -> tuple[MaskKind, int, int]:
-    """Spec section 4 window normalization: returns (kind, WL, WR) against max_seqlen_k."""
+    """Spec section 4 window normalization: returns (kind, WL, WR) against max_seqlen_k. A left
+    side of at least ``max_seqlen_k - 1`` reaches every earlier key from every row (both lie in
+    ``[0, max_seqlen_k)``), so it is unbounded: a whole-sequence band with contexts / targets is
+    the causal family's mask exactly, and runs its kernels (the semi-local ones cost the recsys
+    shape 9-13% more on the same mask, docs/dev/perf-log.md session 36). The right side keeps
+    the spec's rule: ``(left, 0)`` must stay causal at ``max_seqlen_k = 1``."""
     left, right = int(window_size[0]), int(window_size[1])
-    wl = max_seqlen_k if left < 0 or left > max_seqlen_k else left
+    wl = max_seqlen_k if left < 0 or left >= max_seqlen_k - 1 else left
     wr = max_seqlen_k if right < 0 or right > max_seqlen_k else right
     causal = wl == max_seqlen_k and wr == 0
     local = (wl < max_seqlen_k or wr < max_seqlen_k) and not causal

@@ -12,7 +12,9 @@ from hstu_cute import masks
 from hstu_cute.masks import (
     MaskKind,
     MaskSpec,
+    SeqMask,
     TileClass,
+    allowed,
     classify_tiles,
     dense_mask,
     in_intervals,
@@ -146,7 +148,11 @@ def test_grid_none_all_allowed():
         ((11, 11), 10, (MaskKind.NONE, 10, 10)),
         ((10, 10), 10, (MaskKind.NONE, 10, 10)),
         ((-1, 1000), 10, (MaskKind.NONE, 10, 10)),
-        ((9, 0), 10, (MaskKind.LOCAL, 9, 0)),
+        ((9, 0), 10, (MaskKind.CAUSAL, 10, 0)),  # left == max_k - 1 already reaches every key
+        ((8, 0), 10, (MaskKind.LOCAL, 8, 0)),
+        ((0, 0), 1, (MaskKind.CAUSAL, 1, 0)),
+        ((-1, 0), 1, (MaskKind.CAUSAL, 1, 0)),
+        ((0, 9), 10, (MaskKind.LOCAL, 0, 9)),
         ((0, 0), 10, (MaskKind.LOCAL, 0, 0)),
         ((2, 1), 6, (MaskKind.LOCAL, 2, 1)),
         ((3, -1), 10, (MaskKind.LOCAL, 3, 10)),
@@ -162,6 +168,30 @@ def test_normalize_window(window, max_k, expected):
     kind, wl, wr = normalize_window(window, max_k)
     assert (kind, wl, wr) == expected
     assert isinstance(kind, MaskKind)
+
+
+@pytest.mark.parametrize("contexts,targets", [(0, 0), (3, 0), (0, 4), (2, 5)])
+def test_a_side_of_max_k_minus_one_is_unbounded(contexts, targets):
+    """Why normalize_window treats ``left >= max_k - 1`` as unbounded: the band (max_k - 1, 0),
+    with contexts and targets (semi-local) or without, allows exactly the causal family's keys for
+    every sequence length up to max_k, delta_q rows included; without contexts and targets
+    (max_k - 2, 0) does not."""
+    max_k = 13
+    for seqlen in range(max(contexts + targets, 1), max_k + 1):
+        for seqlen_q in (seqlen, max(seqlen - 4, 1)):
+            r = torch.arange(seqlen - seqlen_q, seqlen).view(-1, 1)
+            j = torch.arange(seqlen).view(1, -1)
+
+            def keys(kind, left):
+                spec = MaskSpec(kind, has_context=contexts > 0, has_target=targets > 0)
+                seq = SeqMask(seqlen_q, seqlen, window_left=left, window_right=0, num_context=contexts,
+                              history_end=seqlen - targets, group_size=2, row_offset=seqlen - seqlen_q)
+                return allowed(spec, seq, r, j)
+
+            causal = keys(MaskKind.CAUSAL, max_k)
+            assert torch.equal(keys(MaskKind.LOCAL, max_k - 1), causal), (seqlen, seqlen_q)
+    if contexts == targets == 0:  # with contexts or targets shorter bands can be causal too
+        assert not torch.equal(keys(MaskKind.LOCAL, max_k - 2), causal)
 
 
 def test_mask_spec_rejects_context_target_without_causal():

@@ -93,7 +93,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_xlabel("hstu-cute / SDPA cuDNN (same run; > 1 is faster)")
     ax.set_title(f"{rows[0].get('gpu', '?')}, {rows[0].get('time', '?')[:10]}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # long workload names overran the left edge
     plt.close(fig)
 
 

@@ -194,13 +194,21 @@ def compressed_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tens
         return F.silu(s) / scaling_seqlen * allowed(r0, r1, kc.shape[1])[:, None].to(s.dtype)
 
     def unscaled_scores_in_place(r0: int, r1: int, qc, kc):
-        """:func:`scores` times ``scaling_seqlen``, without autograd and in place: four passes over
-        the (B, H, rows, C') block instead of eight (the importance's cost is these passes)."""
-        masked = ~allowed(r0, r1, kc.shape[1])
-        s = _tf32_exact_einsum("blhd,bchd->bhlc", qc, kc, wide)
-        s.mul_(alpha)
+        """:func:`scores` times ``scaling_seqlen``, without autograd and in place: two passes over
+        the (B, H, rows, C') block (the importance's cost is these passes). alpha rides on q, and
+        the rows past a sequence (zero q rows of ``qp``) and the tokens past its count (zeroed
+        here) score silu(0) = 0, so only the causal staircase, the tokens that some rows of
+        [r0, r1) see and others not, needs masking: the H200 64K forward spent 1.9 ms per call
+        masking every token, 1.1 ms scaling (docs/dev/perf-log.md, session 36)."""
+        tokens = kc.shape[1]
+        s = _tf32_exact_einsum("blhd,bchd->bhlc", qc.to(wide) * alpha, kc * live_c[:, :tokens, None, None], wide)
         F.silu(s, inplace=True)
-        return s.masked_fill_(masked[:, None], 0.0)
+        seen_by_all = min(tokens, max(0, (r0 + 1 - cfg.cmp_block) // cfg.cmp_stride + 1))
+        if seen_by_all < tokens:
+            rows = torch.arange(r0, r1, device=q.device)
+            hidden = block_end[None, seen_by_all:tokens] > rows[:, None]  # (rows, C'')
+            s[..., seen_by_all:].masked_fill_(hidden, 0.0)
+        return s
 
     # Importance: per chunk of whole query blocks, the scores summed over each block's rows, then
     # scattered onto the (at most ``span``) key blocks each token overlaps. Only the tokens that
@@ -266,9 +274,15 @@ def _compressed_output_on_kernels(q, k_cmp, v_cmp, counts, seq_offsets, max_seql
 
     c_max = k_cmp.shape[1]
     live = (pos < counts[batch])[:, None, None]
-    slot = pos.clamp(max=c_max - 1)
-    k_rows = k_cmp[batch, slot] * live
-    v_rows = v_cmp[batch, slot] * live
+
+    def rows(x):
+        # Padded to max_seqlen rows first, so every token gathers its own (sequence, row): the
+        # backward's index_put then has no repeated index. Gathering row min(pos, C - 1) instead
+        # sent every row past C to one index, whose accumulation runs serially: 120 of the 148 ms
+        # of the 64K forward + backward on the H200 (docs/dev/perf-log.md, session 36).
+        return F.pad(x, (0, 0, 0, 0, 0, max_seqlen - c_max))[batch, pos] * live
+
+    k_rows, v_rows = rows(k_cmp), rows(v_cmp)
     bound = torch.div(pos + 1 - cfg.cmp_block, cfg.cmp_stride, rounding_mode="floor") + 1
     bound = torch.minimum(bound.clamp(min=0), counts[batch])
     func = torch.zeros((1, 1, q.shape[0] + FUNC_ROW_PADDING), dtype=torch.int32, device=q.device)

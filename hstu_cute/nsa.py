@@ -195,13 +195,15 @@ def compressed_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tens
 
     def unscaled_scores_in_place(r0: int, r1: int, qc, kc):
         """:func:`scores` times ``scaling_seqlen``, without autograd and in place: two passes over
-        the (B, H, rows, C') block (the importance's cost is these passes). alpha rides on q, and
-        the rows past a sequence (zero q rows of ``qp``) and the tokens past its count (zeroed
-        here) score silu(0) = 0, so only the causal staircase, the tokens that some rows of
-        [r0, r1) see and others not, needs masking: the H200 64K forward spent 1.9 ms per call
-        masking every token, 1.1 ms scaling (docs/dev/perf-log.md, session 36)."""
+        the (B, H, rows, C') block (the importance's cost is these passes). The rows past a
+        sequence (zero q rows of ``qp``) and the tokens past its count (zeroed here) score
+        silu(0) = 0, so only the causal staircase, the tokens that some rows of [r0, r1) see and
+        others not, needs masking: the H200 64K forward spent 1.9 ms per call masking every token
+        (docs/dev/perf-log.md, session 36). alpha stays out of the 16-bit operands: scaled, they
+        would leave TF32's exact products for a full fp32 GEMM (1.7x its time there)."""
         tokens = kc.shape[1]
-        s = _tf32_exact_einsum("blhd,bchd->bhlc", qc.to(wide) * alpha, kc * live_c[:, :tokens, None, None], wide)
+        s = _tf32_exact_einsum("blhd,bchd->bhlc", qc, kc * live_c[:, :tokens, None, None].to(kc.dtype), wide)
+        s.mul_(alpha)
         F.silu(s, inplace=True)
         seen_by_all = min(tokens, max(0, (r0 + 1 - cfg.cmp_block) // cfg.cmp_stride + 1))
         if seen_by_all < tokens:

@@ -141,17 +141,16 @@ def main(argv=None) -> int:
     if "shorttiles" in modes:
         # Issue 45's "tile shapes chosen by length": the short jagged recsys forward (u[1,256] B4096,
         # 8 targets) on the default 128 x 128 persistent tiles against 64-row tiles (one consumer
-        # warpgroup), 128 x 64, and 64 x 64 tiles two CTAs per SM (ctas_per_sm=2: 128 launch
-        # registers, 80 KB of smem each; one CTA per SM spills 54 words at 64 x 64, two do not).
+        # warpgroup; non-persistent ones let smem decide how many CTAs share an SM) and 128 x 64.
+        # Two CTAs per SM at 64 x 64 (a min_blocks_per_mp key field, session 35) lost too, 1.29x and
+        # 2.24x the default's time on the H200, and was taken out again (perf-log, session 36).
         from hstu_cute.variants import default_hopper_fwd_tiles
 
         short = [x for x in bench.recsys_grid() if x.name.startswith("short jagged")][0]
         short = dataclasses.replace(short, sdpa=False)
         configs = [{}, dict(tile_m=64, tile_n=128, persistent=False, dynamic_tiles=False),
                    dict(tile_m=64, tile_n=64, persistent=False, dynamic_tiles=False, q_stages=1),
-                   dict(tile_m=64, tile_n=128), dict(tile_m=128, tile_n=64),
-                   dict(tile_m=64, tile_n=64, q_stages=1, ctas_per_sm=2),
-                   dict(tile_m=64, tile_n=64, q_stages=1, ctas_per_sm=2, persistent=False, dynamic_tiles=False)]
+                   dict(tile_m=64, tile_n=128), dict(tile_m=128, tile_n=64)]
         for rep in range(2):
             for config in configs:
                 tiles = dict(default_hopper_fwd_tiles(short.head_dim, False), **config) if config else None

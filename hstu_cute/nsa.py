@@ -392,7 +392,7 @@ def hstu_nsa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_of
                 for kb in range(s // cfg.sel_block, (s + cfg.cmp_block - 1) // cfg.sel_block + 1):
                     for qb in range(blocks_for(length, cfg.sel_block)):
                         importance[b, :, qb, kb] += p[:, qb * cfg.sel_block:(qb + 1) * cfg.sel_block, c].sum(
-                            dim=1).double()
+                            dim=1).detach().double()  # a discrete choice: no gradient
         # selected
         nblocks = blocks_for(length, cfg.sel_block)
         kept = torch.zeros((heads, nblocks, nblocks), dtype=torch.bool, device=q.device)

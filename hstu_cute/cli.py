@@ -357,8 +357,10 @@ def cmd_warmup(args, console) -> int:
                        args.kernels, args.family, args.unshipped)
     if not keys:
         jit_dims = sorted(set(args.head_dim or ()) - set(SHIPPED_HEAD_DIMS))
-        hint = (f" Head dim{'s' if len(jit_dims) > 1 else ''} {', '.join(map(str, jit_dims))} compile on first "
-                "use; --unshipped compiles them ahead." if jit_dims and not args.unshipped else "")
+        plural = len(jit_dims) > 1
+        hint = (f" Head dim{'s' if plural else ''} {', '.join(map(str, jit_dims))} compile{'' if plural else 's'} on "
+                f"first use; --unshipped compiles {'them' if plural else 'it'} ahead."
+                if jit_dims and not args.unshipped else "")
         console.print(f"[yellow]No variant matches these options[/]; nothing to compile.{hint}")
         return 0
     if args.dry_run:

@@ -26,7 +26,7 @@ from torch import nn
 
 from .fp8_recipe import is_quant_mode
 from .validation import fail
-from .variants import HEAD_DIMS
+from .variants import FP8_HEAD_DIMS, HEAD_DIMS
 
 __all__ = [
     "HSTUAttention",
@@ -124,14 +124,15 @@ def _int32(t):
     return t.to(torch.int32) if isinstance(t, torch.Tensor) and t.dtype == torch.int64 else t
 
 
-def kernel_head_dim(*dims: int) -> int | None:
-    """The smallest head dim the kernels are built for that holds every one of ``dims``."""
+def kernel_head_dim(*dims: int, built: tuple = HEAD_DIMS) -> int | None:
+    """The smallest head dim of ``built`` (the kernels' head dims) that holds every one of ``dims``."""
     need = max(dims)
-    return next((d for d in HEAD_DIMS if d >= need), None)
+    return next((d for d in built if d >= need), None)
 
 
-def pad_head_dims(q, k, v):
-    """q, k, v zero-padded along the head dim to one dim the kernels support.
+def pad_head_dims(q, k, v, built: tuple = HEAD_DIMS):
+    """q, k, v zero-padded along the head dim to one dim the kernels support (``built``: the head
+    dims of the kernels that will run; the FP8 kernels' are :data:`~hstu_cute.variants.FP8_HEAD_DIMS`).
 
     Exact: zero columns add nothing to q.k, and zero columns of v give output columns that the
     caller slices off. It lets the value head dim differ from the query/key one (as in STU layers)
@@ -139,9 +140,9 @@ def pad_head_dims(q, k, v):
     Returns ``(q, k, v, value_dim)``; the tensors are returned as they are when nothing is needed.
     """
     head_dim, value_dim = q.shape[2], v.shape[2]
-    if head_dim == value_dim and head_dim in HEAD_DIMS:
+    if head_dim == value_dim and head_dim in built:
         return q, k, v, value_dim
-    target = kernel_head_dim(head_dim, value_dim)
+    target = kernel_head_dim(head_dim, value_dim, built=built)
     if target is None:  # too wide for every kernel: let the operator name the problem
         return q, k, v, value_dim
     q, k = (F.pad(t, (0, target - head_dim)) if target != head_dim else t for t in (q, k))
@@ -212,7 +213,8 @@ def hstu_attention(
             compute_dtype=None, block_mask=block_mask)
     from .api import hstu_attn_varlen_func
 
-    q, k, v, value_dim = pad_head_dims(q, k, v)
+    # FP8 runs at fewer head dims (64, 128, 256): an 80-wide head pads to 128 there, to 96 in 16 bits.
+    q, k, v, value_dim = pad_head_dims(q, k, v, FP8_HEAD_DIMS if quant_mode != -1 else HEAD_DIMS)
     out = hstu_attn_varlen_func(
         q, k, v, seq_offsets, seq_offsets, max_seqlen, max_seqlen, num_contexts, num_targets, target_group_size,
         window_size, alpha, rab, has_drab, quant_mode=quant_mode, scaling_seqlen=scaling_seqlen, seqused_q=seqused,

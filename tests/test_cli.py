@@ -253,6 +253,18 @@ def test_warmup_unshipped_adds_the_fp16_fp8_and_unshipped_head_dim_variants():
     assert select_keys("sm_90a", unshipped=True) == select_keys("sm_90a") + extra
 
 
+def test_warmup_of_an_unshipped_head_dim_says_how_to_compile_it(tmp_path):
+    """Head dims 96 / 192 are not shipped: a warmup that asks for them alone matches nothing and
+    says they compile on first use or with ``--unshipped``, which lists them."""
+    none = run_cli("warmup", "--arch", "sm_90a", "--head-dim", "96", "--dry-run", cache_dir=tmp_path)
+    assert "No variant matches these options" in none and "96 compiles on first use" in none
+    assert "--unshipped compiles it ahead" in none
+    listed = run_cli("warmup", "--arch", "sm_90a", "--head-dim", "96", "--head-dim", "192", "--unshipped",
+                     "--dry-run", cache_dir=tmp_path)
+    assert "336 variants for sm_90a would compile" in listed and " d96 " in listed and " d192 " in listed
+    assert not list(tmp_path.rglob("*.o"))
+
+
 def test_key_variant_parses_every_key_class():
     from hstu_cute.cli import _key_variant
     from hstu_cute.variants import shipped_keys

@@ -187,6 +187,34 @@ def test_zero_padding_the_head_dims_is_exact(head_dim, value_dim):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
 
 
+def test_pad_head_dims_to_the_kernels_that_run():
+    """16-bit kernels take D96 and D192; FP8's only 64, 128 and 256 (hstu_attention passes
+    FP8_HEAD_DIMS when quant_mode != -1), so a head dim the 16-bit kernels serve can still need
+    padding for FP8."""
+    from hstu_cute.variants import FP8_HEAD_DIMS
+
+    def width(d, **kw):
+        x = torch.empty(3, 2, d)
+        return hnn.pad_head_dims(x, x, x, **kw)[0].shape[2]
+
+    assert [width(d) for d in (32, 80, 96, 100, 192)] == [32, 96, 96, 128, 192]
+    assert [width(d, built=FP8_HEAD_DIMS) for d in (32, 80, 96, 100, 192)] == [64, 128, 128, 128, 256]
+
+
+def test_fp8_through_the_module_pads_to_an_fp8_head_dim(monkeypatch):
+    """On meta tensors with the Hopper kernels forced: an 80- or 96-wide head with quant_mode=2
+    validates (padded to 128), as before D96 existed; in 16 bits D96 runs as it is."""
+    monkeypatch.setenv("HSTU_CUTE_ARCH", "sm_90a")
+    offs = torch.empty(4, dtype=torch.int32, device="meta")
+
+    def meta(d):
+        return torch.empty(9, 2, d, dtype=torch.bfloat16, device="meta")
+
+    for d in (80, 96):
+        assert hnn.hstu_attention(meta(d), meta(d), meta(d), offs, 9, quant_mode=2).shape == (9, 2, d)
+    assert hnn.hstu_attention(meta(96), meta(96), meta(96), offs, 9).shape == (9, 2, 96)
+
+
 def test_pad_head_dims_leaves_built_dims_alone():
     q = torch.empty(3, 2, 64)
     assert all(a is b for a, b in zip(hnn.pad_head_dims(q, q, q)[:3], (q, q, q)))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 19's GPU call: precompile the variants used below (parallel) -> tests/test_ecosystem_gpu.py ->
-# the training example (eager, compiled, FP8 refusal) -> tools/notebook_results.py (the notebook's
+# the training example (eager, compiled, two FP8 steps) -> tools/notebook_results.py (the notebook's
 # stored results). Logs and JSON under $OUT (default ./gpu-out). STAGES picks a subset.
 # Usage on the GPU machine: GIT_COMMIT=<sha> [STAGES="warmup tests example results"] tools/gpu_ecosystem.sh
 if [[ ${1:-} == -h || ${1:-} == --help ]]; then  # usage: the comment block above
@@ -53,7 +53,7 @@ if [[ $STAGES == *" example "* ]]; then
   status+=("example --compile rc=$? $(stamp $t0): $(tail -n 1 "$OUT/example-compiled.log")")
   timeout 120 python examples/train_hstu.py "${EXAMPLE_ARGS[@]}" --steps 2 --quant-mode 0 \
     > "$OUT/example-fp8.log" 2>&1
-  status+=("example --quant-mode 0 rc=$? (2 expected): $(tail -n 1 "$OUT/example-fp8.log" | cut -c1-160)")
+  status+=("example --quant-mode 0 (FP8 training, 2 steps) rc=$?: $(tail -n 1 "$OUT/example-fp8.log" | cut -c1-160)")
 fi
 if [[ $STAGES == *" results "* ]]; then
   t0=$(date +%s)

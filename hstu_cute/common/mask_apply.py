@@ -83,16 +83,19 @@ def apply_mask_key_major_by_query(S_rc: cute.Tensor, dP_rc: cute.Tensor, coord_r
 
 @cute.jit
 def mask_dropped_blocks(accs, coords: cute.Tensor, seq, m_block: Int32, n_block: Int32, row0: Int32, col0: Int32,
-                        key_major: cutlass.Constexpr[bool] = False):
+                        key_major: cutlass.Constexpr[bool] = False, mixed=None):
     """Block-sparse calls: zero the elements of each accumulator of ``accs`` that lie in a dropped
     block, in the tiles that mix kept and dropped blocks (``coords``: each element's tile
     coordinate, (row, key), or (key, row) when ``key_major``; the same layout as the
     accumulators). Other tiles skip it: the per-element block lookups (two divisions and a load)
     on every tile the HSTU mask cuts cost the 10%-density causal forward about half its speed
-    (docs/dev/perf-log.md, session 31). A no-op without a block mask."""
+    (docs/dev/perf-log.md, session 31). A no-op without a block mask. ``mixed``: the tile's
+    :meth:`~hstu_cute.common.seqinfo.BlockTiles.tile_mixed`, when the caller loaded it ahead."""
     if const_expr(seq.sparse is not None):
         probe = seq.sparse.kept_probe()
-        if seq.sparse.tile_mixed(m_block, n_block):
+        if const_expr(mixed is None):
+            mixed = seq.sparse.tile_mixed(m_block, n_block)
+        if mixed:
             for i in cutlass.range(cute.size(coords), unroll_full=True):
                 a, b = coords[i]
                 row, key = (b, a) if const_expr(key_major) else (a, b)

@@ -79,24 +79,25 @@ def walked_block(block_sparse: bool, seq, owner, step):
 
 @dataclasses.dataclass
 class BlockTiles:
-    """One (sequence, head)'s block-sparse tables inside a kernel (:class:`BlockSparseArgs`):
-    its key-tile lists, which tiles need masking by block, and the kept test of one element. A
-    dataclass carried field by field through dynamic loops, inside a SeqMask (``sparse``)."""
+    """One (sequence, head)'s block-sparse tables inside a kernel (:class:`BlockSparseArgs`), sliced
+    to that sequence and head once: its key-tile lists, which tiles need masking by block, and the
+    kept test of one element. A dataclass carried field by field through dynamic loops, inside a
+    SeqMask (``sparse``); the slices carry 2-D layouts where the whole tables carried 4-D ones."""
 
-    mCount: Any
-    mIndex: Any
-    mState: Any
-    mKept: Any
+    mCount: Any  # (M_t,)
+    mIndex: Any  # (M_t, N_t)
+    mState: Any  # (M_t, N_t)
+    mKept: Any  # (M_q, M_k)
     q_block: Any
     k_block: Any
-    batch: Any
-    head: Any  # the mask's head: the call's head, or 0 for a mask shared by all heads
 
     @staticmethod
     def of(args: BlockSparseArgs, batch, head):
-        head_mask = cutlass.min(head, args.mCount.shape[1] - 1)
-        return BlockTiles(args.mCount, args.mIndex, args.mState, args.mKept, args.q_block, args.k_block, batch,
-                          head_mask)
+        # The mask's head: the call's head, or 0 for a mask shared by all heads.
+        h = cutlass.min(head, args.mCount.shape[1] - 1)
+        return BlockTiles(args.mCount[batch, h, None], args.mIndex[batch, h, None, None],
+                          args.mState[batch, h, None, None], args.mKept[batch, h, None, None], args.q_block,
+                          args.k_block)
 
     def list_range(self, m_block, n_lo, n_hi):
         """(first, count): the entries of query tile ``m_block``'s list inside key tiles
@@ -105,37 +106,36 @@ class BlockTiles:
         its two end entries' loads side by side; the binary searches, seven dependent loads each
         at 128 tiles, run only for an end outside: run at every tile, they cost the 10%-density
         causal forward about a fifth of its speed (docs/dev/perf-log.md, session 31)."""
-        total = cutlass.min(cutlass.max(self.mCount[self.batch, self.head, m_block], Int32(0)), self.mIndex.shape[3])
-        row = self.mIndex[self.batch, self.head, m_block, None]
+        total = cutlass.min(cutlass.max(self.mCount[m_block], Int32(0)), self.mIndex.shape[1])
+        row = self.mIndex[m_block, None]
         first, past = list_cut(row, total, n_lo, n_hi)
         return first, cutlass.max(past - first, Int32(0))
 
     def at(self, m_block, i):
         """Key tile ``i`` of query tile ``m_block``'s list."""
-        return self.mIndex[self.batch, self.head, m_block, i]
+        return self.mIndex[m_block, i]
 
     def tile_mixed(self, m_block, n_block):
         """The tile mixes kept and dropped blocks (masked by block, after the HSTU mask)."""
-        return self.mState[self.batch, self.head, m_block, n_block] == 2
+        return self.mState[m_block, n_block] == 2
 
     def kept_probe(self):
         """What :func:`block_kept` reads, as a tuple of plain values: taken outside the staged
         branch that tests elements (fields of this dataclass read inside that branch fail the
         compile: the branch re-creates them, and they do not dominate later uses)."""
-        return (self.mKept, self.batch, self.head, self.q_block, self.k_block, self.mKept.shape[2],
-                self.mKept.shape[3])
+        return (self.mKept, self.q_block, self.k_block, self.mKept.shape[0], self.mKept.shape[1])
 
 
 def block_kept(probe, row, key):
     """Element (key-coordinate ``row``, ``key``) lies in a kept block (``probe``:
     :meth:`BlockTiles.kept_probe`)."""
-    mKept, batch, head, q_block, k_block, q_blocks, k_blocks = probe
+    mKept, q_block, k_block, q_blocks, k_blocks = probe
     qb = row // q_block
     kb = key // k_block
     inside = (qb >= 0) & (qb < q_blocks) & (kb >= 0) & (kb < k_blocks)
     qb = cutlass.min(cutlass.max(qb, Int32(0)), q_blocks - 1)
     kb = cutlass.min(cutlass.max(kb, Int32(0)), k_blocks - 1)
-    return inside & (mKept[batch, head, qb, kb] != 0)
+    return inside & (mKept[qb, kb] != 0)
 
 
 @dataclasses.dataclass

@@ -107,11 +107,12 @@ class HstuBackwardSm90Base(HstuSm90Base):
 
     @cute.jit
     def mask_key_major(self, acc_S, acc_dP, tScS, seq, m_block: Int32, n_block: Int32, col0: Int32, q_rows: Int32,
-                       tile_full=None):
+                       tile_full=None, mixed=None):
         """Mask a key-major pair (S^T, dP^T) of the tile (``m_block``, ``n_block``), whose keys
         start at ``col0``, unless the mask allows all of it and its ``tile_m`` queries lie inside
         the sequence. ``tile_full``: :func:`masks.tile_is_full` of the tile, computed by the caller
-        ahead of the tile's MMAs (func masks: its table loads then wait behind them)."""
+        ahead of the tile's MMAs (func masks: its table loads then wait behind them); ``mixed`` the
+        same for the block-sparse tile's mixed flag."""
         row_first = seq.row_offset + m_block * self.tile_m
         if const_expr(tile_full is None):
             tile_full = masks.tile_is_full(self.mask, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
@@ -125,7 +126,8 @@ class HstuBackwardSm90Base(HstuSm90Base):
                     col0, q_rows)
             else:
                 apply_mask_key_major(acc_S, acc_dP, tScS, self.mask, seq, row_first, col0, q_rows)
-        mask_dropped_blocks((acc_S, acc_dP), tScS, seq, m_block, n_block, row_first, col0, key_major=True)
+        mask_dropped_blocks((acc_S, acc_dP), tScS, seq, m_block, n_block, row_first, col0, key_major=True,
+                            mixed=mixed)
 
     def pipeline_states(self, user_type):
         """Fresh states of the two pipelines: the 1-stage one of the tiles the CTA owns, then

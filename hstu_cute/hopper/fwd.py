@@ -748,7 +748,11 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
         acc_S = cute.make_rmem_tensor(acc_shape_S, Float32)
         wgmma(self.tiled_mma_qk, acc_S, tSrQ[None, None, None, q_state.index], tSrK[None, None, None, k_state.index],
               True, -1)
-        dk = v_ratios = None
+        dk = v_ratios = mixed = None
+        if const_expr(self.block_sparse):
+            # Whether the block mixes kept and dropped blocks, loaded while the GEMMs run: loaded at
+            # its use, after the QK^T wait, the load's latency sits between the GEMM and the SiLU.
+            mixed = seq.sparse.tile_mixed(m_block, n_block)
         if const_expr(self.two_direction):
             # Loads of this block's descales while the GEMMs run (latency off the critical path).
             dk = self.key_descales(scales, n_block, tScS_rc)
@@ -782,7 +786,7 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
                 return v_state, next_peeks
             return v_state
         rP = self.scores_to_p_deferred(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, self.mask, seq, m_block,
-                                       n_block, row_first)
+                                       n_block, row_first, mixed)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(v_state)
         if const_expr(advance_v):
@@ -926,7 +930,7 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
 
     @cute.jit
     def add_rab_silu_mask(self, acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha: Float32, spec: cutlass.Constexpr,
-                          seq, m_block: Int32, n_block: Int32, row_first: Int32, qk_descale=None):
+                          seq, m_block: Int32, n_block: Int32, row_first: Int32, qk_descale=None, mixed=None):
         if const_expr(self.has_rab):
             pipe_rab.consumer_wait(k_state)
             rRab = cute.make_rmem_tensor(acc_S.layout, self.rab_dtype)
@@ -943,7 +947,7 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
         acc_rc = cute.make_tensor(acc_S.iterator, wgmma_acc_rows_cols(acc_S.layout))
         if not masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
             apply_mask_rows_cols(acc_rc, tScS_rc, spec, seq, row_first, n_block * self.tile_n)
-        mask_dropped_blocks((acc_rc,), tScS_rc, seq, m_block, n_block, row_first, n_block * self.tile_n)
+        mask_dropped_blocks((acc_rc,), tScS_rc, seq, m_block, n_block, row_first, n_block * self.tile_n, mixed=mixed)
 
     @cute.jit
     def scores_to_p(self, acc_S, tOrP, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec: cutlass.Constexpr, seq,
@@ -1069,11 +1073,11 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
 
     @cute.jit
     def scores_to_p_deferred(self, acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec: cutlass.Constexpr, seq,
-                             m_block, n_block, row_first):
+                             m_block, n_block, row_first, mixed=None):
         """Like :meth:`scores_to_p` but into a fresh register tile: the previous P is still being
-        read by the in-flight P.V WGMMA."""
+        read by the in-flight P.V WGMMA. ``mixed``: the block-sparse flag, loaded ahead."""
         self.add_rab_silu_mask(acc_S, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec, seq, m_block, n_block,
-                               row_first)
+                               row_first, mixed=mixed)
         acc_A = cute.make_tensor(acc_S.iterator, wgmma_acc_as_operand_a(acc_S.layout))
         rP = cute.make_rmem_tensor(acc_A.layout, self.dtype)
         rP.store(acc_A.load().to(self.dtype))

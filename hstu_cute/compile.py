@@ -55,8 +55,7 @@ def _hopper_fwd(key):
     return HstuForwardSm90(dsl_dtype(key.dtype), key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n,
                            key.num_stages, key.fast_silu, key.intra_wg_overlap, key.pingpong, key.persistent,
                            key.q_stages, key.dynamic_tiles, paged=key.paged, split_keys=key.split_keys,
-                           staged_epilogue=key.staged_epilogue, block_sparse=key.block_sparse,
-                           ctas_per_sm=key.ctas_per_sm)
+                           staged_epilogue=key.staged_epilogue, block_sparse=key.block_sparse)
 
 
 def _hopper_fwd_fp8(key):

@@ -212,14 +212,14 @@ def compressed_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tens
     def unscaled_scores_in_place(r0: int, r1: int, qc, kc):
         """:func:`scores` times ``scaling_seqlen``, without autograd and in place: two passes over
         the (B, H, rows, C') block (the importance's cost is these passes). The rows past a
-        sequence (zero q rows of ``qp``) and the tokens past its count (zeroed here) score
+        sequence (zero q rows of ``qp``) and the tokens past its count (zeroed in ``k_live``) score
         silu(0) = 0, so only the causal staircase, the tokens that some rows of [r0, r1) see and
         others not, needs masking: the H200 64K forward spent 1.9 ms per call masking every token
         (docs/dev/perf-log.md, session 36). alpha rides in the GEMM's epilogue, not on the
         16-bit operands: scaled, they would leave TF32's exact products for a full fp32 GEMM
         (1.7x its time there), and a separate multiply took 1.1 ms of the 64K forward."""
         tokens = kc.shape[1]
-        s = _scaled_scores(qc, kc * live_c[:, :tokens, None, None].to(kc.dtype), alpha, wide)
+        s = _scaled_scores(qc, kc, alpha, wide)
         F.silu(s, inplace=True)
         seen_by_all = min(tokens, max(0, (r0 + 1 - cfg.cmp_block) // cfg.cmp_stride + 1))
         if seen_by_all < tokens:
@@ -232,6 +232,7 @@ def compressed_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tens
     # scattered onto the (at most ``span``) key blocks each token overlaps. Only the tokens that
     # some row of the chunk can see are scored (causal: half of them on average).
     first, last, span = _key_blocks_of_tokens(c_max, cfg, q.device)
+    k_live = k_cmp * live_c[:, :, None, None].to(k_cmp.dtype)  # the tokens past each count score 0
     step = max(cfg.sel_block, rows_per_chunk // cfg.sel_block * cfg.sel_block)
     with torch.no_grad():
         for r0 in range(0, max_seqlen, step):
@@ -239,7 +240,7 @@ def compressed_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tens
             visible = min(c_max, (r1 - cfg.cmp_block) // cfg.cmp_stride + 1) if r1 >= cfg.cmp_block else 0
             if visible == 0:
                 continue
-            p = unscaled_scores_in_place(r0, r1, qp[:, r0:r1], k_cmp[:, :visible])
+            p = unscaled_scores_in_place(r0, r1, qp[:, r0:r1], k_live[:, :visible])
             whole = (r1 - r0) // cfg.sel_block
             per_query_block = p[:, :, :whole * cfg.sel_block].unflatten(2, (whole, cfg.sel_block)).sum(dim=3)
             if whole * cfg.sel_block < r1 - r0:  # the last chunk's partial query block

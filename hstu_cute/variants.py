@@ -270,15 +270,12 @@ class HopperFwdKey(_Variant):
     staged_epilogue: bool = True
     # A block mask: every tile walks its list of key tiles (hstu_cute.block_mask.TileLists).
     block_sparse: bool = False
-    # CTAs resident per SM (the launch's min_blocks_per_mp; the register split follows): 2 lets
-    # 64-row tiles with small smem share an SM (issue 45's short rows, latency-bound at one CTA).
-    ctas_per_sm: int = 1
 
     def describe(self) -> str:
         flags = ("o" if self.intra_wg_overlap else "") + ("p" if self.pingpong else "") + (
             "P" if self.persistent else "") + (f"q{self.q_stages}" if self.q_stages != 1 else "") + (
             "d" if self.dynamic_tiles else "") + ("k" if self.split_keys else "") + (
-            "" if self.staged_epilogue else "r") + (f"c{self.ctas_per_sm}" if self.ctas_per_sm != 1 else "")
+            "" if self.staged_epilogue else "r")
         return self._describe(f"{self.tile_m}x{self.tile_n}s{self.num_stages}{flags}",
                               (["rab"] if self.has_rab else []) + (["block-sparse"] if self.block_sparse else []))
 

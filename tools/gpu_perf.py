@@ -108,9 +108,11 @@ def main(argv=None) -> int:
         # D96 at 0.83x of D128 on D128's tiles (session 35). Wider key tiles (smem fits 2 Q and 2
         # K/V stages up to 192), and FlashAttention-3's answer for small head dims: three consumer
         # warpgroups (192-row tiles; at 160 registers each, 192 x 80 and 192 x 96 compile without
-        # spills at D96, 192 x 96 at D64, per tools/sass_counts.py). Each configuration's output is
-        # compared with the default's on the same inputs (max_diff: a gross error shows there; the
-        # tests decide correctness). D128 and D64 defaults beside them, two rounds.
+        # spills at D96, per tools/sass_counts.py). Each configuration's output is compared with the
+        # default's on the same inputs (max_diff: a gross error shows there; the tests decide
+        # correctness). D128 beside them, two rounds. Session 36: every one slower than the default
+        # (0.86-0.93x); 192 x 96 at D64 ended in an illegal address and is left out (no default or
+        # shipped key runs three consumer warpgroups).
         from hstu_cute import launch
         from hstu_cute.testing import call_record
         from hstu_cute.variants import default_hopper_fwd_tiles
@@ -121,8 +123,7 @@ def main(argv=None) -> int:
             return launch.forward(kw["q"], kw["k"], kw["v"], rab, call, tiles, path="hopper")
 
         head = dataclasses.replace(bench.headline(), sdpa=False)
-        sweeps = {96: [dict(tile_n=n) for n in (144, 160, 176, 192)] + [dict(tile_m=192, tile_n=n) for n in (80, 96)],
-                  64: [dict(tile_m=192, tile_n=96)]}
+        sweeps = {96: [dict(tile_n=n) for n in (144, 160, 176, 192)] + [dict(tile_m=192, tile_n=n) for n in (80, 96)]}
         for rep in range(2):
             emit(dict(bench.run_workload(dataclasses.replace(head, name="full B8 N4096 D128"), path="hopper"),
                       mode="hd96tiles", rep=rep))
@@ -141,17 +142,16 @@ def main(argv=None) -> int:
     if "shorttiles" in modes:
         # Issue 45's "tile shapes chosen by length": the short jagged recsys forward (u[1,256] B4096,
         # 8 targets) on the default 128 x 128 persistent tiles against 64-row tiles (one consumer
-        # warpgroup), 128 x 64, and 64 x 64 tiles two CTAs per SM (ctas_per_sm=2: 128 launch
-        # registers, 80 KB of smem each; one CTA per SM spills 54 words at 64 x 64, two do not).
+        # warpgroup; non-persistent ones let smem decide how many CTAs share an SM) and 128 x 64.
+        # Two CTAs per SM at 64 x 64 (a min_blocks_per_mp key field, session 35) lost too, 1.29x and
+        # 2.24x the default's time on the H200, and was taken out again (perf-log, session 36).
         from hstu_cute.variants import default_hopper_fwd_tiles
 
         short = [x for x in bench.recsys_grid() if x.name.startswith("short jagged")][0]
         short = dataclasses.replace(short, sdpa=False)
         configs = [{}, dict(tile_m=64, tile_n=128, persistent=False, dynamic_tiles=False),
                    dict(tile_m=64, tile_n=64, persistent=False, dynamic_tiles=False, q_stages=1),
-                   dict(tile_m=64, tile_n=128), dict(tile_m=128, tile_n=64),
-                   dict(tile_m=64, tile_n=64, q_stages=1, ctas_per_sm=2),
-                   dict(tile_m=64, tile_n=64, q_stages=1, ctas_per_sm=2, persistent=False, dynamic_tiles=False)]
+                   dict(tile_m=64, tile_n=128), dict(tile_m=128, tile_n=64)]
         for rep in range(2):
             for config in configs:
                 tiles = dict(default_hopper_fwd_tiles(short.head_dim, False), **config) if config else None

@@ -167,20 +167,15 @@ def red_add_f32(ptr: cute.Pointer, value: Float32):
     llvm.inline_asm(None, [ptr.toint().ir_value(), Float32(value).ir_value()], "red.global.add.f32 [$0], $1;",
                     "l,f", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
-def sm90_register_split(num_mma_wg: int, ctas_per_sm: int = 1) -> tuple[int, int]:
+def sm90_register_split(num_mma_wg: int) -> tuple[int, int]:
     """(producer, consumer) registers per thread after ``setmaxnreg``, for one producer warpgroup
-    and ``num_mma_wg`` consumer warpgroups, ``ctas_per_sm`` CTAs sharing the SM's 65536. The CTA
-    launches with 65536 / (threads * ctas_per_sm) registers (rounded down to 8) and setmaxnreg only
-    moves them between roles: with 2 consumer warpgroups (64512 - 24 * 128) / 256 = 240 exactly (a
-    32-register producer deadlocked the consumers' increase on the H100). With several CTAs per SM
-    the producer keeps 24 and the consumers take the rest (multiples of 8, at most 240)."""
+    and ``num_mma_wg`` consumer warpgroups. The CTA launches with 65536 / threads registers
+    (rounded down to 8) and setmaxnreg only moves them between roles: with 2 consumer warpgroups
+    (64512 - 24 * 128) / 256 = 240 exactly (a 32-register producer deadlocked the consumers'
+    increase on the H100)."""
+    producer, consumer = (24, 240) if num_mma_wg == 2 else (32, 160)
     threads = 128 * (1 + num_mma_wg)
-    launch = 65536 // (threads * ctas_per_sm) // 8 * 8
-    if ctas_per_sm == 1:
-        producer, consumer = (24, 240) if num_mma_wg == 2 else (32, 160)
-    else:
-        producer = 24
-        consumer = min(240, (launch * threads - producer * 128) // (128 * num_mma_wg) // 8 * 8)
+    launch = 65536 // threads // 8 * 8
     assert launch * threads - producer * 128 >= consumer * 128 * num_mma_wg, (num_mma_wg, producer, consumer)
     return producer, consumer
 

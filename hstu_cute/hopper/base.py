@@ -35,7 +35,7 @@ class HstuSm90Base:
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
                  num_stages: int, fast_silu: bool, num_mma_wg: int, persistent: bool = False,
-                 dynamic_tiles: bool = False, ctas_per_sm: int = 1):
+                 dynamic_tiles: bool = False):
         self.dtype = dtype
         self.rab_dtype = dtype
         self.head_dim = head_dim
@@ -58,8 +58,7 @@ class HstuSm90Base:
         self.num_mma_wg = num_mma_wg
         self.num_threads = 128 * (1 + num_mma_wg)
         self.num_mma_threads = 128 * num_mma_wg
-        self.ctas_per_sm = ctas_per_sm
-        self.producer_regs, self.mma_regs = sm90_register_split(num_mma_wg, ctas_per_sm)
+        self.producer_regs, self.mma_regs = sm90_register_split(num_mma_wg)
 
     # ------------------------------------------------------------------------------------------
     # Host side (called from __call__ while tracing)
@@ -87,12 +86,9 @@ class HstuSm90Base:
         """Launch ``self.kernel(*kernel_args, statics)`` (``statics``: the host-built objects the
         kernel body reads, by attribute name; see the class docstring)."""
         bundle = namedtuple("KernelStatics", list(statics))(**statics)
-        # Several CTAs per SM: a carveout given keeps the DSL from querying the device for its smem
-        # per SM (compiles run on machines without a GPU).
-        carveout = dict(preferred_smem_carveout=100) if self.ctas_per_sm > 1 else {}
         self.kernel(*kernel_args, bundle).launch(grid=grid, block=[self.num_threads, 1, 1],
                                                  smem=self.shared_storage.size_in_bytes(), stream=stream,
-                                                 min_blocks_per_mp=self.ctas_per_sm, **carveout)
+                                                 min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------------------------------
     # Device side

@@ -88,12 +88,11 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
                  num_stages: int, fast_silu: bool, intra_wg_overlap: bool = True, pingpong: bool = True,
                  persistent: bool = True, q_stages: int = 1, dynamic_tiles: bool = False, out_dtype=None,
                  scaled_p: bool = False, two_direction: bool = False, paged: bool = False, split_keys: bool = False,
-                 early_silu: bool = False, staged_epilogue: bool = True, block_sparse: bool = False,
-                 ctas_per_sm: int = 1):
+                 early_silu: bool = False, staged_epilogue: bool = True, block_sparse: bool = False):
         # The CTA launches with 168 x 384 registers; setmaxnreg moves them between roles, so the
         # consumers' 240 must come out of that pool (common.sm90.sm90_register_split).
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, tile_m // 64,
-                         persistent, dynamic_tiles, ctas_per_sm)
+                         persistent, dynamic_tiles)
         # FP8 (e4m3) q, k and V^T; the output and rab stay 16-bit (HstuForwardFp8Sm90).
         self.fp8 = dtype.width == 8
         self.out_dtype = self.rab_dtype = out_dtype or dtype
@@ -234,7 +233,7 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
         num_tiles = num_m_blocks * mQ.shape[1] * (seqs.mOffsetsQ.shape[0] - 1)
         # Persistent: one CTA per SM (smem allows no second one) walking the tiles; the producer
         # runs ahead into the next tile while the consumers finish the current one.
-        grid = [cutlass.min(num_tiles, num_sms * self.ctas_per_sm) if const_expr(self.persistent) else num_tiles, 1, 1]
+        grid = [cutlass.min(num_tiles, num_sms) if const_expr(self.persistent) else num_tiles, 1, 1]
         self.launch(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab, tma_rab, mQ, mO, mK, seqs, mRab,
             scalars, num_m_blocks, bh_per_section, mTileCounter, descales, page_loads,

@@ -139,6 +139,22 @@ def _key_blocks_of_tokens(c_max: int, cfg: NSAConfig, device) -> tuple[torch.Ten
 _SIXTEEN_BIT = (torch.bfloat16, torch.float16)
 
 
+def _scaled_scores(q: torch.Tensor, k: torch.Tensor, alpha: float, wide: torch.dtype) -> torch.Tensor:
+    """``alpha * einsum("blhd,bchd->bhlc", q, k)`` in ``wide`` precision, alpha applied in the GEMM's
+    epilogue (one pass over the (B, H, rows, C) scores fewer than a separate multiply), with
+    :func:`_tf32_exact_einsum`'s TF32 rule for 16-bit CUDA inputs."""
+    sequences, rows, heads, dim = q.shape
+    a = q.to(wide).permute(0, 2, 1, 3).reshape(sequences * heads, rows, dim)
+    b = k.to(wide).permute(0, 2, 3, 1).reshape(sequences * heads, dim, k.shape[1])
+    flag = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = flag or (q.is_cuda and q.dtype in _SIXTEEN_BIT and k.dtype in _SIXTEEN_BIT)
+    try:
+        s = torch.baddbmm(a.new_zeros(()), a, b, beta=0, alpha=alpha)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = flag
+    return s.view(sequences, heads, rows, k.shape[1])
+
+
 def _tf32_exact_einsum(spec: str, a: torch.Tensor, b: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
     """``einsum(spec, a, b)`` in ``wide`` precision. 16-bit CUDA inputs take TF32 tensor cores: TF32
     holds bf16's and fp16's significands exactly (10 stored bits against their 7 and 10), so the
@@ -199,11 +215,11 @@ def compressed_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tens
         sequence (zero q rows of ``qp``) and the tokens past its count (zeroed in ``k_live``) score
         silu(0) = 0, so only the causal staircase, the tokens that some rows of [r0, r1) see and
         others not, needs masking: the H200 64K forward spent 1.9 ms per call masking every token
-        (docs/dev/perf-log.md, session 36). alpha stays out of the 16-bit operands: scaled, they
-        would leave TF32's exact products for a full fp32 GEMM (1.7x its time there)."""
+        (docs/dev/perf-log.md, session 36). alpha rides in the GEMM's epilogue, not on the
+        16-bit operands: scaled, they would leave TF32's exact products for a full fp32 GEMM
+        (1.7x its time there), and a separate multiply took 1.1 ms of the 64K forward."""
         tokens = kc.shape[1]
-        s = _tf32_exact_einsum("blhd,bchd->bhlc", qc, kc, wide)
-        s.mul_(alpha)
+        s = _scaled_scores(qc, kc, alpha, wide)
         F.silu(s, inplace=True)
         seen_by_all = min(tokens, max(0, (r0 + 1 - cfg.cmp_block) // cfg.cmp_stride + 1))
         if seen_by_all < tokens:

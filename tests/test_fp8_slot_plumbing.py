@@ -28,7 +28,7 @@ def recorded(monkeypatch):
         kernel_path=lambda device: "hopper", device_arch=lambda device: "sm_90a", num_sms=lambda device: 132,
         _compiled=lambda key: None, _launch=lambda key, compiled, values: calls.append((key, dict(values))),
         _launch_prepared=lambda prepared, values: calls.append((prepared.key, {**prepared.fixed, **values})),
-        _on_device=lambda device: contextlib.nullcontext(), _beside=lambda device: contextlib.nullcontext(),
+        _on_device=lambda device: contextlib.nullcontext(),
         tile_counter=lambda device: torch.zeros(2, dtype=torch.int32))
     # Each launch module holds its own reference to what it imports: stub it where it is used.
     for module in (launch.buffers, launch.prepared, launch.fwd, launch.bwd, launch.fp8):

@@ -235,7 +235,7 @@ def standin(cprofile: bool, profile_mode: int = -1, count_row: str | None = None
     api._eager = lambda t: type(t) is torch.Tensor and not torch.compiler.is_compiling()
     _counter = torch.zeros(2, dtype=torch.int32)
     STUBS = dict(kernel_path=lambda device: "hopper", device_arch=lambda device: "sm_90a", num_sms=lambda device: 132,
-                 _compiled=lambda key: (lambda *args: None), _beside=lambda device: contextlib.nullcontext(),
+                 _compiled=lambda key: (lambda *args: None),
                  _on_device=lambda device: contextlib.nullcontext(), tile_counter=lambda device: _counter)
     LAUNCH_MODULES = (launch.buffers, launch.prepared, launch.fwd, launch.bwd, launch.fp8)
 

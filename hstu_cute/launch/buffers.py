@@ -1,8 +1,7 @@
 """Device buffers and streams the launchers keep between calls: 16-byte alignment of the
 operands, rab rows padded for TMA, cached int32 constants (fillers for absent seqused / contexts /
 targets, unit descales) outside torch's allocator, the tile counters and split-key arrival counts
-(one per device and stream, zero at launch and after), the gradient buffers, the FP8 backward's side
-stream and the device switch.
+(one per device and stream, zero at launch and after), the gradient buffers and the device switch.
 """
 
 from __future__ import annotations
@@ -188,47 +187,6 @@ def unit_descale_table(device, batch: int, heads: int) -> torch.Tensor:
     """Quant mode 0's descale table for the backward kernels: a zero-strided (B, 1, H) view of
     :func:`unit_descale`."""
     return unit_descale(device).view(1, 1, 1).expand(batch, 1, heads)
-
-
-class _SideStream:
-    """A device's side stream and the two events that fork it from, and join it back into, the
-    current stream. Reused across calls: a wait captures the event's state when it is issued, so
-    recording the event again later is safe (CUDA-graph capture included)."""
-
-    def __init__(self, device):
-        self.stream = torch.cuda.Stream(device)
-        self.fork = torch.cuda.Event()
-        self.join = torch.cuda.Event()
-
-
-_SIDE_STREAMS: dict[int, _SideStream] = {}
-
-
-@contextlib.contextmanager
-def _beside(device):
-    """Launches in the body go to a side stream forked from, and joined back into, the current
-    stream (CUDA-graph capture included): the dK/dV and dQ kernels are independent, so the second
-    fills the SMs the first leaves idle in its last wave. Events and stream are reused and the
-    stream is switched with ``torch.cuda.set_stream``: the ``wait_stream`` / ``torch.cuda.stream``
-    pair cost 23 us of CPU per call on the H100 host (the host_breakdown.py probe, last at
-    22440db)."""
-    side = _SIDE_STREAMS.get(device.index)
-    if side is None:
-        if torch.cuda.is_current_stream_capturing():
-            # No stream creation inside a CUDA-graph capture: this call runs in line.
-            yield
-            return
-        side = _SIDE_STREAMS[device.index] = _SideStream(device)
-    main = torch.cuda.current_stream(device)
-    side.fork.record(main)
-    side.stream.wait_event(side.fork)
-    torch.cuda.set_stream(side.stream)
-    try:
-        yield
-    finally:
-        torch.cuda.set_stream(main)
-        side.join.record(side.stream)
-        main.wait_event(side.join)
 
 
 _NO_SWITCH = contextlib.nullcontext()

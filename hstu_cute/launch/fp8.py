@@ -7,6 +7,7 @@ fused kernel).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -28,20 +29,18 @@ from ..quantize import num_blocks
 
 from .buffers import (
     _aligned_rab_and_drab,
-    _beside,
     _drab_over_heads,
     _gradient_buffers,
     _on_device,
     _sum_drab_heads,
     aligned_16,
-    empty_as,
     unit_descale,
     unit_descale_table,
     zeros_as,
 )
 from .fwd import forward
 from .heuristics import _walk_fixed, fp8_backward_fused, fp8_fused_serves
-from .prepared import (Prepared, _call_tensors, _compiled, _launch, _made, _nothing_to_do, _plan, _scalar_args,
+from .prepared import (Prepared, _cached, _call_tensors, _compiled, _launch, _made, _nothing_to_do, _plan, _scalar_args,
                        _sequence_args)
 
 
@@ -87,22 +86,130 @@ def _quant_plan(mode: int, purpose: str) -> tuple:
     return tuple((launch, tuple(slot[1:] for slot in launch)) for launch in quant_launches(mode, purpose))
 
 
-@functools.lru_cache(maxsize=256)
-def _quant_call_plan(mode: int, purpose: str, arch: str, dtype: str, head_dim: int, empties: tuple) -> tuple:
-    """Per launch of :func:`quantize_for` for one signature: ``(key, slots, runs)``, ``slots`` as
-    ``(argument names, input, table family, plain, transposed)``; ``runs``: some input of the launch
-    has tokens. Derived once: a mode-2 training step asked for these 13 times per step."""
-    r = recipe(mode)
-    plan = []
-    for launch_slots, slot_specs in _quant_plan(mode, purpose):
-        key = _made(make_hopper_quant_slots_key, arch, dtype, head_dim, slot_specs)
-        slots = tuple((names, i, r.table_family(role), plain, transposed)
-                      for names, (i, role, plain, transposed) in zip(_SLOT_ARGS, launch_slots))
-        plan.append((key, slots, not all(empties[i] for i, *_ in launch_slots)))
-    return tuple(plan)
+# Every piece of a quantizer call's arena starts at a multiple of this many bytes (TMA and the
+# 16-byte vector stores need 16; 256 keeps pieces off each other's cache lines).
+_PIECE_ALIGN = 256
 
 
-def quantize_for(mode, purpose: str, xs: tuple, offsets: tuple, max_seqlens: tuple) -> list[dict]:
+class _QuantPlan:
+    """:func:`quantize_for` for one signature, laid out once: the slot quantizer's launches
+    (:class:`Prepared`, their block counts in place) and where each e4m3 copy and scale table lives.
+    A call then makes one allocation (an arena the copies and tables are views of; a training
+    call's V^T, which only the forward reads, in a second one, so that the backward's saved copies
+    do not hold it), plus the zeroed group words of modes 3-5: a mode-2 training step made 12
+    allocations in these launches before (tools/host.py standin, session 37).
+
+    ``views``: per view ``(arena, shape, strides, element offset)``, arena 0/1 (e4m3 or fp32 of
+    the first arena), 2 (e4m3 of the second), 3 (the group words), or a constant tensor;
+    ``fills``: ``(view, value, column)`` floor scales where an input has no tokens (``column``:
+    also the reciprocal half of a (B, blocks, H, 2, D) table); ``slots``: per launch, per slot
+    ``(argument names, input, table view or None, plain view or None, transposed view or None)``;
+    ``copies``: ``(input, "plain" / "transposed", data view, table view)``."""
+
+    __slots__ = ("nbytes", "vt_nbytes", "words", "views", "fills", "launches", "copies", "barrier")
+
+    def __init__(self, r: Fp8Recipe, purpose: str, xs: tuple, batch: int, max_seqlens: tuple, device):
+        x0 = xs[0]
+        heads, head_dim = x0.shape[1], x0.shape[2]
+        arch = device_arch(device)
+        blocks = [num_blocks(m) for m in max_seqlens]
+        empty = [batch == 0 or x.shape[0] == 0 for x in xs]
+        self.nbytes = self.vt_nbytes = self.words = 0
+        self.views, self.fills, self.launches, self.copies = [], [], [], []
+        self.barrier = None
+        separate_vt = purpose == "training"
+
+        def view(arena, shape, itemsize: int) -> int:
+            strides = tuple(int(math.prod(shape[d + 1:])) for d in range(len(shape)))
+            size = -(-math.prod(shape) * itemsize // _PIECE_ALIGN) * _PIECE_ALIGN
+            if arena == 2:
+                offset, self.vt_nbytes = self.vt_nbytes, self.vt_nbytes + size
+            else:
+                offset, self.nbytes = self.nbytes, self.nbytes + size
+            self.views.append((arena, shape, strides, offset // itemsize))
+            return len(self.views) - 1
+
+        tables: dict = {}  # (input, table family) -> (the kernel's table, the copies' table), as views
+        if r.group is ScaleGroup.NONE:
+            self.views.append(unit_descale_table(device, batch, heads))
+            for i in range(len(xs)):
+                tables[i, "unit"] = (None, len(self.views) - 1)
+        if r.grouped:
+            # The blocks max each group's scale in here, every block of a group sees it (zero
+            # strides along the (B, blocks, H) dims it spans); the word after the tables counts the
+            # grid barrier's arrivals: one memset for all.
+            size, strides = r.group_table(batch, heads)
+            self.words = len(xs) * size + 1
+            for i in range(len(xs)):
+                self.views += [(3, (batch, blocks[i], heads), strides, i * size), (3, (batch, 1, heads), strides, i * size)]
+                tables[i, "group"] = (len(self.views) - 2, len(self.views) - 1)
+                if empty[i]:  # every word of the group's scales, whatever the view's zero strides reach
+                    self.views.append((3, (size,), (1,), i * size))
+                    self.fills.append((len(self.views) - 1, SCALE_FLOOR, False))
+        for launch_slots, slot_specs in _quant_plan(r.mode, purpose):
+            key = _made(make_hopper_quant_slots_key, arch, DTYPE_NAMES[x0.dtype], head_dim, slot_specs)
+            fixed, slots = {}, []
+            if r.grouped:
+                fixed["num_sms"] = num_sms(device)
+                self.barrier = True
+            for names, (i, role, plain, transposed) in zip(_SLOT_ARGS, launch_slots):
+                family = r.table_family(role)
+                table = tables.get((i, family))
+                if table is None:
+                    shape = {"token": (xs[i].shape[0], heads),
+                             "column": (batch, blocks[i], heads, 2, head_dim)}.get(family, (batch, blocks[i], heads))
+                    table = tables[i, family] = (view(1, shape, 4),) * 2
+                    if empty[i]:
+                        self.fills.append((table[0], SCALE_FLOOR, family == "column"))
+                out = view(0, tuple(xs[i].shape), 1) if plain else None
+                vt = view(2 if separate_vt and i == 2 else 0,
+                          (heads, head_dim, vt_width(xs[i].shape[0], batch)), 1) if transposed else None
+                fixed[names[5]] = 0 if empty[i] else blocks[i]
+                slots.append((names, i, table[0], out, vt))  # the unit family's kernel takes no table
+                if plain:
+                    self.copies.append((i, "plain", out, table[1]))
+                if transposed:
+                    self.copies.append((i, "transposed", vt, table[1]))
+            runs = not all(empty[i] for i, *_ in launch_slots)
+            self.launches.append((Prepared(key, fixed), tuple(slots), runs))
+
+    def __call__(self, xs: tuple, offsets: tuple, device) -> list[dict]:
+        arenas = [None] * 4
+        if self.nbytes:
+            arena = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+            arenas[0], arenas[1] = arena.view(torch.float8_e4m3fn), arena.view(torch.float32)
+        if self.vt_nbytes:
+            arenas[2] = torch.empty(self.vt_nbytes, dtype=torch.float8_e4m3fn, device=device)
+        if self.words:
+            arenas[3] = torch.zeros(self.words, dtype=torch.float32, device=device)
+        views = [v if type(v) is torch.Tensor else arenas[v[0]].as_strided(v[1], v[2], v[3]) for v in self.views]
+        for fill, value, column in self.fills:
+            views[fill].fill_(value)
+            if column:
+                views[fill][:, :, :, 1] = 1.0 / SCALE_FLOOR
+        aligned = [aligned_16(x) for x in xs]
+        with _on_device(device):
+            for prepared, slots, runs in self.launches:
+                values = {"mBarrier": arenas[3][-1:].view(torch.int32)} if self.barrier else {}
+                for names, i, table, out, vt in slots:
+                    values[names[0]] = aligned[i]
+                    values[names[1]] = offsets[i]
+                    if table is not None:
+                        values[names[2]] = views[table]
+                    if out is not None:
+                        values[names[3]] = views[out]
+                    if vt is not None:
+                        values[names[4]] = views[vt]
+                if runs:
+                    prepared(values, device)
+        copies: list[dict] = [{} for _ in xs]
+        for i, name, data, table in self.copies:
+            copies[i][name] = (views[data], views[table])
+        return copies
+
+
+def quantize_for(mode, purpose: str, xs: tuple, offsets: tuple, max_seqlens: tuple,
+                 plans: dict | None = None) -> list[dict]:
     """Quantize the 16-bit (T, H, D) tensors ``xs`` (q, k, v; or dO) with ``mode`` (a quant mode
     0-5 or its :class:`~hstu_cute.fp8_recipe.Fp8Recipe`) for
     ``purpose`` (:func:`hstu_cute.variants.quant_launches`: one launch of the slot quantizer,
@@ -112,68 +219,18 @@ def quantize_for(mode, purpose: str, xs: tuple, offsets: tuple, max_seqlens: tup
     blocks, H) for mode 2, a zero-strided (B, 1, H) view of the group's scale for modes 3-5;
     mode 1's plain tables are (T, H) (per token), its transposed ones (B, blocks, H, 2, D): per
     block and dim the scale, then its reciprocal; mode 0's are zero-strided (B, 1, H) views of a
-    cached one. Every shape depends only on shapes (no sync)."""
+    cached one. Every shape depends only on shapes (no sync). ``plans``: a call's cache of
+    prepared launches (:attr:`hstu_cute.call.Call.plans`), where the layout is kept
+    (:class:`_QuantPlan`)."""
     r = mode if isinstance(mode, Fp8Recipe) else recipe(mode)
-    x0 = xs[0]
-    device = x0.device
+    device = xs[0].device
     batch = offsets[0].shape[0] - 1
-    heads, head_dim = x0.shape[1], x0.shape[2]
-    blocks = [num_blocks(m) for m in max_seqlens]
-    empty = tuple(batch == 0 or x.shape[0] == 0 for x in xs)
-    copies: list[dict] = [{} for _ in xs]
-    tables: dict = {}  # (tensor, role family) -> (the kernel's table, the copies' table)
-    cooperative = {}
-    if r.group is ScaleGroup.NONE:
-        ones = unit_descale_table(device, batch, heads)
-        for i in range(len(xs)):
-            tables[i, "unit"] = (None, ones)
-    if r.grouped:
-        # The blocks max each group's scale in here, every block of a group sees it (zero strides
-        # along the (B, blocks, H) dims it spans); the word after the tables counts the grid
-        # barrier's arrivals: one memset for all.
-        size, strides = r.group_table(batch, heads)
-        words = torch.zeros(len(xs) * size + 1, dtype=torch.float32, device=device)
-        cooperative = dict(mBarrier=words[-1:].view(torch.int32), num_sms=num_sms(device))
-        for i in range(len(xs)):
-            if empty[i]:
-                words[i * size:(i + 1) * size].fill_(SCALE_FLOOR)
-            tables[i, "group"] = (words.as_strided((batch, blocks[i], heads), strides, i * size),
-                                  words.as_strided((batch, 1, heads), strides, i * size))
-    aligned = [aligned_16(x) for x in xs]
-    for key, slots, runs in _quant_call_plan(r.mode, purpose, device_arch(device), DTYPE_NAMES[x0.dtype], head_dim,
-                                              empty):
-        values: dict = dict(cooperative)
-        for names, i, family, plain, transposed in slots:
-            x = aligned[i]
-            table, copies_table = tables.get((i, family)) or tables.setdefault(
-                (i, family), (_new_quant_table(family, x.shape[0], batch, blocks[i], heads, head_dim, empty[i],
-                                               device),) * 2)
-            out = vt = None
-            if plain:
-                out = empty_as(x, torch.float8_e4m3fn)
-                copies[i]["plain"] = (out, copies_table)
-            if transposed:
-                vt = torch.empty((heads, head_dim, vt_width(x.shape[0], batch)), dtype=torch.float8_e4m3fn,
-                                 device=device)
-                copies[i]["transposed"] = (vt, copies_table)
-            values.update(zip(names, (x, offsets[i], table, out, vt, 0 if empty[i] else blocks[i])))
-        if runs:
-            with _on_device(device):
-                _launch(key, _compiled(key), values)
-    return copies
+    plan_key = ("quant", r.mode, purpose, xs[0].dtype, tuple(x.shape[0] for x in xs), tuple(max_seqlens))
 
+    def build():
+        return _QuantPlan(r, purpose, xs, batch, max_seqlens, device)
 
-def _new_quant_table(family: str, tokens: int, batch: int, blocks: int, heads: int, head_dim: int, empty: bool,
-                     device) -> torch.Tensor:
-    """A slot quantizer's scale table: (T, H) per token, (B, blocks, H, 2, D) per block and dim
-    (scale, then reciprocal), (B, blocks, H) per block; the floor scale where no block runs."""
-    shape = {"token": (tokens, heads), "column": (batch, blocks, heads, 2, head_dim)}.get(family, (batch, blocks, heads))
-    table = torch.empty(shape, dtype=torch.float32, device=device)
-    if empty:
-        table.fill_(SCALE_FLOOR)
-        if family == "column":
-            table[:, :, :, 1] = 1.0 / SCALE_FLOOR
-    return table
+    return _cached(plans, plan_key, build)(xs, offsets, device)
 
 
 def prepare_fp8(q, k, v, call: Call, training: bool = False) -> tuple[torch.Tensor, torch.Tensor, Fp8Operands]:
@@ -199,7 +256,7 @@ def prepare_fp8(q, k, v, call: Call, training: bool = False) -> tuple[torch.Tens
         return q, k, Fp8Operands(transposed_for_pv(v, call.seq_offsets_k), descales, p.out_dtype, False)
     copies = quantize_for(r, "training" if training else "forward", (q, k, v),
                           (call.seq_offsets_q, call.seq_offsets_k, call.seq_offsets_k),
-                          (call.max_seqlen_q, call.max_seqlen_k, call.max_seqlen_k))
+                          (call.max_seqlen_q, call.max_seqlen_k, call.max_seqlen_k), call.plans)
     (q8, dq), (k8, dk), (vt, dv) = copies[0]["plain"], copies[1]["plain"], copies[2]["transposed"]
     kept = kept_for_backward(copies, r.two_direction) if training else None
     if r.unit_descales:  # P cast, (1,) descales
@@ -260,8 +317,8 @@ def fp8_backward_operands(dout, q, k, v, call: Call, quantized: dict | None = No
     if quantized is None:
         quantized = kept_for_backward(
             quantize_for(r, "training", (q, k, v), (call.seq_offsets_q, call.seq_offsets_k, call.seq_offsets_k),
-                         (call.max_seqlen_q, call.max_seqlen_k, call.max_seqlen_k)), two_direction)
-    (copies,) = quantize_for(r, "gradient", (dout,), (call.seq_offsets_q,), (call.max_seqlen_q,))
+                         (call.max_seqlen_q, call.max_seqlen_k, call.max_seqlen_k), call.plans), two_direction)
+    (copies,) = quantize_for(r, "gradient", (dout,), (call.seq_offsets_q,), (call.max_seqlen_q,), call.plans)
     (do8, table_do), (dot, table_dot) = copies["plain"], copies["transposed"]
     operands = dict(quantized, mdO=do8, mdOt=dot, mDescaleDO=table_do)
     if two_direction:
@@ -344,8 +401,10 @@ def backward_fp8(dout, q, k, v, rab, call: Call, operands: dict | None = None, t
             return dq_accum.to(q.dtype), dk, dv, None
         if "dkdv" in kernels:
             plan[0](values, device)
+        # One stream, as the 16-bit backward: dQ beside dK/dV on a side stream took the same
+        # device time (mode 2, B32 N1024: 0.251 ms both ways, CUDA graphs) and ~75 us more host
+        # time per FP8 step (docs/dev/perf-log.md, session 37).
         if "dq" in kernels:
-            with _beside(device):
-                plan[1](values, device)
+            plan[1](values, device)
     _sum_drab_heads(drab, drab_out)
     return dq, dk, dv, drab_view

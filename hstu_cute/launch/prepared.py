@@ -153,10 +153,14 @@ def _launch_prepared(prepared: Prepared, values: dict) -> None:
 
 
 def _plan(call: Call, key: tuple, build):
-    """``call.plans[key]``, made by ``build()`` the first time (every time for a call without a
-    plan cache); plans made inside a CUDA-graph capture are not kept (their filler tensors would
+    """``call.plans[key]``, made by ``build()`` the first time (:func:`_cached`)."""
+    return _cached(call.plans, key, build)
+
+
+def _cached(plans: dict | None, key: tuple, build):
+    """``plans[key]``, made by ``build()`` the first time (every time without a plan cache: a
+    traced call); plans made inside a CUDA-graph capture are not kept (their filler tensors would
     hold values only when the graph replays)."""
-    plans = call.plans
     if plans is None:
         return build()
     plan = plans.get(key)

@@ -227,6 +227,21 @@ def time_cuda(fns, warmup: int = 5, reps: int = 30) -> tuple[float, float]:
     return statistics.median(times), q3 - q1
 
 
+def time_interleaved(lines: dict, rounds: int = 3, warmup: int = 3, reps: int = 10) -> dict:
+    """``{name: (ms, IQR ms)}`` of each line's :func:`time_cuda`, the lines timed in turn, round
+    after round; a line's time is its fastest round. One line's time moves between rounds by more
+    than lines differ (the block-sparse forward read 3.64, 3.98 and 4.24 ms in three rounds a
+    second apart on the H200, docs/dev/perf-log.md session 37): lines timed one after the other,
+    once each, compare the moments as much as the kernels."""
+    best: dict = {}
+    for _ in range(rounds):
+        for name, fn in lines.items():
+            ms, iqr = time_cuda([fn], warmup=warmup, reps=reps)
+            if name not in best or ms < best[name][0]:
+                best[name] = (ms, iqr)
+    return best
+
+
 def gemm_tflops() -> float:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)

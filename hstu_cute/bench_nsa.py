@@ -40,7 +40,7 @@ def nsa_grid() -> list[NSAWorkload]:
 def run_nsa(w: NSAWorkload, direction: str = "fwd") -> dict:
     """One row: ours sparse and ours dense (causal) on the same inputs; ``fwd`` (no grad) or
     ``fwd+bwd`` (autograd, the output's gradient random, the inputs' gradients dropped each call)."""
-    from .bench import time_cuda
+    from .bench import time_interleaved
     from .nn import hstu_attention
     from .nsa import hstu_nsa_attn
 
@@ -67,8 +67,8 @@ def run_nsa(w: NSAWorkload, direction: str = "fwd") -> dict:
     sparse = timed(lambda: hstu_nsa_attn(q, k, v, offsets, w.seqlen, gates, alpha=alpha, cfg=w.cfg))
     dense = timed(lambda: hstu_attention(q, k, v, offsets, w.seqlen, alpha=alpha))
     sparse(), dense()
-    ms_sparse, iqr = time_cuda([sparse], warmup=2, reps=10)
-    ms_dense, _ = time_cuda([dense], warmup=2, reps=10)
+    times = time_interleaved(dict(sparse=sparse, dense=dense), rounds=2, warmup=2, reps=5)
+    (ms_sparse, iqr), (ms_dense, _) = times["sparse"], times["dense"]
     return dict(workload=w.name, direction=direction, batch=w.batch, seqlen=w.seqlen, heads=w.heads,
                 head_dim=w.head_dim, cfg=vars(w.cfg), ms=ms_sparse, iqr_ms=iqr, dense_ms=ms_dense,
                 x_dense=ms_dense / ms_sparse)

@@ -145,7 +145,7 @@ def run_sparse(w: SparseWorkload, direction: str = "fwd", flex: bool = True) -> 
     forward alone (``fwd``, no grad) or forward + backward (``fwd+bwd``: autograd, the output's
     gradient random, the inputs' gradients dropped before each call)."""
     from .api import hstu_attn_varlen_func
-    from .bench import _STEP_FLOPS, time_cuda
+    from .bench import _STEP_FLOPS, time_interleaved
 
     lengths = _seq_lengths(w)
     tokens = sum(lengths)
@@ -176,16 +176,16 @@ def run_sparse(w: SparseWorkload, direction: str = "fwd", flex: bool = True) -> 
 
     sparse = timed(lambda: hstu_attn_varlen_func(q, k, v, **kw, block_mask=bm))
     dense = timed(lambda: hstu_attn_varlen_func(q, k, v, **kw))
-    sparse(), dense()
-    ms_sparse, iqr = time_cuda([sparse])
-    kernel_ms = _kernel_ms(sparse)
-    ms_dense, _ = time_cuda([dense])
-    ms_flex = None
+    lines = dict(sparse=sparse, dense=dense)
     flex_call = _flex_call(w, kept, q, k, v) if flex and not w.lengths else None
     if flex_call is not None:
-        flex_step = timed(flex_call)
-        flex_step()
-        ms_flex, _ = time_cuda([flex_step])
+        lines["flex"] = timed(flex_call)
+    for fn in lines.values():
+        fn()
+    times = time_interleaved(lines)
+    (ms_sparse, iqr), (ms_dense, _) = times["sparse"], times["dense"]
+    ms_flex = times["flex"][0] if "flex" in times else None
+    kernel_ms = _kernel_ms(sparse)
     pairs = allowed_pairs(w, kept)
     dense_pairs = sum(n * (n + 1) // 2 if w.causal else n * n for n in lengths)
     # The forward's FLOPs, or a training step's (3.5x: bench's convention, docs/operator.md).

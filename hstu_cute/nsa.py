@@ -179,11 +179,11 @@ def compressed_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tens
     ``silu(alpha * q.k_cmp) / scaling_seqlen``. ``importance[b, h, qb, kb]`` sums the scores of the rows
     of query block ``qb`` over the compressed tokens overlapping key block ``kb`` (no gradient).
 
-    ``o_cmp`` runs on the attention kernels where they serve (CUDA, 16-bit, ``backend`` not
-    "reference"): the compressed tokens sit in each sequence's first rows and a ``func`` mask gives
-    row ``i`` the tokens ``[0, min(counts[b], (i + 1 - cmp_block) // cmp_stride + 1))``. Elsewhere,
-    and for the importance, rows run in chunks of ``rows_per_chunk`` (bounded memory; each chunk is
-    recomputed in the backward)."""
+    Where the attention kernels serve (CUDA, 16-bit, ``backend`` not "reference") both run on them:
+    ``o_cmp`` with the compressed tokens in each sequence's first rows and a ``func`` mask giving
+    row ``i`` the tokens ``[0, min(counts[b], (i + 1 - cmp_block) // cmp_stride + 1))``, the
+    importance as :func:`_importance_on_kernels` says. Elsewhere rows run in chunks of
+    ``rows_per_chunk`` (bounded memory; each chunk is recomputed in the backward)."""
     sequences = seq_offsets.numel() - 1
     heads = q.shape[1]
     m_blocks = blocks_for(max_seqlen, cfg.sel_block)
@@ -192,6 +192,11 @@ def compressed_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tens
     if c_max == 0 or q.shape[0] == 0:
         return q.new_zeros(q.shape[:2] + v_cmp.shape[-1:]), importance
     batch, pos = _token_positions(seq_offsets, q.shape[0])
+    if _kernels_serve(q, v_cmp, backend):
+        return (_compressed_output_on_kernels(q, k_cmp, v_cmp, counts, seq_offsets, max_seqlen, batch, pos, alpha,
+                                              scaling_seqlen, cfg),
+                _importance_on_kernels(q, k_cmp, counts, seq_offsets, max_seqlen, batch, pos, alpha, scaling_seqlen,
+                                       cfg))
     qp = _padded(q, batch, pos, sequences, max_seqlen)  # (B, N, H, D)
     lengths = _lengths(seq_offsets)
     block_end = torch.arange(c_max, device=q.device) * cfg.cmp_stride + cfg.cmp_block - 1
@@ -253,10 +258,6 @@ def compressed_attention(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tens
             qb0 = r0 // cfg.sel_block
             importance[:, :, qb0:qb0 + q_blocks] += (part / scaling_seqlen).to(importance.dtype)
 
-    if _kernels_serve(q, v_cmp, backend):
-        return _compressed_output_on_kernels(q, k_cmp, v_cmp, counts, seq_offsets, max_seqlen, batch, pos,
-                                             alpha, scaling_seqlen, cfg), importance
-
     def chunk(r0: int, r1: int, qc, kc, vc):
         return torch.einsum("bhlc,bchd->blhd", scores(r0, r1, qc, kc).to(vc.dtype), vc)
 
@@ -282,32 +283,93 @@ def _kernels_serve(q: torch.Tensor, v_cmp: torch.Tensor, backend: str) -> bool:
             and v_cmp.shape[-1] == q.shape[-1])
 
 
+def _token_rows(x_cmp: torch.Tensor, counts: torch.Tensor, max_seqlen: int, batch: torch.Tensor,
+                pos: torch.Tensor) -> torch.Tensor:
+    """Padded compressed tokens ``(B, C, H, D)`` as jagged key rows ``(T, H, D)``: sequence b's
+    tokens in its first ``counts[b]`` rows, zeros after them (a sequence has at least as many rows
+    as tokens). Padded to max_seqlen rows first, so every token gathers its own (sequence, row):
+    the backward's index_put then has no repeated index. Gathering row min(pos, C - 1) instead sent
+    every row past C to one index, whose accumulation runs serially: 120 of the 148 ms of the 64K
+    forward + backward on the H200 (docs/dev/perf-log.md, session 36)."""
+    live = (pos < counts[batch])[:, None, None]
+    return F.pad(x_cmp, (0, 0, 0, 0, 0, max_seqlen - x_cmp.shape[1]))[batch, pos] * live
+
+
+def _visible_tokens(batch: torch.Tensor, pos: torch.Tensor, counts: torch.Tensor, cfg: NSAConfig) -> torch.Tensor:
+    """Per jagged row, how many of its sequence's compressed tokens it sees (a prefix):
+    ``min(counts[b], (i + 1 - cmp_block) // cmp_stride + 1)``, at least 0."""
+    bound = torch.div(pos + 1 - cfg.cmp_block, cfg.cmp_stride, rounding_mode="floor") + 1
+    return torch.minimum(bound.clamp(min=0), counts[batch])
+
+
 def _compressed_output_on_kernels(q, k_cmp, v_cmp, counts, seq_offsets, max_seqlen, batch, pos, alpha,
                                   scaling_seqlen, cfg: NSAConfig) -> torch.Tensor:
-    """``o_cmp`` by one ``hstu_attn_varlen_func`` call with a ``func`` mask: sequence b's compressed
-    tokens in its first ``counts[b]`` key rows (zeros after them; a sequence has at least as many
-    rows as tokens), row ``i`` allowed ``[0, min(counts[b], (i + 1 - cmp_block) // cmp_stride + 1))``.
+    """``o_cmp`` by one ``hstu_attn_varlen_func`` call with a ``func`` mask: the compressed tokens as
+    key rows (:func:`_token_rows`), row ``i`` allowed ``[0, visible)`` (:func:`_visible_tokens`).
     Differentiable in q, k_cmp and v_cmp; no host sync."""
     from .api import hstu_attn_varlen_func
     from .masks import FUNC_ROW_PADDING
 
-    c_max = k_cmp.shape[1]
-    live = (pos < counts[batch])[:, None, None]
-
-    def rows(x):
-        # Padded to max_seqlen rows first, so every token gathers its own (sequence, row): the
-        # backward's index_put then has no repeated index. Gathering row min(pos, C - 1) instead
-        # sent every row past C to one index, whose accumulation runs serially: 120 of the 148 ms
-        # of the 64K forward + backward on the H200 (docs/dev/perf-log.md, session 36).
-        return F.pad(x, (0, 0, 0, 0, 0, max_seqlen - c_max))[batch, pos] * live
-
-    k_rows, v_rows = rows(k_cmp), rows(v_cmp)
-    bound = torch.div(pos + 1 - cfg.cmp_block, cfg.cmp_stride, rounding_mode="floor") + 1
-    bound = torch.minimum(bound.clamp(min=0), counts[batch])
     func = torch.zeros((1, 1, q.shape[0] + FUNC_ROW_PADDING), dtype=torch.int32, device=q.device)
-    func[0, 0, :q.shape[0]] = bound.to(torch.int32)
-    return hstu_attn_varlen_func(q, k_rows.to(q.dtype), v_rows.to(q.dtype), seq_offsets, seq_offsets, max_seqlen,
-                                 max_seqlen, alpha=alpha, scaling_seqlen=scaling_seqlen, func=func)
+    func[0, 0, :q.shape[0]] = _visible_tokens(batch, pos, counts, cfg).to(torch.int32)
+    k_rows, v_rows = (_token_rows(x, counts, max_seqlen, batch, pos).to(q.dtype) for x in (k_cmp, v_cmp))
+    return hstu_attn_varlen_func(q, k_rows, v_rows, seq_offsets, seq_offsets, max_seqlen, max_seqlen, alpha=alpha,
+                                 scaling_seqlen=scaling_seqlen, func=func)
+
+
+def _importance_on_kernels(q, k_cmp, counts, seq_offsets, max_seqlen, batch, pos, alpha, scaling_seqlen,
+                           cfg: NSAConfig) -> torch.Tensor:
+    """:func:`compressed_attention`'s importance ``(B, H, M, M)`` on the attention kernels: the
+    scores' sums over each key block's tokens are the output of an attention whose values are
+    indicators, ``V[c, kb] = 1`` where token ``c`` overlaps key block ``kb``; the rows' sums over
+    each query block follow. The values have q's head dim ``D`` columns, so the key blocks go ``D``
+    at a time, each call with only the tokens that overlap its blocks as keys (the same key rows
+    as the output's call, a ``func`` interval ``[first token, visible)`` per row): the score work
+    is the output's once more. P reaches the GEMM in q's 16-bit type and the output is stored in
+    it, so an entry carries that rounding (relative ~2^-9), which may reorder near ties of the
+    selection; the PyTorch path it replaces (one fp32 score matrix per row chunk, ~7 ms of the 64K
+    forward on the H200, docs/dev/perf-log.md session 36) stays for CPU tensors and the reference
+    backend. No gradient, no host sync."""
+    from .api import hstu_attn_varlen_func
+    from .masks import FUNC_ROW_PADDING
+
+    sequences, c_max, heads, dim = k_cmp.shape
+    tokens = q.shape[0]
+    m_blocks = blocks_for(max_seqlen, cfg.sel_block)
+    importance = torch.zeros((sequences, heads, m_blocks, m_blocks), dtype=torch.float32, device=q.device)
+    if c_max == 0 or tokens == 0:
+        return importance
+    first, last, _ = _key_blocks_of_tokens(c_max, cfg, q.device)
+    with torch.no_grad():
+        k_rows = _token_rows(k_cmp, counts, max_seqlen, batch, pos).to(q.dtype)
+        visible = _visible_tokens(batch, pos, counts, cfg)
+        live = pos < counts[batch]
+        func = torch.zeros((1, 3, tokens + FUNC_ROW_PADDING), dtype=torch.int32, device=q.device)
+        for kb0 in range(0, m_blocks, dim):
+            kb1 = min(kb0 + dim, m_blocks)
+            # The tokens overlapping key blocks [kb0, kb1): last(c) >= kb0 and first(c) < kb1.
+            c_lo = max(0, -(-(kb0 * cfg.sel_block - cfg.cmp_block + 1) // cfg.cmp_stride))
+            c_hi = min(c_max, -(-(kb1 * cfg.sel_block) // cfg.cmp_stride))
+            if c_lo >= c_hi:
+                continue
+            end = visible.clamp(max=c_hi)
+            sees = end > c_lo
+            func[0, 1, :tokens] = torch.where(sees, c_lo, 0).to(torch.int32)
+            func[0, 2, :tokens] = torch.where(sees, end, 0).to(torch.int32)
+            # Key row c of a sequence holds token c: its values are the token's indicator over the
+            # chunk's blocks (rows past the sequence's tokens stay zero; so do the other rows the
+            # kernels load beside the interval).
+            cols = torch.arange(kb0, kb0 + dim, device=q.device)
+            c = pos.clamp(max=c_max - 1)
+            indicator = (first[c][:, None] <= cols) & (cols <= last[c][:, None]) & (cols < kb1)
+            indicator &= (live & (pos >= c_lo) & (pos < c_hi))[:, None]
+            v_rows = indicator.to(q.dtype)[:, None, :].expand(tokens, heads, dim).contiguous()
+            out = hstu_attn_varlen_func(q, k_rows, v_rows, seq_offsets, seq_offsets, max_seqlen, max_seqlen,
+                                        alpha=alpha, scaling_seqlen=scaling_seqlen, func=func)
+            per_row = _padded(out.float(), batch, pos, sequences, m_blocks * cfg.sel_block)
+            per_block = per_row.unflatten(1, (m_blocks, cfg.sel_block)).sum(2)  # (B, M, H, dim)
+            importance[:, :, :, kb0:kb1] = per_block[..., :kb1 - kb0].permute(0, 2, 1, 3)
+    return importance
 
 
 def select_blocks(importance: torch.Tensor, seq_offsets: torch.Tensor, cfg: NSAConfig = PAPER) -> BlockMask:

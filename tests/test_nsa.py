@@ -96,6 +96,32 @@ def test_compressed_output_through_a_func_mask_equals_the_chunked_one(name, monk
         assert torch.allclose(g, w, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_importance_through_indicator_values_equals_the_chunked_one(name, monkeypatch):
+    """What the CUDA path hands the kernels for the importance (the tokens overlapping ``D`` key
+    blocks at a time as keys, a ``[first token, visible)`` func interval per row, indicator values)
+    computes the chunked branch's importance: here with the kernels replaced by the fp64 oracle,
+    which reads the same func mask. Several chunks of key blocks (head dim 16, up to 70 blocks)."""
+    import hstu_cute.api
+    from hstu_cute import reference
+
+    def oracle(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, **kw):
+        return reference.hstu_attn_reference(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, **kw,
+                                             compute_dtype=torch.float64)
+
+    monkeypatch.setattr(hstu_cute.api, "hstu_attn_varlen_func", oracle)
+    cfg = CONFIGS[name]
+    lengths = [1111, 17, 0, 129, 31, 32, 300]
+    q, k, v, offsets, _ = _batch(lengths, seed=7)
+    k_cmp, v_cmp, counts = nsa.compress_kv(k, v, offsets, 1111, cfg)
+    _, want = nsa.compressed_attention(q, k_cmp, v_cmp, counts, offsets, 1111, alpha=0.3, scaling_seqlen=900, cfg=cfg)
+    batch, pos = nsa._token_positions(offsets, q.shape[0])
+    got = nsa._importance_on_kernels(q, k_cmp, counts, offsets, 1111, batch, pos, 0.3, 900, cfg)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert want.abs().max() > 0
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-7), (got - want).abs().max()
+
+
 def test_selection_rule_against_a_brute_force():
     cfg = NSAConfig(cmp_block=16, cmp_stride=16, sel_block=16, top_n=5, window=0, num_initial=1, num_local=2)
     lengths = [160, 33, 0, 16]

@@ -50,3 +50,26 @@ def test_nsa_matches_the_oracle(path, case):
     for name, g, w32, ws in zip(("q", "k", "v", "gates"), got, want32, want_same):
         ok, err, ref_err = reference.ratio_check(g, w32, ws, 5.0)
         assert ok, f"d{name}: kernel err {err:.3e} > 5 x {ref_err:.3e}"
+
+
+@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"case{i}" for i in range(len(CASES))])
+def test_importance_on_the_kernels(path, case):
+    """The importance the CUDA path computes on the attention kernels (indicator values, D key
+    blocks per call) against the PyTorch path's (fp32 scores, TF32-exact products: backend
+    "reference"). P reaches the GEMM in bf16 and the output is stored in bf16, two roundings of
+    relative 2^-9 at most per entry, so 1e-2 relative (plus 1e-3 of the largest entry, for sums
+    that cancel) bounds it with room; a wrong token range or indicator column is off by whole
+    scores."""
+    lengths, cfg, dim = CASES[case]
+    gen = torch.Generator().manual_seed(60 + case)
+    offsets = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    t, heads, max_seqlen = sum(lengths), 2, max(lengths)
+    q, k, v = ((torch.randn(t, heads, dim, generator=gen) * 0.5).to(torch.bfloat16).cuda() for _ in range(3))
+    k_cmp, v_cmp, counts = nsa.compress_kv(k, v, offsets, max_seqlen, cfg)
+    kw = dict(alpha=0.5, scaling_seqlen=max_seqlen, cfg=cfg)
+    _, got = nsa.compressed_attention(q, k_cmp, v_cmp, counts, offsets, max_seqlen, **kw)
+    _, want = nsa.compressed_attention(q, k_cmp, v_cmp, counts, offsets, max_seqlen, backend="reference", **kw)
+    assert want.abs().max() > 0
+    err = (got - want).abs()
+    bound = 1e-2 * want.abs() + 1e-3 * want.abs().max()
+    assert bool((err <= bound).all()), f"importance: max error {err.max():.3e}, worst ratio {(err / bound).max():.2f}"

@@ -366,8 +366,8 @@ def _importance_on_kernels(q, k_cmp, counts, seq_offsets, max_seqlen, batch, pos
             v_rows = indicator.to(q.dtype)[:, None, :].expand(tokens, heads, dim).contiguous()
             out = hstu_attn_varlen_func(q, k_rows, v_rows, seq_offsets, seq_offsets, max_seqlen, max_seqlen,
                                         alpha=alpha, scaling_seqlen=scaling_seqlen, func=func)
-            per_row = _padded(out.float(), batch, pos, sequences, m_blocks * cfg.sel_block)
-            per_block = per_row.unflatten(1, (m_blocks, cfg.sel_block)).sum(2)  # (B, M, H, dim)
+            per_row = _padded(out, batch, pos, sequences, m_blocks * cfg.sel_block)
+            per_block = per_row.unflatten(1, (m_blocks, cfg.sel_block)).sum(2, dtype=torch.float32)  # (B, M, H, D)
             importance[:, :, :, kb0:kb1] = per_block[..., :kb1 - kb0].permute(0, 2, 1, 3)
     return importance
 

@@ -344,6 +344,8 @@ def _importance_on_kernels(q, k_cmp, counts, seq_offsets, max_seqlen, batch, pos
         k_rows = _token_rows(k_cmp, counts, max_seqlen, batch, pos).to(q.dtype)
         visible = _visible_tokens(batch, pos, counts, cfg)
         live = pos < counts[batch]
+        token = pos.clamp(max=c_max - 1)  # key row i of a sequence holds its token i
+        token_first, token_last = first[token][:, None], last[token][:, None]
         func = torch.zeros((1, 3, tokens + FUNC_ROW_PADDING), dtype=torch.int32, device=q.device)
         for kb0 in range(0, m_blocks, dim):
             kb1 = min(kb0 + dim, m_blocks)
@@ -360,8 +362,7 @@ def _importance_on_kernels(q, k_cmp, counts, seq_offsets, max_seqlen, batch, pos
             # chunk's blocks (rows past the sequence's tokens stay zero; so do the other rows the
             # kernels load beside the interval).
             cols = torch.arange(kb0, kb0 + dim, device=q.device)
-            c = pos.clamp(max=c_max - 1)
-            indicator = (first[c][:, None] <= cols) & (cols <= last[c][:, None]) & (cols < kb1)
+            indicator = (token_first <= cols) & (cols <= token_last) & (cols < kb1)
             indicator &= (live & (pos >= c_lo) & (pos < c_hi))[:, None]
             v_rows = indicator.to(q.dtype)[:, None, :].expand(tokens, heads, dim).contiguous()
             out = hstu_attn_varlen_func(q, k_rows, v_rows, seq_offsets, seq_offsets, max_seqlen, max_seqlen,

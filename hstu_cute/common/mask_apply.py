@@ -10,7 +10,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from .. import masks
-from .seqinfo import block_kept
+from .seqinfo import block_index, block_kept
 
 # The mask engine's helpers, bound to DSL scalar ops for use while tracing a kernel.
 KERNEL_OPS = masks.Ops(min=cutlass.min, max=cutlass.max, select=cutlass.select_)
@@ -83,22 +83,51 @@ def apply_mask_key_major_by_query(S_rc: cute.Tensor, dP_rc: cute.Tensor, coord_r
 
 @cute.jit
 def mask_dropped_blocks(accs, coords: cute.Tensor, seq, m_block: Int32, n_block: Int32, row0: Int32, col0: Int32,
-                        key_major: cutlass.Constexpr[bool] = False, mixed=None):
+                        key_major: cutlass.Constexpr[bool] = False, mixed=None,
+                        rows_cols: cutlass.Constexpr[bool] = False):
     """Block-sparse calls: zero the elements of each accumulator of ``accs`` that lie in a dropped
     block, in the tiles that mix kept and dropped blocks (``coords``: each element's tile
     coordinate, (row, key), or (key, row) when ``key_major``; the same layout as the
     accumulators). Other tiles skip it: the per-element block lookups (two divisions and a load)
     on every tile the HSTU mask cuts cost the 10%-density causal forward about half its speed
     (docs/dev/perf-log.md, session 31). A no-op without a block mask. ``mixed``: the tile's
-    :meth:`~hstu_cute.common.seqinfo.BlockTiles.tile_mixed`, when the caller loaded it ahead."""
+    :meth:`~hstu_cute.common.seqinfo.BlockTiles.tile_mixed`, when the caller loaded it ahead.
+    ``rows_cols``: ``accs`` and ``coords`` are (rows, cols) views (WGMMA accumulators,
+    :func:`common.sm90.wgmma_acc_rows_cols`): a block index per row and per column of the view,
+    not two per element (blocks smaller than the tile, as NSA's selection makes, mix nearly every
+    tile)."""
     if const_expr(seq.sparse is not None):
         probe = seq.sparse.kept_probe()
         if const_expr(mixed is None):
             mixed = seq.sparse.tile_mixed(m_block, n_block)
         if mixed:
-            for i in cutlass.range(cute.size(coords), unroll_full=True):
-                a, b = coords[i]
-                row, key = (b, a) if const_expr(key_major) else (a, b)
-                keep = block_kept(probe, row0 + row, col0 + key)
-                for acc in accs:
-                    acc[i] = cutlass.select_(keep, acc[i], Float32(0.0))
+            if const_expr(rows_cols):
+                _mask_blocks_rows_cols(accs, coords, probe, row0, col0, key_major)
+            else:
+                for i in cutlass.range(cute.size(coords), unroll_full=True):
+                    a, b = coords[i]
+                    row, key = (b, a) if const_expr(key_major) else (a, b)
+                    keep = block_kept(probe, row0 + row, col0 + key)
+                    for acc in accs:
+                        acc[i] = cutlass.select_(keep, acc[i], Float32(0.0))
+
+
+def _mask_blocks_rows_cols(accs, coords, probe, row0, col0, key_major: bool):
+    """:func:`mask_dropped_blocks` on (rows, cols) views: the query block of each query and the key
+    block of each key computed once, then a table load and a select per element. Plain Python,
+    traced inline."""
+    mKept, q_block, k_block, q_blocks, k_blocks, inv_q, inv_k = probe
+    rows, cols = range(cute.size(coords.shape[0])), range(cute.size(coords.shape[1]))
+    # The view's rows are queries (keys when key-major), its columns keys (queries).
+    if key_major:
+        k_of = [block_index(col0 + coords[i, 0][0], k_block, inv_k, k_blocks) for i in rows]
+        q_of = [block_index(row0 + coords[0, j][1], q_block, inv_q, q_blocks) for j in cols]
+    else:
+        q_of = [block_index(row0 + coords[i, 0][0], q_block, inv_q, q_blocks) for i in rows]
+        k_of = [block_index(col0 + coords[0, j][1], k_block, inv_k, k_blocks) for j in cols]
+    for i in rows:
+        for j in cols:
+            (qb, q_inside), (kb, k_inside) = (q_of[j], k_of[i]) if key_major else (q_of[i], k_of[j])
+            keep = q_inside & k_inside & (mKept[qb, kb] != 0)
+            for acc in accs:
+                acc[i, j] = cutlass.select_(keep, acc[i, j], Float32(0.0))

@@ -119,13 +119,15 @@ class HstuBackwardSm90Base(HstuSm90Base):
         is_full = tile_full & (q_rows >= self.tile_m)
         if not is_full:
             if const_expr(self.mask.kind == masks.MaskKind.FUNC):
-                apply_mask_key_major_by_query(*_rows_cols(acc_S, acc_dP, tScS), self.mask, seq, row_first, col0, q_rows)
+                apply_mask_key_major_by_query(
+                    cute.make_tensor(acc_S.iterator, wgmma_acc_rows_cols(acc_S.layout)),
+                    cute.make_tensor(acc_dP.iterator, wgmma_acc_rows_cols(acc_dP.layout)),
+                    cute.make_tensor(tScS.iterator, wgmma_acc_rows_cols(tScS.layout)), self.mask, seq, row_first,
+                    col0, q_rows)
             else:
                 apply_mask_key_major(acc_S, acc_dP, tScS, self.mask, seq, row_first, col0, q_rows)
-        if const_expr(seq.sparse is not None):
-            S_rc, dP_rc, coord_rc = _rows_cols(acc_S, acc_dP, tScS)
-            mask_dropped_blocks((S_rc, dP_rc), coord_rc, seq, m_block, n_block, row_first, col0, key_major=True,
-                                mixed=mixed, rows_cols=True)
+        mask_dropped_blocks((acc_S, acc_dP), tScS, seq, m_block, n_block, row_first, col0, key_major=True,
+                            mixed=mixed)
 
     def pipeline_states(self, user_type):
         """Fresh states of the two pipelines: the 1-stage one of the tiles the CTA owns, then
@@ -286,8 +288,3 @@ class KeyBlockProducer:
         cute.copy(tma_atom_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
         if const_expr(kt is not None):
             cute.copy(kt[0], kt[1], kt[2], tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-
-
-def _rows_cols(*tensors):
-    """Each of ``tensors`` (WGMMA accumulators or their coordinates) as a (rows, cols) view."""
-    return tuple(cute.make_tensor(x.iterator, wgmma_acc_rows_cols(x.layout)) for x in tensors)

@@ -358,3 +358,28 @@ def test_kernel_tables_made_during_a_graph_capture_are_not_kept(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert bm.kernel_tables(*args) is not captured
     assert bm.kernel_tables(*args) is bm.kernel_tables(*args)
+
+
+def test_floor_div_by_reciprocal_is_exact():
+    """The kernels' block index (common.seqinfo.floor_div): the fp32 product with the block size's
+    reciprocal, truncated, then one correction each way, equals ``x // d`` for every block size the
+    API takes (multiples of 16) and coordinates up to 2^24, also when the reciprocal is off by two
+    ulps (an approximate division). Modelled here with the same fp32 operations on CPU tensors."""
+
+    def model(x, d, inv_d):
+        q = (x.to(torch.float32) * inv_d).to(torch.int64)  # the product rounds to fp32, then truncates
+        q = torch.where(q * d > x, q - 1, q)
+        return torch.where((q + 1) * d <= x, q + 1, q)
+
+    gen = torch.Generator().manual_seed(0)
+    small = torch.arange(1 << 16)
+    for d in range(16, 4097, 16):
+        inv = torch.tensor(1.0, dtype=torch.float32) / d
+        top = (1 << 24) // d
+        x = torch.cat([small, torch.randint(0, 1 << 24, (4096,), generator=gen), torch.arange(1, top) * d - 1,
+                       torch.arange(0, top) * d])
+        for ulps in (-2, 0, 2):
+            approx = inv
+            for _ in range(abs(ulps)):
+                approx = torch.nextafter(approx, torch.tensor(float("inf") if ulps > 0 else 0.0))
+            assert torch.equal(model(x, d, approx), x // d), (d, ulps)

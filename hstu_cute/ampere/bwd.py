@@ -34,8 +34,8 @@ from ..common.mask_apply import KERNEL_OPS, mask_dropped_blocks
 from ..common.key_blocks import KeyBlocks
 from ..common.seqinfo import BlockSparseArgs, BlockTiles, ScoreScalars, SequenceArgs, walked_block
 from ..common.silu import silu_and_grad_inplace
-from ..common.sm80 import (acc_to_operand_a, gemm_rs, gemm_ss, ldmatrix_copies, scores_init, smem_layout_atom,
-                           smem_operands, transposed_view)
+from ..common.sm80 import (acc_to_operand_a, gemm_rs, gemm_ss, ldmatrix_copies, mma_acc_rows_cols, scores_init,
+                           smem_layout_atom, smem_operands, transposed_view)
 from .base import Sm80Kernel
 
 
@@ -204,7 +204,10 @@ class _BackwardBase(Sm80Kernel):
                 keep = masks.allowed(spec, seq, row_first + row, col0 + key, KERNEL_OPS)
                 for acc in accs:
                     acc[i] = cutlass.select_(keep, acc[i], Float32(0.0))
-        mask_dropped_blocks(accs, tScS, seq, m_block, n_block, row_first, col0, key_major)
+        if const_expr(self.block_sparse):
+            views = [cute.make_tensor(x.iterator, mma_acc_rows_cols(x.layout)) for x in (*accs, tScS)]
+            mask_dropped_blocks(tuple(views[:-1]), views[-1], seq, m_block, n_block, row_first, col0, key_major,
+                                rows_cols=self.tile_m if const_expr(key_major) else self.tile_n)
 
     def output_gemms(self, tiled_mma, tiled_mma_out, out: _OutputOperands, stage, scores, accs):
         """accs[i] += scores[i] (in dtype) @ B_i. With ``warps_d`` > 1 the scores go through smem

@@ -11,7 +11,8 @@ from ..common.key_blocks import KeyBlocks, PagedArgs, cache_row, page_span
 from ..common.mask_apply import KERNEL_OPS, apply_mask_inplace, mask_dropped_blocks
 from ..common.seqinfo import BlockSparseArgs, BlockTiles, ScoreScalars, SequenceArgs
 from ..common.silu import silu_scaled_inplace
-from ..common.sm80 import acc_to_operand_a, gemm_rs, gemm_ss, ldmatrix_copies, scores_init, transposed_view
+from ..common.sm80 import (acc_to_operand_a, gemm_rs, gemm_ss, ldmatrix_copies, mma_acc_rows_cols, scores_init,
+                           transposed_view)
 from .base import Sm80Kernel
 
 
@@ -263,7 +264,10 @@ class HstuForwardSm80(Sm80Kernel):
                 is_full = masks.tile_is_full(spec, seg, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS)
                 if not is_full:
                     apply_mask_inplace(acc_S, tScS, spec, seg, seg_row_first, n_block * self.tile_n)
-                mask_dropped_blocks((acc_S,), tScS, seg, m_block, n_block, seg_row_first, n_block * self.tile_n)
+                if const_expr(self.block_sparse):
+                    mask_dropped_blocks((cute.make_tensor(acc_S.iterator, mma_acc_rows_cols(acc_S.layout)),),
+                                        cute.make_tensor(tScS.iterator, mma_acc_rows_cols(tScS.layout)), seg, m_block,
+                                        n_block, seg_row_first, n_block * self.tile_n, rows_cols=self.tile_n)
                 rP = self._to_dtype(acc_S)
 
                 if const_expr(self.num_stages > 1):

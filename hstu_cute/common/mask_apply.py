@@ -10,7 +10,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from .. import masks
-from .seqinfo import block_kept
+from .seqinfo import block_index, block_kept, floor_div
 
 # The mask engine's helpers, bound to DSL scalar ops for use while tracing a kernel.
 KERNEL_OPS = masks.Ops(min=cutlass.min, max=cutlass.max, select=cutlass.select_)
@@ -83,22 +83,64 @@ def apply_mask_key_major_by_query(S_rc: cute.Tensor, dP_rc: cute.Tensor, coord_r
 
 @cute.jit
 def mask_dropped_blocks(accs, coords: cute.Tensor, seq, m_block: Int32, n_block: Int32, row0: Int32, col0: Int32,
-                        key_major: cutlass.Constexpr[bool] = False, mixed=None):
+                        key_major: cutlass.Constexpr[bool] = False, mixed=None,
+                        rows_cols: cutlass.Constexpr[int] = 0):
     """Block-sparse calls: zero the elements of each accumulator of ``accs`` that lie in a dropped
     block, in the tiles that mix kept and dropped blocks (``coords``: each element's tile
     coordinate, (row, key), or (key, row) when ``key_major``; the same layout as the
     accumulators). Other tiles skip it: the per-element block lookups (two divisions and a load)
     on every tile the HSTU mask cuts cost the 10%-density causal forward about half its speed
     (docs/dev/perf-log.md, session 31). A no-op without a block mask. ``mixed``: the tile's
-    :meth:`~hstu_cute.common.seqinfo.BlockTiles.tile_mixed`, when the caller loaded it ahead."""
+    :meth:`~hstu_cute.common.seqinfo.BlockTiles.tile_mixed`, when the caller loaded it ahead.
+    ``rows_cols``: nonzero when ``accs`` and ``coords`` are (rows, cols) views (WGMMA
+    accumulators, :func:`common.sm90.wgmma_acc_rows_cols`), the tile's extent along their columns:
+    the blocks are looked up per row and per column, not per element (blocks smaller than the tile,
+    as NSA's selection makes, mix nearly every tile)."""
     if const_expr(seq.sparse is not None):
         probe = seq.sparse.kept_probe()
         if const_expr(mixed is None):
             mixed = seq.sparse.tile_mixed(m_block, n_block)
         if mixed:
-            for i in cutlass.range(cute.size(coords), unroll_full=True):
-                a, b = coords[i]
-                row, key = (b, a) if const_expr(key_major) else (a, b)
-                keep = block_kept(probe, row0 + row, col0 + key)
-                for acc in accs:
-                    acc[i] = cutlass.select_(keep, acc[i], Float32(0.0))
+            if const_expr(rows_cols):
+                _mask_blocks_rows_cols(accs, coords, probe, row0, col0, key_major, rows_cols)
+            else:
+                for i in cutlass.range(cute.size(coords), unroll_full=True):
+                    a, b = coords[i]
+                    row, key = (b, a) if const_expr(key_major) else (a, b)
+                    keep = block_kept(probe, row0 + row, col0 + key)
+                    for acc in accs:
+                        acc[i] = cutlass.select_(keep, acc[i], Float32(0.0))
+
+
+def _mask_blocks_rows_cols(accs, coords, probe, row0, col0, key_major: bool, span: int):
+    """:func:`mask_dropped_blocks` on (rows, cols) views (the rows queries and the columns keys, or
+    keys and queries when ``key_major``; ``span``: the tile's extent along the columns). Per row,
+    the kept flags of the blocks the tile's columns cross are read once into the bits of a word
+    (blocks are at least 16 wide: at most ``span // 16 + 1`` of them); per column, its block's
+    place among them. An element then costs a shift and a select, not two divisions and a load.
+    Plain Python, traced inline."""
+    mKept, q_block, k_block, q_blocks, k_blocks = probe
+    inv_q, inv_k = Float32(1.0) / Float32(q_block), Float32(1.0) / Float32(k_block)
+    rows, cols = range(cute.size(coords.shape[0])), range(cute.size(coords.shape[1]))
+    if key_major:
+        r_origin, r_block, r_inv, r_blocks = col0, k_block, inv_k, k_blocks
+        c_origin, c_block, c_inv, c_blocks = row0, q_block, inv_q, q_blocks
+    else:
+        r_origin, r_block, r_inv, r_blocks = row0, q_block, inv_q, q_blocks
+        c_origin, c_block, c_inv, c_blocks = col0, k_block, inv_k, k_blocks
+    first = floor_div(c_origin, c_block, c_inv)  # the tile's first column block (the origin is >= 0)
+    place = [floor_div(c_origin + coords[0, j][1], c_block, c_inv) - first for j in cols]
+    words = []
+    for i in rows:
+        rb, r_inside = block_index(floor_div(r_origin + coords[i, 0][0], r_block, r_inv), r_blocks)
+        word = Int32(0)
+        for t in range(span // 16 + 1):
+            cb = cutlass.min(first + t, c_blocks - 1)
+            kept = (mKept[cb, rb] if key_major else mKept[rb, cb]) != 0
+            word = word | cutlass.select_(r_inside & (first + t < c_blocks) & kept, Int32(1 << t), Int32(0))
+        words.append(word)
+    for i in rows:
+        for j in cols:
+            keep = ((words[i] >> place[j]) & Int32(1)) != 0
+            for acc in accs:
+                acc[i, j] = cutlass.select_(keep, acc[i, j], Float32(0.0))

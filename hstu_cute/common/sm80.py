@@ -96,3 +96,11 @@ def transposed_view(tile: cute.Tensor, rows: int, cols: int, stages: int) -> cut
     """The (cols, rows, stages) view of a (rows, cols, stages) smem tile: an MN-major
     operand (V for P V, K for G K, Q and dO for the dK/dV GEMMs) or a key-major score tile."""
     return cute.composition(tile, cute.make_layout((cols, rows, stages), stride=(rows, 1, rows * cols)))
+
+
+def mma_acc_rows_cols(layout: cute.Layout) -> cute.Layout:
+    """(4, M, N) mma.sync accumulator layout (value ``v = col_pair + 2 * row_half`` of each m16n8
+    atom) -> ((2, M), (2, N)): mode 0 walks the thread's rows, mode 1 its columns (as
+    :func:`common.sm90.wgmma_acc_rows_cols` does for WGMMA)."""
+    m, n = cute.size(layout.shape[1]), cute.size(layout.shape[2])
+    return cute.composition(layout, cute.make_layout(((2, m), (2, n)), stride=((2, 4), (1, 4 * m))))

@@ -947,7 +947,8 @@ class HstuForwardSm90(StagedEpilogue, HstuSm90Base):
         acc_rc = cute.make_tensor(acc_S.iterator, wgmma_acc_rows_cols(acc_S.layout))
         if not masks.tile_is_full(spec, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):
             apply_mask_rows_cols(acc_rc, tScS_rc, spec, seq, row_first, n_block * self.tile_n)
-        mask_dropped_blocks((acc_rc,), tScS_rc, seq, m_block, n_block, row_first, n_block * self.tile_n, mixed=mixed)
+        mask_dropped_blocks((acc_rc,), tScS_rc, seq, m_block, n_block, row_first, n_block * self.tile_n, mixed=mixed,
+                            rows_cols=self.tile_n)
 
     @cute.jit
     def scores_to_p(self, acc_S, tOrP, tSsRab, tScS_rc, pipe_rab, k_state, alpha, spec: cutlass.Constexpr, seq,

@@ -106,7 +106,7 @@ class _QuantPlan:
     ``(argument names, input, table view or None, plain view or None, transposed view or None)``;
     ``copies``: ``(input, "plain" / "transposed", data view, table view)``."""
 
-    __slots__ = ("nbytes", "vt_nbytes", "words", "views", "fills", "launches", "copies", "barrier")
+    __slots__ = ("nbytes", "vt_nbytes", "words", "views", "fills", "launches", "copies")
 
     def __init__(self, r: Fp8Recipe, purpose: str, xs: tuple, batch: int, max_seqlens: tuple, device):
         x0 = xs[0]
@@ -116,7 +116,6 @@ class _QuantPlan:
         empty = [batch == 0 or x.shape[0] == 0 for x in xs]
         self.nbytes = self.vt_nbytes = self.words = 0
         self.views, self.fills, self.launches, self.copies = [], [], [], []
-        self.barrier = None
         separate_vt = purpose == "training"
 
         def view(arena, shape, itemsize: int) -> int:
@@ -151,7 +150,6 @@ class _QuantPlan:
             fixed, slots = {}, []
             if r.grouped:
                 fixed["num_sms"] = num_sms(device)
-                self.barrier = True
             for names, (i, role, plain, transposed) in zip(_SLOT_ARGS, launch_slots):
                 family = r.table_family(role)
                 table = tables.get((i, family))
@@ -190,7 +188,8 @@ class _QuantPlan:
         aligned = [aligned_16(x) for x in xs]
         with _on_device(device):
             for prepared, slots, runs in self.launches:
-                values = {"mBarrier": arenas[3][-1:].view(torch.int32)} if self.barrier else {}
+                # The last group word counts the cooperative launch's grid-barrier arrivals.
+                values = {"mBarrier": arenas[3][-1:].view(torch.int32)} if self.words else {}
                 for names, i, table, out, vt in slots:
                     values[names[0]] = aligned[i]
                     values[names[1]] = offsets[i]

@@ -11,6 +11,7 @@ FLOP counts (the peers' convention, docs/operator.md):
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -227,15 +228,21 @@ def time_cuda(fns, warmup: int = 5, reps: int = 30) -> tuple[float, float]:
     return statistics.median(times), q3 - q1
 
 
-def time_interleaved(lines: dict, rounds: int = 3, warmup: int = 3, reps: int = 10) -> dict:
+def time_interleaved(lines: dict, rounds: int = 3, warmup: int = 3, reps: int = 10, pause_s: float = 1.0) -> dict:
     """``{name: (ms, IQR ms)}`` of each line's :func:`time_cuda`, the lines timed in turn, round
-    after round; a line's time is its fastest round. One line's time moves between rounds by more
-    than lines differ (the block-sparse forward read 3.64, 3.98 and 4.24 ms in three rounds a
-    second apart on the H200, docs/dev/perf-log.md session 37): lines timed one after the other,
-    once each, compare the moments as much as the kernels."""
+    after round, the device idle for ``pause_s`` before each; a line's time is its fastest round.
+    One line's time moves between rounds by more than lines differ (the block-sparse forward read
+    3.64, 3.98 and 4.24 ms in three rounds a second apart on the H200, docs/dev/perf-log.md
+    session 37): lines timed one after the other, once each, compare the moments as much as the
+    kernels. The pause: a line timed right after seconds of the dense call ran 10-12 % slower
+    (FlexAttention 6.28-6.61 ms there, 5.65-5.66 after one idle second; ours 3.90-4.36 against
+    3.49), whichever line it was (session 38)."""
     best: dict = {}
     for _ in range(rounds):
         for name, fn in lines.items():
+            if pause_s:
+                torch.cuda.synchronize()
+                time.sleep(pause_s)
             ms, iqr = time_cuda([fn], warmup=warmup, reps=reps)
             if name not in best or ms < best[name][0]:
                 best[name] = (ms, iqr)

@@ -319,57 +319,62 @@ def _compressed_output_on_kernels(q, k_cmp, v_cmp, counts, seq_offsets, max_seql
 
 def _importance_on_kernels(q, k_cmp, counts, seq_offsets, max_seqlen, batch, pos, alpha, scaling_seqlen,
                            cfg: NSAConfig) -> torch.Tensor:
-    """:func:`compressed_attention`'s importance ``(B, H, M, M)`` on the attention kernels: the
-    scores' sums over each key block's tokens are the output of an attention whose values are
-    indicators, ``V[c, kb] = 1`` where token ``c`` overlaps key block ``kb``; the rows' sums over
-    each query block follow. The values have q's head dim ``D`` columns, so the key blocks go ``D``
-    at a time, each call with only the tokens that overlap its blocks as keys (the same key rows
-    as the output's call, a ``func`` interval ``[first token, visible)`` per row): the score work
-    is the output's once more. P reaches the GEMM in q's 16-bit type and the output is stored in
-    it, so an entry carries that rounding (relative ~2^-9), which may reorder near ties of the
-    selection; the PyTorch path it replaces (one fp32 score matrix per row chunk, ~7 ms of the 64K
-    forward on the H200, docs/dev/perf-log.md session 36) stays for CPU tensors and the reference
-    backend. No gradient, no host sync."""
+    """:func:`compressed_attention`'s importance ``(B, H, M, M)`` on the attention kernels, in one
+    call with the roles of rows and keys exchanged: the compressed tokens are the query rows and
+    q's rows the keys, so the scores' sums over each query block's rows are the output of an
+    attention whose values are indicators, ``V[i, col] = 1`` where row ``i`` lies in query block
+    ``col`` of its chunk. The values have q's head dim ``D`` columns, so each sequence's rows go in
+    chunks of ``D`` query blocks, one batch entry per (sequence, chunk): its keys are the chunk's
+    rows of q in place (offsets into q, no copy), its rows the sequence's tokens, token ``c``
+    allowed the chunk's rows ``i >= c * cmp_stride + cmp_block - 1`` (a ``func`` interval). The
+    per-token sums then add onto the key blocks each token overlaps. The score work is the
+    output's once more, in one launch with rows of only ``C`` tokens per entry: with q's rows as
+    the kernel's rows instead (``D`` key blocks per call), the 64K forward took 8-16 launches that
+    each wrote an output the size of q (the seed's settings: 18.8 ms against 13.6 for the PyTorch
+    path, H200, docs/dev/perf-log.md session 38). P reaches the GEMM in q's 16-bit type and the
+    output is stored in it, so an entry carries that rounding (relative ~2^-9), which may reorder
+    near ties of the selection; the PyTorch path (one fp32 score matrix per row chunk) stays for
+    CPU tensors and the reference backend. No gradient, no host sync."""
     from .api import hstu_attn_varlen_func
     from .masks import FUNC_ROW_PADDING
 
     sequences, c_max, heads, dim = k_cmp.shape
-    tokens = q.shape[0]
     m_blocks = blocks_for(max_seqlen, cfg.sel_block)
     importance = torch.zeros((sequences, heads, m_blocks, m_blocks), dtype=torch.float32, device=q.device)
-    if c_max == 0 or tokens == 0:
+    if c_max == 0 or q.shape[0] == 0:
         return importance
-    first, last, _ = _key_blocks_of_tokens(c_max, cfg, q.device)
+    width = dim * cfg.sel_block  # rows of q per chunk: D query blocks
+    chunks = -(-max_seqlen // width)
+    device = q.device
     with torch.no_grad():
-        k_rows = _token_rows(k_cmp, counts, max_seqlen, batch, pos).to(q.dtype)
-        visible = _visible_tokens(batch, pos, counts, cfg)
-        live = pos < counts[batch]
-        token = pos.clamp(max=c_max - 1)  # key row i of a sequence holds its token i
-        token_first, token_last = first[token][:, None], last[token][:, None]
-        func = torch.zeros((1, 3, tokens + FUNC_ROW_PADDING), dtype=torch.int32, device=q.device)
-        for kb0 in range(0, m_blocks, dim):
-            kb1 = min(kb0 + dim, m_blocks)
-            # The tokens overlapping key blocks [kb0, kb1): last(c) >= kb0 and first(c) < kb1.
-            c_lo = max(0, -(-(kb0 * cfg.sel_block - cfg.cmp_block + 1) // cfg.cmp_stride))
-            c_hi = min(c_max, -(-(kb1 * cfg.sel_block) // cfg.cmp_stride))
-            if c_lo >= c_hi:
-                continue
-            end = visible.clamp(max=c_hi)
-            sees = end > c_lo
-            func[0, 1, :tokens] = torch.where(sees, c_lo, 0).to(torch.int32)
-            func[0, 2, :tokens] = torch.where(sees, end, 0).to(torch.int32)
-            # Key row c of a sequence holds token c: its values are the token's indicator over the
-            # chunk's blocks (rows past the sequence's tokens stay zero; so do the other rows the
-            # kernels load beside the interval).
-            cols = torch.arange(kb0, kb0 + dim, device=q.device)
-            indicator = (token_first <= cols) & (cols <= token_last) & (cols < kb1)
-            indicator &= (live & (pos >= c_lo) & (pos < c_hi))[:, None]
-            v_rows = indicator.to(q.dtype)[:, None, :].expand(tokens, heads, dim).contiguous()
-            out = hstu_attn_varlen_func(q, k_rows, v_rows, seq_offsets, seq_offsets, max_seqlen, max_seqlen,
-                                        alpha=alpha, scaling_seqlen=scaling_seqlen, func=func)
-            per_row = _padded(out, batch, pos, sequences, m_blocks * cfg.sel_block)
-            per_block = per_row.unflatten(1, (m_blocks, cfg.sel_block)).sum(2, dtype=torch.float32)  # (B, M, H, D)
-            importance[:, :, :, kb0:kb1] = per_block[..., :kb1 - kb0].permute(0, 2, 1, 3)
+        lengths = _lengths(seq_offsets).to(torch.int64)
+        starts = torch.minimum(torch.arange(chunks, device=device) * width, lengths[:, None])  # (B, chunks)
+        key_offsets = torch.cat([(seq_offsets[:-1, None].to(torch.int64) + starts).flatten(),
+                                 seq_offsets[-1:].to(torch.int64)]).to(torch.int32)
+        row_offsets = (torch.arange(sequences * chunks + 1, device=device) * c_max).to(torch.int32)
+        rows = k_cmp.to(q.dtype)[:, None].expand(sequences, chunks, c_max, heads, dim).reshape(-1, heads, dim)
+        # Token c of entry (b, j) sees the chunk's rows from c's last key on (local coordinates).
+        c = torch.arange(c_max, device=device)
+        token_end = c * cfg.cmp_stride + cfg.cmp_block - 1
+        lo = (token_end[None, :] - starts[:, :, None]).clamp(min=0)  # (B, chunks, C)
+        live = (c[None, :] < counts[:, None])[:, None, :].expand(sequences, chunks, c_max)
+        func = torch.zeros((1, 3, rows.shape[0] + FUNC_ROW_PADDING), dtype=torch.int32, device=device)
+        func[0, 1, :rows.shape[0]] = torch.where(live, lo, 0).flatten().to(torch.int32)
+        func[0, 2, :rows.shape[0]] = torch.where(live, width, 0).flatten().to(torch.int32)
+        column = torch.remainder(pos, width) // cfg.sel_block
+        values = F.one_hot(column, dim).to(q.dtype)[:, None, :].expand(q.shape[0], heads, dim).contiguous()
+        # Rows and keys aligned at the start (no delta_q): the func bounds are per-entry key
+        # positions either way, and an entry may hold more tokens than keys.
+        bound = max(c_max, min(width, max_seqlen))
+        out = hstu_attn_varlen_func(rows, q, values, row_offsets, key_offsets, bound, bound, alpha=alpha,
+                                    scaling_seqlen=scaling_seqlen, func=func)
+        # (B, chunks, C, H, D) -> per (sequence, head, query block, token), fp32 from here on.
+        per_token = out.view(sequences, chunks, c_max, heads, dim).permute(0, 3, 1, 4, 2)
+        per_token = per_token.reshape(sequences, heads, chunks * dim, c_max)[:, :, :m_blocks].float()
+        first, last, span = _key_blocks_of_tokens(c_max, cfg, device)
+        for o in range(span):
+            kb = first + o
+            importance.index_add_(3, kb.clamp(max=m_blocks - 1), per_token * (kb <= last).to(per_token.dtype))
     return importance
 
 

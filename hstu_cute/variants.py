@@ -292,6 +292,19 @@ def default_hopper_fwd_tiles(head_dim: int, has_rab: bool) -> dict:
     return dict(tile_m=128, tile_n=64, num_stages=2, ptxas_opt=3, dynamic_tiles=True)
 
 
+def block_sparse_hopper_fwd_tiles(head_dim: int, has_rab: bool, q_block: int, k_block: int) -> dict:
+    """The Hopper block-sparse forward's tiles for a mask of ``q_block`` x ``k_block`` blocks: the
+    default tiles where they divide the blocks; else 64 x 64 where those do, so that no tile mixes
+    kept and dropped blocks. H200, D128 causal (docs/dev/perf-log.md session 38): B8 H32 N16384,
+    10 % of 64 x 64 blocks kept, 64 x 64 tiles 6.26 ms, 128 x 64 9.03, 128 x 128 15.43, 64 x 128
+    22.73; with 32 x 32 blocks (NSA's seed settings at 64K) 64 x 64 tiles were slower (the whole
+    forward 7.01 against 6.48 ms), so smaller blocks keep the default."""
+    tiles = default_hopper_fwd_tiles(head_dim, has_rab)
+    if (q_block % tiles["tile_m"] or k_block % tiles["tile_n"]) and not (q_block % 64 or k_block % 64):
+        tiles = dict(tiles, tile_m=64, tile_n=64)
+    return tiles
+
+
 def make_hopper_fwd_key(arch, dtype, head_dim, kind, context_target, has_rab, tiles=None,
                         split_keys: bool = False, block_sparse: bool = False) -> HopperFwdKey:
     return HopperFwdKey(**_variant_fields(arch, dtype, head_dim, kind, context_target, has_rab),

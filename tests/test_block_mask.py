@@ -383,3 +383,22 @@ def test_floor_div_by_reciprocal_is_exact():
             for _ in range(abs(ulps)):
                 approx = torch.nextafter(approx, torch.tensor(float("inf") if ulps > 0 else 0.0))
             assert torch.equal(model(x, d, approx), x // d), (d, ulps)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_block_sparse_forward_tiles_divide_the_blocks(head_dim):
+    """The Hopper block-sparse forward's tiles (variants.block_sparse_hopper_fwd_tiles): where the
+    blocks are multiples of 64, every tile lies inside one block (no tile mixes kept and dropped
+    blocks), on the default tiles where those fit; smaller blocks keep the default tiles."""
+    from hstu_cute.variants import block_sparse_hopper_fwd_tiles, default_hopper_fwd_tiles
+
+    default = default_hopper_fwd_tiles(head_dim, False)
+    for q_block in range(16, 513, 16):
+        for k_block in range(16, 513, 16):
+            tiles = block_sparse_hopper_fwd_tiles(head_dim, False, q_block, k_block)
+            fits = q_block % default["tile_m"] == 0 and k_block % default["tile_n"] == 0
+            if fits or q_block % 64 or k_block % 64:
+                assert tiles == default, (q_block, k_block, tiles)
+            else:
+                assert q_block % tiles["tile_m"] == 0 and k_block % tiles["tile_n"] == 0, (q_block, k_block, tiles)
+                assert dict(tiles, tile_m=default["tile_m"], tile_n=default["tile_n"]) == default

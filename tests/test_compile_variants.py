@@ -230,12 +230,16 @@ def test_semi_local_variants_compile(tmp_cache, compile_tally):
 def test_block_sparse_variants_compile(tmp_cache, compile_tally):
     """The block-sparse Hopper kernels (compiled on first use, not shipped) build without a GPU:
     the forward causal with contexts and targets (the list walk inside the mask's range and the
-    target hole) and with no mask, and the fused backward, D128 bf16; the sm80 forward and its
+    target hole), with no mask and on 64 x 64 tiles (64-row blocks), and the fused backward, D128 bf16; the sm80 forward and its
     dQ (+ drab summed over heads) / dK/dV pair."""
-    from hstu_cute.variants import make_fwd_key, make_hopper_bwd_key, make_hopper_fwd_key
+    from hstu_cute.variants import (block_sparse_hopper_fwd_tiles, make_fwd_key, make_hopper_bwd_key,
+                                    make_hopper_fwd_key)
 
     keys = [make_hopper_fwd_key("sm_90a", "bfloat16", 128, int(kind), ct, False, block_sparse=True)
             for kind, ct in ((MaskKind.CAUSAL, True), (MaskKind.NONE, False))]
+    # 64-row blocks (NSA's selection): 64 x 64 tiles (variants.block_sparse_hopper_fwd_tiles).
+    keys.append(make_hopper_fwd_key("sm_90a", "bfloat16", 128, int(MaskKind.CAUSAL), False, False,
+                                    block_sparse_hopper_fwd_tiles(128, False, 64, 64), block_sparse=True))
     keys.append(make_hopper_bwd_key("fused", "sm_90a", "bfloat16", 128, int(MaskKind.CAUSAL), True, False,
                                     block_sparse=True))
     assert all(k.describe().endswith("block-sparse") for k in keys)

@@ -98,10 +98,10 @@ def test_compressed_output_through_a_func_mask_equals_the_chunked_one(name, monk
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_importance_through_indicator_values_equals_the_chunked_one(name, monkeypatch):
-    """What the CUDA path hands the kernels for the importance (the tokens overlapping ``D`` key
-    blocks at a time as keys, a ``[first token, visible)`` func interval per row, indicator values)
-    computes the chunked branch's importance: here with the kernels replaced by the fp64 oracle,
-    which reads the same func mask. Several chunks of key blocks (head dim 16, up to 70 blocks)."""
+    """What the CUDA path hands the kernels for the importance (the tokens as rows, q's rows as
+    keys in chunks of ``D`` query blocks, a func interval per token, indicator values) computes
+    the chunked branch's importance: here with the kernels replaced by the fp64 oracle, which
+    reads the same func mask. Several chunks of query blocks (head dim 16, up to 70 blocks)."""
     import hstu_cute.api
     from hstu_cute import reference
 

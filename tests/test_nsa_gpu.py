@@ -54,8 +54,8 @@ def test_nsa_matches_the_oracle(path, case):
 
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"case{i}" for i in range(len(CASES))])
 def test_importance_on_the_kernels(path, case):
-    """The importance the CUDA path computes on the attention kernels (indicator values, D key
-    blocks per call) against the PyTorch path's (fp32 scores, TF32-exact products: backend
+    """The importance the CUDA path computes on the attention kernels (tokens as rows, indicator
+    values over chunks of D query blocks) against the PyTorch path's (fp32 scores, TF32-exact products: backend
     "reference"). P reaches the GEMM in bf16 and the output is stored in bf16, two roundings of
     relative 2^-9 at most per entry, so 1e-2 relative (plus 1e-3 of the largest entry, for sums
     that cancel) bounds it with room; a wrong token range or indicator column is off by whole

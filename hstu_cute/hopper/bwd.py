@@ -99,6 +99,9 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
         self.dq_cols = head_dim // 2 if self.dq_split else head_dim
         # sdS rows are one 128-byte swizzle atom wide (store_acc_16bit_sw128_64cols).
         assert not fuse_dq or tile_m == 64, tile_m
+        # The fused dQ was built with two consumer warpgroups: on 64-key tiles (one) its dQ came
+        # out wrong on the H200 (a block-sparse call, docs/dev/perf-log.md session 38).
+        assert not fuse_dq or tile_n == 128, tile_n
         assert tile_n % 64 == 0 and tile_m % 16 == 0
 
     @cute.jit

@@ -9,6 +9,7 @@ import torch
 from ..arch import device_arch, kernel_path, num_sms
 from ..call import Call
 from ..validation import Problem
+from ..variants import block_sparse_hopper_fwd_tiles
 
 from .buffers import _on_device, aligned_16, empty_as, pad_rab_rows, rab_vec, split_arrivals
 from .heuristics import _walk_fixed, key_splits
@@ -47,8 +48,9 @@ def forward(q, k, v, rab, call: Call, tiles: dict | None = None, out: torch.Tens
     block_sparse = call.block_mask is not None
     if block_sparse:
         splits = 1
+    blocks = (call.block_mask.q_block, call.block_mask.k_block) if block_sparse else None
     plan_key = ("fwd", path, rab_vec(rab) if rab is not None else 0, k.shape[0], splits, fp8_kind, call.alpha,
-                call.target_group_size, block_sparse)
+                call.target_group_size, blocks)
 
     def build():
         return _forward_plan(call, device, rab, k.shape[0], path, tiles, fp8, splits)
@@ -84,7 +86,10 @@ def _forward_plan(call: Call, device, rab, tokens_k: int, path: str, tiles, fp8,
     """(the prepared forward launch, the key splits it takes) of ``call``'s signature."""
     p = call.problem
     if fp8 is None:
-        key = fwd_key(p, device_arch(device), rab, tiles, path, block_sparse=call.block_mask is not None)
+        block_mask = call.block_mask
+        if block_mask is not None and path == "hopper" and tiles is None:
+            tiles = block_sparse_hopper_fwd_tiles(p.head_dim, rab is not None, block_mask.q_block, block_mask.k_block)
+        key = fwd_key(p, device_arch(device), rab, tiles, path, block_sparse=block_mask is not None)
         if splits is None:
             splits = key_splits(p, key.tile_m, key.tile_n, call.max_seqlen_q, call.max_seqlen_k, num_sms(device))
         fixed = {}

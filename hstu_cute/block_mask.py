@@ -89,10 +89,8 @@ class BlockMask:
         if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.bool or blocks.dim() != 4:
             raise TypeError(f"blocks: expected a 4-D torch.bool tensor (B, H_mask, M_q, M_k), got "
                             f"{getattr(blocks, 'dtype', type(blocks).__name__)} {tuple(getattr(blocks, 'shape', ()))}")
-        count = blocks.sum(dim=-1, dtype=torch.int32)
-        # A stable sort of "dropped" flags puts the kept indices first, in ascending order.
-        index = torch.sort((~blocks).to(torch.uint8), dim=-1, stable=True).indices.to(torch.int32)
-        return cls(count, index.contiguous(), q_block, k_block)
+        count, index = _ascending_lists(blocks)
+        return cls(count, index, q_block, k_block)
 
     @classmethod
     def from_lists(cls, kv_count: torch.Tensor, kv_index: torch.Tensor, q_block: int, k_block: int) -> "BlockMask":
@@ -183,10 +181,8 @@ class BlockMask:
         row ``L_k - L_q`` with ``is_delta_q`` and at row 0 without, as in the kernels' masks.
         ``dense``: :meth:`to_dense`, when the caller has it already."""
         device = self.device
-        dense = (self.to_dense() if dense is None else dense).to(torch.int32)
+        dense = self.to_dense() if dense is None else dense
         batch, heads, mq, mk = dense.shape
-        prefix = torch.zeros((batch, heads, mq + 1, mk + 1), dtype=torch.int32, device=device)
-        prefix[:, :, 1:, 1:] = dense.cumsum(2).cumsum(3)
         lens_q = (seq_offsets_q[1:] - seq_offsets_q[:-1]).to(torch.int64)
         lens_k = (seq_offsets_k[1:] - seq_offsets_k[:-1]).to(torch.int64)
         if seqused_q is not None:
@@ -196,6 +192,13 @@ class BlockMask:
         lens_q, lens_k = lens_q.clamp(min=0), lens_k.clamp(min=0)
         offset = (lens_k - lens_q).clamp(min=0) if is_delta_q else torch.zeros_like(lens_q)
         m_tiles, n_tiles = blocks_for(max_seqlen_q, tile_m), blocks_for(max_seqlen_k, tile_n)
+        if not is_delta_q and _nested(tile_m, self.q_block) and _nested(tile_n, self.k_block):
+            return self._aligned_tile_lists(dense, lens_q, lens_k, tile_m, tile_n, m_tiles, n_tiles)
+        prefix = torch.zeros((batch, heads, mq + 1, mk + 1), dtype=torch.int32, device=device)
+        # int32 scans along the last dimension: the scan along dim 2 in place, int64, took 0.38 ms
+        # at 4 x 1024 x 1024 blocks on the H200 (docs/dev/perf-log.md session 38).
+        rows_summed = dense.transpose(2, 3).contiguous().cumsum(3, dtype=torch.int32).transpose(2, 3)
+        prefix[:, :, 1:, 1:] = rows_summed.contiguous().cumsum(3, dtype=torch.int32)
         m = torch.arange(m_tiles, device=device)
         n = torch.arange(n_tiles, device=device)
         # Rows [r0, r1) and keys [j0, j1) of each tile, clipped to the sequence (empty: r0 >= r1).
@@ -219,6 +222,29 @@ class BlockMask:
         area = ((qb - qa)[:, None, :, None] * (kb - ka)[:, None, None, :])
         live = (rows_live[:, None, :, None] & keys_live[:, None, None, :])
         any_kept = (kept > 0) & live
+        count, index = _ascending_lists(any_kept)
+        t_count, t_index = _ascending_lists(any_kept.transpose(2, 3))
+        return TileLists(count, index, any_kept, any_kept & (kept < area), t_count, t_index)
+
+    def _aligned_tile_lists(self, dense, lens_q, lens_k, tile_m: int, tile_n: int, m_tiles: int,
+                            n_tiles: int) -> TileLists:
+        """:meth:`tile_lists` where each tile size divides its block size or is a multiple of it
+        and rows start at key-coordinate row 0 (no delta_q): the kept blocks of a tile are then a
+        fixed group of whole blocks (or one block), summed by a reshape, with the blocks past each
+        sequence's valid rows and keys dropped first. At 64 x 64 tiles of 64-blocks, B1 H4 and
+        1024 x 1024 blocks, the prefix-sum path's corner gathers took 0.48 ms (H200, session 38)."""
+        mq, mk = dense.shape[2:]
+        rows_live = torch.arange(mq, device=dense.device)[None, :] * self.q_block < lens_q[:, None]  # (B, M_q)
+        keys_live = torch.arange(mk, device=dense.device)[None, :] * self.k_block < lens_k[:, None]  # (B, M_k)
+        valid = dense & rows_live[:, None, :, None] & keys_live[:, None, None, :]
+        kept = _blocks_to_tiles(_blocks_to_tiles(valid.to(torch.int32), 2, self.q_block, tile_m, m_tiles),
+                                3, self.k_block, tile_n, n_tiles)
+        row_area = _blocks_to_tiles(rows_live.to(torch.int32), 1, self.q_block, tile_m, m_tiles)
+        key_area = _blocks_to_tiles(keys_live.to(torch.int32), 1, self.k_block, tile_n, n_tiles)
+        area = row_area[:, None, :, None] * key_area[:, None, None, :]
+        tiles_live = ((torch.arange(m_tiles, device=dense.device)[None, :] * tile_m < lens_q[:, None])[:, None, :, None]
+                      & (torch.arange(n_tiles, device=dense.device)[None, :] * tile_n < lens_k[:, None])[:, None, None, :])
+        any_kept = (kept > 0) & tiles_live
         count, index = _ascending_lists(any_kept)
         t_count, t_index = _ascending_lists(any_kept.transpose(2, 3))
         return TileLists(count, index, any_kept, any_kept & (kept < area), t_count, t_index)
@@ -308,9 +334,43 @@ class KernelTables(NamedTuple):
 
 
 def _ascending_lists(kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    count = kept.sum(dim=-1, dtype=torch.int32)
-    index = torch.sort((~kept).to(torch.uint8), dim=-1, stable=True).indices.to(torch.int32)
-    return count, index.contiguous()
+    """(count, index) of each row of ``kept (..., N)`` bool: the kept positions ascending, then
+    the dropped ones ascending (what a stable sort of the dropped flags gives), by a prefix sum
+    and one scatter: the sort took 0.37 ms for two 4 x 1024 x 1024 grids on the H200
+    (docs/dev/perf-log.md session 38). ``index`` is contiguous int32."""
+    flags = kept.contiguous().to(torch.int32)
+    count = flags.sum(dim=-1, dtype=torch.int32)
+    kept_through = flags.cumsum(-1, dtype=torch.int32)  # kept positions <= j
+    position = torch.arange(flags.shape[-1], dtype=torch.int32, device=flags.device)
+    # kept j goes to (kept before j); dropped j to count + (dropped before j) = count + j - kept_through[j].
+    target = torch.where(flags.bool(), kept_through - 1, count[..., None] + position - kept_through)
+    index = torch.empty_like(flags).scatter_(-1, target.to(torch.int64), position.expand_as(flags))
+    return count, index
+
+
+def _nested(tile: int, block: int) -> bool:
+    """Whether tiles of ``tile`` rows hold whole blocks of ``block`` rows or lie inside one."""
+    return tile % block == 0 or block % tile == 0
+
+
+def _blocks_to_tiles(x: torch.Tensor, dim: int, block: int, tile: int, tiles: int) -> torch.Tensor:
+    """``x`` per block along ``dim`` -> per tile (``tiles`` of them), for :func:`_nested` sizes:
+    the sum over the tile's ``tile // block`` blocks, or its one block's value where the tile lies
+    inside a block. Blocks past the last tile are dropped, missing ones count 0."""
+    if tile % block == 0:
+        group = tile // block
+        per_block = _resized(x, dim, tiles * group)
+        return per_block.unflatten(dim, (tiles, group)).sum(dim + 1, dtype=x.dtype)
+    return _resized(x.repeat_interleave(block // tile, dim=dim), dim, tiles)
+
+
+def _resized(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``x`` cut or zero-padded to ``size`` entries along ``dim``."""
+    have = x.shape[dim]
+    if have >= size:
+        return x.narrow(dim, 0, size)
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, size - have]
+    return torch.nn.functional.pad(x, pad)
 
 
 def _dense_of_lists(count: torch.Tensor, index: torch.Tensor, k_blocks: int) -> torch.Tensor:

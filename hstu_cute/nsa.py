@@ -96,7 +96,11 @@ def _token_positions(seq_offsets: torch.Tensor, tokens: int) -> tuple[torch.Tens
 
 
 def _padded(x: torch.Tensor, batch: torch.Tensor, pos: torch.Tensor, sequences: int, rows: int) -> torch.Tensor:
-    """Jagged ``(T, ...)`` -> zero-padded ``(B, rows, ...)`` (differentiable; no sync)."""
+    """Jagged ``(T, ...)`` -> zero-padded ``(B, rows, ...)`` (differentiable; no sync). Where
+    ``T == B * rows`` every sequence is ``rows`` long (``rows`` bounds them), so the result is a
+    view: the copy and its backward's gather took 0.5 ms of the 64K forward (H200, session 38)."""
+    if x.shape[0] == sequences * rows:
+        return x.view((sequences, rows) + tuple(x.shape[1:]))
     out = x.new_zeros((sequences, rows) + tuple(x.shape[1:]))
     return out.index_put((batch, pos), x)
 
@@ -283,16 +287,18 @@ def _kernels_serve(q: torch.Tensor, v_cmp: torch.Tensor, backend: str) -> bool:
             and v_cmp.shape[-1] == q.shape[-1])
 
 
-def _token_rows(x_cmp: torch.Tensor, counts: torch.Tensor, max_seqlen: int, batch: torch.Tensor,
-                pos: torch.Tensor) -> torch.Tensor:
+def _token_rows(x_cmp: torch.Tensor, counts: torch.Tensor, seq_offsets: torch.Tensor, tokens: int) -> torch.Tensor:
     """Padded compressed tokens ``(B, C, H, D)`` as jagged key rows ``(T, H, D)``: sequence b's
-    tokens in its first ``counts[b]`` rows, zeros after them (a sequence has at least as many rows
-    as tokens). Padded to max_seqlen rows first, so every token gathers its own (sequence, row):
-    the backward's index_put then has no repeated index. Gathering row min(pos, C - 1) instead sent
-    every row past C to one index, whose accumulation runs serially: 120 of the 148 ms of the 64K
-    forward + backward on the H200 (docs/dev/perf-log.md, session 36)."""
-    live = (pos < counts[batch])[:, None, None]
-    return F.pad(x_cmp, (0, 0, 0, 0, 0, max_seqlen - x_cmp.shape[1]))[batch, pos] * live
+    tokens in its first ``counts[b]`` rows (a sequence has at least as many rows as tokens), zeros
+    after them. One zero fill and a scatter of the ``B x C`` tokens (those past a count go to a
+    spare row past the end), so the backward gathers only them: a gather of every row from the
+    tokens padded to the sequence length cost three passes over ``(T, H, D)`` per tensor (0.73 ms
+    of the 64K forward for k and v, H200, session 38)."""
+    sequences, c_max = x_cmp.shape[:2]
+    c = torch.arange(c_max, device=x_cmp.device)
+    rows = torch.where(c[None, :] < counts[:, None], seq_offsets[:-1, None].to(torch.int64) + c[None, :], tokens)
+    out = x_cmp.new_zeros((tokens + 1,) + tuple(x_cmp.shape[2:]))
+    return out.index_put((rows.flatten(),), x_cmp.flatten(0, 1))[:tokens]
 
 
 def _visible_tokens(batch: torch.Tensor, pos: torch.Tensor, counts: torch.Tensor, cfg: NSAConfig) -> torch.Tensor:
@@ -312,7 +318,7 @@ def _compressed_output_on_kernels(q, k_cmp, v_cmp, counts, seq_offsets, max_seql
 
     func = torch.zeros((1, 1, q.shape[0] + FUNC_ROW_PADDING), dtype=torch.int32, device=q.device)
     func[0, 0, :q.shape[0]] = _visible_tokens(batch, pos, counts, cfg).to(torch.int32)
-    k_rows, v_rows = (_token_rows(x, counts, max_seqlen, batch, pos).to(q.dtype) for x in (k_cmp, v_cmp))
+    k_rows, v_rows = (_token_rows(x, counts, seq_offsets, q.shape[0]).to(q.dtype) for x in (k_cmp, v_cmp))
     return hstu_attn_varlen_func(q, k_rows, v_rows, seq_offsets, seq_offsets, max_seqlen, max_seqlen, alpha=alpha,
                                  scaling_seqlen=scaling_seqlen, func=func)
 
@@ -361,20 +367,23 @@ def _importance_on_kernels(q, k_cmp, counts, seq_offsets, max_seqlen, batch, pos
         func = torch.zeros((1, 3, rows.shape[0] + FUNC_ROW_PADDING), dtype=torch.int32, device=device)
         func[0, 1, :rows.shape[0]] = torch.where(live, lo, 0).flatten().to(torch.int32)
         func[0, 2, :rows.shape[0]] = torch.where(live, width, 0).flatten().to(torch.int32)
-        column = torch.remainder(pos, width) // cfg.sel_block
-        values = F.one_hot(column, dim).to(q.dtype)[:, None, :].expand(q.shape[0], heads, dim).contiguous()
+        column = (torch.remainder(pos, width) // cfg.sel_block)[:, None, None].expand(q.shape[0], heads, 1)
+        values = q.new_zeros(q.shape[:2] + (dim,)).scatter_(2, column, 1)
         # Rows and keys aligned at the start (no delta_q): the func bounds are per-entry key
         # positions either way, and an entry may hold more tokens than keys.
         bound = max(c_max, min(width, max_seqlen))
         out = hstu_attn_varlen_func(rows, q, values, row_offsets, key_offsets, bound, bound, alpha=alpha,
                                     scaling_seqlen=scaling_seqlen, func=func)
-        # (B, chunks, C, H, D) -> per (sequence, head, query block, token), fp32 from here on.
-        per_token = out.view(sequences, chunks, c_max, heads, dim).permute(0, 3, 1, 4, 2)
-        per_token = per_token.reshape(sequences, heads, chunks * dim, c_max)[:, :, :m_blocks].float()
+        # Token c's sums (fp32 from here on) add onto key blocks first[c] .. last[c], in the
+        # output's own (B, chunks, C, H x D) layout; then (B, chunks, M, H, D) -> (B, H, M_q, M).
+        # A token's offsets past its last block go to a spare block m_blocks, dropped after.
+        per_token = out.view(sequences, chunks, c_max, heads * dim).float()
+        by_key_block = per_token.new_zeros((sequences, chunks, m_blocks + 1, heads * dim))
         first, last, span = _key_blocks_of_tokens(c_max, cfg, device)
         for o in range(span):
-            kb = first + o
-            importance.index_add_(3, kb.clamp(max=m_blocks - 1), per_token * (kb <= last).to(per_token.dtype))
+            by_key_block.index_add_(2, torch.where(first + o <= last, first + o, m_blocks), per_token)
+        per_query_block = by_key_block[:, :, :m_blocks].view(sequences, chunks, m_blocks, heads, dim).permute(0, 3, 1, 4, 2)
+        importance.copy_(per_query_block.reshape(sequences, heads, chunks * dim, m_blocks)[:, :, :m_blocks])
     return importance
 
 
@@ -429,10 +438,10 @@ def hstu_nsa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets
     bm = select_blocks(importance, seq_offsets, cfg)
     kw = dict(alpha=alpha, scaling_seqlen=scale, backend=backend)
     o_slc = hstu_attention(q, k, v, seq_offsets, max_seqlen, window_size=CAUSAL, block_mask=bm, **kw)
-    out = gates[..., 0:1] * o_cmp + gates[..., 1:2] * o_slc
+    out = torch.addcmul(gates[..., 0:1] * o_cmp, gates[..., 1:2], o_slc)
     if cfg.window > 0:
         o_swa = hstu_attention(q, k, v, seq_offsets, max_seqlen, window_size=(cfg.window - 1, 0), **kw)
-        out = out + gates[..., 2:3] * o_swa
+        out = torch.addcmul(out, gates[..., 2:3], o_swa)
     out = out.to(q.dtype)
     return (out, bm) if return_block_mask else out
 

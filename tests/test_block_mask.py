@@ -175,6 +175,11 @@ def test_full_and_empty_masks():
     ((128, 176), (16, 32), False, True),
     ((64, 128), (48, 64), True, False),
     ((192, 128), (256, 16), True, True),
+    # Nested sizes without delta_q: BlockMask._aligned_tile_lists.
+    ((64, 64), (64, 64), False, True),
+    ((128, 64), (64, 128), False, False),
+    ((64, 128), (128, 32), False, True),
+    ((128, 128), (256, 64), False, False),
 ])
 def test_tile_lists_match_the_elements(tiles, blocks, delta_q, seqused):
     """BlockMask.tile_lists against a brute-force scan of each tile's valid elements: a tile is

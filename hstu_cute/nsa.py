@@ -123,8 +123,16 @@ def compress_kv(k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor, max
         return empty, vp.new_zeros((sequences, 0) + tuple(v.shape[1:])), counts
 
     def pool(x):  # (B, N, H, D) -> (B, C, H, D): windows of cmp_block rows every cmp_stride
-        windows = x.unfold(1, cfg.cmp_block, cfg.cmp_stride)  # (B, C, H, D, cmp_block)
-        return windows.mean(dim=-1)
+        if cfg.cmp_block % cfg.cmp_stride:
+            return x.unfold(1, cfg.cmp_block, cfg.cmp_stride).mean(dim=-1)  # (B, C, H, D, cmp_block) windows
+        # A window is cmp_block / cmp_stride whole runs of cmp_stride rows: sum the runs (wide),
+        # then the windows' runs. unfold's backward over every row took 0.39 ms per tensor of the
+        # 64K step (H200, session 38); a run's sum has an expand for its backward.
+        runs = c_max + cfg.cmp_block // cfg.cmp_stride - 1
+        wide = torch.promote_types(x.dtype, torch.float32)
+        run_sums = x[:, :runs * cfg.cmp_stride].unflatten(1, (runs, cfg.cmp_stride)).sum(2, dtype=wide)
+        windows = run_sums.unfold(1, cfg.cmp_block // cfg.cmp_stride, 1).sum(-1)
+        return (windows / cfg.cmp_block).to(x.dtype)
 
     live = (torch.arange(c_max, device=k.device)[None, :] < counts[:, None])[..., None, None]
     return pool(kp) * live, pool(vp) * live, counts

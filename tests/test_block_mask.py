@@ -407,3 +407,16 @@ def test_block_sparse_forward_tiles_divide_the_blocks(head_dim):
             else:
                 assert q_block % tiles["tile_m"] == 0 and k_block % tiles["tile_n"] == 0, (q_block, k_block, tiles)
                 assert dict(tiles, tile_m=default["tile_m"], tile_n=default["tile_n"]) == default
+
+
+def test_to_dense_of_a_dense_mask_follows_its_lists():
+    """A mask made from a dense grid returns (a copy of) that grid from to_dense, not the caller's
+    tensor, and rebuilds it from the lists once they change in place."""
+    dense = _random_dense((2, 3, 5, 7), 0.4, 11)
+    bm = BlockMask.from_dense(dense, 32, 16)
+    got = bm.to_dense()
+    assert torch.equal(got, dense)
+    dense.fill_(True)  # the caller's grid is theirs
+    assert torch.equal(bm.to_dense(), got)
+    bm.kv_count.zero_()
+    assert not bm.to_dense().any()

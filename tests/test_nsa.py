@@ -122,6 +122,39 @@ def test_importance_through_indicator_values_equals_the_chunked_one(name, monkey
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-7), (got - want).abs().max()
 
 
+@pytest.mark.parametrize("cmp_block,cmp_stride", [(32, 16), (16, 16), (48, 16), (24, 16), (40, 32)])
+def test_compressed_tokens_are_the_windows_means(cmp_block, cmp_stride):
+    """compress_kv against each window's mean, read directly, with gradients: windows of whole
+    runs of the stride (summed run by run) and the others (unfold), in bf16 (the means rounded
+    once) and fp64; sequences of 0, 1, one window, and lengths no window count divides."""
+    cfg = NSAConfig(cmp_block=cmp_block, cmp_stride=cmp_stride, sel_block=64, top_n=4, window=0, num_initial=1,
+                    num_local=1)
+    lengths = [0, 1, cmp_block, 131, 300]
+    for dtype in (torch.float64, torch.bfloat16):
+        q, k, v, offsets, _ = _batch(lengths, seed=3, dtype=dtype)
+        k_cmp, v_cmp, counts = nsa.compress_kv(k, v, offsets, 300, cfg)
+        assert k_cmp.dtype == dtype and k_cmp.shape[1] == (300 - cmp_block) // cmp_stride + 1
+        for b, n in enumerate(lengths):
+            lo = int(offsets[b])
+            want = [(c * cmp_stride, c * cmp_stride + cmp_block) for c in range(int(counts[b]))]
+            assert int(counts[b]) == (max(n - cmp_block, -cmp_stride) // cmp_stride + 1 if n >= cmp_block else 0)
+            for c, (a, e) in enumerate(want):
+                for got, x in ((k_cmp, k), (v_cmp, v)):
+                    ref = x[lo + a:lo + e].double().mean(0)
+                    tol = 1e-12 if dtype == torch.float64 else 2 ** -8 * ref.abs().max().item()
+                    assert (got[b, c].double() - ref).abs().max() <= tol, (b, c)
+            assert not k_cmp[b, int(counts[b]):].any() and not v_cmp[b, int(counts[b]):].any()
+        # The gradient of a sum over the tokens: each key row gets 1 / cmp_block per window holding it.
+        (k_cmp.double().sum() + 2 * v_cmp.double().sum()).backward()
+        for b, n in enumerate(lengths):
+            lo = int(offsets[b])
+            for r in range(n):
+                hits = sum(1 for c in range(int(counts[b])) if c * cmp_stride <= r < c * cmp_stride + cmp_block)
+                want_grad = hits / cmp_block
+                assert abs(float(k.grad[lo + r, 0, 0]) - want_grad) <= 1e-3 * max(want_grad, 1), (b, r)
+                assert abs(float(v.grad[lo + r, 1, 3]) - 2 * want_grad) <= 2e-3 * max(want_grad, 1), (b, r)
+
+
 def test_selection_rule_against_a_brute_force():
     cfg = NSAConfig(cmp_block=16, cmp_stride=16, sel_block=16, top_n=5, window=0, num_initial=1, num_local=2)
     lengths = [160, 33, 0, 16]

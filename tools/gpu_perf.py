@@ -6,7 +6,7 @@ Writes JSON lines to $OUT/perf.jsonl (or ./perf.jsonl) and prints a short table 
 Modes: headline (default), grid, bwd, ptxas, sweep (forward tiles), all (= those five); and the
 experiments kept for reruns: hopper, bwdsweep, bwdpersist, fusedpersist, dqpersist, bwdquick,
 fusedvspair, fusedthreshold, fp16, timing, bwd256, bwd256sm80, gqa, headdims, hd96tiles, semilocal,
-shorttiles (read the code for what each times).
+shorttiles, bstiles (read the code for what each times).
 """
 
 import argparse
@@ -24,7 +24,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from hstu_cute import bench
+    from hstu_cute import bench, launch
+    from hstu_cute.testing import call_record
 
     out_dir = os.environ.get("OUT", ".")
     rows = []
@@ -113,8 +114,6 @@ def main(argv=None) -> int:
         # correctness). D128 beside them, two rounds. Session 36: every one slower than the default
         # (0.86-0.93x); 192 x 96 at D64 ended in an illegal address and is left out (no default or
         # shipped key runs three consumer warpgroups).
-        from hstu_cute import launch
-        from hstu_cute.testing import call_record
         from hstu_cute.variants import default_hopper_fwd_tiles
 
         def output(w, tiles):
@@ -159,6 +158,41 @@ def main(argv=None) -> int:
                     emit(dict(bench.run_workload(short, tiles, path="hopper"), mode="shorttiles", rep=rep))
                 except Exception as e:  # a config may not fit smem or registers
                     emit({"workload": short.name, "tiles": tiles, "mode": "shorttiles", "error": repr(e)[:300]})
+    if "bstiles" in modes:
+        # Issues 43 / 44: the block-sparse fused backward's tiles on the 10 % rows (blocks of 128
+        # and of 64, B8 H32 N16384 causal): one CTA per key block (default) against persistent
+        # CTAs claiming key blocks, whose prologue and epilogue (K / V loads, dK / dV stores)
+        # then overlap the next walk: about 6 query blocks per key block at 10 %. Lines timed in
+        # turn (bench.time_interleaved); dQ, dK and dV checked against the default's.
+        from hstu_cute import BlockMask
+        from hstu_cute.bench_sparse import _seq_lengths, kept_blocks, sparse_grid
+
+        grid = sparse_grid()
+        for w in (grid[0], grid[7]):
+            lengths = _seq_lengths(w)
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            q, k, v, do = ((torch.rand((sum(lengths), w.heads, w.head_dim), generator=gen, device="cuda") * 2 - 1)
+                           .to(torch.bfloat16) for _ in range(4))
+            offsets = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+            call, _ = call_record(q=q, k=k, v=v, seq_offsets_q=offsets, seq_offsets_k=offsets,
+                                  max_seqlen_q=w.seqlen, max_seqlen_k=w.seqlen, window_size=(-1, 0),
+                                  alpha=w.head_dim ** -0.5,
+                                  block_mask=BlockMask.from_dense(kept_blocks(w), w.block, w.block))
+            configs = {"default": None, "persistent": dict(tile_m=64, tile_n=128, persistent=True, dynamic_tiles=True),
+                       "persistent static": dict(tile_m=64, tile_n=128, persistent=True)}
+            ref = launch.backward(do, q, k, v, None, call)[:3]
+            lines = {}
+            for name, tiles in configs.items():
+                try:
+                    got = launch.backward(do, q, k, v, None, call, tiles_dkdv=tiles)[:3]
+                except Exception as e:  # a config the kernel does not build
+                    emit({"workload": w.name, "mode": "bstiles", "config": name, "error": repr(e)[:300]})
+                    continue
+                diff = [float((g.float() - r.float()).abs().max()) for g, r in zip(got, ref)]
+                emit({"workload": w.name, "mode": "bstiles", "config": name, "max_diff_dq_dk_dv": diff})
+                lines[name] = (lambda tiles=tiles: launch.backward(do, q, k, v, None, call, tiles_dkdv=tiles))
+            for name, (ms, iqr) in bench.time_interleaved(lines).items():
+                emit({"workload": w.name, "mode": "bstiles", "config": name, "bwd_ms": ms, "iqr_ms": iqr})
     if "semilocal" in modes:
         # Issue 46's window bar at the recsys jagged shape with 8 contexts and 32 targets: a causal
         # band (window_size=(W, 0)) with contexts and targets against causal + contexts + targets,

@@ -84,7 +84,7 @@ def apply_mask_key_major_by_query(S_rc: cute.Tensor, dP_rc: cute.Tensor, coord_r
 @cute.jit
 def mask_dropped_blocks(accs, coords: cute.Tensor, seq, m_block: Int32, n_block: Int32, row0: Int32, col0: Int32,
                         key_major: cutlass.Constexpr[bool] = False, mixed=None,
-                        rows_cols: cutlass.Constexpr[int] = 0):
+                        rows_cols: cutlass.Constexpr[int] = 0, query_rows: cutlass.Constexpr[int] = 0):
     """Block-sparse calls: zero the elements of each accumulator of ``accs`` that lie in a dropped
     block, in the tiles that mix kept and dropped blocks (``coords``: each element's tile
     coordinate, (row, key), or (key, row) when ``key_major``; the same layout as the
@@ -95,7 +95,9 @@ def mask_dropped_blocks(accs, coords: cute.Tensor, seq, m_block: Int32, n_block:
     ``rows_cols``: nonzero when ``accs`` and ``coords`` are (rows, cols) views (WGMMA
     accumulators, :func:`common.sm90.wgmma_acc_rows_cols`), the tile's extent along their columns:
     the blocks are looked up per row and per column, not per element (blocks smaller than the tile,
-    as NSA's selection makes, mix nearly every tile)."""
+    as NSA's selection makes, mix nearly every tile). ``query_rows``: nonzero with ``key_major``
+    (rows, cols) views, the tile's query rows: where they all lie in one query block, each key
+    row's flag is read once (:func:`_mask_blocks_key_rows`)."""
     if const_expr(seq.sparse is not None):
         probe = seq.sparse.kept_probe()
         if const_expr(mixed is None):
@@ -103,6 +105,8 @@ def mask_dropped_blocks(accs, coords: cute.Tensor, seq, m_block: Int32, n_block:
         if mixed:
             if const_expr(rows_cols):
                 _mask_blocks_rows_cols(accs, coords, probe, row0, col0, key_major, rows_cols)
+            elif const_expr(query_rows):
+                _mask_blocks_key_rows(accs, coords, probe, row0, col0, query_rows)
             else:
                 for i in cutlass.range(cute.size(coords), unroll_full=True):
                     a, b = coords[i]
@@ -144,3 +148,33 @@ def _mask_blocks_rows_cols(accs, coords, probe, row0, col0, key_major: bool, spa
             keep = ((words[i] >> place[j]) & Int32(1)) != 0
             for acc in accs:
                 acc[i, j] = cutlass.select_(keep, acc[i, j], Float32(0.0))
+
+
+def _mask_blocks_key_rows(accs, coords, probe, row0, col0, query_rows: int):
+    """:func:`mask_dropped_blocks` on key-major (rows, cols) views (rows keys, columns queries) of
+    a tile of ``query_rows`` queries from key-coordinate row ``row0``. Where those rows lie in one
+    query block, as in the backward's 64-row tiles under blocks of 64 or more, a key row's kept
+    flag holds for all its elements: one division and one load per row instead of per element
+    (blocks smaller than the tile's keys mix nearly every tile: NSA's selection). Otherwise per
+    element, as the general path. The per-row words of :func:`_mask_blocks_rows_cols` are not
+    used here: in the fused backward they spilled onto its main path (SASS, session 37). Plain
+    Python, traced inline."""
+    mKept, q_block, k_block, q_blocks, k_blocks = probe
+    inv_q, inv_k = Float32(1.0) / Float32(q_block), Float32(1.0) / Float32(k_block)
+    rows, cols = range(cute.size(coords.shape[0])), range(cute.size(coords.shape[1]))
+    first_block = floor_div(row0, q_block, inv_q)
+    if first_block == floor_div(row0 + (query_rows - 1), q_block, inv_q):
+        qb, q_inside = block_index(first_block, q_blocks)
+        for i in rows:
+            kb, k_inside = block_index(floor_div(col0 + coords[i, 0][0], k_block, inv_k), k_blocks)
+            keep = q_inside & k_inside & (mKept[qb, kb] != 0)
+            for j in cols:
+                for acc in accs:
+                    acc[i, j] = cutlass.select_(keep, acc[i, j], Float32(0.0))
+    else:
+        for i in rows:
+            for j in cols:
+                key, row = coords[i, j]
+                keep = block_kept(probe, row0 + row, col0 + key)
+                for acc in accs:
+                    acc[i, j] = cutlass.select_(keep, acc[i, j], Float32(0.0))

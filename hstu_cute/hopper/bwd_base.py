@@ -126,8 +126,9 @@ class HstuBackwardSm90Base(HstuSm90Base):
                     col0, q_rows)
             else:
                 apply_mask_key_major(acc_S, acc_dP, tScS, self.mask, seq, row_first, col0, q_rows)
-        mask_dropped_blocks((acc_S, acc_dP), tScS, seq, m_block, n_block, row_first, col0, key_major=True,
-                            mixed=mixed)
+        mask_dropped_blocks(tuple(cute.make_tensor(a.iterator, wgmma_acc_rows_cols(a.layout)) for a in (acc_S, acc_dP)),
+                            cute.make_tensor(tScS.iterator, wgmma_acc_rows_cols(tScS.layout)), seq, m_block, n_block,
+                            row_first, col0, key_major=True, mixed=mixed, query_rows=self.tile_m)
 
     def pipeline_states(self, user_type):
         """Fresh states of the two pipelines: the 1-stage one of the tiles the CTA owns, then

@@ -164,7 +164,7 @@ def main(argv=None) -> int:
         # CTAs claiming key blocks, whose prologue and epilogue (K / V loads, dK / dV stores)
         # then overlap the next walk: about 6 query blocks per key block at 10 %. Lines timed in
         # turn (bench.time_interleaved); dQ, dK and dV checked against the default's.
-        from hstu_cute import BlockMask
+        from hstu_cute.block_mask import BlockMask
         from hstu_cute.bench_sparse import _seq_lengths, kept_blocks, sparse_grid
 
         grid = sparse_grid()

@@ -584,8 +584,6 @@ def run_training_step(w: Workload, sets: int = 3, quant_mode: int = -1, has_drab
 def host_us_per_call(fn, calls: int, warmup: int = 20) -> float:
     """CPU microseconds per ``fn()`` over ``calls`` calls queued with no sync inside the loop (the
     GPU work of a tiny problem is negligible, so this is the host path)."""
-    import time
-
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()

@@ -109,3 +109,17 @@ def test_forward_output_goes_through_the_staged_epilogue():
     off = dataclasses.replace(on, staged_epilogue=False)
     tiles_on, tiles_off = on.describe().split()[4], off.describe().split()[4]
     assert not compile_mod.kernel_for(off).staged and tiles_off == tiles_on + "r"
+
+
+def test_sections_of_block_sparse_walks_fit_l2_without_the_claim_floor():
+    """Block-sparse tiles read their kept key blocks out of step with each other, so a claiming
+    kernel's section holds only the pairs whose K and V fit the L2 budget (one at B8 N16384)."""
+    p = _problem(8, heads=32)
+    per_pair = 2 * 128 * 2 * 16384
+    assert launch.L2_SECTION_BYTES // per_pair == 1
+    assert launch.bh_per_section(p, 8 * 16384, 16384, persistent=True, dynamic=True) == launch.CLAIM_MIN_PAIRS
+    assert launch.bh_per_section(p, 8 * 16384, 16384, persistent=True, dynamic=True, block_sparse=True) == 1
+    p = _problem(8, heads=32)  # N4096: four pairs fit
+    assert launch.bh_per_section(p, 8 * 4096, 4096, persistent=True, dynamic=True, block_sparse=True) == 4
+    # A sequence longer than the budget still takes one pair per section.
+    assert launch.bh_per_section(_problem(1), 65536, 65536, persistent=True, dynamic=True, block_sparse=True) == 1

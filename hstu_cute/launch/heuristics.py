@@ -63,7 +63,8 @@ CLAIM_MIN_PAIRS = 16
 CLAIM_MAX_PAIRS = 64
 
 
-def bh_per_section(p: Problem, shared_tokens: int, max_seqlen: int, persistent: bool, dynamic: bool = False) -> int:
+def bh_per_section(p: Problem, shared_tokens: int, max_seqlen: int, persistent: bool, dynamic: bool = False,
+                   block_sparse: bool = False) -> int:
     """(batch, head) pairs per section of the tile walk. Persistent kernels on a batch of full
     sequences (``shared_tokens`` == batch x ``max_seqlen``: known without reading the offsets)
     take one pair per section: their static snake order stays balanced (the heaviest CTA within
@@ -72,13 +73,17 @@ def bh_per_section(p: Problem, shared_tokens: int, max_seqlen: int, persistent: 
     shared operands of an average sequence (K and V for the forward and dQ kernels, Q and dO
     for the dK/dV kernels) in :data:`L2_SECTION_BYTES`. Kernels that claim their tiles
     (``dynamic``) balance any section, so they always take the L2-sized ones, between
-    :data:`CLAIM_MIN_PAIRS` and :data:`CLAIM_MAX_PAIRS` pairs."""
+    :data:`CLAIM_MIN_PAIRS` and :data:`CLAIM_MAX_PAIRS` pairs, except ``block_sparse`` walks:
+    their tiles read kept blocks out of order, not in step along the sequence as dense tiles do,
+    so only the L2-sized sections share K and V there (H200, B8 H32 N16384 causal 10 %, 16 pairs
+    against 1: forward 3.45 -> 3.06 ms with 128-blocks, 6.39 -> 5.24 with 64-blocks; ncu's L2
+    hit rate 31 % at 16 pairs; docs/dev/perf-log.md session 39)."""
     pairs = p.batch * p.heads
     if persistent and not dynamic and shared_tokens == p.batch * max_seqlen:
         return 1
     per_pair = 2 * p.head_dim * p.dtype.itemsize * max(shared_tokens // max(p.batch, 1), 1)
     fit = L2_SECTION_BYTES // per_pair
-    if dynamic:
+    if dynamic and not block_sparse:
         fit = min(max(fit, CLAIM_MIN_PAIRS), CLAIM_MAX_PAIRS)
     return max(1, min(fit, pairs))
 
@@ -89,7 +94,8 @@ def _walk_fixed(key, p: Problem, shared_tokens: int, max_seqlen: int) -> dict:
     per call (one per stream)."""
     if not key.kernel_name.startswith("hopper"):
         return {}
-    return dict(bh_per_section=bh_per_section(p, shared_tokens, max_seqlen, key.persistent, key.dynamic_tiles))
+    return dict(bh_per_section=bh_per_section(p, shared_tokens, max_seqlen, key.persistent, key.dynamic_tiles,
+                                              key.block_sparse))
 
 
 def block_sparse_fused(call: Call, path: str) -> bool:

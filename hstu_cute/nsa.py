@@ -296,20 +296,6 @@ def _kernels_serve(q: torch.Tensor, v_cmp: torch.Tensor, backend: str) -> bool:
             and v_cmp.shape[-1] == q.shape[-1])
 
 
-def _token_rows(x_cmp: torch.Tensor, counts: torch.Tensor, seq_offsets: torch.Tensor, tokens: int) -> torch.Tensor:
-    """Padded compressed tokens ``(B, C, H, D)`` as jagged key rows ``(T, H, D)``: sequence b's
-    tokens in its first ``counts[b]`` rows (a sequence has at least as many rows as tokens), zeros
-    after them. One zero fill and a scatter of the ``B x C`` tokens (those past a count go to a
-    spare row past the end), so the backward gathers only them: a gather of every row from the
-    tokens padded to the sequence length cost three passes over ``(T, H, D)`` per tensor (0.73 ms
-    of the 64K forward for k and v, H200, session 38)."""
-    sequences, c_max = x_cmp.shape[:2]
-    c = torch.arange(c_max, device=x_cmp.device)
-    rows = torch.where(c[None, :] < counts[:, None], seq_offsets[:-1, None].to(torch.int64) + c[None, :], tokens)
-    out = x_cmp.new_zeros((tokens + 1,) + tuple(x_cmp.shape[2:]))
-    return out.index_put((rows.flatten(),), x_cmp.flatten(0, 1))[:tokens]
-
-
 def _visible_tokens(batch: torch.Tensor, pos: torch.Tensor, counts: torch.Tensor, cfg: NSAConfig) -> torch.Tensor:
     """Per jagged row, how many of its sequence's compressed tokens it sees (a prefix):
     ``min(counts[b], (i + 1 - cmp_block) // cmp_stride + 1)``, at least 0."""
@@ -317,18 +303,42 @@ def _visible_tokens(batch: torch.Tensor, pos: torch.Tensor, counts: torch.Tensor
     return torch.minimum(bound.clamp(min=0), counts[batch])
 
 
+# Query rows per entry of the compressed branch's kernel call: the backward's CTAs each own a key
+# tile of compressed tokens and walk the entry's query tiles, so a whole 64K sequence as one entry
+# left token tile 0 to one CTA walking all 1024 query tiles (3.0 ms of the paper settings' 12.4 ms
+# step on the H200, docs/dev/perf-log.md session 39).
+_CMP_ROWS_PER_ENTRY = 4096
+
+
 def _compressed_output_on_kernels(q, k_cmp, v_cmp, counts, seq_offsets, max_seqlen, batch, pos, alpha,
-                                  scaling_seqlen, cfg: NSAConfig) -> torch.Tensor:
-    """``o_cmp`` by one ``hstu_attn_varlen_func`` call with a ``func`` mask: the compressed tokens as
-    key rows (:func:`_token_rows`), row ``i`` allowed ``[0, visible)`` (:func:`_visible_tokens`).
-    Differentiable in q, k_cmp and v_cmp; no host sync."""
+                                  scaling_seqlen, cfg: NSAConfig, rows_per_entry: int = _CMP_ROWS_PER_ENTRY
+                                  ) -> torch.Tensor:
+    """``o_cmp`` by one ``hstu_attn_varlen_func`` call with a ``func`` mask, each sequence's rows
+    in entries of ``rows_per_entry`` (q's rows in place), every entry with a copy of its
+    sequence's compressed tokens as keys, row ``i`` allowed ``[0, visible)`` of them
+    (:func:`_visible_tokens`). The copies' gradients add up through the expand. Differentiable in
+    q, k_cmp and v_cmp; no host sync."""
     from .api import hstu_attn_varlen_func
     from .masks import FUNC_ROW_PADDING
 
-    func = torch.zeros((1, 1, q.shape[0] + FUNC_ROW_PADDING), dtype=torch.int32, device=q.device)
-    func[0, 0, :q.shape[0]] = _visible_tokens(batch, pos, counts, cfg).to(torch.int32)
-    k_rows, v_rows = (_token_rows(x, counts, seq_offsets, q.shape[0]).to(q.dtype) for x in (k_cmp, v_cmp))
-    return hstu_attn_varlen_func(q, k_rows, v_rows, seq_offsets, seq_offsets, max_seqlen, max_seqlen, alpha=alpha,
+    sequences, c_max = k_cmp.shape[:2]
+    rows = max(1, min(rows_per_entry, max_seqlen))
+    chunks = -(-max_seqlen // rows)
+    device = q.device
+    with torch.no_grad():
+        lengths = _lengths(seq_offsets)
+        starts = torch.minimum(torch.arange(chunks, device=device) * rows, lengths[:, None])  # (B, chunks)
+        q_offsets = torch.cat([(seq_offsets[:-1, None].to(torch.int64) + starts).flatten(),
+                               seq_offsets[-1:].to(torch.int64)]).to(torch.int32)
+        k_offsets = (torch.arange(sequences * chunks + 1, device=device) * c_max).to(torch.int32)
+        func = torch.zeros((1, 1, q.shape[0] + FUNC_ROW_PADDING), dtype=torch.int32, device=device)
+        func[0, 0, :q.shape[0]] = _visible_tokens(batch, pos, counts, cfg).to(torch.int32)
+
+    def entries(x):  # (B, C, H, D) -> (B x chunks x C, H, D): one copy of the tokens per entry
+        return x.to(q.dtype)[:, None].expand((sequences, chunks) + tuple(x.shape[1:])).reshape((-1,) + tuple(x.shape[2:]))
+
+    bound = max(c_max, rows)
+    return hstu_attn_varlen_func(q, entries(k_cmp), entries(v_cmp), q_offsets, k_offsets, bound, bound, alpha=alpha,
                                  scaling_seqlen=scaling_seqlen, func=func)
 
 

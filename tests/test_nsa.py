@@ -69,11 +69,13 @@ def test_importance_matches_the_oracle_and_chunks_do_not_matter():
     assert torch.allclose(outs[0], outs[2]) and torch.allclose(outs[1], outs[2])
 
 
+@pytest.mark.parametrize("rows_per_entry", [nsa._CMP_ROWS_PER_ENTRY, 64, 100])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_compressed_output_through_a_func_mask_equals_the_chunked_one(name, monkeypatch):
-    """What the CUDA path hands the kernels (each sequence's compressed tokens in its first rows, a
-    func bound per query row) computes the chunked branch: here with the kernels replaced by the
-    fp64 oracle, which reads the same func mask; gradients reach q, k_cmp and v_cmp alike."""
+def test_compressed_output_through_a_func_mask_equals_the_chunked_one(name, rows_per_entry, monkeypatch):
+    """What the CUDA path hands the kernels (each sequence's rows in entries of ``rows_per_entry``,
+    each entry with a copy of the sequence's compressed tokens as keys, a func bound per query row)
+    computes the chunked branch: here with the kernels replaced by the fp64 oracle, which reads the
+    same func mask; gradients reach q, k_cmp and v_cmp alike (the copies' gradients add up)."""
     import hstu_cute.api
     from hstu_cute import reference
 
@@ -88,7 +90,8 @@ def test_compressed_output_through_a_func_mask_equals_the_chunked_one(name, monk
     k_cmp, v_cmp, counts = nsa.compress_kv(k, v, offsets, 300, cfg)
     want, _ = nsa.compressed_attention(q, k_cmp, v_cmp, counts, offsets, 300, alpha=0.3, scaling_seqlen=300, cfg=cfg)
     batch, pos = nsa._token_positions(offsets, q.shape[0])
-    got = nsa._compressed_output_on_kernels(q, k_cmp, v_cmp, counts, offsets, 300, batch, pos, 0.3, 300, cfg)
+    got = nsa._compressed_output_on_kernels(q, k_cmp, v_cmp, counts, offsets, 300, batch, pos, 0.3, 300, cfg,
+                                            rows_per_entry)
     assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)
     dout = torch.randn(want.shape, generator=torch.Generator().manual_seed(6), dtype=want.dtype)
     got_grads = torch.autograd.grad(got, (q, k, v), dout, retain_graph=True)

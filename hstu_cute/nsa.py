@@ -406,11 +406,9 @@ def _importance_on_kernels(q, k_cmp, counts, seq_offsets, max_seqlen, batch, pos
     return importance
 
 
-def select_blocks(importance: torch.Tensor, seq_offsets: torch.Tensor, cfg: NSAConfig = PAPER) -> BlockMask:
-    """The selected branch's :class:`BlockMask` (``q_block = k_block = sel_block``): per (sequence,
-    head, query block ``qb``) the causal key blocks ``kb <= qb`` inside the sequence; the first
-    ``num_initial`` and the last ``num_local`` of them always, then the highest ``importance`` up to
-    ``top_n`` in all (all of them where there are fewer). On the device, no sync."""
+def _selected_indices(importance: torch.Tensor, seq_offsets: torch.Tensor, cfg: NSAConfig) -> torch.Tensor:
+    """The selection of :func:`select_blocks` as top-k key-block indices ``(B, H, M, top)``, -1
+    for unused slots."""
     sequences, heads, m_blocks, _ = importance.shape
     device = importance.device
     nblocks = -(-_lengths(seq_offsets) // cfg.sel_block)  # (B,)
@@ -422,8 +420,55 @@ def select_blocks(importance: torch.Tensor, seq_offsets: torch.Tensor, cfg: NSAC
     score = score.masked_fill(~candidate[:, None], float("-inf"))
     top = min(cfg.top_n, m_blocks)
     values, indices = score.topk(top, dim=-1)
-    indices = torch.where(values == float("-inf"), torch.full_like(indices, -1), indices)
-    return BlockMask.from_topk(indices, cfg.sel_block, cfg.sel_block, m_blocks)
+    return torch.where(values == float("-inf"), torch.full_like(indices, -1), indices)
+
+
+def select_blocks(importance: torch.Tensor, seq_offsets: torch.Tensor, cfg: NSAConfig = PAPER) -> BlockMask:
+    """The selected branch's :class:`BlockMask` (``q_block = k_block = sel_block``): per (sequence,
+    head, query block ``qb``) the causal key blocks ``kb <= qb`` inside the sequence; the first
+    ``num_initial`` and the last ``num_local`` of them always, then the highest ``importance`` up to
+    ``top_n`` in all (all of them where there are fewer). On the device, no sync."""
+    m_blocks = importance.shape[2]
+    return BlockMask.from_topk(_selected_indices(importance, seq_offsets, cfg), cfg.sel_block, cfg.sel_block, m_blocks)
+
+
+# Query rows per entry of the initial blocks' kernel call (:func:`_initial_blocks_on_kernels`).
+_INITIAL_ROWS_PER_ENTRY = 4096
+
+
+def _initial_blocks_on_kernels(q, k, v, seq_offsets, max_seqlen, alpha, scaling_seqlen, cfg: NSAConfig,
+                               rows_per_entry: int = _INITIAL_ROWS_PER_ENTRY) -> torch.Tensor:
+    """The selected branch's part from the forced initial blocks, apart from the block-sparse call:
+    every query block keeps them, so in that call key tile 0 made one backward CTA walk every
+    query tile of a sequence (3.6 ms of the 64K paper step's 12.4 on the H200, docs/dev/perf-log.md
+    session 39). Here each sequence's rows go in entries of ``rows_per_entry`` (q's rows in place),
+    every entry with a copy of the sequence's first ``num_initial * sel_block`` keys, row ``i``
+    allowed keys ``j <= i`` of them (a ``func`` prefix): what the causal HSTU mask allows in those
+    blocks. The copies' gradients add up through the gather. No host sync."""
+    from .api import hstu_attn_varlen_func
+    from .masks import FUNC_ROW_PADDING
+
+    sequences = seq_offsets.numel() - 1
+    width = cfg.num_initial * cfg.sel_block
+    rows = max(1, min(rows_per_entry, max_seqlen))
+    chunks = -(-max_seqlen // rows)
+    device = q.device
+    with torch.no_grad():
+        batch, pos = _token_positions(seq_offsets, q.shape[0])
+        lengths = _lengths(seq_offsets)
+        starts = torch.minimum(torch.arange(chunks, device=device) * rows, lengths[:, None])  # (B, chunks)
+        q_offsets = torch.cat([(seq_offsets[:-1, None].to(torch.int64) + starts).flatten(),
+                               seq_offsets[-1:].to(torch.int64)]).to(torch.int32)
+        k_offsets = (torch.arange(sequences * chunks + 1, device=device) * width).to(torch.int32)
+        func = torch.zeros((1, 1, q.shape[0] + FUNC_ROW_PADDING), dtype=torch.int32, device=device)
+        func[0, 0, :q.shape[0]] = torch.clamp(pos + 1, max=width).to(torch.int32)
+        # Token j of sequence b (clamped into the tensor: keys past a sequence are never allowed).
+        key_rows = (seq_offsets[:-1, None].to(torch.int64) + torch.arange(width, device=device)[None, :])
+        key_rows = key_rows.clamp(max=max(q.shape[0], k.shape[0]) - 1)
+        key_rows = key_rows[:, None].expand(sequences, chunks, width).flatten()
+    bound = max(width, rows)
+    return hstu_attn_varlen_func(q, k[key_rows], v[key_rows], q_offsets, k_offsets, bound, bound, alpha=alpha,
+                                 scaling_seqlen=scaling_seqlen, func=func)
 
 
 def _check(q, k, v, seq_offsets, max_seqlen, gates):
@@ -454,15 +499,34 @@ def hstu_nsa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets
     k_cmp, v_cmp, counts = compress_kv(k, v, seq_offsets, max_seqlen, cfg)
     o_cmp, importance = compressed_attention(q, k_cmp, v_cmp, counts, seq_offsets, max_seqlen, alpha=alpha,
                                              scaling_seqlen=scale, cfg=cfg, backend=backend)
-    bm = select_blocks(importance, seq_offsets, cfg)
+    indices = _selected_indices(importance, seq_offsets, cfg)
+    m_blocks = importance.shape[2]
     kw = dict(alpha=alpha, scaling_seqlen=scale, backend=backend)
-    o_slc = hstu_attention(q, k, v, seq_offsets, max_seqlen, window_size=CAUSAL, block_mask=bm, **kw)
+    if _initial_blocks_apart(q, v, backend, cfg):
+        # Every query block keeps the initial blocks (top_n covers all the forced ones): they run
+        # as their own call in entries of query rows, the other selected blocks block-sparse.
+        rest = BlockMask.from_topk(torch.where(indices < cfg.num_initial, -1, indices), cfg.sel_block, cfg.sel_block,
+                                   m_blocks)
+        o_slc = (hstu_attention(q, k, v, seq_offsets, max_seqlen, window_size=CAUSAL, block_mask=rest, **kw)
+                 + _initial_blocks_on_kernels(q, k, v, seq_offsets, max_seqlen, alpha, scale, cfg))
+    else:
+        o_slc = hstu_attention(q, k, v, seq_offsets, max_seqlen, window_size=CAUSAL,
+                               block_mask=BlockMask.from_topk(indices, cfg.sel_block, cfg.sel_block, m_blocks), **kw)
     out = torch.addcmul(gates[..., 0:1] * o_cmp, gates[..., 1:2], o_slc)
     if cfg.window > 0:
         o_swa = hstu_attention(q, k, v, seq_offsets, max_seqlen, window_size=(cfg.window - 1, 0), **kw)
         out = torch.addcmul(out, gates[..., 2:3], o_swa)
     out = out.to(q.dtype)
-    return (out, bm) if return_block_mask else out
+    if return_block_mask:
+        return out, BlockMask.from_topk(indices, cfg.sel_block, cfg.sel_block, m_blocks)
+    return out
+
+
+def _initial_blocks_apart(q: torch.Tensor, v: torch.Tensor, backend: str, cfg: NSAConfig) -> bool:
+    """Whether the selected branch's initial blocks run apart (:func:`_initial_blocks_on_kernels`):
+    on the kernels, where every query block keeps them (``top_n`` covers the forced blocks)."""
+    return (_kernels_serve(q, v, backend) and q.shape[0] > 0 and cfg.num_initial > 0
+            and cfg.top_n >= cfg.num_initial + cfg.num_local)
 
 
 def hstu_nsa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets: torch.Tensor, max_seqlen: int,

@@ -99,6 +99,45 @@ def test_compressed_output_through_a_func_mask_equals_the_chunked_one(name, rows
         assert torch.allclose(g, w, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("rows_per_entry", [nsa._INITIAL_ROWS_PER_ENTRY, 64, 100])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_initial_blocks_apart_add_up_to_the_selected_branch(name, rows_per_entry, monkeypatch):
+    """Where the CUDA path runs the selected branch's forced initial blocks as their own call
+    (entries of query rows, each with a copy of its sequence's first keys, a func prefix per row)
+    and the other selected blocks block-sparse, the two add up to the branch over the whole
+    selection: output and gradients of q, k and v, with the kernels replaced by the fp64 oracle."""
+    import hstu_cute.api
+    from hstu_cute import reference
+    from hstu_cute.block_mask import BlockMask
+    from hstu_cute.nn import CAUSAL, hstu_attention
+
+    def oracle(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, **kw):
+        return reference.hstu_attn_reference(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, **kw,
+                                             compute_dtype=torch.float64)
+
+    monkeypatch.setattr(hstu_cute.api, "hstu_attn_varlen_func", oracle)
+    cfg = CONFIGS[name]
+    lengths = [300, 17, 0, 129, 31, 32, 1]
+    q, k, v, offsets, _ = _batch(lengths, seed=7)
+    m = -(-300 // cfg.sel_block)
+    importance = torch.rand((len(lengths), q.shape[1], m, m), generator=torch.Generator().manual_seed(8),
+                            dtype=torch.float64)
+    indices = nsa._selected_indices(importance, offsets, cfg)
+    kw = dict(window_size=CAUSAL, alpha=0.3, scaling_seqlen=300, backend="reference")
+    want = hstu_attention(q, k, v, offsets, 300, block_mask=BlockMask.from_topk(indices, cfg.sel_block, cfg.sel_block,
+                                                                               m), **kw)
+    assert cfg.top_n >= cfg.num_initial + cfg.num_local  # the configurations where the CUDA path splits
+    rest = BlockMask.from_topk(torch.where(indices < cfg.num_initial, -1, indices), cfg.sel_block, cfg.sel_block, m)
+    got = (hstu_attention(q, k, v, offsets, 300, block_mask=rest, **kw)
+           + nsa._initial_blocks_on_kernels(q, k, v, offsets, 300, 0.3, 300, cfg, rows_per_entry))
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)
+    assert float((want - hstu_attention(q, k, v, offsets, 300, block_mask=rest, **kw)).detach().abs().max()) > 1e-3
+    dout = torch.randn(want.shape, generator=torch.Generator().manual_seed(9), dtype=want.dtype)
+    for g, w in zip(torch.autograd.grad(got, (q, k, v), dout, retain_graph=True),
+                    torch.autograd.grad(want, (q, k, v), dout)):
+        assert torch.allclose(g, w, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_importance_through_indicator_values_equals_the_chunked_one(name, monkeypatch):
     """What the CUDA path hands the kernels for the importance (the tokens as rows, q's rows as

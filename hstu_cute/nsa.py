@@ -311,8 +311,7 @@ _CMP_ROWS_PER_ENTRY = 4096
 
 
 def _compressed_output_on_kernels(q, k_cmp, v_cmp, counts, seq_offsets, max_seqlen, batch, pos, alpha,
-                                  scaling_seqlen, cfg: NSAConfig, rows_per_entry: int = _CMP_ROWS_PER_ENTRY
-                                  ) -> torch.Tensor:
+                                  scaling_seqlen, cfg: NSAConfig, rows_per_entry: int | None = None) -> torch.Tensor:
     """``o_cmp`` by one ``hstu_attn_varlen_func`` call with a ``func`` mask, each sequence's rows
     in entries of ``rows_per_entry`` (q's rows in place), every entry with a copy of its
     sequence's compressed tokens as keys, row ``i`` allowed ``[0, visible)`` of them
@@ -322,7 +321,7 @@ def _compressed_output_on_kernels(q, k_cmp, v_cmp, counts, seq_offsets, max_seql
     from .masks import FUNC_ROW_PADDING
 
     sequences, c_max = k_cmp.shape[:2]
-    rows = max(1, min(rows_per_entry, max_seqlen))
+    rows = max(1, min(rows_per_entry or _CMP_ROWS_PER_ENTRY, max_seqlen))
     chunks = -(-max_seqlen // rows)
     device = q.device
     with torch.no_grad():
@@ -335,7 +334,8 @@ def _compressed_output_on_kernels(q, k_cmp, v_cmp, counts, seq_offsets, max_seql
         func[0, 0, :q.shape[0]] = _visible_tokens(batch, pos, counts, cfg).to(torch.int32)
 
     def entries(x):  # (B, C, H, D) -> (B x chunks x C, H, D): one copy of the tokens per entry
-        return x.to(q.dtype)[:, None].expand((sequences, chunks) + tuple(x.shape[1:])).reshape((-1,) + tuple(x.shape[2:]))
+        rest = tuple(x.shape[1:])
+        return x.to(q.dtype)[:, None].expand((sequences, chunks) + rest).reshape((-1,) + rest[1:])
 
     bound = max(c_max, rows)
     return hstu_attn_varlen_func(q, entries(k_cmp), entries(v_cmp), q_offsets, k_offsets, bound, bound, alpha=alpha,
@@ -437,7 +437,7 @@ _INITIAL_ROWS_PER_ENTRY = 4096
 
 
 def _initial_blocks_on_kernels(q, k, v, seq_offsets, max_seqlen, alpha, scaling_seqlen, cfg: NSAConfig,
-                               rows_per_entry: int = _INITIAL_ROWS_PER_ENTRY) -> torch.Tensor:
+                               rows_per_entry: int | None = None) -> torch.Tensor:
     """The selected branch's part from the forced initial blocks, apart from the block-sparse call:
     every query block keeps them, so in that call key tile 0 made one backward CTA walk every
     query tile of a sequence (3.6 ms of the 64K paper step's 12.4 on the H200, docs/dev/perf-log.md
@@ -450,7 +450,7 @@ def _initial_blocks_on_kernels(q, k, v, seq_offsets, max_seqlen, alpha, scaling_
 
     sequences = seq_offsets.numel() - 1
     width = cfg.num_initial * cfg.sel_block
-    rows = max(1, min(rows_per_entry, max_seqlen))
+    rows = max(1, min(rows_per_entry or _INITIAL_ROWS_PER_ENTRY, max_seqlen))
     chunks = -(-max_seqlen // rows)
     device = q.device
     with torch.no_grad():

@@ -26,8 +26,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("rows_per_entry", [None, 256], ids=["entries-default", "entries-256"])
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"case{i}" for i in range(len(CASES))])
-def test_nsa_matches_the_oracle(path, case):
+def test_nsa_matches_the_oracle(path, case, rows_per_entry, monkeypatch):
+    """``rows_per_entry``: the compressed branch's and the initial blocks' calls in entries of that
+    many query rows (several per sequence here; the default takes whole sequences this short)."""
+    if rows_per_entry is not None:
+        monkeypatch.setattr(nsa, "_CMP_ROWS_PER_ENTRY", rows_per_entry)
+        monkeypatch.setattr(nsa, "_INITIAL_ROWS_PER_ENTRY", rows_per_entry)
     lengths, cfg, dim = CASES[case]
     gen = torch.Generator().manual_seed(40 + case)
     offsets = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")

@@ -303,6 +303,34 @@ def _visible_tokens(batch: torch.Tensor, pos: torch.Tensor, counts: torch.Tensor
     return torch.minimum(bound.clamp(min=0), counts[batch])
 
 
+def _attend_in_entries(q, seq_offsets, max_seqlen, rows_per_entry: int, keys_per_entry: int, prefix, key_entries,
+                       alpha, scaling_seqlen) -> torch.Tensor:
+    """One ``hstu_attn_varlen_func`` call with each sequence's query rows in entries of
+    ``rows_per_entry`` (q's rows in place) and ``keys_per_entry`` keys per entry, which
+    ``key_entries(chunks)`` returns as ``(k, v)`` of ``B x chunks x keys_per_entry`` rows; query row
+    ``i`` is allowed the keys ``[0, prefix[i])`` of its entry (a ``func`` mask). A backward CTA owns
+    a key tile of one entry and walks that entry's query tiles, so no CTA walks a whole long
+    sequence. No host sync."""
+    from .api import hstu_attn_varlen_func
+    from .masks import FUNC_ROW_PADDING
+
+    sequences = seq_offsets.numel() - 1
+    rows = max(1, min(rows_per_entry, max_seqlen))
+    chunks = -(-max_seqlen // rows)
+    device = q.device
+    with torch.no_grad():
+        starts = torch.minimum(torch.arange(chunks, device=device) * rows, _lengths(seq_offsets)[:, None])
+        q_offsets = torch.cat([(seq_offsets[:-1, None].to(torch.int64) + starts).flatten(),
+                               seq_offsets[-1:].to(torch.int64)]).to(torch.int32)
+        k_offsets = (torch.arange(sequences * chunks + 1, device=device) * keys_per_entry).to(torch.int32)
+        func = torch.zeros((1, 1, q.shape[0] + FUNC_ROW_PADDING), dtype=torch.int32, device=device)
+        func[0, 0, :q.shape[0]] = prefix.to(torch.int32)
+    k_entries, v_entries = key_entries(chunks)
+    bound = max(keys_per_entry, rows)
+    return hstu_attn_varlen_func(q, k_entries, v_entries, q_offsets, k_offsets, bound, bound, alpha=alpha,
+                                 scaling_seqlen=scaling_seqlen, func=func)
+
+
 # Query rows per entry of the compressed branch's kernel call: the backward's CTAs each own a key
 # tile of compressed tokens and walk the entry's query tiles, so a whole 64K sequence as one entry
 # left token tile 0 to one CTA walking all 1024 query tiles (3.0 ms of the paper settings' 12.4 ms
@@ -312,34 +340,20 @@ _CMP_ROWS_PER_ENTRY = 4096
 
 def _compressed_output_on_kernels(q, k_cmp, v_cmp, counts, seq_offsets, max_seqlen, batch, pos, alpha,
                                   scaling_seqlen, cfg: NSAConfig, rows_per_entry: int | None = None) -> torch.Tensor:
-    """``o_cmp`` by one ``hstu_attn_varlen_func`` call with a ``func`` mask, each sequence's rows
-    in entries of ``rows_per_entry`` (q's rows in place), every entry with a copy of its
-    sequence's compressed tokens as keys, row ``i`` allowed ``[0, visible)`` of them
+    """``o_cmp`` on the attention kernels (:func:`_attend_in_entries`): every entry has a copy of
+    its sequence's compressed tokens as keys, row ``i`` allowed ``[0, visible)`` of them
     (:func:`_visible_tokens`). The copies' gradients add up through the expand. Differentiable in
-    q, k_cmp and v_cmp; no host sync."""
-    from .api import hstu_attn_varlen_func
-    from .masks import FUNC_ROW_PADDING
-
+    q, k_cmp and v_cmp."""
     sequences, c_max = k_cmp.shape[:2]
-    rows = max(1, min(rows_per_entry or _CMP_ROWS_PER_ENTRY, max_seqlen))
-    chunks = -(-max_seqlen // rows)
-    device = q.device
     with torch.no_grad():
-        lengths = _lengths(seq_offsets)
-        starts = torch.minimum(torch.arange(chunks, device=device) * rows, lengths[:, None])  # (B, chunks)
-        q_offsets = torch.cat([(seq_offsets[:-1, None].to(torch.int64) + starts).flatten(),
-                               seq_offsets[-1:].to(torch.int64)]).to(torch.int32)
-        k_offsets = (torch.arange(sequences * chunks + 1, device=device) * c_max).to(torch.int32)
-        func = torch.zeros((1, 1, q.shape[0] + FUNC_ROW_PADDING), dtype=torch.int32, device=device)
-        func[0, 0, :q.shape[0]] = _visible_tokens(batch, pos, counts, cfg).to(torch.int32)
+        visible = _visible_tokens(batch, pos, counts, cfg)
 
-    def entries(x):  # (B, C, H, D) -> (B x chunks x C, H, D): one copy of the tokens per entry
-        rest = tuple(x.shape[1:])
-        return x.to(q.dtype)[:, None].expand((sequences, chunks) + rest).reshape((-1,) + rest[1:])
+    def key_entries(chunks):  # (B, C, H, D) -> (B x chunks x C, H, D): one copy of the tokens per entry
+        return tuple(x.to(q.dtype)[:, None].expand((sequences, chunks) + tuple(x.shape[1:])).flatten(0, 2)
+                     for x in (k_cmp, v_cmp))
 
-    bound = max(c_max, rows)
-    return hstu_attn_varlen_func(q, entries(k_cmp), entries(v_cmp), q_offsets, k_offsets, bound, bound, alpha=alpha,
-                                 scaling_seqlen=scaling_seqlen, func=func)
+    return _attend_in_entries(q, seq_offsets, max_seqlen, rows_per_entry or _CMP_ROWS_PER_ENTRY, c_max, visible,
+                              key_entries, alpha, scaling_seqlen)
 
 
 def _importance_on_kernels(q, k_cmp, counts, seq_offsets, max_seqlen, batch, pos, alpha, scaling_seqlen,
@@ -441,34 +455,24 @@ def _initial_blocks_on_kernels(q, k, v, seq_offsets, max_seqlen, alpha, scaling_
     """The selected branch's part from the forced initial blocks, apart from the block-sparse call:
     every query block keeps them, so in that call key tile 0 made one backward CTA walk every
     query tile of a sequence (3.6 ms of the 64K paper step's 12.4 on the H200, docs/dev/perf-log.md
-    session 39). Here each sequence's rows go in entries of ``rows_per_entry`` (q's rows in place),
+    session 39). On the attention kernels in entries of query rows (:func:`_attend_in_entries`),
     every entry with a copy of the sequence's first ``num_initial * sel_block`` keys, row ``i``
-    allowed keys ``j <= i`` of them (a ``func`` prefix): what the causal HSTU mask allows in those
-    blocks. The copies' gradients add up through the gather. No host sync."""
-    from .api import hstu_attn_varlen_func
-    from .masks import FUNC_ROW_PADDING
-
+    allowed keys ``j <= i`` of them: what the causal HSTU mask allows in those blocks. The copies'
+    gradients add up through the gather."""
     sequences = seq_offsets.numel() - 1
     width = cfg.num_initial * cfg.sel_block
-    rows = max(1, min(rows_per_entry or _INITIAL_ROWS_PER_ENTRY, max_seqlen))
-    chunks = -(-max_seqlen // rows)
-    device = q.device
     with torch.no_grad():
-        batch, pos = _token_positions(seq_offsets, q.shape[0])
-        lengths = _lengths(seq_offsets)
-        starts = torch.minimum(torch.arange(chunks, device=device) * rows, lengths[:, None])  # (B, chunks)
-        q_offsets = torch.cat([(seq_offsets[:-1, None].to(torch.int64) + starts).flatten(),
-                               seq_offsets[-1:].to(torch.int64)]).to(torch.int32)
-        k_offsets = (torch.arange(sequences * chunks + 1, device=device) * width).to(torch.int32)
-        func = torch.zeros((1, 1, q.shape[0] + FUNC_ROW_PADDING), dtype=torch.int32, device=device)
-        func[0, 0, :q.shape[0]] = torch.clamp(pos + 1, max=width).to(torch.int32)
+        _, pos = _token_positions(seq_offsets, q.shape[0])
         # Token j of sequence b (clamped into the tensor: keys past a sequence are never allowed).
-        key_rows = (seq_offsets[:-1, None].to(torch.int64) + torch.arange(width, device=device)[None, :])
-        key_rows = key_rows.clamp(max=max(q.shape[0], k.shape[0]) - 1)
-        key_rows = key_rows[:, None].expand(sequences, chunks, width).flatten()
-    bound = max(width, rows)
-    return hstu_attn_varlen_func(q, k[key_rows], v[key_rows], q_offsets, k_offsets, bound, bound, alpha=alpha,
-                                 scaling_seqlen=scaling_seqlen, func=func)
+        key_rows = (seq_offsets[:-1, None].to(torch.int64) + torch.arange(width, device=q.device)[None, :])
+        key_rows = key_rows.clamp(max=k.shape[0] - 1)
+
+    def key_entries(chunks):
+        rows = key_rows[:, None].expand(sequences, chunks, width).flatten()
+        return k[rows], v[rows]
+
+    return _attend_in_entries(q, seq_offsets, max_seqlen, rows_per_entry or _INITIAL_ROWS_PER_ENTRY, width,
+                              torch.clamp(pos + 1, max=width), key_entries, alpha, scaling_seqlen)
 
 
 def _check(q, k, v, seq_offsets, max_seqlen, gates):

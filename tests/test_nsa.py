@@ -21,6 +21,20 @@ def _batch(lengths, heads=2, dim=16, seed=0, dtype=torch.float64):
     return q, k, v, offsets, gates
 
 
+@pytest.fixture
+def fp64_kernels(monkeypatch):
+    """The attention kernels replaced by the fp64 oracle, which reads the same arguments (func
+    masks included): what the CUDA path hands the kernels, checked on CPU."""
+    import hstu_cute.api
+    from hstu_cute import reference
+
+    def oracle(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, **kw):
+        return reference.hstu_attn_reference(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, **kw,
+                                             compute_dtype=torch.float64)
+
+    monkeypatch.setattr(hstu_cute.api, "hstu_attn_varlen_func", oracle)
+
+
 CONFIGS = {
     "small": NSAConfig(cmp_block=32, cmp_stride=16, sel_block=32, top_n=4, window=48, num_initial=1, num_local=1),
     "seed-like": NSAConfig(cmp_block=16, cmp_stride=16, sel_block=16, top_n=3, window=0, num_initial=1,
@@ -71,19 +85,11 @@ def test_importance_matches_the_oracle_and_chunks_do_not_matter():
 
 @pytest.mark.parametrize("rows_per_entry", [nsa._CMP_ROWS_PER_ENTRY, 64, 100])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_compressed_output_through_a_func_mask_equals_the_chunked_one(name, rows_per_entry, monkeypatch):
+def test_compressed_output_through_a_func_mask_equals_the_chunked_one(name, rows_per_entry, fp64_kernels):
     """What the CUDA path hands the kernels (each sequence's rows in entries of ``rows_per_entry``,
     each entry with a copy of the sequence's compressed tokens as keys, a func bound per query row)
     computes the chunked branch: here with the kernels replaced by the fp64 oracle, which reads the
     same func mask; gradients reach q, k_cmp and v_cmp alike (the copies' gradients add up)."""
-    import hstu_cute.api
-    from hstu_cute import reference
-
-    def oracle(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, **kw):
-        return reference.hstu_attn_reference(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, **kw,
-                                             compute_dtype=torch.float64)
-
-    monkeypatch.setattr(hstu_cute.api, "hstu_attn_varlen_func", oracle)
     cfg = CONFIGS[name]
     lengths = [300, 17, 0, 129, 31, 32]
     q, k, v, offsets, _ = _batch(lengths, seed=5)
@@ -101,21 +107,14 @@ def test_compressed_output_through_a_func_mask_equals_the_chunked_one(name, rows
 
 @pytest.mark.parametrize("rows_per_entry", [nsa._INITIAL_ROWS_PER_ENTRY, 64, 100])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_initial_blocks_apart_add_up_to_the_selected_branch(name, rows_per_entry, monkeypatch):
+def test_initial_blocks_apart_add_up_to_the_selected_branch(name, rows_per_entry, fp64_kernels):
     """Where the CUDA path runs the selected branch's forced initial blocks as their own call
     (entries of query rows, each with a copy of its sequence's first keys, a func prefix per row)
     and the other selected blocks block-sparse, the two add up to the branch over the whole
     selection: output and gradients of q, k and v, with the kernels replaced by the fp64 oracle."""
-    import hstu_cute.api
-    from hstu_cute import reference
     from hstu_cute.block_mask import BlockMask
     from hstu_cute.nn import CAUSAL, hstu_attention
 
-    def oracle(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, **kw):
-        return reference.hstu_attn_reference(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, **kw,
-                                             compute_dtype=torch.float64)
-
-    monkeypatch.setattr(hstu_cute.api, "hstu_attn_varlen_func", oracle)
     cfg = CONFIGS[name]
     lengths = [300, 17, 0, 129, 31, 32, 1]
     q, k, v, offsets, _ = _batch(lengths, seed=7)
@@ -139,19 +138,11 @@ def test_initial_blocks_apart_add_up_to_the_selected_branch(name, rows_per_entry
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_importance_through_indicator_values_equals_the_chunked_one(name, monkeypatch):
+def test_importance_through_indicator_values_equals_the_chunked_one(name, fp64_kernels):
     """What the CUDA path hands the kernels for the importance (the tokens as rows, q's rows as
     keys in chunks of ``D`` query blocks, a func interval per token, indicator values) computes
     the chunked branch's importance: here with the kernels replaced by the fp64 oracle, which
     reads the same func mask. Several chunks of query blocks (head dim 16, up to 70 blocks)."""
-    import hstu_cute.api
-    from hstu_cute import reference
-
-    def oracle(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, **kw):
-        return reference.hstu_attn_reference(q, k, v, seq_offsets_q, seq_offsets_k, max_seqlen_q, max_seqlen_k, **kw,
-                                             compute_dtype=torch.float64)
-
-    monkeypatch.setattr(hstu_cute.api, "hstu_attn_varlen_func", oracle)
     cfg = CONFIGS[name]
     lengths = [1111, 17, 0, 129, 31, 32, 300]
     q, k, v, offsets, _ = _batch(lengths, seed=7)

@@ -230,10 +230,7 @@ class BlockMask:
         kept = corner(qb, kb) - corner(qa, kb) - corner(qb, ka) + corner(qa, ka)
         area = ((qb - qa)[:, None, :, None] * (kb - ka)[:, None, None, :])
         live = (rows_live[:, None, :, None] & keys_live[:, None, None, :])
-        any_kept = (kept > 0) & live
-        count, index = _ascending_lists(any_kept)
-        t_count, t_index = _ascending_lists(any_kept.transpose(2, 3))
-        return TileLists(count, index, any_kept, any_kept & (kept < area), t_count, t_index)
+        return _tile_lists((kept > 0) & live, kept, area)
 
     def _aligned_tile_lists(self, dense, lens_q, lens_k, tile_m: int, tile_n: int, m_tiles: int,
                             n_tiles: int) -> TileLists:
@@ -253,10 +250,7 @@ class BlockMask:
         area = row_area[:, None, :, None] * key_area[:, None, None, :]
         tiles_live = ((torch.arange(m_tiles, device=dense.device)[None, :] * tile_m < lens_q[:, None])[:, None, :, None]
                       & (torch.arange(n_tiles, device=dense.device)[None, :] * tile_n < lens_k[:, None])[:, None, None, :])
-        any_kept = (kept > 0) & tiles_live
-        count, index = _ascending_lists(any_kept)
-        t_count, t_index = _ascending_lists(any_kept.transpose(2, 3))
-        return TileLists(count, index, any_kept, any_kept & (kept < area), t_count, t_index)
+        return _tile_lists((kept > 0) & tiles_live, kept, area)
 
     def kernel_tables(self, seq_offsets_q: torch.Tensor, seq_offsets_k: torch.Tensor, seqused_q, seqused_k,
                       tile_m: int, tile_n: int, max_seqlen_q: int, max_seqlen_k: int,
@@ -338,6 +332,14 @@ class KernelTables(NamedTuple):
     t_index: torch.Tensor
     state: torch.Tensor
     kept_blocks: torch.Tensor
+
+
+def _tile_lists(any_kept: torch.Tensor, kept: torch.Tensor, area: torch.Tensor) -> TileLists:
+    """:class:`TileLists` from each live tile's kept flag ``any_kept`` and its kept and total
+    element counts (``kept < area``: the tile mixes kept and dropped blocks)."""
+    count, index = _ascending_lists(any_kept)
+    t_count, t_index = _ascending_lists(any_kept.transpose(2, 3))
+    return TileLists(count, index, any_kept, any_kept & (kept < area), t_count, t_index)
 
 
 def _untracked(*tensors) -> bool:

@@ -303,6 +303,15 @@ def _visible_tokens(batch: torch.Tensor, pos: torch.Tensor, counts: torch.Tensor
     return torch.minimum(bound.clamp(min=0), counts[batch])
 
 
+def _entry_starts(seq_offsets: torch.Tensor, chunks: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's rows in ``chunks`` entries of ``rows`` (the last ones short or empty):
+    ``(starts (B, chunks), offsets (B x chunks + 1,) int32)``, the entries' first rows within
+    their sequences and their offsets into the jagged rows (the rows stay in place)."""
+    starts = torch.minimum(torch.arange(chunks, device=seq_offsets.device) * rows, _lengths(seq_offsets)[:, None])
+    offsets = torch.cat([(seq_offsets[:-1, None].to(torch.int64) + starts).flatten(), seq_offsets[-1:].to(torch.int64)])
+    return starts, offsets.to(torch.int32)
+
+
 def _attend_in_entries(q, seq_offsets, max_seqlen, rows_per_entry: int, keys_per_entry: int, prefix, key_entries,
                        alpha, scaling_seqlen) -> torch.Tensor:
     """One ``hstu_attn_varlen_func`` call with each sequence's query rows in entries of
@@ -319,9 +328,7 @@ def _attend_in_entries(q, seq_offsets, max_seqlen, rows_per_entry: int, keys_per
     chunks = -(-max_seqlen // rows)
     device = q.device
     with torch.no_grad():
-        starts = torch.minimum(torch.arange(chunks, device=device) * rows, _lengths(seq_offsets)[:, None])
-        q_offsets = torch.cat([(seq_offsets[:-1, None].to(torch.int64) + starts).flatten(),
-                               seq_offsets[-1:].to(torch.int64)]).to(torch.int32)
+        _, q_offsets = _entry_starts(seq_offsets, chunks, rows)
         k_offsets = (torch.arange(sequences * chunks + 1, device=device) * keys_per_entry).to(torch.int32)
         func = torch.zeros((1, 1, q.shape[0] + FUNC_ROW_PADDING), dtype=torch.int32, device=device)
         func[0, 0, :q.shape[0]] = prefix.to(torch.int32)
@@ -386,10 +393,7 @@ def _importance_on_kernels(q, k_cmp, counts, seq_offsets, max_seqlen, batch, pos
     chunks = -(-max_seqlen // width)
     device = q.device
     with torch.no_grad():
-        lengths = _lengths(seq_offsets).to(torch.int64)
-        starts = torch.minimum(torch.arange(chunks, device=device) * width, lengths[:, None])  # (B, chunks)
-        key_offsets = torch.cat([(seq_offsets[:-1, None].to(torch.int64) + starts).flatten(),
-                                 seq_offsets[-1:].to(torch.int64)]).to(torch.int32)
+        starts, key_offsets = _entry_starts(seq_offsets, chunks, width)  # the chunks' rows of q as keys
         row_offsets = (torch.arange(sequences * chunks + 1, device=device) * c_max).to(torch.int32)
         rows = k_cmp.to(q.dtype)[:, None].expand(sequences, chunks, c_max, heads, dim).reshape(-1, heads, dim)
         # Token c of entry (b, j) sees the chunk's rows from c's last key on (local coordinates).
@@ -506,6 +510,7 @@ def hstu_nsa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets
     indices = _selected_indices(importance, seq_offsets, cfg)
     m_blocks = importance.shape[2]
     kw = dict(alpha=alpha, scaling_seqlen=scale, backend=backend)
+    selection = None
     if _initial_blocks_apart(q, v, backend, cfg):
         # Every query block keeps the initial blocks (top_n covers all the forced ones): they run
         # as their own call in entries of query rows, the other selected blocks block-sparse.
@@ -514,15 +519,17 @@ def hstu_nsa_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_offsets
         o_slc = (hstu_attention(q, k, v, seq_offsets, max_seqlen, window_size=CAUSAL, block_mask=rest, **kw)
                  + _initial_blocks_on_kernels(q, k, v, seq_offsets, max_seqlen, alpha, scale, cfg))
     else:
-        o_slc = hstu_attention(q, k, v, seq_offsets, max_seqlen, window_size=CAUSAL,
-                               block_mask=BlockMask.from_topk(indices, cfg.sel_block, cfg.sel_block, m_blocks), **kw)
+        selection = BlockMask.from_topk(indices, cfg.sel_block, cfg.sel_block, m_blocks)
+        o_slc = hstu_attention(q, k, v, seq_offsets, max_seqlen, window_size=CAUSAL, block_mask=selection, **kw)
     out = torch.addcmul(gates[..., 0:1] * o_cmp, gates[..., 1:2], o_slc)
     if cfg.window > 0:
         o_swa = hstu_attention(q, k, v, seq_offsets, max_seqlen, window_size=(cfg.window - 1, 0), **kw)
         out = torch.addcmul(out, gates[..., 2:3], o_swa)
     out = out.to(q.dtype)
     if return_block_mask:
-        return out, BlockMask.from_topk(indices, cfg.sel_block, cfg.sel_block, m_blocks)
+        if selection is None:
+            selection = BlockMask.from_topk(indices, cfg.sel_block, cfg.sel_block, m_blocks)
+        return out, selection
     return out
 
 

@@ -193,6 +193,76 @@ def main(argv=None) -> int:
                 lines[name] = (lambda tiles=tiles: launch.backward(do, q, k, v, None, call, tiles_dkdv=tiles))
             for name, (ms, iqr) in bench.time_interleaved(lines).items():
                 emit({"workload": w.name, "mode": "bstiles", "config": name, "bwd_ms": ms, "iqr_ms": iqr})
+    if "bsfixed" in modes:
+        # Issue 43: what a key block's CTA costs besides its m-blocks. The fused backward alone
+        # (zero-fill and conversion included) on B8 H32 N16384 causal, block 128, at densities from
+        # the diagonal alone up, one CTA per key block against persistent claimed CTAs: the
+        # intercept at zero density is the per-CTA work (K / V loads, dK / dV stores, launch).
+        import dataclasses as dc
+
+        from hstu_cute.block_mask import BlockMask
+        from hstu_cute.bench_sparse import kept_blocks, sparse_grid
+
+        base = sparse_grid()[0]
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        q, k, v, do = ((torch.rand((base.batch * base.seqlen, base.heads, base.head_dim), generator=gen,
+                                   device="cuda") * 2 - 1).to(torch.bfloat16) for _ in range(4))
+        offsets = torch.arange(base.batch + 1, device="cuda", dtype=torch.int32) * base.seqlen
+        configs = {"default": None, "persistent": dict(tile_m=64, tile_n=128, persistent=True, dynamic_tiles=True)}
+        for density in (0.0, 0.05, 0.10, 0.20):
+            w = dc.replace(base, density=density)
+            kept = kept_blocks(w)
+            call, _ = call_record(q=q, k=k, v=v, seq_offsets_q=offsets, seq_offsets_k=offsets,
+                                  max_seqlen_q=w.seqlen, max_seqlen_k=w.seqlen, window_size=(-1, 0),
+                                  alpha=w.head_dim ** -0.5, block_mask=BlockMask.from_dense(kept, w.block, w.block))
+            lines = {name: (lambda tiles=tiles, call=call: launch.backward(do, q, k, v, None, call, tiles_dkdv=tiles))
+                     for name, tiles in configs.items()}
+            for name, (ms, iqr) in bench.time_interleaved(lines, rounds=2, pause_s=0.5).items():
+                emit({"workload": "B8 H32 N16384 causal", "mode": "bsfixed", "density": density,
+                      "kept_pairs": int(kept.sum()), "config": name, "bwd_ms": ms, "iqr_ms": iqr})
+    if "packed" in modes:
+        # Issue 45: short jagged users packed into 128-row tiles, spelled with what exists: the
+        # whole batch as ONE sequence (offsets [0, T]) whose func mask gives row r of user b the
+        # keys [start_b, r + 1) (block-diagonal causal), against the jagged causal call on the
+        # same tensors. scaling_seqlen keeps S. Forward alone and forward + backward (autograd),
+        # lines timed in turn; outputs and gradients compared with the jagged call's.
+        from hstu_cute.api import hstu_attn_varlen_func
+
+        for batch, seqlen in ((2048, 256), (4096, 256), (512, 1024)):
+            w = bench.Workload(f"u[1,{seqlen}] B{batch} causal", batch, seqlen, lengths="uniform1")
+            full = bench.make_inputs(w, seed=0)
+            kw = {k: v for k, v in full.items() if not k.startswith("_")}
+            offsets = kw["seq_offsets_q"]
+            total = int(offsets[-1])
+            lens = offsets[1:] - offsets[:-1]
+            seq_of_row = torch.repeat_interleave(torch.arange(batch, device="cuda"), lens)
+            rows_ = torch.arange(total, device="cuda", dtype=torch.int32)
+            func = torch.zeros((1, 3, total + 256), dtype=torch.int32, device="cuda")
+            func[0, 1, :total] = offsets[seq_of_row]
+            func[0, 2, :total] = rows_ + 1
+            whole = torch.tensor([0, total], dtype=torch.int32, device="cuda")
+            packed = dict(kw, seq_offsets_q=whole, seq_offsets_k=whole, max_seqlen_q=total, max_seqlen_k=total,
+                          window_size=(-1, -1), func=func, scaling_seqlen=seqlen)
+            for name in ("q", "k", "v"):
+                kw[name].requires_grad_(True)
+            dout = torch.rand_like(kw["q"])
+            outs = {}
+            for label, args in (("jagged", kw), ("packed", packed)):
+                o = hstu_attn_varlen_func(**args)
+                outs[label] = (o.detach(), *torch.autograd.grad(o, (kw["q"], kw["k"], kw["v"]), dout))
+            diff = [float((a.float() - b.float()).abs().max()) for a, b in zip(outs["jagged"], outs["packed"])]
+            emit({"workload": w.name, "mode": "packed", "tokens": total, "max_diff_o_dq_dk_dv": diff,
+                  "max_abs": [float(a.float().abs().max()) for a in outs["jagged"]]})
+            lines = {}
+            for label, args in (("jagged", kw), ("packed", packed)):
+                def fwd(args=args):
+                    with torch.no_grad():
+                        hstu_attn_varlen_func(**args)
+                lines[label + " fwd"] = fwd
+                lines[label + " fwd+bwd"] = (lambda args=args: torch.autograd.grad(
+                    hstu_attn_varlen_func(**args), (kw["q"], kw["k"], kw["v"]), dout))
+            for label, (ms, iqr) in bench.time_interleaved(lines, rounds=2, pause_s=0.3).items():
+                emit({"workload": w.name, "mode": "packed", "line": label, "ms": ms, "iqr_ms": iqr})
     if "semilocal" in modes:
         # Issue 46's window bar at the recsys jagged shape with 8 contexts and 32 targets: a causal
         # band (window_size=(W, 0)) with contexts and targets against causal + contexts + targets,

@@ -25,3 +25,6 @@ class NamedBarrier(enum.IntEnum):
     # Split-key forward (sm90): a consumer warpgroup's partial output stored and fenced, then its
     # arrival count read out (10 + warpgroup).
     SPLIT_WG0 = 10
+    # 16-bit dK/dV backward (sm90) staging its dK / dV tiles in sK / sV: both warpgroups' last
+    # GEMMs reading those tiles have retired.
+    EPILOGUE_KV = 12

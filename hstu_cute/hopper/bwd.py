@@ -38,6 +38,7 @@ from ..common.sm90 import (
 )
 from ..common.tile_scheduler import SectionWalk
 from ..fp8_format import vt_column_start
+from .base import StagedEpilogue, store_rows_staged
 from .bwd_base import (
     HstuBackwardSm90Base,
     KeyBlockProducer,
@@ -50,7 +51,7 @@ from .bwd_base import (
 )
 
 
-class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
+class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Base):
     """dK, dV kernel. Tiles are (n-block, head, batch), n-block 0 first (with causal masks the
     first keys are attended by the most queries): one CTA per tile, or with ``persistent`` one CTA
     per SM walking them in a snake order (the producer then loads a tile's K and V after its
@@ -65,7 +66,13 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
     Pipelines (mbarrier + TMA transaction counts): K+V (1 stage), Q+dO(+rab) (``num_stages``).
     Barriers: named 4/5 after a warpgroup zeroes the Q/dO rows past seqlen_q in smem (TMA reads
     the next sequence there; its G and P are 0, but 0 * NaN would be NaN).
-    Epilogue: dK and dV stored from registers (pairs of columns), key rows past seqlen_k skipped.
+    Epilogue: a warpgroup's 64 rows of dK and dV through swizzled smem tiles and TMA stores
+    (:class:`~hstu_cute.hopper.base.StagedEpilogue`): in tiles of their own where they fit beside
+    the rest, else (the fused kernel, one tile per CTA) in sK and sV once both warpgroups' GEMMs
+    reading them have retired (named barrier 12). Register stores (pairs of columns) were a
+    quarter of the fused block-sparse backward's warp samples on one-block walks (H200 ncu,
+    docs/dev/perf-log.md session 40). A warpgroup whose rows cross seqlen_k keeps the register
+    stores, rows past it skipped.
 
     ``fuse_dq`` (the default backward; the 5-GEMM schedule): the warpgroups also write G^T to
     smem (sdS, queries contiguous), and dQ_i = G K_j (SS WGMMA, A = sdS read MN-major, B = sK
@@ -136,11 +143,25 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
         tile = (self.dtype, cute.cosize(self.sK_layout))
         ring = (self.dtype, cute.cosize(self.sQ_layout))
         ring_barriers, ring_words = self.tile_ring_storage()
-        self.shared_storage = shared_storage(
-            dict(mbar_kv=2, mbar_q=2 * self.num_stages, **ring_barriers),
-            dict(sK=tile, sV=tile, sQ=ring, sdO=ring, sRab=(self.dtype, self.smem_elems(self.sRab_layout)),
-                 sdS=(self.dtype, self.smem_elems(self.sdS_layout)), sdQ=(Float32, self.smem_elems(self.sdQ_layout))),
-            words=ring_words)
+        barriers = dict(mbar_kv=2, mbar_q=2 * self.num_stages, **ring_barriers)
+        buffers = dict(sK=tile, sV=tile, sQ=ring, sdO=ring, sRab=(self.dtype, self.smem_elems(self.sRab_layout)),
+                       sdS=(self.dtype, self.smem_elems(self.sdS_layout)),
+                       sdQ=(Float32, self.smem_elems(self.sdQ_layout)))
+        storage_of = lambda extra: shared_storage(barriers, dict(buffers, **extra), words=ring_words)  # noqa: E731
+        # Staged tiles are written in 64-column swizzle blocks: D32 keeps the register stores.
+        staged = D % 64 == 0
+        self.shared_storage, self.sEpi_layout, epi_atoms = (
+            self.staged_epilogue(storage_of, (mdK, mdV), D, self.dtype) if staged else (storage_of({}), None, None))
+        # Without room for staging tiles of their own, a CTA with one tile stages in sK and sV: four
+        # 64 x D tiles, as many bytes as sK and sV, which lie back to back (1024-byte aligned
+        # fields of 1024-byte multiples). A persistent CTA's producer reloads them for its next tile.
+        self.epilogue_in_kv = staged and self.sEpi_layout is None and not self.persistent
+        if const_expr(self.epilogue_in_kv):
+            assert self.tile_n == 128 and (cute.cosize(self.sK_layout) * self.dtype.width // 8) % 1024 == 0
+            self.sEpi_layout = sm90_smem_layout(self.dtype, 64, D, 4)
+            stage = cute.slice_(self.sEpi_layout, (None, None, 0))
+            epi_atoms = tuple(sm90_tma_atom_tokens(cpasync.CopyBulkTensorTileS2GOp(), m, stage, 64, D)
+                              for m in (mdK, mdV))
         num_ctas = num_n_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
         if const_expr(self.persistent):
             num_ctas = cutlass.min(num_ctas, num_sms)
@@ -148,8 +169,9 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
                     SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks,
                                  blocks), mRab,
                     ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_n_blocks,
-                    bh_per_section, mTileCounter,
+                    bh_per_section, mTileCounter, epi_atoms,
                     statics=dict(sK_layout=self.sK_layout, sQ_layout=self.sQ_layout, sRab_layout=self.sRab_layout,
+                                 sEpi_layout=self.sEpi_layout,
                                  sdS_layout=self.sdS_layout, sdQ_layout=self.sdQ_layout, tiled_mma_s=self.tiled_mma_s,
                                  tiled_mma_d=self.tiled_mma_d, tiled_mma_dq=self.tiled_mma_dq,
                                  zero_copy=self.zero_copy),
@@ -158,7 +180,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
     @cute.kernel
     def kernel(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
                tma_rab, tma_atom_dq, tma_dq, mQ, mK, mdK, mdV, seqs, mRab, scalars, num_n_blocks: Int32,
-               bh_per_section: Int32, mTileCounter, statics):
+               bh_per_section: Int32, mTileCounter, epi_atoms, statics):
         self.bind(statics)
         self.kv_group = mQ.shape[1] // mK.shape[1]
         tidx, warp_idx = self.prologue(tma_atom_k, tma_atom_v, tma_atom_q, tma_atom_do, tma_atom_rab, tma_atom_dq)
@@ -167,6 +189,10 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
                                               self.q_bytes, self.num_stages, self.num_mma_threads)
         s = smem_tensors(storage, dict(sK=self.sK_layout, sV=self.sK_layout, sQ=self.sQ_layout, sdO=self.sQ_layout,
                                        sRab=self.sRab_layout, sdS=self.sdS_layout, sdQ=self.sdQ_layout))
+        epilogue = None
+        if const_expr(self.sEpi_layout is not None):
+            sEpi = storage.sK if const_expr(self.epilogue_in_kv) else storage.sEpi
+            epilogue = (sEpi.get_tensor(self.sEpi_layout.outer, swizzle=self.sEpi_layout.inner), epi_atoms)
         walk = SectionWalk(num_n_blocks, mQ.shape[1], seqs.mOffsetsQ.shape[0] - 1, bh_per_section, reverse=False)
         seqinfo = self.sequence_info(seqs, scalars, mQ, mK)
         claims = self.tile_claims(storage, walk, mTileCounter)
@@ -181,7 +207,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(tidx - 128, mdK, mdV, s["sK"], s["sV"], s["sQ"], s["sdO"], s["sRab"], s["sdS"], s["sdQ"],
                          tma_atom_dq, tma_dq, pipe_kv, pipe_q, scalars.alpha, scalars.inv_scale, walk, seqinfo,
-                         claims)
+                         claims, epilogue)
 
     @cute.jit
     def tile_problem(self, tiles, seqinfo, tile: Int32):
@@ -220,7 +246,7 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
 
     @cute.jit
     def consume(self, tidx: Int32, mdK, mdV, sK, sV, sQ, sdO, sRab, sdS, sdQ, tma_atom_dq, tma_dq, pipe_kv,
-                pipe_q, alpha: Float32, inv_scale: Float32, walk, seqinfo, claims):
+                pipe_q, alpha: Float32, inv_scale: Float32, walk, seqinfo, claims, epilogue=None):
         D = self.head_dim
         tiled_mma_s, tiled_mma_d, tiled_mma_dq = self.tiled_mma_s, self.tiled_mma_d, self.tiled_mma_dq
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -259,19 +285,20 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
         # dQ owner, and the alternating barrier ids must keep alternating across tiles.
         blocks_done = Int32(0)
         tile_args = (tidx, mdK, mdV, sK, sQ, sdO, tma_atom_dq, tma_dq, pipe_kv, pipe_q, alpha, inv_scale, tSrK,
-                     tSrV, tSrQ, tSrdO, tDrQt, tDrdOt, tScS, tSsRabT, sdS, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, dq_col_block)
+                     tSrV, tSrQ, tSrdO, tDrQt, tDrdOt, tScS, tSsRabT, sdS, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, dq_col_block,
+                     epilogue)
         self.for_each_tile(walk, seqinfo, self.consume_tile, tile_args, (q_state, kv_state, blocks_done),
                            claims=claims)
-        if const_expr(self.fuse_dq):
-            # The last reduce-adds must have read sdQ before the CTA's smem goes away (their
-            # writes land before the grid completes).
+        if const_expr(self.fuse_dq or epilogue is not None):
+            # The last reduce-adds and stores must have read smem before the CTA's smem goes away
+            # (their writes land before the grid completes).
             if tid_in_wg < 32:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def consume_tile(self, tidx: Int32, mdK, mdV, sK, sQ, sdO, tma_atom_dq, tma_dq, pipe_kv, pipe_q,
                      alpha: Float32, inv_scale: Float32, tSrK, tSrV, tSrQ, tSrdO, tDrQt, tDrdOt, tScS, tSsRabT, sdS,
-                     tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, dq_col_block, n_block: Int32, head: Int32, batch: Int32,
+                     tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, dq_col_block, epilogue, n_block: Int32, head: Int32, batch: Int32,
                      q_start: Int32, k_start: Int32, seq, m_lo: Int32, m_hi: Int32, q_state, kv_state,
                      blocks_done: Int32):
         """One n-block: dK and dV (and dQ's reduce-adds) of its keys. Returns the advanced
@@ -352,7 +379,17 @@ class HstuBackwardDkDvSm90(KeyBlockProducer, HstuBackwardSm90Base):
         if const_expr(self.unscaled_grad):
             acc_dV.store(acc_dV.load() * inv_scale)
             acc_dK.store(acc_dK.load() * (alpha * inv_scale * Float32(0.5)))
-        store_dk_dv(thr_mma_d, acc_dK, acc_dV, mdK, mdV, self.dtype, self.tile_n, D, k_start, head, n_block, k_rows)
+        if const_expr(epilogue is None):
+            store_dk_dv(thr_mma_d, acc_dK, acc_dV, mdK, mdV, self.dtype, self.tile_n, D, k_start, head, n_block, k_rows)
+        else:
+            if const_expr(self.epilogue_in_kv):
+                cute.arch.barrier(barrier_id=NamedBarrier.EPILOGUE_KV, number_of_threads=self.num_mma_threads)
+            if k_rows - wg * 64 >= 64:
+                store_rows_staged((acc_dK, acc_dV), *epilogue, self.dtype, tid_in_wg, wg, k_start + col0 + wg * 64,
+                                  head)
+            else:
+                store_dk_dv(thr_mma_d, acc_dK, acc_dV, mdK, mdV, self.dtype, self.tile_n, D, k_start, head, n_block,
+                            k_rows)
         return q_state, advanced(kv_state), blocks_done
 
     def ds_buffer(self, blocks_done: Int32):

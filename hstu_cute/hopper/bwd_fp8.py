@@ -192,7 +192,7 @@ def epilogue_rows(acc, row_scale, factor: Float32):
     scale_rows(acc, factors)
 
 
-class HstuBackwardDkDvFp8Sm90(StagedEpilogue, HstuBackwardDkDvSm90):
+class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
     """dK, dV kernel of the FP8 backward: the 16-bit dK/dV kernel's tiles, walk and warp roles, with
     e4m3 K, V (the CTA's, 1-stage pipeline) and Q, dO, Q^T, dO^T (+ 16-bit rab) per m-block in the
     ring. Per m-block: S^T = K Q^T and dP^T = V dO^T (SS, descaled by dq dk and ddO dv), P^T and G^T

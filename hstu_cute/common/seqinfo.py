@@ -70,13 +70,6 @@ def list_cut(values, count, lo, hi):
     return first, past
 
 
-def list_entries(seq, owner, lo, hi):
-    """``[first, past)``: the entries of tile ``owner``'s block-mask list (``seq.sparse``) inside
-    the HSTU mask's range ``[lo, hi)`` of tiles, as a walk over list positions (:func:`walked_block`)."""
-    first, count = seq.sparse.list_range(owner, lo, hi)
-    return first, first + count
-
-
 def walked_block(block_sparse: bool, seq, owner, step):
     """The tile at step ``step`` of a walk over the tiles of one ``owner`` tile (a key block's query
     blocks, in the dK/dV kernels): the step itself, or with a block mask entry ``step`` of the

@@ -14,7 +14,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from .. import masks
 from ..common.barriers import NamedBarrier
 from ..common.mask_apply import KERNEL_OPS, apply_mask_rows_cols
-from ..common.seqinfo import BlockSparseArgs, BlockTiles, ScoreScalars, SequenceArgs, list_entries, walked_block
+from ..common.seqinfo import BlockSparseArgs, BlockTiles, ScoreScalars, SequenceArgs, walked_block
 from ..common.silu import silu_and_grad
 from ..common.sm90 import (
     acc_coords,
@@ -36,7 +36,7 @@ from ..common.sm90 import (
     wgmma_acc_rows_cols,
     zero_smem_rows_past,
 )
-from ..common.tile_scheduler import SectionWalk, TileScheduler
+from ..common.tile_scheduler import SectionWalk
 from ..fp8_format import vt_column_start
 from .base import StagedEpilogue, store_rows_staged
 from .bwd_base import (
@@ -210,11 +210,9 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
                          claims, epilogue)
 
     @cute.jit
-    def tile_problem(self, tiles, seqinfo, tile: Int32, lists: cutlass.Constexpr = True):
+    def tile_problem(self, tiles, seqinfo, tile: Int32):
         """(live, (n_block, head, batch, q_start, k_start, seq, m_lo, m_hi)) of a linear tile;
-        ``live``: the n-block starts inside its sequence (else the tile is skipped). A block mask
-        narrows ``[m_lo, m_hi)`` to the key block's list entries, unless ``lists`` is off (the
-        producer then reads them after issuing K and V: :meth:`produce`). With
+        ``live``: the n-block starts inside its sequence (else the tile is skipped). With
         ``dim_parts`` > 1 (the FP8 kernel at D256) the walk counts that many tiles per key block
         and the coordinates end with the tile's part of D."""
         n_block, head, batch = tiles.coords(tile)
@@ -227,8 +225,8 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
             # The walk takes the entries of the key block's list of query blocks inside [m_lo, m_hi)
             # (seqinfo.walked_block); the launcher passes the transposed lists.
             seq.sparse = BlockTiles.of(seqinfo.seqs.blocks, batch, head)
-            if const_expr(lists):
-                m_lo, m_hi = list_entries(seq, n_block, m_lo, m_hi)
+            first, count = seq.sparse.list_range(n_block, m_lo, m_hi)
+            m_lo, m_hi = first, first + count
         live = n_block * self.tile_n < seq.seqlen_k
         coords = (n_block, head, batch, q_start, k_start, seq, m_lo, m_hi)
         if const_expr(self.dim_parts > 1):
@@ -237,23 +235,14 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
 
     @cute.jit
     def produce(self, loads, walk, seqinfo, claims):
-        if const_expr(self.block_sparse and not self.persistent):
-            # One tile per CTA: K and V go out before the key block's list of query blocks is read,
-            # two dependent loads that the consumers' first wait would otherwise sit behind (a
-            # tenth of the warp samples on one-block walks, docs/dev/perf-log.md session 40).
-            tiles = TileScheduler(walk)
-            live, coords = self.tile_problem(tiles, seqinfo, tiles.first(), lists=False)
-            if live:
-                self.produce_tile(*loads, *coords, lists_after_kv=True)
-        else:
-            states = ()
-            if const_expr(self.persistent):
-                states = self.pipeline_states(pipeline.PipelineUserType.Producer)
-            self.for_each_tile(walk, seqinfo, self.produce_tile, loads, states, claims=claims, producer=True)
+        states = ()
+        if const_expr(self.persistent):
+            states = self.pipeline_states(pipeline.PipelineUserType.Producer)
+        self.for_each_tile(walk, seqinfo, self.produce_tile, loads, states, claims=claims, producer=True)
 
-    def produce_tile(self, *args, **kwargs):
+    def produce_tile(self, *args):
         # Plain Python (traced inline): what the producer does per tile (the FP8 kernel adds its part of D).
-        return self.produce_key_block(*args, **kwargs)
+        return self.produce_key_block(*args)
 
     @cute.jit
     def consume(self, tidx: Int32, mdK, mdV, sK, sV, sQ, sdO, sRab, sdS, sdQ, tma_atom_dq, tma_dq, pipe_kv,

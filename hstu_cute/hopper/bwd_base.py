@@ -12,7 +12,7 @@ from cutlass.cute.nvgpu import cpasync
 from .. import masks
 from ..common.mask_apply import (KERNEL_OPS, apply_mask_key_major, apply_mask_key_major_by_query,
                                  mask_dropped_blocks)
-from ..common.seqinfo import list_entries, walked_block
+from ..common.seqinfo import walked_block
 from ..common.sm90 import (
     advanced,
     copy_acc_rows,
@@ -230,13 +230,12 @@ class KeyBlockProducer:
     def produce_key_block(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do,
                           tma_atom_rab, tma_rab, sK, sV, sQ, sdO, sRab, pipe_kv, pipe_q, mRab, n_block: Int32,
                           head: Int32, batch: Int32, q_start: Int32, k_start: Int32, seq, m_lo: Int32, m_hi: Int32,
-                          kv_state=None, q_state=None, dim_part=0, lists_after_kv: cutlass.Constexpr = False):
+                          kv_state=None, q_state=None, dim_part=0):
         """TMA loads of one n-block. Returns the advanced pipeline states. Without states (a CTA
         with one n-block) K and V go first; a persistent CTA passes its states and loads K and V
         after the first Q/dO: the previous n-block's consumers read sK/sV until their last
         m-block, and a Q/dO stage frees up earlier. ``dim_part``: which ``D / dim_parts`` dims of
-        the transposed copies the CTA's dK and dV take. ``lists_after_kv``: ``[m_lo, m_hi)`` is the
-        HSTU mask's range, narrowed to the block mask's list entries once K and V are issued."""
+        the transposed copies the CTA's dK and dV take."""
         D = self.head_dim
         kv_after_q = kv_state is not None
         if const_expr(not kv_after_q):
@@ -269,8 +268,6 @@ class KeyBlockProducer:
         kv_pending = Int32(1)
         if const_expr(not kv_after_q):
             self.load_kv(tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipe_kv, kv_state, kt)
-        if const_expr(lists_after_kv):
-            m_lo, m_hi = list_entries(seq, n_block, m_lo, m_hi)
         for step in cutlass.range(m_lo, m_hi, unroll=1):
             m_block = walked_block(self.block_sparse, seq, n_block, step)
             if masks.tile_nonempty(self.mask, seq, m_block, n_block, self.tile_m, self.tile_n, KERNEL_OPS):

@@ -330,6 +330,41 @@ def test_backward_d128_long_jagged_many_contributors(case, path):
     _check_backward(b, has_drab=False, seed=41, dtype=dtype)
 
 
+@pytest.mark.parametrize("case", ["ctx+tgt", "seqused fp16", "delta_q", "rows past the last offset"])
+def test_fused_backward_zeroes_its_dq_accumulator_ahead(case, path, fused_any_length, monkeypatch):
+    """The fused kernel zeroes its fp32 dQ accumulator one walk section ahead of its reduce-adds
+    (hopper.dq_ahead). Here every section is one (batch, head) pair, and the accumulator is
+    filled with NaN before the launcher zeroes the first section: a row the kernel leaves, or
+    zeroes after a reduce-add into it, gives NaN or a wrong dq. Edge lengths, seqused, delta_q,
+    and rows past the last offset (zero gradients, written by the last section)."""
+    if path != "hopper":
+        pytest.skip("the fused kernel runs on the hopper path")
+    from hstu_cute import launch
+
+    monkeypatch.setattr(launch.heuristics, "L2_SECTION_BYTES", 1)
+    monkeypatch.setattr(launch.bwd, "_POISON_DQ_ACCUMULATOR", True)
+    lengths = [300, 0, 1, 17, 1111, 129]
+    dtype, max_q, m = BF16, 1111, dict(window_size=(-1, 0))
+    if case == "ctx+tgt":
+        m.update(num_contexts=[3, 0, 1, 2, 40, 0], num_targets=[20, 0, 0, 5, 100, 129], target_group_size=3)
+    elif case == "seqused fp16":
+        dtype, m["seqused"] = torch.float16, True
+    elif case == "delta_q":
+        max_q = 300
+        m.update(is_delta_q=True, lengths_q="random")
+    seed = zlib.crc32(f"zero-ahead/{case}".encode())
+    b = random_jagged_batch(len(lengths), H, 128, max_q, 1111, lengths=lengths, device="cuda", dtype=dtype,
+                            alpha=0.5, seed=seed, **m)
+    if case == "rows past the last offset":
+        # Query rows only: dk and dv past the keys' last offset are not promised (docs/operator.md).
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        extra = (torch.rand((37, H, 128), generator=gen, device="cuda") * 2 - 1).to(dtype)
+        b["q"] = torch.cat([b["q"], extra])
+    grads = _check_backward(b, has_drab=False, seed=seed, dtype=dtype)
+    if case == "rows past the last offset":
+        assert not grads["q"][-37:].any(), "dq rows past the last offset are not zero"
+
+
 def test_backward_d128_default_repeats_agree(path, fused_any_length):
     """Five runs of the default backward (the fused kernel on Hopper sums dQ in a varying order)
     agree with the deterministic pair to bf16 rounding: a race between the CTAs adding into one

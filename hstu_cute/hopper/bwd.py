@@ -39,6 +39,7 @@ from ..common.sm90 import (
 from ..common.tile_scheduler import SectionWalk
 from ..fp8_format import vt_column_start
 from .base import StagedEpilogue, store_rows_staged
+from .dq_ahead import wait_zeroed, zero_ahead
 from .bwd_base import (
     HstuBackwardSm90Base,
     KeyBlockProducer,
@@ -88,16 +89,23 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
     7: sdS written). Barriers 8/9: a warpgroup's sdQ buffer free, then written and fenced.
     Rows of sK past seqlen_k are zeroed (0 * NaN); dQ rows past seqlen_q are exact zeros, so
     adding them into the next sequence's rows is harmless, and the TMA clips rows past T_q.
+    ``zero_ahead`` (fused, one tile per CTA): warps 1-3 of warpgroup 0 zero the next walk
+    section's accumulator rows and count themselves (named barrier 13); a warpgroup's first
+    reduce-add waits for its section's count (:mod:`hstu_cute.hopper.dq_ahead`).
     """
 
     native_kv_heads = True
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
                  num_stages: int, fast_silu: bool, fuse_dq: bool = False, persistent: bool = False,
-                 dynamic_tiles: bool = False, block_sparse: bool = False):
+                 dynamic_tiles: bool = False, block_sparse: bool = False, zero_ahead: bool = False):
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, tile_n // 64,
                          persistent, dynamic_tiles)
         self.fuse_dq = fuse_dq
+        # The dQ accumulator zeroed by the kernel one walk section ahead (hopper.dq_ahead): the
+        # sections' order needs one tile per CTA.
+        self.zero_ahead = zero_ahead
+        assert not zero_ahead or (fuse_dq and not persistent and head_dim == 128)
         # A block mask (hstu_cute.block_mask): the m-block walk takes the key block's list of
         # query blocks (seqinfo.walked_block) and masks the mixed tiles by block.
         self.block_sparse = block_sparse
@@ -115,7 +123,7 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
     def __call__(self, mQ, mK, mV, mdO, mdK, mdV, mdQaccum, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK,
                  mNumContexts, mNumTargets, mFunc, mFuncBlocks, mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
                  num_n_blocks, num_sms, bh_per_section, mTileCounter, mBlockCount, mBlockIndex, mBlockState, mBlockKept,
-                 q_block, k_block, stream):
+                 q_block, k_block, mZeroDone, stream):
         D = self.head_dim
         blocks = None
         if const_expr(self.block_sparse):
@@ -169,7 +177,7 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
                     SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks,
                                  blocks), mRab,
                     ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_n_blocks,
-                    bh_per_section, mTileCounter, epi_atoms,
+                    bh_per_section, mTileCounter, epi_atoms, mdQaccum, mZeroDone,
                     statics=dict(sK_layout=self.sK_layout, sQ_layout=self.sQ_layout, sRab_layout=self.sRab_layout,
                                  sEpi_layout=self.sEpi_layout,
                                  sdS_layout=self.sdS_layout, sdQ_layout=self.sdQ_layout, tiled_mma_s=self.tiled_mma_s,
@@ -180,7 +188,7 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
     @cute.kernel
     def kernel(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
                tma_rab, tma_atom_dq, tma_dq, mQ, mK, mdK, mdV, seqs, mRab, scalars, num_n_blocks: Int32,
-               bh_per_section: Int32, mTileCounter, epi_atoms, statics):
+               bh_per_section: Int32, mTileCounter, epi_atoms, mdQaccum, mZeroDone, statics):
         self.bind(statics)
         self.kv_group = mQ.shape[1] // mK.shape[1]
         tidx, warp_idx = self.prologue(tma_atom_k, tma_atom_v, tma_atom_q, tma_atom_do, tma_atom_rab, tma_atom_dq)
@@ -203,11 +211,17 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
                 self.produce((tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do,
                               tma_atom_rab, tma_rab, s["sK"], s["sV"], s["sQ"], s["sdO"], s["sRab"], pipe_kv, pipe_q,
                               mRab), walk, seqinfo, claims)
+            if const_expr(self.zero_ahead):
+                if warp_idx > 0:
+                    zero_ahead(mdQaccum, mZeroDone, seqs.mOffsetsQ, cute.arch.block_idx()[0], bh_per_section,
+                               num_n_blocks, mQ.shape[1] * (seqs.mOffsetsQ.shape[0] - 1), mQ.shape[1], warp_idx)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(tidx - 128, mdK, mdV, s["sK"], s["sV"], s["sQ"], s["sdO"], s["sRab"], s["sdS"], s["sdQ"],
                          tma_atom_dq, tma_dq, pipe_kv, pipe_q, scalars.alpha, scalars.inv_scale, walk, seqinfo,
-                         claims, epilogue)
+                         claims, epilogue,
+                         (mZeroDone, cute.arch.block_idx()[0], bh_per_section, num_n_blocks)
+                         if const_expr(self.zero_ahead) else None)
 
     @cute.jit
     def tile_problem(self, tiles, seqinfo, tile: Int32):
@@ -246,7 +260,7 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
 
     @cute.jit
     def consume(self, tidx: Int32, mdK, mdV, sK, sV, sQ, sdO, sRab, sdS, sdQ, tma_atom_dq, tma_dq, pipe_kv,
-                pipe_q, alpha: Float32, inv_scale: Float32, walk, seqinfo, claims, epilogue=None):
+                pipe_q, alpha: Float32, inv_scale: Float32, walk, seqinfo, claims, epilogue=None, zero_wait=None):
         D = self.head_dim
         tiled_mma_s, tiled_mma_d, tiled_mma_dq = self.tiled_mma_s, self.tiled_mma_d, self.tiled_mma_dq
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -286,7 +300,7 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
         blocks_done = Int32(0)
         tile_args = (tidx, mdK, mdV, sK, sQ, sdO, tma_atom_dq, tma_dq, pipe_kv, pipe_q, alpha, inv_scale, tSrK,
                      tSrV, tSrQ, tSrdO, tDrQt, tDrdOt, tScS, tSsRabT, sdS, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, dq_col_block,
-                     epilogue)
+                     epilogue, zero_wait)
         self.for_each_tile(walk, seqinfo, self.consume_tile, tile_args, (q_state, kv_state, blocks_done),
                            claims=claims)
         if const_expr(self.fuse_dq or epilogue is not None):
@@ -298,7 +312,8 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
     @cute.jit
     def consume_tile(self, tidx: Int32, mdK, mdV, sK, sQ, sdO, tma_atom_dq, tma_dq, pipe_kv, pipe_q,
                      alpha: Float32, inv_scale: Float32, tSrK, tSrV, tSrQ, tSrdO, tDrQt, tDrdOt, tScS, tSsRabT, sdS,
-                     tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, dq_col_block, epilogue, n_block: Int32, head: Int32, batch: Int32,
+                     tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, dq_col_block, epilogue, zero_wait, n_block: Int32, head: Int32,
+                     batch: Int32,
                      q_start: Int32, k_start: Int32, seq, m_lo: Int32, m_hi: Int32, q_state, kv_state,
                      blocks_done: Int32):
         """One n-block: dK and dV (and dQ's reduce-adds) of its keys. Returns the advanced
@@ -369,7 +384,8 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
                     wgmma(tiled_mma_d, acc_dK, rG, tDrQt[None, None, None, q_state.index], False, -1)
                     cute.arch.fence_view_async_shared()
                     self.reduce_dq(tiled_mma_dq, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, tdQsdQ_tma, tdQgdQ, tma_atom_dq,
-                                   tid_in_wg, wg, m_block, blocks_done, alpha * inv_scale * Float32(0.5))
+                                   tid_in_wg, wg, m_block, blocks_done, alpha * inv_scale * Float32(0.5),
+                                   zero_wait=zero_wait)
                 pipe_q.consumer_release(q_state)
                 q_state = advanced(q_state)
                 blocks_done += 1
@@ -397,9 +413,11 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
 
     @cute.jit
     def reduce_dq(self, tiled_mma_dq, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, tdQsdQ_tma, tdQgdQ, tma_atom_dq, tid_in_wg: Int32,
-                  wg: Int32, m_block: Int32, blocks_done: Int32, dq_scale: Float32):
+                  wg: Int32, m_block: Int32, blocks_done: Int32, dq_scale: Float32, zero_wait=None):
         """dQ_i (all columns, or this warpgroup's half) = dS K_j, then a TMA reduce-add into the
-        fp32 accumulator. Waits for every WGMMA this warpgroup has in flight (dV and dK too)."""
+        fp32 accumulator. Waits for every WGMMA this warpgroup has in flight (dV and dK too), and
+        (``zero_wait``: :func:`~hstu_cute.hopper.dq_ahead.wait_zeroed`'s arguments) before its
+        first reduce-add until the accumulator rows of its section are zero."""
         buf = self.ds_buffer(blocks_done)
         mine = True
         if const_expr(self.dq_split):
@@ -419,6 +437,9 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
             # The TMA copy elects its issuing lane (elect.sync): a whole warp must reach it. Its
             # previous reduce from this buffer must have finished reading smem.
             if tid_in_wg < 32:
+                if const_expr(zero_wait is not None):
+                    if blocks_done < 2:
+                        wait_zeroed(*zero_wait)
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.barrier(barrier_id=NamedBarrier.DQ_WG0 + wg, number_of_threads=128)
             store_acc_fp32_sw128(acc_dQ, sdQ_wg, tid_in_wg, self.tile_m, self.dq_cols)

@@ -73,7 +73,7 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
         if plan.kind == "fused":
             if block_sparse:
                 values.update(block_sparse_args(call, plan.first.key, per_key_block=True))
-            dq_accum = values["mdQaccum"] = zeros_as(q, torch.float32)
+            dq_accum = values["mdQaccum"] = _dq_accumulator(q, plan.first, p.batch, call.max_seqlen_q, values)
             plan.first(values, device)
             return (dq_accum.to(q.dtype), *group_sums(dk, dv, kv_group), None)
         drab_out = drab
@@ -95,6 +95,43 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
         if plan.kind == "wide":
             _sum_drab_heads(drab, drab_out)
     return (dq, *group_sums(dk, dv, kv_group), drab_view)
+
+
+# Tests set it: the accumulator is filled with NaN before the launcher zeroes its first section, so
+# that a row the kernel fails to zero shows up (tests/test_torch_integration_gpu.py).
+_POISON_DQ_ACCUMULATOR = False
+
+
+def _zero_counts_words(num_sections: int) -> int:
+    """int32 words in front of the dQ accumulator for ``num_sections`` counts: a multiple of 4,
+    so that the accumulator behind them keeps a 16-byte aligned base (TMA)."""
+    return (num_sections + 3) // 4 * 4
+
+
+def _prefix_rows(total_rows: int, pairs_per_section: int, heads: int, max_seqlen_q: int) -> int:
+    """Rows of the accumulator that hold the first walk section's pairs, at most: they lie in the
+    first ``ceil(pairs_per_section / heads)`` sequences, each at most ``max_seqlen_q`` rows of
+    storage."""
+    return min(total_rows, -(-pairs_per_section // heads) * max_seqlen_q)
+
+
+def _dq_accumulator(q, fused: Prepared, batch: int, max_seqlen_q: int, values: dict) -> torch.Tensor:
+    """The fused kernel's fp32 (T_q, H, D) dQ accumulator, zero where the kernel reduces into it:
+    zeroed here for a persistent kernel; with one tile per CTA only its first walk section's rows
+    and the sections' counts (``values["mZeroDone"]``, in front of it in one buffer, one fill),
+    the kernel zeroing each next section's rows as it goes (:mod:`hstu_cute.hopper.dq_ahead`)."""
+    if fused.key.persistent:
+        return zeros_as(q, torch.float32)
+    tokens, heads, dim = q.shape
+    pairs_per_section = fused.fixed["bh_per_section"]
+    sections = -(-(batch * heads) // pairs_per_section)
+    words = _zero_counts_words(sections)
+    buf = torch.empty(words + tokens * heads * dim, dtype=torch.float32, device=q.device)
+    if _POISON_DQ_ACCUMULATOR:
+        buf.fill_(float("nan"))
+    buf[: words + _prefix_rows(tokens, pairs_per_section, heads, max_seqlen_q) * heads * dim].zero_()
+    values["mZeroDone"] = buf[:words].view(torch.int32)[:sections]
+    return buf[words:].view(tokens, heads, dim)
 
 
 class _BackwardPlan:

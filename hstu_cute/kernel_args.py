@@ -405,9 +405,9 @@ SPECS["hopper_bwd_dkdv"] = SPECS["hopper_bwd_fused"] = (
     _Q, _K_KV, _V_KV, _DO, _DK, _DV, Arg("mdQaccum", _tokens("tokens_q", "Float32", 4), lambda key: key.role == "fused"),
     *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_n_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER,
     *_BLOCKS,
-    # One CTA per tile: the kernel zeroes the accumulator a walk section ahead, counting per
-    # section (hstu_cute.hopper.dq_ahead).
-    Arg("mZeroDone", _int_words_any, lambda key: key.role == "fused" and not key.persistent),
+    # One CTA per tile, dense: the kernel zeroes the accumulator a walk section ahead, counting
+    # per section (hstu_cute.hopper.dq_ahead).
+    Arg("mZeroDone", _int_words_any, lambda key: key.role == "fused" and not key.persistent and not key.block_sparse),
 )
 
 

@@ -105,7 +105,7 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
         # The dQ accumulator zeroed by the kernel one walk section ahead (hopper.dq_ahead): the
         # sections' order needs one tile per CTA.
         self.zero_ahead = zero_ahead
-        assert not zero_ahead or (fuse_dq and not persistent and head_dim == 128)
+        assert not zero_ahead or (fuse_dq and not persistent and not block_sparse and head_dim == 128)
         # A block mask (hstu_cute.block_mask): the m-block walk takes the key block's list of
         # query blocks (seqinfo.walked_block) and masks the mixed tiles by block.
         self.block_sparse = block_sparse

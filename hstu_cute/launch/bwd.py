@@ -117,10 +117,11 @@ def _prefix_rows(total_rows: int, pairs_per_section: int, heads: int, max_seqlen
 
 def _dq_accumulator(q, fused: Prepared, batch: int, max_seqlen_q: int, values: dict) -> torch.Tensor:
     """The fused kernel's fp32 (T_q, H, D) dQ accumulator, zero where the kernel reduces into it:
-    zeroed here for a persistent kernel; with one tile per CTA only its first walk section's rows
+    zeroed here for a persistent or block-sparse kernel (the latter measured 3 % slower zeroing in the
+    kernel, docs/dev/perf-log.md session 40); else only its first walk section's rows
     and the sections' counts (``values["mZeroDone"]``, in front of it in one buffer, one fill),
     the kernel zeroing each next section's rows as it goes (:mod:`hstu_cute.hopper.dq_ahead`)."""
-    if fused.key.persistent:
+    if fused.key.persistent or fused.key.block_sparse:
         return zeros_as(q, torch.float32)
     tokens, heads, dim = q.shape
     pairs_per_section = fused.fixed["bh_per_section"]

@@ -330,22 +330,24 @@ def test_backward_d128_long_jagged_many_contributors(case, path):
     _check_backward(b, has_drab=False, seed=41, dtype=dtype)
 
 
-@pytest.mark.parametrize("case", ["ctx+tgt", "seqused fp16", "delta_q", "rows past the last offset"])
+@pytest.mark.parametrize("case", ["ctx+tgt", "ctx+tgt lead 2", "seqused fp16", "delta_q", "rows past the last offset"])
 def test_fused_backward_zeroes_its_dq_accumulator_ahead(case, path, fused_any_length, monkeypatch):
     """The fused kernel zeroes its fp32 dQ accumulator one walk section ahead of its reduce-adds
     (hopper.dq_ahead). Here every section is one (batch, head) pair, and the accumulator is
     filled with NaN before the launcher zeroes the first section: a row the kernel leaves, or
     zeroes after a reduce-add into it, gives NaN or a wrong dq. Edge lengths, seqused, delta_q,
-    and rows past the last offset (zero gradients, written by the last section)."""
+    rows past the last offset (zero gradients, written by the last section), and two sections
+    between the zeroing CTAs and their rows (``launch.bwd.DQ_ZERO_LEAD``)."""
     if path != "hopper":
         pytest.skip("the fused kernel runs on the hopper path")
     from hstu_cute import launch
 
     monkeypatch.setattr(launch.heuristics, "L2_SECTION_BYTES", 1)
     monkeypatch.setattr(launch.bwd, "_POISON_DQ_ACCUMULATOR", True)
+    monkeypatch.setattr(launch.bwd, "DQ_ZERO_LEAD", 2 if case.endswith("lead 2") else 1)
     lengths = [300, 0, 1, 17, 1111, 129]
     dtype, max_q, m = BF16, 1111, dict(window_size=(-1, 0))
-    if case == "ctx+tgt":
+    if case.startswith("ctx+tgt"):
         m.update(num_contexts=[3, 0, 1, 2, 40, 0], num_targets=[20, 0, 0, 5, 100, 129], target_group_size=3)
     elif case == "seqused fp16":
         dtype, m["seqused"] = torch.float16, True

@@ -89,9 +89,10 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
     7: sdS written). Barriers 8/9: a warpgroup's sdQ buffer free, then written and fenced.
     Rows of sK past seqlen_k are zeroed (0 * NaN); dQ rows past seqlen_q are exact zeros, so
     adding them into the next sequence's rows is harmless, and the TMA clips rows past T_q.
-    ``zero_ahead`` (fused, one tile per CTA): warps 1-3 of warpgroup 0 zero the next walk
-    section's accumulator rows and count themselves (named barrier 13); a warpgroup's first
-    reduce-add waits for its section's count (:mod:`hstu_cute.hopper.dq_ahead`).
+    ``zero_ahead`` (fused, one tile per CTA): warps 1-3 of warpgroup 0 zero the accumulator rows
+    of the walk section ``zero_lead`` ahead (a runtime argument; 0: the launcher zeroed them all)
+    and count themselves (named barrier 13); a warpgroup's first reduce-add waits for its
+    section's count (:mod:`hstu_cute.hopper.dq_ahead`).
     """
 
     native_kv_heads = True
@@ -105,7 +106,7 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
         # The dQ accumulator zeroed by the kernel one walk section ahead (hopper.dq_ahead): the
         # sections' order needs one tile per CTA.
         self.zero_ahead = zero_ahead
-        assert not zero_ahead or (fuse_dq and not persistent and not block_sparse and head_dim == 128)
+        assert not zero_ahead or (fuse_dq and not persistent and head_dim == 128)
         # A block mask (hstu_cute.block_mask): the m-block walk takes the key block's list of
         # query blocks (seqinfo.walked_block) and masks the mixed tiles by block.
         self.block_sparse = block_sparse
@@ -123,7 +124,7 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
     def __call__(self, mQ, mK, mV, mdO, mdK, mdV, mdQaccum, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK,
                  mNumContexts, mNumTargets, mFunc, mFuncBlocks, mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
                  num_n_blocks, num_sms, bh_per_section, mTileCounter, mBlockCount, mBlockIndex, mBlockState, mBlockKept,
-                 q_block, k_block, mZeroDone, stream):
+                 q_block, k_block, mZeroDone, zero_lead, stream):
         D = self.head_dim
         blocks = None
         if const_expr(self.block_sparse):
@@ -177,7 +178,7 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
                     SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks,
                                  blocks), mRab,
                     ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_n_blocks,
-                    bh_per_section, mTileCounter, epi_atoms, mdQaccum, mZeroDone,
+                    bh_per_section, mTileCounter, epi_atoms, mdQaccum, mZeroDone, zero_lead,
                     statics=dict(sK_layout=self.sK_layout, sQ_layout=self.sQ_layout, sRab_layout=self.sRab_layout,
                                  sEpi_layout=self.sEpi_layout,
                                  sdS_layout=self.sdS_layout, sdQ_layout=self.sdQ_layout, tiled_mma_s=self.tiled_mma_s,
@@ -188,7 +189,7 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
     @cute.kernel
     def kernel(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
                tma_rab, tma_atom_dq, tma_dq, mQ, mK, mdK, mdV, seqs, mRab, scalars, num_n_blocks: Int32,
-               bh_per_section: Int32, mTileCounter, epi_atoms, mdQaccum, mZeroDone, statics):
+               bh_per_section: Int32, mTileCounter, epi_atoms, mdQaccum, mZeroDone, zero_lead: Int32, statics):
         self.bind(statics)
         self.kv_group = mQ.shape[1] // mK.shape[1]
         tidx, warp_idx = self.prologue(tma_atom_k, tma_atom_v, tma_atom_q, tma_atom_do, tma_atom_rab, tma_atom_dq)
@@ -214,13 +215,14 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
             if const_expr(self.zero_ahead):
                 if warp_idx > 0:
                     zero_ahead(mdQaccum, mZeroDone, seqs.mOffsetsQ, cute.arch.block_idx()[0], bh_per_section,
-                               num_n_blocks, mQ.shape[1] * (seqs.mOffsetsQ.shape[0] - 1), mQ.shape[1], warp_idx)
+                               num_n_blocks, mQ.shape[1] * (seqs.mOffsetsQ.shape[0] - 1), mQ.shape[1], warp_idx,
+                               zero_lead)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(tidx - 128, mdK, mdV, s["sK"], s["sV"], s["sQ"], s["sdO"], s["sRab"], s["sdS"], s["sdQ"],
                          tma_atom_dq, tma_dq, pipe_kv, pipe_q, scalars.alpha, scalars.inv_scale, walk, seqinfo,
                          claims, epilogue,
-                         (mZeroDone, cute.arch.block_idx()[0], bh_per_section, num_n_blocks)
+                         (mZeroDone, cute.arch.block_idx()[0], bh_per_section, num_n_blocks, zero_lead)
                          if const_expr(self.zero_ahead) else None)
 
     @cute.jit

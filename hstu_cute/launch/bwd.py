@@ -97,9 +97,16 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
     return (dq, *group_sums(dk, dv, kv_group), drab_view)
 
 
-# Tests set it: the accumulator is filled with NaN before the launcher zeroes its first section, so
-# that a row the kernel fails to zero shows up (tests/test_torch_integration_gpu.py).
+# Tests set it: the accumulator is filled with NaN before the launcher zeroes its first sections,
+# so that a row the kernel fails to zero shows up (tests/test_torch_integration_gpu.py).
 _POISON_DQ_ACCUMULATOR = False
+
+# Walk sections between the fused kernel's CTAs and the dQ rows they zero (hopper.dq_ahead); 0: the
+# launcher zeroes the whole accumulator. H200, backward call alone (docs/dev/perf-log.md session 40):
+# B8 H4 N4096 causal 0.669 -> 0.654 ms with 1; the block-sparse B8 H32 N16384 10 % walk 11.91 ->
+# 12.28 ms with 1 (its short CTAs are bound by their start), so block masks keep 0.
+DQ_ZERO_LEAD = 1
+DQ_ZERO_LEAD_BLOCK_SPARSE = 0
 
 
 def _zero_counts_words(num_sections: int) -> int:
@@ -108,30 +115,32 @@ def _zero_counts_words(num_sections: int) -> int:
     return (num_sections + 3) // 4 * 4
 
 
-def _prefix_rows(total_rows: int, pairs_per_section: int, heads: int, max_seqlen_q: int) -> int:
-    """Rows of the accumulator that hold the first walk section's pairs, at most: they lie in the
-    first ``ceil(pairs_per_section / heads)`` sequences, each at most ``max_seqlen_q`` rows of
-    storage."""
-    return min(total_rows, -(-pairs_per_section // heads) * max_seqlen_q)
+def _prefix_rows(total_rows: int, pairs: int, heads: int, max_seqlen_q: int) -> int:
+    """Rows of the accumulator that hold the first ``pairs`` (batch, head) pairs, at most: they lie
+    in the first ``ceil(pairs / heads)`` sequences, each at most ``max_seqlen_q`` rows of storage."""
+    return min(total_rows, -(-pairs // heads) * max_seqlen_q)
 
 
 def _dq_accumulator(q, fused: Prepared, batch: int, max_seqlen_q: int, values: dict) -> torch.Tensor:
-    """The fused kernel's fp32 (T_q, H, D) dQ accumulator, zero where the kernel reduces into it:
-    zeroed here for a persistent or block-sparse kernel (the latter measured 3 % slower zeroing in the
-    kernel, docs/dev/perf-log.md session 40); else only its first walk section's rows
-    and the sections' counts (``values["mZeroDone"]``, in front of it in one buffer, one fill),
-    the kernel zeroing each next section's rows as it goes (:mod:`hstu_cute.hopper.dq_ahead`)."""
-    if fused.key.persistent or fused.key.block_sparse:
+    """The fused kernel's fp32 (T_q, H, D) dQ accumulator, zero where the kernel reduces into it.
+    A persistent kernel gets it zeroed here. With one tile per CTA the kernel zeroes the rows of
+    each walk section ``lead`` sections ahead (:mod:`hstu_cute.hopper.dq_ahead`): here only the
+    first ``lead`` sections' rows (all of them with ``lead`` 0) and the sections' counts
+    (``values["mZeroDone"]``, in front of the accumulator in one buffer: one fill)."""
+    if fused.key.persistent:
         return zeros_as(q, torch.float32)
+    lead = DQ_ZERO_LEAD_BLOCK_SPARSE if fused.key.block_sparse else DQ_ZERO_LEAD
     tokens, heads, dim = q.shape
     pairs_per_section = fused.fixed["bh_per_section"]
     sections = -(-(batch * heads) // pairs_per_section)
     words = _zero_counts_words(sections)
+    rows = tokens if lead == 0 else _prefix_rows(tokens, lead * pairs_per_section, heads, max_seqlen_q)
     buf = torch.empty(words + tokens * heads * dim, dtype=torch.float32, device=q.device)
     if _POISON_DQ_ACCUMULATOR:
         buf.fill_(float("nan"))
-    buf[: words + _prefix_rows(tokens, pairs_per_section, heads, max_seqlen_q) * heads * dim].zero_()
+    buf[: words + rows * heads * dim].zero_()
     values["mZeroDone"] = buf[:words].view(torch.int32)[:sections]
+    values["zero_lead"] = lead
     return buf[words:].view(tokens, heads, dim)
 
 

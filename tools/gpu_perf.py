@@ -263,6 +263,39 @@ def main(argv=None) -> int:
                     hstu_attn_varlen_func(**args), (kw["q"], kw["k"], kw["v"]), dout))
             for label, (ms, iqr) in bench.time_interleaved(lines, rounds=2, pause_s=0.3).items():
                 emit({"workload": w.name, "mode": "packed", "line": label, "ms": ms, "iqr_ms": iqr})
+    if "zerolead" in modes:
+        # The fused backward's dQ accumulator zeroed in the kernel `lead` walk sections ahead
+        # (hopper.dq_ahead; 0: the launcher zero-fills it): the backward call alone at leads 0, 1
+        # and 2, lines timed in turn, gradients checked against lead 0's.
+        from hstu_cute.block_mask import BlockMask
+        from hstu_cute.bench_sparse import kept_blocks, sparse_grid
+        from hstu_cute.launch import bwd as launch_bwd
+
+        cases = [("B8 H4 N4096 causal", 8, 4096, 4, None), ("B32 H4 N1024 causal", 32, 1024, 4, None)]
+        w = sparse_grid()[0]
+        cases.append((w.name, w.batch, w.seqlen, w.heads, BlockMask.from_dense(kept_blocks(w), w.block, w.block)))
+        for name, batch, seqlen, heads, block_mask in cases:
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            q, k, v, do = ((torch.rand((batch * seqlen, heads, 128), generator=gen, device="cuda") * 2 - 1)
+                           .to(torch.bfloat16) for _ in range(4))
+            offsets = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * seqlen
+            call, _ = call_record(q=q, k=k, v=v, seq_offsets_q=offsets, seq_offsets_k=offsets, max_seqlen_q=seqlen,
+                                  max_seqlen_k=seqlen, window_size=(-1, 0), alpha=128 ** -0.5, block_mask=block_mask)
+
+            def at_lead(lead):
+                launch_bwd.DQ_ZERO_LEAD = launch_bwd.DQ_ZERO_LEAD_BLOCK_SPARSE = lead
+                return launch.backward(do, q, k, v, None, call)[:3]
+
+            ref = at_lead(0)
+            lines = {}
+            for lead in (0, 1, 2):
+                got = at_lead(lead)
+                diff = [float((g.float() - r.float()).abs().max()) for g, r in zip(got, ref)]
+                emit({"workload": name, "mode": "zerolead", "lead": lead, "max_diff_dq_dk_dv": diff})
+                lines[lead] = (lambda lead=lead: at_lead(lead))
+            for lead, (ms, iqr) in bench.time_interleaved(lines).items():
+                emit({"workload": name, "mode": "zerolead", "lead": lead, "bwd_ms": ms, "iqr_ms": iqr})
+        launch_bwd.DQ_ZERO_LEAD, launch_bwd.DQ_ZERO_LEAD_BLOCK_SPARSE = 1, 0
     if "semilocal" in modes:
         # Issue 46's window bar at the recsys jagged shape with 8 contexts and 32 targets: a causal
         # band (window_size=(W, 0)) with contexts and targets against causal + contexts + targets,

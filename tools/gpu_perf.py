@@ -24,7 +24,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from hstu_cute import bench, launch
+    from hstu_cute import bench, hstu_attn_varlen_func, launch
     from hstu_cute.testing import call_record
 
     out_dir = os.environ.get("OUT", ".")
@@ -84,8 +84,6 @@ def main(argv=None) -> int:
         # Issue 46's GQA bar: B8 N4096 H16 D128 causal, k and v with 16 heads (MHA) against 4
         # (group 4): the forward without autograd (native key heads), the training step (expanded,
         # gradients summed by autograd); same run, interleaved, L2 flushed before each sample.
-        from hstu_cute import hstu_attn_varlen_func
-
         w = dataclasses.replace(bench.headline(), name="full B8 N4096 H16 D128", heads=16, sdpa=False)
         sets = [bench.make_inputs(w, seed=s) for s in range(2)]
         f_fwd, kind = bench.flops(w, [w.max_len] * w.batch, [w.max_len] * w.batch)
@@ -226,8 +224,6 @@ def main(argv=None) -> int:
         # keys [start_b, r + 1) (block-diagonal causal), against the jagged causal call on the
         # same tensors. scaling_seqlen keeps S. Forward alone and forward + backward (autograd),
         # lines timed in turn; outputs and gradients compared with the jagged call's.
-        from hstu_cute.api import hstu_attn_varlen_func
-
         for batch, seqlen in ((2048, 256), (4096, 256), (512, 1024)):
             w = bench.Workload(f"u[1,{seqlen}] B{batch} causal", batch, seqlen, lengths="uniform1")
             full = bench.make_inputs(w, seed=0)

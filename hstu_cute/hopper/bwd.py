@@ -464,7 +464,7 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
         return acc_dQ
 
 
-class HstuBackwardDqSm90(HstuBackwardSm90Base):
+class HstuBackwardDqSm90(StagedEpilogue, HstuBackwardSm90Base):
     """dQ kernel (no drab: with ``has_drab`` the sm80 dQ kernel runs). Tiles are (m-block, head,
     batch), longest causal rows first: one CTA per tile, or with ``persistent`` one CTA per SM
     walking them in a snake order (Q and dO then load after the tile's first K/V stage). A CTA
@@ -477,7 +477,9 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
     (+rab) per n-block; 24 registers); warpgroups 1-2 are consumers (240 registers).
     Pipelines: Q+dO (1 stage), K+V(+rab) (``num_stages``). Barriers: named 4/5 after a warpgroup
     zeroes the K rows past seqlen_k (TMA reads the next sequence there; G is 0 for them, but
-    0 * NaN would be NaN). Epilogue: dQ stored from registers, query rows past seqlen_q skipped.
+    0 * NaN would be NaN). Epilogue: dQ through staged smem tiles and a TMA store where they fit
+    (:class:`~hstu_cute.hopper.base.StagedEpilogue`, head dims 64k), else from registers; a
+    warpgroup whose rows cross seqlen_q keeps the register stores, rows past it skipped.
     """
 
     native_kv_heads = True
@@ -510,10 +512,12 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         tile = (self.dtype, cute.cosize(self.sQ_layout))
         ring = (self.dtype, cute.cosize(self.sK_layout))
         ring_barriers, ring_words = self.tile_ring_storage()
-        self.shared_storage = shared_storage(
-            dict(mbar_q=2, mbar_kv=2 * self.num_stages, **ring_barriers),
-            dict(sQ=tile, sdO=tile, sK=ring, sV=ring, sRab=(self.dtype, self.smem_elems(self.sRab_layout))),
-            words=ring_words)
+        barriers = dict(mbar_q=2, mbar_kv=2 * self.num_stages, **ring_barriers)
+        buffers = dict(sQ=tile, sdO=tile, sK=ring, sV=ring, sRab=(self.dtype, self.smem_elems(self.sRab_layout)))
+        storage_of = lambda extra: shared_storage(barriers, dict(buffers, **extra), words=ring_words)  # noqa: E731
+        # Staged tiles are written in 64-column swizzle blocks: D32 keeps the register stores.
+        self.shared_storage, self.sEpi_layout, epi_atoms = (
+            self.staged_epilogue(storage_of, (mdQ,), D, self.dtype) if D % 64 == 0 else (storage_of({}), None, None))
         num_ctas = num_m_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
         if const_expr(self.persistent):
             num_ctas = cutlass.min(num_ctas, num_sms)
@@ -522,16 +526,16 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         self.launch(*q_do, *k_v, *rab, mQ, mK, mdQ,
                     SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks), mRab,
                     ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_m_blocks,
-                    bh_per_section, mTileCounter,
+                    bh_per_section, mTileCounter, epi_atoms,
                     statics=dict(sQ_layout=self.sQ_layout, sK_layout=self.sK_layout, sRab_layout=self.sRab_layout,
-                                 tiled_mma_s=self.tiled_mma_s, tiled_mma_dq=self.tiled_mma_dq,
-                                 zero_copy=self.zero_copy),
+                                 sEpi_layout=self.sEpi_layout, tiled_mma_s=self.tiled_mma_s,
+                                 tiled_mma_dq=self.tiled_mma_dq, zero_copy=self.zero_copy),
                     grid=[num_ctas, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab,
                tma_rab, mQ, mK, mdQ, seqs, mRab, scalars, num_m_blocks: Int32,
-               bh_per_section: Int32, mTileCounter, statics):
+               bh_per_section: Int32, mTileCounter, epi_atoms, statics):
         self.bind(statics)
         self.kv_group = mQ.shape[1] // mK.shape[1]
         tidx, warp_idx = self.prologue(tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_rab)
@@ -539,7 +543,10 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         pipe_q, pipe_kv = sm90_bwd_pipelines(storage.mbar_q, storage.mbar_kv, self.q_bytes,
                                               self.kv_bytes, self.num_stages, self.num_mma_threads)
         s = smem_tensors(storage, dict(sQ=self.sQ_layout, sdO=self.sQ_layout, sK=self.sK_layout, sV=self.sK_layout,
-                                       sRab=self.sRab_layout))
+                                       sRab=self.sRab_layout, sEpi=self.sEpi_layout))
+        epilogue = None
+        if const_expr(self.sEpi_layout is not None):
+            epilogue = (s["sEpi"], epi_atoms)
         walk = SectionWalk(num_m_blocks, mQ.shape[1], seqs.mOffsetsQ.shape[0] - 1, bh_per_section, reverse=True)
         seqinfo = self.sequence_info(seqs, scalars, mQ, mK)
         claims = self.tile_claims(storage, walk, mTileCounter)
@@ -553,7 +560,7 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(tidx - 128, mdQ, s["sQ"], s["sdO"], s["sK"], s["sV"], s["sRab"], pipe_q, pipe_kv,
-                         scalars.alpha, scalars.inv_scale, walk, seqinfo, claims)
+                         scalars.alpha, scalars.inv_scale, walk, seqinfo, claims, epilogue)
 
     @cute.jit
     def tile_problem(self, tiles, seqinfo, tile: Int32):
@@ -626,16 +633,20 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
 
     @cute.jit
     def consume(self, tidx: Int32, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, alpha: Float32, inv_scale: Float32,
-                walk, seqinfo, claims):
-        block_args = (tidx, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, alpha, inv_scale)
+                walk, seqinfo, claims, epilogue=None):
+        block_args = (tidx, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, alpha, inv_scale, epilogue)
         states = ()
         if const_expr(self.persistent):
             states = self.pipeline_states(pipeline.PipelineUserType.Consumer)
         self.for_each_tile(walk, seqinfo, self.consume_query_block, block_args, states, claims=claims)
+        if const_expr(epilogue is not None):
+            # The last TMA stores must have read their tiles before the CTA's smem goes away.
+            if tidx % 128 < 32:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def consume_query_block(self, tidx: Int32, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, alpha: Float32,
-                            inv_scale: Float32, m_block: Int32, head: Int32, batch: Int32, q_start: Int32,
+                            inv_scale: Float32, epilogue, m_block: Int32, head: Int32, batch: Int32, q_start: Int32,
                             k_start: Int32, seq, sched, q_state=None, kv_state=None):
         """dQ of one m-block; returns the advanced pipeline states (persistent CTAs pass theirs)."""
         persistent = q_state is not None
@@ -697,5 +708,12 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
 
         if const_expr(self.unscaled_grad):
             acc_dQ.store(acc_dQ.load() * (alpha * inv_scale * Float32(0.5)))
-        store_dq(thr_mma_dq, acc_dQ, mdQ, self.dtype, self.tile_m, D, q_start, head, m_block, seq)
+        if const_expr(epilogue is None):
+            store_dq(thr_mma_dq, acc_dQ, mdQ, self.dtype, self.tile_m, D, q_start, head, m_block, seq)
+        else:
+            row0 = m_block * self.tile_m + wg * 64
+            if seq.seqlen_q - row0 >= 64:
+                store_rows_staged((acc_dQ,), *epilogue, self.dtype, tidx % 128, wg, q_start + row0, head)
+            else:
+                store_dq(thr_mma_dq, acc_dQ, mdQ, self.dtype, self.tile_m, D, q_start, head, m_block, seq)
         return q_state, kv_state

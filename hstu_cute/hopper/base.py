@@ -226,10 +226,18 @@ class StagedEpilogue:
         # 1024: room for the new buffer's alignment.
         if storage.size_in_bytes() + tiles * 64 * cols * elem > SMEM_LIMIT - 1024:
             return storage, None, None
-        layout = sm90_smem_layout(dtype, 64, cols, tiles)
+        layout, atoms = self.staged_tiles(outputs, cols, dtype)
+        return storage_of(dict(sEpi=(dtype, cute.cosize(layout)))), layout, atoms
+
+    @staticmethod
+    def staged_tiles(outputs: tuple, cols: int, dtype):
+        """Plain Python, in ``__call__``: the staged tiles' smem layout (64, ``cols``, 2
+        len(``outputs``)), one 64-row tile per warpgroup and output, and the TMA store (atom, tma
+        tensor) of each output; wherever the tiles lie in smem."""
+        layout = sm90_smem_layout(dtype, 64, cols, 2 * len(outputs))
         stage = cute.slice_(layout, (None, None, 0))
         atoms = tuple(sm90_tma_atom_tokens(cpasync.CopyBulkTensorTileS2GOp(), m, stage, 64, cols) for m in outputs)
-        return storage_of(dict(sEpi=(dtype, cute.cosize(layout)))), layout, atoms
+        return layout, atoms
 
 
 @cute.jit

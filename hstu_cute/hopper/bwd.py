@@ -167,10 +167,7 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
         self.epilogue_in_kv = staged and self.sEpi_layout is None and not self.persistent
         if const_expr(self.epilogue_in_kv):
             assert self.tile_n == 128 and (cute.cosize(self.sK_layout) * self.dtype.width // 8) % 1024 == 0
-            self.sEpi_layout = sm90_smem_layout(self.dtype, 64, D, 4)
-            stage = cute.slice_(self.sEpi_layout, (None, None, 0))
-            epi_atoms = tuple(sm90_tma_atom_tokens(cpasync.CopyBulkTensorTileS2GOp(), m, stage, 64, D)
-                              for m in (mdK, mdV))
+            self.sEpi_layout, epi_atoms = self.staged_tiles((mdK, mdV), D, self.dtype)
         num_ctas = num_n_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
         if const_expr(self.persistent):
             num_ctas = cutlass.min(num_ctas, num_sms)

@@ -83,7 +83,7 @@ def _hopper_bwd(key):
     return HstuBackwardDkDvSm90(dtype, key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n, key.num_stages,
                                 key.fast_silu, fuse_dq=key.role == "fused", persistent=key.persistent,
                                 dynamic_tiles=key.dynamic_tiles, block_sparse=key.block_sparse,
-                                zero_ahead=key.role == "fused" and not key.persistent)
+                                zero_ahead=key.zeroes_dq_ahead)
 
 
 def _hopper_bwd_fp8(key):

@@ -200,7 +200,7 @@ def _int_words(count: int, align: int):
 
 
 def _zeroes_ahead(key) -> bool:
-    return key.role == "fused" and not key.persistent
+    return key.zeroes_dq_ahead
 
 
 def _int_words_any(s: FakeShapes):

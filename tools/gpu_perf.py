@@ -263,13 +263,10 @@ def main(argv=None) -> int:
         # The fused backward's dQ accumulator zeroed in the kernel `lead` walk sections ahead
         # (hopper.dq_ahead; 0: the launcher zero-fills it): the backward call alone at leads 0, 1
         # and 2, lines timed in turn, gradients checked against lead 0's.
-        from hstu_cute.block_mask import BlockMask
-        from hstu_cute.bench_sparse import kept_blocks, sparse_grid
         from hstu_cute.launch import bwd as launch_bwd
 
+        # (Block masks compile without it: HopperBwdKey.zeroes_dq_ahead.)
         cases = [("B8 H4 N4096 causal", 8, 4096, 4, None), ("B32 H4 N1024 causal", 32, 1024, 4, None)]
-        w = sparse_grid()[0]
-        cases.append((w.name, w.batch, w.seqlen, w.heads, BlockMask.from_dense(kept_blocks(w), w.block, w.block)))
         for name, batch, seqlen, heads, block_mask in cases:
             gen = torch.Generator(device="cuda").manual_seed(1)
             q, k, v, do = ((torch.rand((batch * seqlen, heads, 128), generator=gen, device="cuda") * 2 - 1)
@@ -279,7 +276,7 @@ def main(argv=None) -> int:
                                   max_seqlen_k=seqlen, window_size=(-1, 0), alpha=128 ** -0.5, block_mask=block_mask)
 
             def at_lead(lead):
-                launch_bwd.DQ_ZERO_LEAD = launch_bwd.DQ_ZERO_LEAD_BLOCK_SPARSE = lead
+                launch_bwd.DQ_ZERO_LEAD = lead
                 return launch.backward(do, q, k, v, None, call)[:3]
 
             ref = at_lead(0)
@@ -291,7 +288,7 @@ def main(argv=None) -> int:
                 lines[lead] = (lambda lead=lead: at_lead(lead))
             for lead, (ms, iqr) in bench.time_interleaved(lines).items():
                 emit({"workload": name, "mode": "zerolead", "lead": lead, "bwd_ms": ms, "iqr_ms": iqr})
-        launch_bwd.DQ_ZERO_LEAD, launch_bwd.DQ_ZERO_LEAD_BLOCK_SPARSE = 1, 0
+        launch_bwd.DQ_ZERO_LEAD = 1
     if "bsfwdtiles" in modes:
         # Issue 43: the block-sparse forward (B8 H32 N16384 causal 10 %, block 128) is bound by
         # memory (ncu, session 39): deeper K/V rings against the default 128 x 128, 2 stages, 2 Q

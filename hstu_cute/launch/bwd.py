@@ -104,9 +104,9 @@ _POISON_DQ_ACCUMULATOR = False
 # Walk sections between the fused kernel's CTAs and the dQ rows they zero (hopper.dq_ahead); 0: the
 # launcher zeroes the whole accumulator. H200, backward call alone (docs/dev/perf-log.md session 40):
 # B8 H4 N4096 causal 0.669 -> 0.654 ms with 1; the block-sparse B8 H32 N16384 10 % walk 11.91 ->
-# 12.28 ms with 1 (its short CTAs are bound by their start), so block masks keep 0.
+# 12.28 ms with 1 (its short CTAs are bound by their start); block masks compile without it
+# (HopperBwdKey.zeroes_dq_ahead).
 DQ_ZERO_LEAD = 1
-DQ_ZERO_LEAD_BLOCK_SPARSE = 0
 
 
 def _zero_counts_words(num_sections: int) -> int:
@@ -123,13 +123,13 @@ def _prefix_rows(total_rows: int, pairs: int, heads: int, max_seqlen_q: int) -> 
 
 def _dq_accumulator(q, fused: Prepared, batch: int, max_seqlen_q: int, values: dict) -> torch.Tensor:
     """The fused kernel's fp32 (T_q, H, D) dQ accumulator, zero where the kernel reduces into it.
-    A persistent kernel gets it zeroed here. With one tile per CTA the kernel zeroes the rows of
+    A kernel that does not zero ahead (persistent, block mask) gets it zeroed here. With one tile per CTA the kernel zeroes the rows of
     each walk section ``lead`` sections ahead (:mod:`hstu_cute.hopper.dq_ahead`): here only the
     first ``lead`` sections' rows (all of them with ``lead`` 0) and the sections' counts
     (``values["mZeroDone"]``, in front of the accumulator in one buffer: one fill)."""
-    if fused.key.persistent:
+    if not fused.key.zeroes_dq_ahead:
         return zeros_as(q, torch.float32)
-    lead = DQ_ZERO_LEAD_BLOCK_SPARSE if fused.key.block_sparse else DQ_ZERO_LEAD
+    lead = DQ_ZERO_LEAD
     tokens, heads, dim = q.shape
     pairs_per_section = fused.fixed["bh_per_section"]
     sections = -(-(batch * heads) // pairs_per_section)

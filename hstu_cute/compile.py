@@ -82,7 +82,8 @@ def _hopper_bwd(key):
                                   dynamic_tiles=key.dynamic_tiles)
     return HstuBackwardDkDvSm90(dtype, key.head_dim, key.mask, key.has_rab, key.tile_m, key.tile_n, key.num_stages,
                                 key.fast_silu, fuse_dq=key.role == "fused", persistent=key.persistent,
-                                dynamic_tiles=key.dynamic_tiles, block_sparse=key.block_sparse)
+                                dynamic_tiles=key.dynamic_tiles, block_sparse=key.block_sparse,
+                                zero_ahead=key.zeroes_dq_ahead)
 
 
 def _hopper_bwd_fp8(key):

@@ -199,6 +199,18 @@ def _int_words(count: int, align: int):
     return fake
 
 
+def _zeroes_ahead(key) -> bool:
+    return key.zeroes_dq_ahead
+
+
+def _int_words_any(s: FakeShapes):
+    """A 1-D int32 tensor of any length (per-call counters)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4)
+
+
 def _cooperative(key) -> bool:
     return key.cooperative
 
@@ -397,6 +409,9 @@ SPECS["hopper_bwd_dkdv"] = SPECS["hopper_bwd_fused"] = (
     _Q, _K_KV, _V_KV, _DO, _DK, _DV, Arg("mdQaccum", _tokens("tokens_q", "Float32", 4), lambda key: key.role == "fused"),
     *_SEQUENCES, _TMA_RAB, *_SCALARS, Arg("num_n_blocks", _i32), _NUM_SMS, _BH_PER_SECTION, _TILE_COUNTER,
     *_BLOCKS,
+    # One CTA per tile: the kernel zeroes the accumulator ``zero_lead`` walk sections ahead,
+    # counting per section (hstu_cute.hopper.dq_ahead).
+    Arg("mZeroDone", _int_words_any, _zeroes_ahead), Arg("zero_lead", _i32, _zeroes_ahead),
 )
 
 

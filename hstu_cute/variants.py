@@ -519,6 +519,14 @@ class HopperBwdKey(_BwdVariant):
     # A block mask (roles "dkdv" / "fused"): the m-block walk skips tiles without a kept block.
     block_sparse: bool = False
 
+    @property
+    def zeroes_dq_ahead(self) -> bool:
+        """The fused kernel zeroes its dQ accumulator a walk section ahead (hopper.dq_ahead): it
+        needs one tile per CTA. Not under a block mask: there the compiled-in wait and zeroing cost
+        the walk's one-block CTAs even with lead 0 (H200, B8 H32 N16384 causal 10 %, backward call,
+        docs/dev/perf-log.md session 41: 11.56-11.63 -> 12.47-12.51 ms)."""
+        return self.role == "fused" and not self.persistent and not self.block_sparse
+
     def describe(self) -> str:
         extras = (["rab"] if self.has_rab else []) + (["drab"] if self.has_drab else []) + (
             ["sum_heads"] if self.rab_sum_heads else []) + (["block-sparse"] if self.block_sparse else [])

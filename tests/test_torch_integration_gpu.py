@@ -330,6 +330,56 @@ def test_backward_d128_long_jagged_many_contributors(case, path):
     _check_backward(b, has_drab=False, seed=41, dtype=dtype)
 
 
+@pytest.mark.parametrize("case", ["ctx+tgt", "ctx+tgt lead 2", "seqused fp16", "delta_q", "rows past the last offset"])
+def test_fused_backward_zeroes_its_dq_accumulator_ahead(case, path, fused_any_length, monkeypatch):
+    """The fused kernel zeroes its fp32 dQ accumulator one walk section ahead of its reduce-adds
+    (hopper.dq_ahead). Here every section is one (batch, head) pair, and the accumulator is
+    filled with NaN before the launcher zeroes the first section: a row the kernel leaves, or
+    zeroes after a reduce-add into it, gives NaN or a wrong dq. Edge lengths, seqused, delta_q,
+    rows past the last offset (zero gradients, written by the last section), and two sections
+    between the zeroing CTAs and their rows (``launch.bwd.DQ_ZERO_LEAD``)."""
+    if path != "hopper":
+        pytest.skip("the fused kernel runs on the hopper path")
+    from hstu_cute import launch
+
+    monkeypatch.setattr(launch.heuristics, "L2_SECTION_BYTES", 1)
+    monkeypatch.setattr(launch.bwd, "_POISON_DQ_ACCUMULATOR", True)
+    monkeypatch.setattr(launch.bwd, "DQ_ZERO_LEAD", 2 if case.endswith("lead 2") else 1)
+    lengths = [300, 0, 1, 17, 1111, 129]
+    dtype, max_q, m = BF16, 1111, dict(window_size=(-1, 0))
+    if case.startswith("ctx+tgt"):
+        m.update(num_contexts=[3, 0, 1, 2, 40, 0], num_targets=[20, 0, 0, 5, 100, 129], target_group_size=3)
+    elif case == "seqused fp16":
+        dtype, m["seqused"] = torch.float16, True
+    elif case == "delta_q":
+        max_q = 300
+        m.update(is_delta_q=True, lengths_q="random")
+    seed = zlib.crc32(f"zero-ahead/{case}".encode())
+    b = random_jagged_batch(len(lengths), H, 128, max_q, 1111, lengths=lengths, device="cuda", dtype=dtype,
+                            alpha=0.5, seed=seed, **m)
+    if case != "rows past the last offset":
+        _check_backward(b, has_drab=False, seed=seed, dtype=dtype)
+        return
+    # 37 query rows past the last offset: their dq must be exact zeros (nobody but the last
+    # section's CTA writes them); the rows of the sequences against the oracle on the batch
+    # without them. (The forward does not promise those rows of out: docs/operator.md.)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    extra = (torch.rand((37, H, 128), generator=gen, device="cuda") * 2 - 1).to(dtype)
+    leaves = {n: b[n].detach().clone().requires_grad_(True) for n in ("k", "v")}
+    leaves["q"] = torch.cat([b["q"], extra]).requires_grad_(True)
+    out = _public(dict(b, **leaves))
+    dout = _dout(out, seed)
+    out.backward(dout)
+    assert not leaves["q"].grad[-37:].any(), "dq rows past the last offset are not zero"
+    kw = {n: b[n] for n in ARG_NAMES}
+    ref32 = reference.reference_grads(**kw, dout=dout[:-37])
+    ref_same = reference.reference_grads(**kw, dout=dout[:-37], compute_dtype=None)
+    for n in ("q", "k", "v"):
+        grad = leaves[n].grad[:-37] if n == "q" else leaves[n].grad
+        ok, err, ref_err = reference.ratio_check(grad, ref32["d" + n], ref_same["d" + n], 5.0)
+        assert ok, f"[seed={seed}] d{n}: kernel err {err:.3e} > 5 x same-dtype err {ref_err:.3e}"
+
+
 def test_backward_d128_default_repeats_agree(path, fused_any_length):
     """Five runs of the default backward (the fused kernel on Hopper sums dQ in a varying order)
     agree with the deterministic pair to bf16 rounding: a race between the CTAs adding into one

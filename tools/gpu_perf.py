@@ -259,6 +259,68 @@ def main(argv=None) -> int:
                     hstu_attn_varlen_func(**args), (kw["q"], kw["k"], kw["v"]), dout))
             for label, (ms, iqr) in bench.time_interleaved(lines, rounds=2, pause_s=0.3).items():
                 emit({"workload": w.name, "mode": "packed", "line": label, "ms": ms, "iqr_ms": iqr})
+    if "zerolead" in modes:
+        # The fused backward's dQ accumulator zeroed in the kernel `lead` walk sections ahead
+        # (hopper.dq_ahead; 0: the launcher zero-fills it): the backward call alone at leads 0, 1
+        # and 2, lines timed in turn, gradients checked against lead 0's.
+        from hstu_cute.launch import bwd as launch_bwd
+
+        # (Block masks compile without it: HopperBwdKey.zeroes_dq_ahead.)
+        cases = [("B8 H4 N4096 causal", 8, 4096, 4, None), ("B32 H4 N1024 causal", 32, 1024, 4, None)]
+        for name, batch, seqlen, heads, block_mask in cases:
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            q, k, v, do = ((torch.rand((batch * seqlen, heads, 128), generator=gen, device="cuda") * 2 - 1)
+                           .to(torch.bfloat16) for _ in range(4))
+            offsets = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * seqlen
+            call, _ = call_record(q=q, k=k, v=v, seq_offsets_q=offsets, seq_offsets_k=offsets, max_seqlen_q=seqlen,
+                                  max_seqlen_k=seqlen, window_size=(-1, 0), alpha=128 ** -0.5, block_mask=block_mask)
+
+            def at_lead(lead):
+                launch_bwd.DQ_ZERO_LEAD = lead
+                return launch.backward(do, q, k, v, None, call)[:3]
+
+            ref = at_lead(0)
+            lines = {}
+            for lead in (0, 1, 2):
+                got = at_lead(lead)
+                diff = [float((g.float() - r.float()).abs().max()) for g, r in zip(got, ref)]
+                emit({"workload": name, "mode": "zerolead", "lead": lead, "max_diff_dq_dk_dv": diff})
+                lines[lead] = (lambda lead=lead: at_lead(lead))
+            for lead, (ms, iqr) in bench.time_interleaved(lines).items():
+                emit({"workload": name, "mode": "zerolead", "lead": lead, "bwd_ms": ms, "iqr_ms": iqr})
+        launch_bwd.DQ_ZERO_LEAD = 1
+    if "bsfwdtiles" in modes:
+        # Issue 43: the block-sparse forward (B8 H32 N16384 causal 10 %, block 128) is bound by
+        # memory (ncu, session 39): deeper K/V rings against the default 128 x 128, 2 stages, 2 Q
+        # stages. Lines timed in turn; outputs checked against the default's.
+        from hstu_cute.block_mask import BlockMask
+        from hstu_cute.bench_sparse import kept_blocks, sparse_grid
+        from hstu_cute.variants import block_sparse_hopper_fwd_tiles
+
+        w = sparse_grid()[0]
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        q, k, v = ((torch.rand((w.batch * w.seqlen, w.heads, 128), generator=gen, device="cuda") * 2 - 1)
+                   .to(torch.bfloat16) for _ in range(3))
+        offsets = torch.arange(w.batch + 1, device="cuda", dtype=torch.int32) * w.seqlen
+        call, _ = call_record(q=q, k=k, v=v, seq_offsets_q=offsets, seq_offsets_k=offsets, max_seqlen_q=w.seqlen,
+                              max_seqlen_k=w.seqlen, window_size=(-1, 0), alpha=128 ** -0.5,
+                              block_mask=BlockMask.from_dense(kept_blocks(w), w.block, w.block))
+        base = block_sparse_hopper_fwd_tiles(128, False, w.block, w.block)
+        configs = {"default": None, "3 K/V stages, 1 Q stage": dict(base, num_stages=3, q_stages=1),
+                   "128 x 64, 4 stages": dict(base, tile_n=64, num_stages=4)}
+        ref = launch.forward(q, k, v, None, call)
+        lines = {}
+        for name, tiles in configs.items():
+            try:
+                got = launch.forward(q, k, v, None, call, tiles=tiles)
+            except Exception as e:  # a config the kernel does not build
+                emit({"workload": w.name, "mode": "bsfwdtiles", "config": name, "error": repr(e)[:300]})
+                continue
+            emit({"workload": w.name, "mode": "bsfwdtiles", "config": name,
+                  "max_diff": float((got.float() - ref.float()).abs().max())})
+            lines[name] = (lambda tiles=tiles: launch.forward(q, k, v, None, call, tiles=tiles))
+        for name, (ms, iqr) in bench.time_interleaved(lines).items():
+            emit({"workload": w.name, "mode": "bsfwdtiles", "config": name, "fwd_ms": ms, "iqr_ms": iqr})
     if "semilocal" in modes:
         # Issue 46's window bar at the recsys jagged shape with 8 contexts and 32 targets: a causal
         # band (window_size=(W, 0)) with contexts and targets against causal + contexts + targets,

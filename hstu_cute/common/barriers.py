@@ -28,3 +28,6 @@ class NamedBarrier(enum.IntEnum):
     # 16-bit dK/dV backward (sm90) staging its dK / dV tiles in sK / sV: both warpgroups' last
     # GEMMs reading those tiles have retired.
     EPILOGUE_KV = 12
+    # Fused backward (sm90): warps 1-3 of the producer warpgroup zeroed the next section's dQ
+    # accumulator rows (hopper.dq_ahead).
+    DQ_ZERO_AHEAD = 13

@@ -39,6 +39,7 @@ from ..common.sm90 import (
 from ..common.tile_scheduler import SectionWalk
 from ..fp8_format import vt_column_start
 from .base import StagedEpilogue, store_rows_staged
+from .dq_ahead import wait_zeroed, zero_ahead
 from .bwd_base import (
     HstuBackwardSm90Base,
     KeyBlockProducer,
@@ -88,16 +89,24 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
     7: sdS written). Barriers 8/9: a warpgroup's sdQ buffer free, then written and fenced.
     Rows of sK past seqlen_k are zeroed (0 * NaN); dQ rows past seqlen_q are exact zeros, so
     adding them into the next sequence's rows is harmless, and the TMA clips rows past T_q.
+    ``zero_ahead`` (fused, one tile per CTA): warps 1-3 of warpgroup 0 zero the accumulator rows
+    of the walk section ``zero_lead`` ahead (a runtime argument; 0: the launcher zeroed them all)
+    and count themselves (named barrier 13); a warpgroup's first reduce-add waits for its
+    section's count (:mod:`hstu_cute.hopper.dq_ahead`).
     """
 
     native_kv_heads = True
 
     def __init__(self, dtype, head_dim: int, mask: masks.MaskSpec, has_rab: bool, tile_m: int, tile_n: int,
                  num_stages: int, fast_silu: bool, fuse_dq: bool = False, persistent: bool = False,
-                 dynamic_tiles: bool = False, block_sparse: bool = False):
+                 dynamic_tiles: bool = False, block_sparse: bool = False, zero_ahead: bool = False):
         super().__init__(dtype, head_dim, mask, has_rab, tile_m, tile_n, num_stages, fast_silu, tile_n // 64,
                          persistent, dynamic_tiles)
         self.fuse_dq = fuse_dq
+        # The dQ accumulator zeroed by the kernel one walk section ahead (hopper.dq_ahead): the
+        # sections' order needs one tile per CTA.
+        self.zero_ahead = zero_ahead
+        assert not zero_ahead or (fuse_dq and not persistent and head_dim == 128)
         # A block mask (hstu_cute.block_mask): the m-block walk takes the key block's list of
         # query blocks (seqinfo.walked_block) and masks the mixed tiles by block.
         self.block_sparse = block_sparse
@@ -115,7 +124,7 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
     def __call__(self, mQ, mK, mV, mdO, mdK, mdV, mdQaccum, mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK,
                  mNumContexts, mNumTargets, mFunc, mFuncBlocks, mRab, alpha, inv_scale, window_left, window_right, group_size, is_delta_q,
                  num_n_blocks, num_sms, bh_per_section, mTileCounter, mBlockCount, mBlockIndex, mBlockState, mBlockKept,
-                 q_block, k_block, stream):
+                 q_block, k_block, mZeroDone, zero_lead, stream):
         D = self.head_dim
         blocks = None
         if const_expr(self.block_sparse):
@@ -166,7 +175,7 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
                     SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks,
                                  blocks), mRab,
                     ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_n_blocks,
-                    bh_per_section, mTileCounter, epi_atoms,
+                    bh_per_section, mTileCounter, epi_atoms, mdQaccum, mZeroDone, zero_lead,
                     statics=dict(sK_layout=self.sK_layout, sQ_layout=self.sQ_layout, sRab_layout=self.sRab_layout,
                                  sEpi_layout=self.sEpi_layout,
                                  sdS_layout=self.sdS_layout, sdQ_layout=self.sdQ_layout, tiled_mma_s=self.tiled_mma_s,
@@ -177,7 +186,7 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
     @cute.kernel
     def kernel(self, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_rab,
                tma_rab, tma_atom_dq, tma_dq, mQ, mK, mdK, mdV, seqs, mRab, scalars, num_n_blocks: Int32,
-               bh_per_section: Int32, mTileCounter, epi_atoms, statics):
+               bh_per_section: Int32, mTileCounter, epi_atoms, mdQaccum, mZeroDone, zero_lead, statics):
         self.bind(statics)
         self.kv_group = mQ.shape[1] // mK.shape[1]
         tidx, warp_idx = self.prologue(tma_atom_k, tma_atom_v, tma_atom_q, tma_atom_do, tma_atom_rab, tma_atom_dq)
@@ -200,11 +209,18 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
                 self.produce((tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_q, tma_q, tma_atom_do, tma_do,
                               tma_atom_rab, tma_rab, s["sK"], s["sV"], s["sQ"], s["sdO"], s["sRab"], pipe_kv, pipe_q,
                               mRab), walk, seqinfo, claims)
+            if const_expr(self.zero_ahead):
+                if warp_idx > 0:
+                    zero_ahead(mdQaccum, mZeroDone, seqs.mOffsetsQ, cute.arch.block_idx()[0], bh_per_section,
+                               num_n_blocks, mQ.shape[1] * (seqs.mOffsetsQ.shape[0] - 1), mQ.shape[1], warp_idx,
+                               zero_lead)
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(tidx - 128, mdK, mdV, s["sK"], s["sV"], s["sQ"], s["sdO"], s["sRab"], s["sdS"], s["sdQ"],
                          tma_atom_dq, tma_dq, pipe_kv, pipe_q, scalars.alpha, scalars.inv_scale, walk, seqinfo,
-                         claims, epilogue)
+                         claims, epilogue,
+                         (mZeroDone, cute.arch.block_idx()[0], bh_per_section, num_n_blocks, zero_lead)
+                         if const_expr(self.zero_ahead) else None)
 
     @cute.jit
     def tile_problem(self, tiles, seqinfo, tile: Int32):
@@ -243,7 +259,7 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
 
     @cute.jit
     def consume(self, tidx: Int32, mdK, mdV, sK, sV, sQ, sdO, sRab, sdS, sdQ, tma_atom_dq, tma_dq, pipe_kv,
-                pipe_q, alpha: Float32, inv_scale: Float32, walk, seqinfo, claims, epilogue=None):
+                pipe_q, alpha: Float32, inv_scale: Float32, walk, seqinfo, claims, epilogue=None, zero_wait=None):
         D = self.head_dim
         tiled_mma_s, tiled_mma_d, tiled_mma_dq = self.tiled_mma_s, self.tiled_mma_d, self.tiled_mma_dq
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -283,7 +299,7 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
         blocks_done = Int32(0)
         tile_args = (tidx, mdK, mdV, sK, sQ, sdO, tma_atom_dq, tma_dq, pipe_kv, pipe_q, alpha, inv_scale, tSrK,
                      tSrV, tSrQ, tSrdO, tDrQt, tDrdOt, tScS, tSsRabT, sdS, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, dq_col_block,
-                     epilogue)
+                     epilogue, zero_wait)
         self.for_each_tile(walk, seqinfo, self.consume_tile, tile_args, (q_state, kv_state, blocks_done),
                            claims=claims)
         if const_expr(self.fuse_dq or epilogue is not None):
@@ -295,7 +311,8 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
     @cute.jit
     def consume_tile(self, tidx: Int32, mdK, mdV, sK, sQ, sdO, tma_atom_dq, tma_dq, pipe_kv, pipe_q,
                      alpha: Float32, inv_scale: Float32, tSrK, tSrV, tSrQ, tSrdO, tDrQt, tDrdOt, tScS, tSsRabT, sdS,
-                     tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, dq_col_block, epilogue, n_block: Int32, head: Int32, batch: Int32,
+                     tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, dq_col_block, epilogue, zero_wait, n_block: Int32, head: Int32,
+                     batch: Int32,
                      q_start: Int32, k_start: Int32, seq, m_lo: Int32, m_hi: Int32, q_state, kv_state,
                      blocks_done: Int32):
         """One n-block: dK and dV (and dQ's reduce-adds) of its keys. Returns the advanced
@@ -366,7 +383,8 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
                     wgmma(tiled_mma_d, acc_dK, rG, tDrQt[None, None, None, q_state.index], False, -1)
                     cute.arch.fence_view_async_shared()
                     self.reduce_dq(tiled_mma_dq, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, tdQsdQ_tma, tdQgdQ, tma_atom_dq,
-                                   tid_in_wg, wg, m_block, blocks_done, alpha * inv_scale * Float32(0.5))
+                                   tid_in_wg, wg, m_block, blocks_done, alpha * inv_scale * Float32(0.5),
+                                   zero_wait=zero_wait)
                 pipe_q.consumer_release(q_state)
                 q_state = advanced(q_state)
                 blocks_done += 1
@@ -394,9 +412,11 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
 
     @cute.jit
     def reduce_dq(self, tiled_mma_dq, tdQrdS, tdQrKt, tdQsdQ, sdQ_wg, tdQsdQ_tma, tdQgdQ, tma_atom_dq, tid_in_wg: Int32,
-                  wg: Int32, m_block: Int32, blocks_done: Int32, dq_scale: Float32):
+                  wg: Int32, m_block: Int32, blocks_done: Int32, dq_scale: Float32, zero_wait=None):
         """dQ_i (all columns, or this warpgroup's half) = dS K_j, then a TMA reduce-add into the
-        fp32 accumulator. Waits for every WGMMA this warpgroup has in flight (dV and dK too)."""
+        fp32 accumulator. Waits for every WGMMA this warpgroup has in flight (dV and dK too), and
+        (``zero_wait``: :func:`~hstu_cute.hopper.dq_ahead.wait_zeroed`'s arguments) before its
+        first reduce-add until the accumulator rows of its section are zero."""
         buf = self.ds_buffer(blocks_done)
         mine = True
         if const_expr(self.dq_split):
@@ -416,6 +436,9 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
             # The TMA copy elects its issuing lane (elect.sync): a whole warp must reach it. Its
             # previous reduce from this buffer must have finished reading smem.
             if tid_in_wg < 32:
+                if const_expr(zero_wait is not None):
+                    if blocks_done < 2:
+                        wait_zeroed(*zero_wait)
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.barrier(barrier_id=NamedBarrier.DQ_WG0 + wg, number_of_threads=128)
             store_acc_fp32_sw128(acc_dQ, sdQ_wg, tid_in_wg, self.tile_m, self.dq_cols)
@@ -438,7 +461,7 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
         return acc_dQ
 
 
-class HstuBackwardDqSm90(HstuBackwardSm90Base):
+class HstuBackwardDqSm90(StagedEpilogue, HstuBackwardSm90Base):
     """dQ kernel (no drab: with ``has_drab`` the sm80 dQ kernel runs). Tiles are (m-block, head,
     batch), longest causal rows first: one CTA per tile, or with ``persistent`` one CTA per SM
     walking them in a snake order (Q and dO then load after the tile's first K/V stage). A CTA
@@ -451,7 +474,9 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
     (+rab) per n-block; 24 registers); warpgroups 1-2 are consumers (240 registers).
     Pipelines: Q+dO (1 stage), K+V(+rab) (``num_stages``). Barriers: named 4/5 after a warpgroup
     zeroes the K rows past seqlen_k (TMA reads the next sequence there; G is 0 for them, but
-    0 * NaN would be NaN). Epilogue: dQ stored from registers, query rows past seqlen_q skipped.
+    0 * NaN would be NaN). Epilogue: dQ through staged smem tiles and a TMA store where they fit
+    (:class:`~hstu_cute.hopper.base.StagedEpilogue`, head dims 64k), else from registers; a
+    warpgroup whose rows cross seqlen_q keeps the register stores, rows past it skipped.
     """
 
     native_kv_heads = True
@@ -484,10 +509,12 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         tile = (self.dtype, cute.cosize(self.sQ_layout))
         ring = (self.dtype, cute.cosize(self.sK_layout))
         ring_barriers, ring_words = self.tile_ring_storage()
-        self.shared_storage = shared_storage(
-            dict(mbar_q=2, mbar_kv=2 * self.num_stages, **ring_barriers),
-            dict(sQ=tile, sdO=tile, sK=ring, sV=ring, sRab=(self.dtype, self.smem_elems(self.sRab_layout))),
-            words=ring_words)
+        barriers = dict(mbar_q=2, mbar_kv=2 * self.num_stages, **ring_barriers)
+        buffers = dict(sQ=tile, sdO=tile, sK=ring, sV=ring, sRab=(self.dtype, self.smem_elems(self.sRab_layout)))
+        storage_of = lambda extra: shared_storage(barriers, dict(buffers, **extra), words=ring_words)  # noqa: E731
+        # Staged tiles are written in 64-column swizzle blocks: D32 keeps the register stores.
+        self.shared_storage, self.sEpi_layout, epi_atoms = (
+            self.staged_epilogue(storage_of, (mdQ,), D, self.dtype) if D % 64 == 0 else (storage_of({}), None, None))
         num_ctas = num_m_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
         if const_expr(self.persistent):
             num_ctas = cutlass.min(num_ctas, num_sms)
@@ -496,16 +523,16 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         self.launch(*q_do, *k_v, *rab, mQ, mK, mdQ,
                     SequenceArgs(mOffsetsQ, mOffsetsK, mSeqUsedQ, mSeqUsedK, mNumContexts, mNumTargets, mFunc, mFuncBlocks), mRab,
                     ScoreScalars(alpha, inv_scale, window_left, window_right, group_size, is_delta_q), num_m_blocks,
-                    bh_per_section, mTileCounter,
+                    bh_per_section, mTileCounter, epi_atoms,
                     statics=dict(sQ_layout=self.sQ_layout, sK_layout=self.sK_layout, sRab_layout=self.sRab_layout,
-                                 tiled_mma_s=self.tiled_mma_s, tiled_mma_dq=self.tiled_mma_dq,
-                                 zero_copy=self.zero_copy),
+                                 sEpi_layout=self.sEpi_layout, tiled_mma_s=self.tiled_mma_s,
+                                 tiled_mma_dq=self.tiled_mma_dq, zero_copy=self.zero_copy),
                     grid=[num_ctas, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_rab,
                tma_rab, mQ, mK, mdQ, seqs, mRab, scalars, num_m_blocks: Int32,
-               bh_per_section: Int32, mTileCounter, statics):
+               bh_per_section: Int32, mTileCounter, epi_atoms, statics):
         self.bind(statics)
         self.kv_group = mQ.shape[1] // mK.shape[1]
         tidx, warp_idx = self.prologue(tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_rab)
@@ -513,7 +540,10 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         pipe_q, pipe_kv = sm90_bwd_pipelines(storage.mbar_q, storage.mbar_kv, self.q_bytes,
                                               self.kv_bytes, self.num_stages, self.num_mma_threads)
         s = smem_tensors(storage, dict(sQ=self.sQ_layout, sdO=self.sQ_layout, sK=self.sK_layout, sV=self.sK_layout,
-                                       sRab=self.sRab_layout))
+                                       sRab=self.sRab_layout, sEpi=self.sEpi_layout))
+        epilogue = None
+        if const_expr(self.sEpi_layout is not None):
+            epilogue = (s["sEpi"], epi_atoms)
         walk = SectionWalk(num_m_blocks, mQ.shape[1], seqs.mOffsetsQ.shape[0] - 1, bh_per_section, reverse=True)
         seqinfo = self.sequence_info(seqs, scalars, mQ, mK)
         claims = self.tile_claims(storage, walk, mTileCounter)
@@ -527,7 +557,7 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
         else:
             cute.arch.setmaxregister_increase(self.mma_regs)
             self.consume(tidx - 128, mdQ, s["sQ"], s["sdO"], s["sK"], s["sV"], s["sRab"], pipe_q, pipe_kv,
-                         scalars.alpha, scalars.inv_scale, walk, seqinfo, claims)
+                         scalars.alpha, scalars.inv_scale, walk, seqinfo, claims, epilogue)
 
     @cute.jit
     def tile_problem(self, tiles, seqinfo, tile: Int32):
@@ -600,16 +630,20 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
 
     @cute.jit
     def consume(self, tidx: Int32, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, alpha: Float32, inv_scale: Float32,
-                walk, seqinfo, claims):
-        block_args = (tidx, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, alpha, inv_scale)
+                walk, seqinfo, claims, epilogue=None):
+        block_args = (tidx, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, alpha, inv_scale, epilogue)
         states = ()
         if const_expr(self.persistent):
             states = self.pipeline_states(pipeline.PipelineUserType.Consumer)
         self.for_each_tile(walk, seqinfo, self.consume_query_block, block_args, states, claims=claims)
+        if const_expr(epilogue is not None):
+            # The last TMA stores must have read their tiles before the CTA's smem goes away.
+            if tidx % 128 < 32:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def consume_query_block(self, tidx: Int32, mdQ, sQ, sdO, sK, sV, sRab, pipe_q, pipe_kv, alpha: Float32,
-                            inv_scale: Float32, m_block: Int32, head: Int32, batch: Int32, q_start: Int32,
+                            inv_scale: Float32, epilogue, m_block: Int32, head: Int32, batch: Int32, q_start: Int32,
                             k_start: Int32, seq, sched, q_state=None, kv_state=None):
         """dQ of one m-block; returns the advanced pipeline states (persistent CTAs pass theirs)."""
         persistent = q_state is not None
@@ -671,5 +705,12 @@ class HstuBackwardDqSm90(HstuBackwardSm90Base):
 
         if const_expr(self.unscaled_grad):
             acc_dQ.store(acc_dQ.load() * (alpha * inv_scale * Float32(0.5)))
-        store_dq(thr_mma_dq, acc_dQ, mdQ, self.dtype, self.tile_m, D, q_start, head, m_block, seq)
+        if const_expr(epilogue is None):
+            store_dq(thr_mma_dq, acc_dQ, mdQ, self.dtype, self.tile_m, D, q_start, head, m_block, seq)
+        else:
+            row0 = m_block * self.tile_m + wg * 64
+            if seq.seqlen_q - row0 >= 64:
+                store_rows_staged((acc_dQ,), *epilogue, self.dtype, tidx % 128, wg, q_start + row0, head)
+            else:
+                store_dq(thr_mma_dq, acc_dQ, mdQ, self.dtype, self.tile_m, D, q_start, head, m_block, seq)
         return q_state, kv_state

@@ -72,7 +72,7 @@ from ..common.sm90 import (
 from ..common.tile_scheduler import SectionWalk
 from ..fp8_format import BLOCK_TOKENS, P_AMAX_FLOOR
 from .bwd import HstuBackwardDkDvSm90, HstuBackwardDqSm90
-from .base import StagedEpilogue, store_rows_staged
+from .base import store_rows_staged
 from .bwd_base import store_dk_dv, store_dq
 
 # G has no natural floor (dO can be any size): a row of zeros keeps common.fp8.MIN_ROW_SCALE.
@@ -569,7 +569,7 @@ class HstuBackwardDkDvFp8Sm90(HstuBackwardDkDvSm90):
         return acc_dQ
 
 
-class HstuBackwardDqFp8Sm90(StagedEpilogue, HstuBackwardDqSm90):
+class HstuBackwardDqFp8Sm90(HstuBackwardDqSm90):
     """dQ kernel of the FP8 backward: the 16-bit dQ kernel's tiles, walk and warp roles, with e4m3
     Q, dO (the CTA's) and K, V, K^T (+ 16-bit rab) per n-block in the ring. Per n-block: S = Q K^T
     and dP = dO V^T (SS, descaled by dq dk and ddO dv), G (tanh SiLU, unscaled), dQ += G8 K^T8 (RS,

@@ -73,7 +73,7 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
         if plan.kind == "fused":
             if block_sparse:
                 values.update(block_sparse_args(call, plan.first.key, per_key_block=True))
-            dq_accum = values["mdQaccum"] = zeros_as(q, torch.float32)
+            dq_accum = values["mdQaccum"] = _dq_accumulator(q, plan.first, p.batch, call.max_seqlen_q, values)
             plan.first(values, device)
             return (dq_accum.to(q.dtype), *group_sums(dk, dv, kv_group), None)
         drab_out = drab
@@ -95,6 +95,53 @@ def backward(dout, q, k, v, rab, call: Call, tiles_dq: dict | None = None, tiles
         if plan.kind == "wide":
             _sum_drab_heads(drab, drab_out)
     return (dq, *group_sums(dk, dv, kv_group), drab_view)
+
+
+# Tests set it: the accumulator is filled with NaN before the launcher zeroes its first sections,
+# so that a row the kernel fails to zero shows up (tests/test_torch_integration_gpu.py).
+_POISON_DQ_ACCUMULATOR = False
+
+# Walk sections between the fused kernel's CTAs and the dQ rows they zero (hopper.dq_ahead); 0: the
+# launcher zeroes the whole accumulator. H200, backward call alone (docs/dev/perf-log.md session 40):
+# B8 H4 N4096 causal 0.669 -> 0.654 ms with 1; the block-sparse B8 H32 N16384 10 % walk 11.91 ->
+# 12.28 ms with 1 (its short CTAs are bound by their start); block masks compile without it
+# (HopperBwdKey.zeroes_dq_ahead).
+DQ_ZERO_LEAD = 1
+
+
+def _zero_counts_words(num_sections: int) -> int:
+    """int32 words in front of the dQ accumulator for ``num_sections`` counts: a multiple of 4,
+    so that the accumulator behind them keeps a 16-byte aligned base (TMA)."""
+    return (num_sections + 3) // 4 * 4
+
+
+def _prefix_rows(total_rows: int, pairs: int, heads: int, max_seqlen_q: int) -> int:
+    """Rows of the accumulator that hold the first ``pairs`` (batch, head) pairs, at most: they lie
+    in the first ``ceil(pairs / heads)`` sequences, each at most ``max_seqlen_q`` rows of storage."""
+    return min(total_rows, -(-pairs // heads) * max_seqlen_q)
+
+
+def _dq_accumulator(q, fused: Prepared, batch: int, max_seqlen_q: int, values: dict) -> torch.Tensor:
+    """The fused kernel's fp32 (T_q, H, D) dQ accumulator, zero where the kernel reduces into it.
+    A kernel that does not zero ahead (persistent, block mask) gets it zeroed here. With one tile per CTA the kernel zeroes the rows of
+    each walk section ``lead`` sections ahead (:mod:`hstu_cute.hopper.dq_ahead`): here only the
+    first ``lead`` sections' rows (all of them with ``lead`` 0) and the sections' counts
+    (``values["mZeroDone"]``, in front of the accumulator in one buffer: one fill)."""
+    if not fused.key.zeroes_dq_ahead:
+        return zeros_as(q, torch.float32)
+    lead = DQ_ZERO_LEAD
+    tokens, heads, dim = q.shape
+    pairs_per_section = fused.fixed["bh_per_section"]
+    sections = -(-(batch * heads) // pairs_per_section)
+    words = _zero_counts_words(sections)
+    rows = tokens if lead == 0 else _prefix_rows(tokens, lead * pairs_per_section, heads, max_seqlen_q)
+    buf = torch.empty(words + tokens * heads * dim, dtype=torch.float32, device=q.device)
+    if _POISON_DQ_ACCUMULATOR:
+        buf.fill_(float("nan"))
+    buf[: words + rows * heads * dim].zero_()
+    values["mZeroDone"] = buf[:words].view(torch.int32)[:sections]
+    values["zero_lead"] = lead
+    return buf[words:].view(tokens, heads, dim)
 
 
 class _BackwardPlan:

@@ -6,7 +6,7 @@ Writes JSON lines to $OUT/perf.jsonl (or ./perf.jsonl) and prints a short table 
 Modes: headline (default), grid, bwd, ptxas, sweep (forward tiles), all (= those five); and the
 experiments kept for reruns: hopper, bwdsweep, bwdpersist, fusedpersist, dqpersist, bwdquick,
 fusedvspair, fusedthreshold, fp16, timing, bwd256, bwd256sm80, gqa, headdims, hd96tiles, semilocal,
-shorttiles, bstiles (read the code for what each times).
+shorttiles, bstiles, fusedshort (read the code for what each times).
 """
 
 import argparse
@@ -400,6 +400,35 @@ def main(argv=None) -> int:
             for wl in shapes:
                 for det in (False, True):
                     emit(bench.run_workload_bwd(wl, deterministic=det))
+    if "fusedshort" in modes:
+        # Issue 45: the short jagged backward call through the pair (the default below
+        # FUSED_MIN_SEQLEN_K) against the fused kernel forced, with the launcher's dQ fill (lead 0)
+        # and zeroing one section ahead (lead 1). Lines in turn; gradients against the pair's.
+        from hstu_cute.launch import bwd as launch_bwd
+
+        for wl in (bench.Workload("short jagged u[1,256] B2048 tgt64", 2048, 256, lengths="uniform1", targets=64),
+                   bench.Workload("short jagged u[1,256] B4096 tgt8", 4096, 256, lengths="uniform1", targets=8)):
+            kw = {a: b for a, b in bench.make_inputs(wl).items() if not a.startswith("_")}
+            call, _ = call_record(**kw)
+            dout = torch.rand_like(kw["q"])
+
+            def run(kind, lead=1):
+                launch.heuristics.FUSED_MIN_SEQLEN_K = 0 if kind == "fused" else default_min
+                launch_bwd.DQ_ZERO_LEAD = lead
+                try:
+                    return launch.backward(dout, kw["q"], kw["k"], kw["v"], None, call)[:3]
+                finally:
+                    launch.heuristics.FUSED_MIN_SEQLEN_K, launch_bwd.DQ_ZERO_LEAD = default_min, 1
+
+            default_min = launch.heuristics.FUSED_MIN_SEQLEN_K
+            lines = {"pair": lambda: run("pair"), "fused lead 0": lambda: run("fused", 0),
+                     "fused lead 1": lambda: run("fused", 1)}
+            ref = run("pair")
+            for label, fn in lines.items():
+                diff = [float((g.float() - r.float()).abs().max()) for g, r in zip(fn(), ref)]
+                emit({"workload": wl.name, "mode": "fusedshort", "line": label, "max_diff_dq_dk_dv": diff})
+            for label, (ms, iqr) in bench.time_interleaved(lines, rounds=2, pause_s=0.3).items():
+                emit({"workload": wl.name, "mode": "fusedshort", "line": label, "bwd_ms": ms, "iqr_ms": iqr})
     if "fusedthreshold" in modes:
         # Around launch.heuristics.FUSED_MIN_SEQLEN_K: the fused kernel (forced) against the pair.
         from hstu_cute import launch

@@ -266,14 +266,14 @@ def main(argv=None) -> int:
         from hstu_cute.launch import bwd as launch_bwd
 
         # (Block masks compile without it: HopperBwdKey.zeroes_dq_ahead.)
-        cases = [("B8 H4 N4096 causal", 8, 4096, 4, None), ("B32 H4 N1024 causal", 32, 1024, 4, None)]
-        for name, batch, seqlen, heads, block_mask in cases:
+        cases = [("B8 H4 N4096 causal", 8, 4096, 4), ("B32 H4 N1024 causal", 32, 1024, 4)]
+        for name, batch, seqlen, heads in cases:
             gen = torch.Generator(device="cuda").manual_seed(1)
             q, k, v, do = ((torch.rand((batch * seqlen, heads, 128), generator=gen, device="cuda") * 2 - 1)
                            .to(torch.bfloat16) for _ in range(4))
             offsets = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * seqlen
             call, _ = call_record(q=q, k=k, v=v, seq_offsets_q=offsets, seq_offsets_k=offsets, max_seqlen_q=seqlen,
-                                  max_seqlen_k=seqlen, window_size=(-1, 0), alpha=128 ** -0.5, block_mask=block_mask)
+                                  max_seqlen_k=seqlen, window_size=(-1, 0), alpha=128 ** -0.5)
 
             def at_lead(lead):
                 launch_bwd.DQ_ZERO_LEAD = lead

@@ -217,10 +217,11 @@ class StagedEpilogue:
         """Plain Python, in ``__call__``: ``storage_of(extra)`` builds the shared storage with the
         ``extra`` buffers. Where one 64 x ``cols`` tile of ``dtype`` per warpgroup and output fits
         beside the rest: (storage, smem layout (64, cols, 2 len(outputs)), ((atom, tma tensor) per
-        output)); else (storage, None, None)."""
-        # The tile is written in 128-byte swizzled blocks of 64 16-bit columns.
-        assert cols % 64 == 0, cols
+        output)); else, and where ``cols`` is not a multiple of 64 (the tile is written in 128-byte
+        swizzled blocks of 64 16-bit columns: D32 keeps the register stores), (storage, None, None)."""
         storage = storage_of({})
+        if cols % 64 != 0:
+            return storage, None, None
         elem = dtype.width // 8
         tiles = 2 * len(outputs)
         # 1024: room for the new buffer's alignment.

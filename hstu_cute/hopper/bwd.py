@@ -157,10 +157,8 @@ class HstuBackwardDkDvSm90(StagedEpilogue, KeyBlockProducer, HstuBackwardSm90Bas
                        sdS=(self.dtype, self.smem_elems(self.sdS_layout)),
                        sdQ=(Float32, self.smem_elems(self.sdQ_layout)))
         storage_of = lambda extra: shared_storage(barriers, dict(buffers, **extra), words=ring_words)  # noqa: E731
-        # Staged tiles are written in 64-column swizzle blocks: D32 keeps the register stores.
-        staged = D % 64 == 0
-        self.shared_storage, self.sEpi_layout, epi_atoms = (
-            self.staged_epilogue(storage_of, (mdK, mdV), D, self.dtype) if staged else (storage_of({}), None, None))
+        self.shared_storage, self.sEpi_layout, epi_atoms = self.staged_epilogue(storage_of, (mdK, mdV), D, self.dtype)
+        staged = D % 64 == 0  # D32 keeps the register stores (StagedEpilogue.staged_epilogue)
         # Without room for staging tiles of their own, a CTA with one tile stages in sK and sV: four
         # 64 x D tiles, as many bytes as sK and sV, which lie back to back (1024-byte aligned
         # fields of 1024-byte multiples). A persistent CTA's producer reloads them for its next tile.
@@ -512,9 +510,7 @@ class HstuBackwardDqSm90(StagedEpilogue, HstuBackwardSm90Base):
         barriers = dict(mbar_q=2, mbar_kv=2 * self.num_stages, **ring_barriers)
         buffers = dict(sQ=tile, sdO=tile, sK=ring, sV=ring, sRab=(self.dtype, self.smem_elems(self.sRab_layout)))
         storage_of = lambda extra: shared_storage(barriers, dict(buffers, **extra), words=ring_words)  # noqa: E731
-        # Staged tiles are written in 64-column swizzle blocks: D32 keeps the register stores.
-        self.shared_storage, self.sEpi_layout, epi_atoms = (
-            self.staged_epilogue(storage_of, (mdQ,), D, self.dtype) if D % 64 == 0 else (storage_of({}), None, None))
+        self.shared_storage, self.sEpi_layout, epi_atoms = self.staged_epilogue(storage_of, (mdQ,), D, self.dtype)
         num_ctas = num_m_blocks * mQ.shape[1] * (mOffsetsQ.shape[0] - 1)
         if const_expr(self.persistent):
             num_ctas = cutlass.min(num_ctas, num_sms)

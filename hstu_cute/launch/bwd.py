@@ -123,8 +123,8 @@ def _prefix_rows(total_rows: int, pairs: int, heads: int, max_seqlen_q: int) -> 
 
 def _dq_accumulator(q, fused: Prepared, batch: int, max_seqlen_q: int, values: dict) -> torch.Tensor:
     """The fused kernel's fp32 (T_q, H, D) dQ accumulator, zero where the kernel reduces into it.
-    A kernel that does not zero ahead (persistent, block mask) gets it zeroed here. With one tile per CTA the kernel zeroes the rows of
-    each walk section ``lead`` sections ahead (:mod:`hstu_cute.hopper.dq_ahead`): here only the
+    A kernel that does not zero ahead (persistent, block mask) gets it zeroed here. With one tile
+    per CTA the kernel zeroes the rows of each walk section ``lead`` sections ahead (:mod:`hstu_cute.hopper.dq_ahead`): here only the
     first ``lead`` sections' rows (all of them with ``lead`` 0) and the sections' counts
     (``values["mZeroDone"]``, in front of the accumulator in one buffer: one fill)."""
     if not fused.key.zeroes_dq_ahead:
